@@ -1,0 +1,31 @@
+# Both targets set themselves up on a fresh machine: a .venv with torch==2.13.0 installed first
+# (the CPU wheel; an unpinned torch pulls a multi-GB CUDA build), then the project in editable mode.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+export WANDB_MODE ?= offline
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+test: $(STAMP) lint
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) bench/prefix_cache.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,102 @@
+"""Typed errors for requests that do not fit the context, and their wire form.
+
+A `ContextOverflowError` says whether it is transient (the request may fit later, once other
+requests finish) or permanent (it can never fit this engine). Errors cross process boundaries as
+plain dicts (`ContextErrorFactory.serialize`/`deserialize`), never pickled.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+
+class ContextOverflowError(Exception):
+    """Base class: a request does not fit the context now (transient) or ever (permanent)."""
+
+    def __init__(self, request_id: Optional[int], message: Optional[str] = None, *, is_transient: bool = True):
+        self.request_id = request_id
+        self.message = message or ""
+        self.is_transient = is_transient
+        kind = "transient" if is_transient else "permanent"
+        super().__init__(f"request {request_id}: {self.message} ({kind})")
+
+
+class RequestOverflowError(ContextOverflowError):
+    """Adding the request would exceed the maximum number of requests."""
+
+
+class TokenOverflowError(ContextOverflowError):
+    """Adding the request would exceed the maximum number of tokens in a step."""
+
+
+class MaxSequenceLengthOverflowError(ContextOverflowError):
+    """Prompt plus generated tokens would exceed the maximum sequence length; never transient."""
+
+    def __init__(self, request_id: Optional[int], message: Optional[str] = None, **_: Any):
+        super().__init__(request_id, message, is_transient=False)
+
+
+class BlockOverflowError(ContextOverflowError):
+    """Not enough KV blocks (free or evictable) for the request."""
+
+
+class ActiveRequestCountOverflowError(ContextOverflowError):
+    """More active requests were asked for than the context was sized for; never transient."""
+
+    def __init__(self, max_request_count: int, active_request_count: int, **_: Any):
+        self.max_request_count = max_request_count
+        self.active_request_count = active_request_count
+        super().__init__(
+            None,
+            f"{active_request_count} active requests exceed max_requests={max_request_count}",
+            is_transient=False,
+        )
+
+
+class TensorStateDeallocatedError(ContextOverflowError):
+    """The context's buffers are deallocated (the engine is suspended); retry after resume."""
+
+
+_ERROR_TYPES: dict[str, type[ContextOverflowError]] = {
+    cls.__name__: cls
+    for cls in (
+        ContextOverflowError,
+        RequestOverflowError,
+        TokenOverflowError,
+        MaxSequenceLengthOverflowError,
+        BlockOverflowError,
+        ActiveRequestCountOverflowError,
+        TensorStateDeallocatedError,
+    )
+}
+
+
+class ContextErrorFactory:
+    """Turns context errors into plain dicts and back (msgpack-safe: str, int, bool, None)."""
+
+    @classmethod
+    def serialize(cls, error: ContextOverflowError) -> dict:
+        if not isinstance(error, ContextOverflowError):
+            raise TypeError(f"expected a ContextOverflowError, got {type(error).__name__}")
+        obj = {
+            "type": type(error).__name__,
+            "request_id": error.request_id,
+            "message": error.message,
+            "is_transient": error.is_transient,
+        }
+        if isinstance(error, ActiveRequestCountOverflowError):
+            obj["max_request_count"] = error.max_request_count
+            obj["active_request_count"] = error.active_request_count
+        return obj
+
+    @classmethod
+    def deserialize(cls, obj: dict) -> ContextOverflowError:
+        try:
+            error_type = _ERROR_TYPES[obj["type"]]
+        except KeyError as exc:
+            raise ValueError(f"unknown context error type in {obj!r}") from exc
+        if error_type is ActiveRequestCountOverflowError:
+            return error_type(obj["max_request_count"], obj["active_request_count"])
+        if error_type is MaxSequenceLengthOverflowError:
+            return error_type(obj["request_id"], obj["message"])
+        return error_type(obj["request_id"], obj["message"], is_transient=obj["is_transient"])

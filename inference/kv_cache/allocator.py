@@ -1,0 +1,236 @@
+"""The KV block allocator: a free pool of fixed-size blocks with a prefix cache on top.
+
+`allocate` hands out blocks (evicting cached LRU leaves when the free pool runs short),
+`match_prefix` shares blocks whose content is already computed, `register` makes freshly
+computed full blocks matchable, `release` drops references, and `reset_prefix_cache` makes
+every cached hash unmatchable at once, even while requests still hold blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from inference.errors import BlockOverflowError
+from inference.kv_cache.block_state import BlockIds, PrefixCacheBlockState, _as_list
+from inference.kv_cache.events import BlockStored, KVEventHub
+from inference.kv_cache.hashing import NO_PARENT, UNSET_HASH
+from inference.kv_cache.policy import EvictionPolicy
+from inference.kv_cache.registry import PrefixCacheRegistry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class KVPoolStats:
+    """A snapshot of the pool: total == free + active + cached."""
+
+    total: int
+    free: int
+    active: int
+    cached: int
+    hit_blocks: int
+    miss_blocks: int
+
+    @property
+    def hit_rate(self) -> float:
+        looked_up = self.hit_blocks + self.miss_blocks
+        return self.hit_blocks / looked_up if looked_up else 0.0
+
+
+class KVBlockAllocator:
+    """Owns the free pool, the per-block state and the prefix-cache registry of one KV buffer.
+
+    Every block is in exactly one place: the free pool (no hash, no references), active
+    (ref count > 0, registered or not) or cached (LRU only: registered, no references).
+    Owners hold prefix-closed chains: a request that holds a registered block also holds that
+    block's registered ancestors, which `register` enforces by refusing to chain a block to a
+    parent the caller does not hold.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        eviction_policy: EvictionPolicy = EvictionPolicy.REF_ZERO,
+        enable_prefix_caching: bool = True,
+        events: KVEventHub | None = None,
+    ) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.eviction_policy = EvictionPolicy(eviction_policy)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.registry = PrefixCacheRegistry()
+        self.state = PrefixCacheBlockState(num_blocks, self.eviction_policy)
+        self.events = events if events is not None else KVEventHub()
+        # NOTE: a stack popped from the end, filled so that a fresh pool hands out 0, 1, 2, ...
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.lru_clock = 0
+        self.hit_blocks = 0
+        self.miss_blocks = 0
+
+    # ---- counts ------------------------------------------------------------------------------
+
+    @property
+    def total(self) -> int:
+        return self.num_blocks
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
+    def cached(self) -> int:
+        return self.state.get_evictable_block_count()
+
+    @property
+    def active(self) -> int:
+        return self.num_blocks - len(self._free) - self.cached
+
+    @property
+    def available(self) -> int:
+        """Blocks `allocate` can hand out now: free ones plus evictable cached ones."""
+        return len(self._free) + self.state.extra_blocks_available()
+
+    def stats(self) -> KVPoolStats:
+        return KVPoolStats(self.total, self.free, self.active, self.cached, self.hit_blocks, self.miss_blocks)
+
+    def free_block_ids(self) -> list[int]:
+        return list(self._free)
+
+    # ---- allocation --------------------------------------------------------------------------
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """`num_blocks` fresh blocks, one reference each; evicts LRU leaves if the pool is short.
+
+        Raises `BlockOverflowError` (transient) and changes nothing when even eviction cannot
+        provide them.
+        """
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        if num_blocks == 0:
+            return []
+        shortfall = num_blocks - len(self._free)
+        if shortfall > 0:
+            evicted = self.state.try_lru_evict_for_pool(shortfall)
+            if evicted is None:
+                raise BlockOverflowError(
+                    None,
+                    f"need {num_blocks} KV blocks, {len(self._free)} free and "
+                    f"{self.state.extra_blocks_available()} evictable of {self.num_blocks}",
+                    is_transient=num_blocks <= self.num_blocks,
+                )
+            victims, hashes = evicted
+            self._drop_from_registry(hashes)
+            self._free.extend(victims)
+        self.lru_clock += 1
+        block_ids = self._free[-num_blocks:]
+        del self._free[-num_blocks:]
+        block_ids.reverse()
+        self.state.on_allocate(block_ids, self.lru_clock)
+        return block_ids
+
+    def release(self, block_ids: BlockIds) -> None:
+        """Drop one reference per listed block; blocks nobody holds go free or stay cached."""
+        ids = _as_list(block_ids)
+        if not ids:
+            return
+        self.lru_clock += 1
+        # NOTE: stamp first, so a released block's recency is its last use, not its allocation.
+        self.state.update_timestamps(ids, self.lru_clock)
+        for_pool, hashes = self.state.on_release_compute_pool_returns(ids)
+        self._drop_from_registry(hashes)
+        self._free.extend(for_pool)
+
+    def retain(self, block_ids: BlockIds) -> None:
+        """One more reference per listed block (e.g. samples of a group sharing their prompt)."""
+        ids = _as_list(block_ids)
+        for block_id in ids:
+            if self.state.ref_count(block_id) <= 0:
+                raise ValueError(f"cannot retain block {block_id}: it is not allocated")
+        self.lru_clock += 1
+        self.state.retain(ids, self.lru_clock)
+
+    # ---- prefix cache ------------------------------------------------------------------------
+
+    def match_prefix(self, hashes: list[int]) -> list[int]:
+        """Blocks of the longest cached prefix of `hashes`, each retained for the caller."""
+        if not self.enable_prefix_caching or not hashes:
+            return []
+        block_ids, _ = self.registry.match_kv_prefix(hashes)
+        self.hit_blocks += len(block_ids)
+        self.miss_blocks += len(hashes) - len(block_ids)
+        if block_ids:
+            self.lru_clock += 1
+            self.state.retain(block_ids, self.lru_clock)
+        return block_ids
+
+    def peek_prefix(self, hashes: list[int]) -> int:
+        """How many leading blocks of `hashes` are cached, changing nothing (for scheduling)."""
+        if not self.enable_prefix_caching or not hashes:
+            return 0
+        return len(self.registry.match_kv_prefix(hashes)[0])
+
+    def register(self, block_ids: BlockIds, hashes: list[int], parent_block_id: int = -1) -> int:
+        """Make freshly computed full blocks matchable; returns how many were registered.
+
+        `block_ids` is a run of one request's consecutive full blocks (each the parent of the
+        next) and `parent_block_id` the block before the run (-1 at the start of a sequence).
+        The run stops at the first block that cannot join the cache: its parent is not
+        registered (e.g. after a prefix-cache reset), its hash is already served by another
+        block (computed twice concurrently; the copy stays private and is freed on release), or
+        it was registered before. Stored events wait for `events.publish_pending()`.
+        """
+        ids = _as_list(block_ids)
+        if len(ids) != len(hashes):
+            raise ValueError(f"{len(ids)} block ids but {len(hashes)} hashes")
+        if not self.enable_prefix_caching or not ids:
+            return 0
+        state = self.state
+        parent_hash = NO_PARENT
+        if parent_block_id >= 0:
+            parent_hash = state.hash_of(parent_block_id)
+            if parent_hash == UNSET_HASH:
+                return 0
+        table = self.registry.kv_hash_to_block_id
+        count = 0
+        for block_id, h in zip(ids, hashes):
+            if h in table or state.hash_of(block_id) != UNSET_HASH or state.ref_count(block_id) <= 0:
+                break
+            count += 1
+        if count == 0:
+            return 0
+        new_ids, new_hashes = ids[:count], hashes[:count]
+        self.state.stamp_block_hashes(new_ids, new_hashes)
+        self.state.record_parent_chain(new_ids, [parent_block_id] + new_ids[:-1])
+        self.registry.register_kv(new_ids, new_hashes)
+        self.events.queue_stored(BlockStored(tuple(new_hashes), parent_hash, tuple(new_ids), self.block_size))
+        return count
+
+    def reset_prefix_cache(self) -> None:
+        """Make every cached hash unmatchable now, whether or not requests hold the blocks.
+
+        Held blocks stay with their owners, unregistered, and go to the free pool on release;
+        cached zero-reference blocks go to the free pool at once.
+        """
+        cached = self.state.detach_all()
+        self.registry.reset()
+        self._free.extend(cached)
+        self.events.all_cleared()
+        logger.debug("prefix cache reset: %d cached blocks freed", len(cached))
+
+    def reset(self) -> None:
+        """Forget everything: all blocks free, no hashes, counters kept (a fresh context)."""
+        self.state.reset()
+        self.registry.reset()
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+        self.events.all_cleared()
+
+    def _drop_from_registry(self, hashes: list[int]) -> None:
+        if hashes:
+            removed = self.registry.evict_kv(hashes)
+            self.events.blocks_removed(removed)

@@ -1,0 +1,66 @@
+"""Parent-chained block hashes for prefix caching.
+
+A full block's hash digests its parent's hash, an optional namespace key and its own token ids,
+so equal hashes mean equal prefixes (up to a 2^-63 collision chance), and "block N is cached"
+implies "blocks 0..N-1 are cached". Hashes are stable across processes and Python runs (a keyed
+blake2b digest, never `hash()` of str/bytes), positive 63-bit ints. `NO_PARENT` (0) marks the
+start of a chain and `UNSET_HASH` (-1) a block without a hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+from typing import Union
+
+import msgpack
+
+NO_PARENT = 0
+UNSET_HASH = -1
+_MASK_63 = (1 << 63) - 1
+
+ExtraKey = Union[None, int, str, bytes, tuple, list]
+
+
+def _encode_extra_key(extra_key: ExtraKey) -> bytes:
+    if extra_key is None:
+        return b""
+    # NOTE: msgpack's encoding of ints/str/bytes/sequences is canonical, so the digest is stable.
+    try:
+        return msgpack.packb(extra_key, use_bin_type=True)
+    except TypeError as exc:
+        raise TypeError(f"extra_key must be built of int/str/bytes/tuple/list, got {extra_key!r}") from exc
+
+
+def block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    parent_hash: int = NO_PARENT,
+    extra_key: ExtraKey = None,
+) -> list[int]:
+    """Hashes of the full blocks of `token_ids`, each chained to the one before it.
+
+    `parent_hash` continues an earlier chain (the hash of the block before `token_ids[0]`).
+    `extra_key` namespaces the whole chain: equal tokens under different keys never share a hash.
+    A trailing partial block gets no hash.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if parent_hash < 0:
+        raise ValueError(f"parent_hash must be >= 0 (0 = no parent), got {parent_hash}")
+    salt = _encode_extra_key(extra_key)
+    tokens = array("q", token_ids)
+    raw = tokens.tobytes()
+    stride = block_size * tokens.itemsize
+    hashes: list[int] = []
+    parent = parent_hash
+    for start in range(0, (len(tokens) // block_size) * stride, stride):
+        digest = hashlib.blake2b(digest_size=8)
+        digest.update(parent.to_bytes(8, "little"))
+        digest.update(salt)
+        digest.update(raw[start : start + stride])
+        value = int.from_bytes(digest.digest(), "little") & _MASK_63
+        parent = value or 1  # 0 is reserved for "no parent"
+        hashes.append(parent)
+    return hashes
