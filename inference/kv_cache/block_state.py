@@ -7,6 +7,7 @@ from the `PrefixCacheRegistry`, so the registry stays the only seam to a remote 
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from collections.abc import Iterable
 from typing import Optional, Union
 
@@ -56,8 +57,10 @@ class PrefixCacheBlockState:
     * Under LRU, `_child_counts[b]` is the number of registered blocks whose parent is b, and
       only a zero-ref registered block with no registered child (a leaf) may be evicted, so a
       cached child always has its whole ancestor chain cached.
-    * `_lru_heap` holds (timestamp, block) for every evictable leaf, plus stale entries that are
-      recognised on pop (timestamp or state changed) and dropped.
+    * `_lru_heap` holds at most one entry per block (`_queued` marks which). Every evictable
+      leaf is queued under a key <= its timestamp: a block used again keeps its old entry, which
+      is re-keyed when popped, so the minimum popped with a current key is the true LRU leaf.
+      Entries of blocks that stopped being evictable leaves are dropped when popped.
 
     The public tensors share memory with numpy arrays used for fast scalar updates.
     """
@@ -80,6 +83,7 @@ class PrefixCacheBlockState:
         else:
             self.block_timestamps = None
         self._lru_heap: list[tuple[int, int]] = []
+        self._queued = np.zeros(pool_size, dtype=bool)
         self._num_cached = 0  # registered blocks with ref count 0 (LRU only)
 
     def hash_of(self, block_id: int) -> int:
@@ -102,6 +106,7 @@ class PrefixCacheBlockState:
             self._parents.fill(-1)
             self._child_counts.fill(0)
         self._lru_heap.clear()
+        self._queued.fill(False)
         self._num_cached = 0
 
     # ---- registration ------------------------------------------------------------------------
@@ -152,6 +157,16 @@ class PrefixCacheBlockState:
             if lru:
                 self._timestamps[block_id] = lru_clock
 
+    def check_releasable(self, block_ids: list[int]) -> None:
+        """Raise ValueError, changing nothing, if a release would drive a ref count below zero."""
+        refs = self._refs
+        if len(set(block_ids)) == len(block_ids):
+            bad = [b for b in block_ids if refs[b] <= 0]
+        else:
+            bad = [b for b, n in Counter(block_ids).items() if refs[b] < n]
+        if bad:
+            raise ValueError(f"release of blocks {bad[:8]} exceeds the references held on them")
+
     def on_release_compute_pool_returns(self, blocks: BlockIds) -> tuple[list[int], list[int]]:
         """Drop one reference per occurrence; return (blocks for the free pool, hashes to drop).
 
@@ -161,9 +176,7 @@ class PrefixCacheBlockState:
         """
         ids = _as_list(blocks)
         refs = self._refs
-        for block_id in ids:
-            if refs[block_id] <= 0:
-                raise ValueError(f"release of block {block_id}, which no request holds")
+        self.check_releasable(ids)
         for_pool: list[int] = []
         hashes_to_drop: list[int] = []
         for block_id in ids:
@@ -180,8 +193,7 @@ class PrefixCacheBlockState:
             else:
                 self._num_cached += 1
                 if self._child_counts[block_id] == 0:
-                    heapq.heappush(self._lru_heap, (int(self._timestamps[block_id]), block_id))
-        self._maybe_compact_heap()
+                    self._enqueue(block_id)
         return to_pool, hashes_to_drop
 
     # ---- eviction ----------------------------------------------------------------------------
@@ -203,56 +215,61 @@ class PrefixCacheBlockState:
         victims = self.find_lru_evictable(num_blocks_needed)
         if victims is None:
             return None
-        return victims, self.deregister_blocks(victims)
+        # NOTE: the peel above already queued the parents it turned into leaves
+        return victims, self.deregister_blocks(victims, requeue_parents=False)
 
     def find_lru_evictable(self, num_blocks_needed: int) -> Optional[list[int]]:
         """Exactly `num_blocks_needed` evictable blocks, least recently used leaf first, or None.
 
         Peels the cached forest from its leaves inwards with a min-heap keyed by each block's
         own timestamp: evicting a leaf may make its parent a leaf, which then joins the heap.
-        Costs O(k log n) for k victims. Changes no block state (the heap keeps valid entries).
+        Costs O(k log n) for k victims. Changes no block state, but the victims leave the heap:
+        the caller must deregister them (`try_lru_evict_for_pool` does both). On None, the heap
+        holds every evictable leaf as before.
         """
         if not self.is_lru or num_blocks_needed > self._num_cached:
             return None
         if num_blocks_needed <= 0:
             return []
-        heap, refs, hashes = self._lru_heap, self._refs, self._hashes
+        heap, refs, hashes, queued = self._lru_heap, self._refs, self._hashes, self._queued
         timestamps, parents, children = self._timestamps, self._parents, self._child_counts
         victims: list[int] = []
-        chosen: set[int] = set()
-        popped_valid: list[tuple[int, int]] = []
-        children_gone: dict[int, int] = {}  # parent -> children chosen in this call
+        children_gone: dict[int, int] = {}  # parent -> its children chosen in this call
         while len(victims) < num_blocks_needed and heap:
-            entry = heapq.heappop(heap)
-            ts, block_id = entry
-            if (
-                block_id in chosen
-                or refs[block_id] != 0
-                or hashes[block_id] == UNSET_HASH
-                or timestamps[block_id] != ts
-                or children[block_id] != children_gone.get(block_id, 0)
-            ):
-                continue  # stale entry, or not a leaf (it re-enters when its last child goes)
-            popped_valid.append(entry)
+            key, block_id = heapq.heappop(heap)
+            queued[block_id] = False
+            if refs[block_id] != 0 or hashes[block_id] == UNSET_HASH:
+                continue  # in use or gone: re-queued when it is released again
+            if children[block_id] != children_gone.get(block_id, 0):
+                continue  # not a leaf: queued again when its last child goes
+            if key != timestamps[block_id]:  # used since it was queued: re-key, keep order exact
+                self._enqueue(block_id)
+                continue
             victims.append(block_id)
-            chosen.add(block_id)
             parent = int(parents[block_id])
             if parent >= 0:
                 gone = children_gone.get(parent, 0) + 1
                 children_gone[parent] = gone
                 if children[parent] == gone and refs[parent] == 0 and hashes[parent] != UNSET_HASH:
-                    heapq.heappush(heap, (int(timestamps[parent]), parent))
+                    self._enqueue(parent)
         if len(victims) < num_blocks_needed:
             # NOTE: possible only if a cached block sits above a child still in use; keep state.
-            for entry in popped_valid:
-                heapq.heappush(heap, entry)
+            for block_id in victims:
+                self._enqueue(block_id)
             return None
         return victims
 
-    def deregister_blocks(self, block_ids: BlockIds) -> list[int]:
+    def _enqueue(self, block_id: int) -> None:
+        if not self._queued[block_id]:
+            self._queued[block_id] = True
+            heapq.heappush(self._lru_heap, (int(self._timestamps[block_id]), block_id))
+
+    def deregister_blocks(self, block_ids: BlockIds, requeue_parents: bool = True) -> list[int]:
         """Reset the state of `block_ids` and return their hashes (-1 for unregistered ones).
 
-        Touches neither the registry nor the free pool: both are the caller's job.
+        Touches neither the registry nor the free pool: both are the caller's job. Parents
+        left without registered children become eviction candidates (`requeue_parents=False`
+        when the caller's eviction pass has queued them already).
         """
         ids = _as_list(block_ids)
         hashes = self._hashes
@@ -271,8 +288,9 @@ class PrefixCacheBlockState:
             if parent >= 0:
                 self._parents[block_id] = -1
                 self._child_counts[parent] -= 1
-                if self._child_counts[parent] == 0 and self._refs[parent] == 0 and hashes[parent] != UNSET_HASH:
-                    heapq.heappush(self._lru_heap, (int(self._timestamps[parent]), parent))
+                if (requeue_parents and self._child_counts[parent] == 0 and self._refs[parent] == 0
+                        and hashes[parent] != UNSET_HASH):
+                    self._enqueue(parent)
         return dropped
 
     def detach_all(self) -> list[int]:
@@ -288,13 +306,6 @@ class PrefixCacheBlockState:
             self._parents.fill(-1)
             self._child_counts.fill(0)
         self._lru_heap.clear()
+        self._queued.fill(False)
         self._num_cached = 0
         return cached
-
-    def _maybe_compact_heap(self) -> None:
-        """Rebuild the heap from live leaves when stale entries dominate (amortised O(1))."""
-        if len(self._lru_heap) <= 2 * self.pool_size + 64:
-            return
-        leaves = np.flatnonzero((self._hashes != UNSET_HASH) & (self._refs == 0) & (self._child_counts == 0))
-        self._lru_heap = list(zip(self._timestamps[leaves].tolist(), leaves.tolist()))
-        heapq.heapify(self._lru_heap)

@@ -54,6 +54,7 @@ class KVEventHub:
         self._listeners: list[KVEventListener] = []
         self._pending: list[BlockStored] = []
         self._published: list[KVEvent] = []
+        self._announced: set[int] = set()  # hashes published as stored and not yet removed
 
     @property
     def enabled(self) -> bool:
@@ -70,6 +71,7 @@ class KVEventHub:
         """The forward pass that wrote the pending blocks succeeded: announce them."""
         pending, self._pending = self._pending, []
         for event in pending:
+            self._announced.update(event.block_hashes)
             self._emit(event)
 
     def discard_pending(self) -> None:
@@ -80,16 +82,17 @@ class KVEventHub:
         if not self.enabled:
             return
         removed = set(hashes)
-        if not removed:
-            return
         if self._pending:
-            removed = self._drop_pending(removed)
+            self._drop_pending(removed)
+        removed &= self._announced
         if removed:
+            self._announced -= removed
             self._emit(BlockRemoved(tuple(sorted(removed))))
 
     def all_cleared(self) -> None:
         if self.enabled:
             self._pending.clear()
+            self._announced.clear()
             self._emit(AllBlocksCleared())
 
     def take_events(self) -> list[KVEvent]:
@@ -97,18 +100,16 @@ class KVEventHub:
         events, self._published = self._published, []
         return events
 
-    def _drop_pending(self, removed: set[int]) -> set[int]:
-        """Remove `removed` from pending stored events; return the hashes that were published."""
+    def _drop_pending(self, removed: set[int]) -> None:
+        """Remove `removed` from pending stored events: they will never be announced."""
         still_pending: list[BlockStored] = []
         for event in self._pending:
             kept = [(h, b) for h, b in zip(event.block_hashes, event.block_ids) if h not in removed]
-            removed.difference_update(event.block_hashes)
             if kept:
                 # NOTE: the chain's parent may have been dropped too; the router only needs hashes.
                 hashes, ids = zip(*kept)
                 still_pending.append(BlockStored(hashes, event.parent_block_hash, ids, event.block_size))
         self._pending = still_pending
-        return removed
 
     def _emit(self, event: KVEvent) -> None:
         if self.record:

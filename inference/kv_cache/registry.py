@@ -89,7 +89,7 @@ class PrefixCacheRegistry:
     def find_mamba_backoff(self, hashes: list[int], search_len: int) -> int:
         """Like `match_mamba_farthest`, but only within `hashes[:search_len]`."""
         table = self.mamba_hash_to_block_id
-        index = min(search_len, len(hashes)) - 1
+        index = max(0, min(search_len, len(hashes))) - 1
         while index >= 0 and hashes[index] not in table:
             index -= 1
         return index + 1

@@ -1,0 +1,148 @@
+"""Reference attention backend in plain torch (CPU and GPU).
+
+Two groups per step, each one SDPA call per layer, no per-request python loop:
+
+* decode (requests with one query row): one `index_select` gathers every decode request's blocks
+  from the paged buffer into `[Bd, S, Hkv, D]`; the G query heads that share a KV head are folded
+  into SDPA's query-length axis (`[Bd, Hkv, G, D]`), so GQA needs no K/V repeat; a key-padding
+  mask hides positions past each request's `seq_len`.
+* prefill (more than one query row): query rows are scattered into a padded `[Bp, Lq]` grid
+  (skipped for a single request), the KV of each request gathered the same way, and the mask
+  `key_pos <= context_len + row` makes a chunk attend to all earlier KV of its request plus
+  itself causally. Padding rows always see key 0, so no softmax row is empty (no NaN).
+
+Masks and gather indices are built once per step in `plan` and reused by every layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from inference.attention.base import AttentionBackend, AttentionBackendKind
+from inference.attention.metadata import AttentionMetadata, BatchSplit, split_decode_prefill
+from inference.kv_cache.buffers import KVCacheBuffer
+
+
+class _Group:
+    """One group's per-step tensors. `tokens` None means the group is the whole batch."""
+
+    __slots__ = ("tokens", "block_ids", "mask", "batch", "kv_len", "q_len", "scatter")
+
+    def __init__(self, tokens, block_ids, mask, batch, kv_len, q_len=1, scatter=None):
+        self.tokens = tokens
+        self.block_ids = block_ids
+        self.mask = mask
+        self.batch = batch
+        self.kv_len = kv_len
+        self.q_len = q_len
+        self.scatter = scatter  # prefill: padded-grid row of each of the group's tokens
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Paged attention with `torch.nn.functional.scaled_dot_product_attention`."""
+
+    kind = AttentionBackendKind.TORCH
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._slot_mapping: torch.Tensor | None = None
+        self._num_tokens = 0
+        self._decode: _Group | None = None
+        self._prefill: _Group | None = None
+
+    # -- per step --------------------------------------------------------------------------------
+
+    def plan(self, meta: AttentionMetadata, kv_cache: KVCacheBuffer) -> None:
+        split = split_decode_prefill(meta)
+        bs = kv_cache.block_size
+        # NOTE: padded block-table entries may hold any value; clamping makes them valid block ids
+        # whose (finite, see KVCacheBuffer) contents the masks then hide.
+        tables = meta.block_tables.clamp(0, kv_cache.num_blocks - 1)
+        self._slot_mapping = meta.slot_mapping
+        self._num_tokens = meta.num_tokens
+        self._decode = self._plan_decode(split, meta, tables, bs) if split.decode_reqs is not None else None
+        self._prefill = self._plan_prefill(split, meta, tables, bs) if split.prefill_reqs is not None else None
+
+    def _gather_ids(self, tables: torch.Tensor, reqs: torch.Tensor | None, kv_len: int, bs: int):
+        n_blocks = -(-kv_len // bs)
+        rows = tables if reqs is None else tables.index_select(0, reqs)
+        return rows[:, :n_blocks].reshape(-1).to(torch.int64), n_blocks * bs
+
+    def _plan_decode(self, split: BatchSplit, meta: AttentionMetadata, tables, bs: int) -> _Group:
+        whole = split.decode_only
+        reqs = None if whole else split.decode_reqs
+        block_ids, kv_len = self._gather_ids(tables, reqs, int(split.decode_seq_lens_cpu.max()), bs)
+        seq_lens = meta.seq_lens if whole else meta.seq_lens.index_select(0, reqs)
+        keep = torch.arange(kv_len, device=seq_lens.device)[None, :] < seq_lens[:, None]
+        mask = self._additive(keep)[:, None, None, :]  # [Bd, 1, 1, S]
+        return _Group(None if whole else split.decode_tokens, block_ids, mask, seq_lens.shape[0], kv_len)
+
+    def _plan_prefill(self, split: BatchSplit, meta: AttentionMetadata, tables, bs: int) -> _Group:
+        whole = split.prefill_only
+        reqs = None if whole else split.prefill_reqs
+        q_lens_cpu, seq_lens_cpu = split.prefill_query_lens_cpu, split.prefill_seq_lens_cpu
+        q_len, batch = int(q_lens_cpu.max()), q_lens_cpu.shape[0]
+        block_ids, kv_len = self._gather_ids(tables, reqs, int(seq_lens_cpu.max()), bs)
+        device = meta.seq_lens.device
+        ctx = (seq_lens_cpu - q_lens_cpu).to(device, torch.int64)
+        scatter = None  # a single request needs no padded grid: its rows already are one
+        if batch > 1:
+            # padded-grid row of every prefill token: request_index * q_len + row_within_request
+            q_lens = q_lens_cpu.to(device, torch.int64)
+            req_of_tok = torch.repeat_interleave(torch.arange(batch, device=device), q_lens)
+            first_tok = torch.repeat_interleave(q_lens.cumsum(0) - q_lens, q_lens)
+            scatter = req_of_tok * q_len + (torch.arange(int(q_lens_cpu.sum()), device=device) - first_tok)
+        rows = torch.arange(q_len, device=device)
+        keys = torch.arange(kv_len, device=device)
+        keep = keys[None, None, :] <= (ctx[:, None, None] + rows[None, :, None])  # [Bp, Lq, S]
+        mask = self._additive(keep)[:, None]  # [Bp, 1, Lq, S], broadcast over heads
+        tokens = None if whole else split.prefill_tokens
+        return _Group(tokens, block_ids, mask, batch, kv_len, q_len, scatter)
+
+    def _additive(self, keep: torch.Tensor) -> torch.Tensor:
+        # NOTE: an additive mask in the query dtype is measurably faster than a bool one on CPU SDPA
+        zero = torch.zeros((), dtype=self.dtype, device=keep.device)
+        return torch.where(keep, zero, torch.tensor(float("-inf"), dtype=self.dtype, device=keep.device))
+
+    # -- per layer -------------------------------------------------------------------------------
+
+    def forward(self, layer, q, k, v, kv_cache):
+        if self._slot_mapping is None:
+            raise RuntimeError("TorchAttentionBackend.forward called before plan()")
+        kv_cache.store(layer, self._slot_mapping, k, v)
+        kv = kv_cache.layer(layer)
+        dec, pf = self._decode, self._prefill
+        if pf is None:
+            return self._attend_decode(q, kv, dec)
+        if dec is None:
+            return self._attend_prefill(q, kv, pf)
+        out = q.new_empty(self._num_tokens, self.num_heads * self.head_dim)
+        out.index_copy_(0, dec.tokens, self._attend_decode(q.index_select(0, dec.tokens), kv, dec))
+        out.index_copy_(0, pf.tokens, self._attend_prefill(q.index_select(0, pf.tokens), kv, pf))
+        return out
+
+    def _gather_kv(self, kv: torch.Tensor, g: _Group):
+        # one gather for K and V of all the group's blocks: [2, B * n_blocks, bs, Hkv, D]
+        blocks = kv.index_select(1, g.block_ids)
+        blocks = blocks.view(2, g.batch, g.kv_len, self.num_kv_heads, self.head_dim).transpose(2, 3)
+        return blocks[0], blocks[1]  # [B, Hkv, S, D] each
+
+    def _attend_decode(self, q: torch.Tensor, kv: torch.Tensor, g: _Group) -> torch.Tensor:
+        k, v = self._gather_kv(kv, g)
+        q = q.view(g.batch, self.num_kv_heads, self.group_size, self.head_dim)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=self.scale)
+        return o.reshape(g.batch, self.num_heads * self.head_dim)
+
+    def _attend_prefill(self, q: torch.Tensor, kv: torch.Tensor, g: _Group) -> torch.Tensor:
+        k, v = self._gather_kv(kv, g)
+        lq, width = g.q_len, self.num_heads * self.head_dim
+        grid = q
+        if g.scatter is not None:
+            grid = q.new_zeros(g.batch * lq, self.num_heads, self.head_dim)
+            grid.index_copy_(0, g.scatter, q)
+        grid = grid.view(g.batch, lq, self.num_heads, self.head_dim).transpose(1, 2)  # [Bp, Hq, Lq, D]
+        # NOTE: unlike decode, prefill uses enable_gqa: as fast here, and the mask is not repeated G times
+        o = F.scaled_dot_product_attention(grid, k, v, attn_mask=g.mask, scale=self.scale, enable_gqa=True)
+        o = o.transpose(1, 2).reshape(g.batch * lq, width)
+        return o if g.scatter is None else o.index_select(0, g.scatter)

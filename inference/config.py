@@ -1,0 +1,111 @@
+"""Engine configuration: one validated dataclass, checked once at construction."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from inference.kv_cache.policy import EvictionPolicy
+
+__all__ = ["EvictionPolicy", "InFlightPolicy", "InferenceConfig", "SuspendedAddPolicy"]
+
+
+class InFlightPolicy(str, enum.Enum):
+    """What happens to requests in flight at a suspend or a weight update.
+
+    ABORT: they finish with reason `abort`, partial tokens returned.
+    RECOMPUTE: kept; their prompt plus the tokens generated so far are prefilled again.
+    OFFLOAD: (suspend) their KV blocks go to host memory and come back on resume.
+    KEEP: (weight update) they continue on their old KV; new tokens carry the new version.
+    """
+
+    ABORT = "abort"
+    RECOMPUTE = "recompute"
+    OFFLOAD = "offload"
+    KEEP = "keep"
+
+
+class SuspendedAddPolicy(str, enum.Enum):
+    """`add_request` while suspended: RAISE a transient TensorStateDeallocatedError, or QUEUE it."""
+
+    RAISE = "raise"
+    QUEUE = "queue"
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class InferenceConfig:
+    """How big the engine is and how it schedules.
+
+    Give the KV pool's size either as `num_blocks` or as `kv_memory_bytes` (converted once the
+    model's layer shapes are known); with neither, 256 MiB. `max_tokens` bounds the tokens of one
+    step (decode tokens plus prefill chunks); `chunked_prefill_size` bounds one request's prefill
+    chunk. `paused_block_budget` bounds the blocks held by paused requests (None: a quarter of
+    the pool); past it the most recently paused are evicted and later recomputed.
+    """
+
+    block_size: int = 16
+    num_blocks: Optional[int] = None
+    kv_memory_bytes: Optional[int] = None
+    max_requests: int = 256
+    max_tokens: int = 2048
+    max_sequence_length: int = 4096
+    chunked_prefill_size: int = 512
+    enable_prefix_caching: bool = True
+    eviction_policy: EvictionPolicy = EvictionPolicy.LRU
+    paused_block_budget: Optional[int] = None
+    dtype: torch.dtype | str = torch.float32
+    device: torch.device | str = "cpu"
+    in_flight_policy: InFlightPolicy = InFlightPolicy.RECOMPUTE
+    suspended_add_policy: SuspendedAddPolicy = SuspendedAddPolicy.RAISE
+    record_kv_events: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_requests", "max_tokens", "max_sequence_length", "chunked_prefill_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"InferenceConfig.{name} must be a positive int, got {value!r}")
+        if self.num_blocks is not None and self.kv_memory_bytes is not None:
+            raise ValueError("InferenceConfig: give num_blocks or kv_memory_bytes, not both")
+        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
+            raise ValueError(f"InferenceConfig.num_blocks must be a positive int, got {self.num_blocks!r}")
+        if self.kv_memory_bytes is not None and self.kv_memory_bytes < 1:
+            raise ValueError(f"InferenceConfig.kv_memory_bytes must be positive, got {self.kv_memory_bytes!r}")
+        if self.paused_block_budget is not None and self.paused_block_budget < 0:
+            raise ValueError(f"InferenceConfig.paused_block_budget must be >= 0, got {self.paused_block_budget}")
+        if self.max_tokens < self.max_requests and self.max_tokens < 1:
+            raise ValueError("InferenceConfig.max_tokens must allow at least one token per step")
+        if isinstance(self.dtype, str):
+            if self.dtype not in _DTYPES:
+                raise ValueError(f"InferenceConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+            self.dtype = _DTYPES[self.dtype]
+        if self.dtype not in _DTYPES.values():
+            raise ValueError(f"InferenceConfig.dtype must be float32, bfloat16 or float16, got {self.dtype}")
+        self.device = torch.device(self.device)
+        self.eviction_policy = EvictionPolicy(self.eviction_policy)
+        self.in_flight_policy = InFlightPolicy(self.in_flight_policy)
+        self.suspended_add_policy = SuspendedAddPolicy(self.suspended_add_policy)
+
+    @property
+    def max_blocks_per_request(self) -> int:
+        return -(-self.max_sequence_length // self.block_size)
+
+    def resolve_num_blocks(self, bytes_per_block: int) -> int:
+        """The pool's block count, given the KV bytes one block takes across all layers."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        budget = self.kv_memory_bytes if self.kv_memory_bytes is not None else 256 * 2**20
+        blocks = budget // bytes_per_block
+        if blocks < 1:
+            raise ValueError(
+                f"InferenceConfig.kv_memory_bytes={budget} holds no block of {bytes_per_block} bytes"
+            )
+        return int(blocks)
+
+    def resolve_paused_block_budget(self, num_blocks: int) -> int:
+        return self.paused_block_budget if self.paused_block_budget is not None else max(1, num_blocks // 4)

@@ -1,0 +1,345 @@
+"""Per-step bookkeeping of the requests in flight: slots, tokens, block tables, pause and evict.
+
+Every running request owns a slot. Its tokens, log-probs and policy versions live in per-slot
+numpy buffers (indexed by token position), and its KV blocks in a per-slot block table, so a
+decode step over hundreds of requests is a handful of vectorised gathers, not a Python loop.
+
+Per slot: `seq_len` tokens are known (prompt + generated), the first `kv_len` of them have their
+K/V in the cache, `num_blocks` blocks cover them, and the first `num_registered` of those blocks
+are in the prefix cache (or came from it). A decode-ready slot has `kv_len == seq_len - 1`.
+Paused slots keep their blocks but do not run; evicted ones give their blocks back and return
+to the waiting queue to be recomputed (their tokens are kept on the `Request`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from inference.config import InferenceConfig
+from inference.errors import BlockOverflowError
+from inference.kv_cache.allocator import KVBlockAllocator
+from inference.kv_cache.hashing import block_hashes
+from inference.request import Request, RequestStatus
+from inference.sampling_params import LogprobsMode
+
+
+class DynamicInferenceContext:
+    """Slots, token buffers and block tables of the requests in flight (see module docstring).
+
+    Invariants: a slot is in exactly one of `free_slots`, `active`, `paused`; the blocks in a
+    slot's table row `[:num_blocks]` hold one reference each on behalf of that slot.
+    """
+
+    def __init__(self, config: InferenceConfig, allocator: KVBlockAllocator) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.block_size = config.block_size
+        n, length = config.max_requests, config.max_sequence_length
+        self.tokens = np.zeros((n, length), dtype=np.int64)
+        self.token_logprobs = np.zeros((n, length), dtype=np.float32)
+        self.token_versions = np.zeros((n, length), dtype=np.int32)
+        self.block_table = np.zeros((n, config.max_blocks_per_request), dtype=np.int32)
+        self.seq_len = np.zeros(n, dtype=np.int64)
+        self.kv_len = np.zeros(n, dtype=np.int64)
+        self.prompt_len = np.zeros(n, dtype=np.int64)
+        self.max_len = np.zeros(n, dtype=np.int64)
+        self.num_blocks = np.zeros(n, dtype=np.int64)
+        self.num_registered = np.zeros(n, dtype=np.int64)
+        self.cache_broken = np.zeros(n, dtype=bool)
+        self.hashes: list[list[int]] = [[] for _ in range(n)]
+        self.requests: list[Request | None] = [None] * n
+        # per-slot sampling parameters, gathered into the sampler's row tensors each step
+        self.temperature = torch.zeros(n, dtype=torch.float32)
+        self.top_k = torch.zeros(n, dtype=torch.int64)
+        self.top_p = torch.ones(n, dtype=torch.float32)
+        self.min_p = torch.zeros(n, dtype=torch.float32)
+        self.processed_logprobs = torch.zeros(n, dtype=torch.bool)
+        self.generators: list[torch.Generator | None] = [None] * n
+        self.num_top_logprobs = np.zeros(n, dtype=np.int64)
+        self.wants_prompt_logprobs = np.zeros(n, dtype=bool)
+        self.ignore_eos = np.zeros(n, dtype=bool)
+        self.stop_ids = np.full((n, 4), -1, dtype=np.int64)  # widened when a request has more
+        self.free_slots: list[int] = list(range(n - 1, -1, -1))
+        self.active: list[int] = []
+        self.paused: list[int] = []
+        self.policy_version = 0
+        self.prefill_tokens = 0  # tokens whose K/V was computed by a prefill (not served by cache)
+
+    # ---- queries -----------------------------------------------------------------------------
+
+    @property
+    def active_request_count(self) -> int:
+        return len(self.active)
+
+    @property
+    def paused_request_count(self) -> int:
+        return len(self.paused)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.active or self.paused)
+
+    def blocks_needed(self, slot: int, new_kv_len: int) -> int:
+        """Blocks to add to `slot` so that its table covers `new_kv_len` tokens."""
+        return max(0, -(-new_kv_len // self.block_size) - int(self.num_blocks[slot]))
+
+    def paused_block_count(self) -> int:
+        return int(self.num_blocks[self.paused].sum()) if self.paused else 0
+
+    def get_kvcache_utilization_stats(self) -> dict:
+        pool = self.allocator
+        active_blocks = np.unique(np.concatenate(
+            [self.block_table[s, : self.num_blocks[s]] for s in self.active]
+        )) if self.active else np.empty(0)
+        allocated = pool.total - pool.free
+        return {
+            "total_blocks": pool.total,
+            "allocated_blocks": allocated,
+            "cached_blocks": pool.cached,
+            "active_unique_blocks": int(active_blocks.size),
+            "allocated_utilization": allocated / pool.total,
+            "active_utilization": active_blocks.size / pool.total,
+            "active_request_count": len(self.active),
+            "paused_request_count": len(self.paused),
+            "paused_block_count": self.paused_block_count(),
+        }
+
+    # ---- admission ---------------------------------------------------------------------------
+
+    def check_availability(self, req: Request, chunk_tokens: int) -> tuple[bool, bool, bool]:
+        """(a slot is free, the token budget fits, the blocks fit) for admitting `req`."""
+        cached, unheld = self.peek_cached_prefix(req)
+        start = cached * self.block_size
+        end = min(req.num_tokens, start + chunk_tokens)
+        needed = -(-end // self.block_size) - cached
+        return bool(self.free_slots), chunk_tokens > 0, needed <= self.allocator.available - unheld
+
+    def peek_cached_prefix(self, req: Request) -> tuple[int, int]:
+        """(cached leading blocks of `req`, how many of those nobody holds yet)."""
+        return self.allocator.peek_prefix(self._matchable_hashes(req)) if self._use_cache(req) else (0, 0)
+
+    def add_request(self, req: Request, prefill_chunk_length: int) -> int:
+        """Give `req` a slot, its tokens and the blocks of its first chunk; returns the chunk length.
+
+        Cached prefix blocks are matched first (the prefill then starts after them). Raises
+        `BlockOverflowError` with nothing changed when the chunk's blocks cannot be had.
+        """
+        tokens = req.all_token_ids
+        if self._use_cache(req):
+            matched = self.allocator.match_prefix(self._matchable_hashes(req))
+        else:
+            matched = []
+        kv_len = len(matched) * self.block_size
+        chunk = min(prefill_chunk_length, len(tokens) - kv_len)
+        try:
+            fresh = self.allocator.allocate(max(0, -(-(kv_len + chunk) // self.block_size) - len(matched)))
+        except BlockOverflowError:
+            self.allocator.release(matched)
+            raise
+        slot = self.free_slots.pop()
+        n = len(tokens)
+        self.tokens[slot, :n] = tokens
+        self.token_logprobs[slot, len(req.prompt_token_ids) : n] = req.logprobs
+        self.token_versions[slot, len(req.prompt_token_ids) : n] = req.token_versions
+        self.seq_len[slot] = n
+        self.kv_len[slot] = kv_len
+        self.prompt_len[slot] = len(req.prompt_token_ids)
+        self.max_len[slot] = min(req.max_total_tokens, self.config.max_sequence_length)
+        blocks = matched + fresh
+        self.block_table[slot, : len(blocks)] = blocks
+        self.num_blocks[slot] = len(blocks)
+        self.num_registered[slot] = len(matched)
+        self.cache_broken[slot] = False
+        self.hashes[slot] = self._matchable_hashes(req)[: len(matched)] if matched else []
+        self._bind_slot(slot, req)
+        req.status = RequestStatus.RUNNING
+        self.active.append(slot)
+        return chunk
+
+    def fork(self, parent_slot: int, child: Request) -> int | None:
+        """Put `child` (a sample of the same prompt) in a slot sharing the parent's prompt blocks.
+
+        Full blocks are shared (one more reference each); the last partial block gets a fresh
+        block the caller fills by copying the parent's KV once it is written. Returns the child's
+        slot, or None (nothing changed) when no slot or block is free.
+        """
+        full = int(self.prompt_len[parent_slot]) // self.block_size
+        total = int(self.num_blocks[parent_slot])
+        if not self.free_slots:
+            return None
+        try:
+            fresh = self.allocator.allocate(total - full)
+        except BlockOverflowError:
+            return None
+        shared = self.block_table[parent_slot, :full].tolist()
+        self.allocator.retain(shared)
+        slot = self.free_slots.pop()
+        n = int(self.seq_len[parent_slot])
+        self.tokens[slot, :n] = self.tokens[parent_slot, :n]
+        for name in ("seq_len", "kv_len", "prompt_len", "max_len"):
+            getattr(self, name)[slot] = getattr(self, name)[parent_slot]
+        self.block_table[slot, :full] = shared
+        self.block_table[slot, full:total] = fresh
+        self.num_blocks[slot] = total
+        self.num_registered[slot] = full
+        self.cache_broken[slot] = False
+        self.hashes[slot] = []
+        self._bind_slot(slot, child)
+        child.status = RequestStatus.RUNNING
+        self.active.append(slot)
+        return slot
+
+    def _bind_slot(self, slot: int, req: Request) -> None:
+        """Point `slot` at `req` and copy its sampling parameters into the per-slot arrays."""
+        p = req.params
+        self.requests[slot] = req
+        self.temperature[slot] = p.temperature
+        self.top_k[slot] = max(p.top_k, 0)
+        self.top_p[slot] = p.top_p
+        self.min_p[slot] = p.min_p
+        self.processed_logprobs[slot] = p.logprobs_mode == LogprobsMode.PROCESSED
+        self.generators[slot] = req.generator
+        self.num_top_logprobs[slot] = p.logprobs or 0
+        self.wants_prompt_logprobs[slot] = p.prompt_logprobs is not None
+        self.ignore_eos[slot] = p.ignore_eos
+        stops = p.stop_token_ids
+        if len(stops) > self.stop_ids.shape[1]:
+            wider = np.full((self.stop_ids.shape[0], len(stops)), -1, dtype=np.int64)
+            wider[:, : self.stop_ids.shape[1]] = self.stop_ids
+            self.stop_ids = wider
+        self.stop_ids[slot] = -1
+        self.stop_ids[slot, : len(stops)] = stops
+
+    def grow(self, slot: int, new_kv_len: int) -> bool:
+        """Make `slot`'s table cover `new_kv_len` tokens; False (nothing changed) if no block."""
+        needed = self.blocks_needed(slot, new_kv_len)
+        if needed == 0:
+            return True
+        try:
+            fresh = self.allocator.allocate(needed)
+        except BlockOverflowError:
+            return False
+        start = int(self.num_blocks[slot])
+        self.block_table[slot, start : start + needed] = fresh
+        self.num_blocks[slot] = start + needed
+        return True
+
+    # ---- leaving a slot ----------------------------------------------------------------------
+
+    def sync_request(self, slot: int) -> Request:
+        """Copy the slot's generated tokens, log-probs and versions back onto its `Request`."""
+        req = self.requests[slot]
+        start, end = int(self.prompt_len[slot]), int(self.seq_len[slot])
+        req.generated_token_ids = self.tokens[slot, start:end].tolist()
+        req.logprobs = self.token_logprobs[slot, start:end].tolist()
+        req.token_versions = self.token_versions[slot, start:end].tolist()
+        return req
+
+    def release_memory_blocks_from_request_indexes(self, slots) -> list[Request]:
+        """Free the slots (request indexes, not ids) and their blocks; returns their requests."""
+        released = []
+        for slot in [int(s) for s in slots]:
+            req = self.sync_request(slot)
+            self.allocator.release(self.block_table[slot, : self.num_blocks[slot]].tolist())
+            self.num_blocks[slot] = 0
+            self.hashes[slot] = []
+            self.requests[slot] = None
+            self.generators[slot] = None
+            if slot in self.active:
+                self.active.remove(slot)
+            else:
+                self.paused.remove(slot)
+            self.free_slots.append(slot)
+            released.append(req)
+        return released
+
+    def pause(self, slot: int) -> None:
+        self.active.remove(slot)
+        self.paused.append(slot)
+        self.requests[slot].status = RequestStatus.PAUSED
+
+    def resume_paused_requests(self) -> int:
+        """Resume paused slots, oldest first, while the block each needs can be had."""
+        resumed = 0
+        while self.paused:
+            slot = self.paused[0]
+            if not self.grow(slot, int(self.kv_len[slot]) + 1):
+                break
+            self.paused.pop(0)
+            self.active.append(slot)
+            self.requests[slot].status = RequestStatus.RUNNING
+            resumed += 1
+        return resumed
+
+    def evict_overflow_paused_requests(self, force_one: bool = False) -> list[Request]:
+        """Evict the most recently paused requests while paused blocks exceed their budget.
+
+        `force_one` evicts at least one (nothing else can run: the paused hold the pool).
+        Evicted requests lose their blocks and must be recomputed from their tokens.
+        """
+        budget = self.config.resolve_paused_block_budget(self.allocator.total)
+        evicted = []
+        while self.paused and (self.paused_block_count() > budget or (force_one and not evicted)):
+            slot = self.paused[-1]
+            evicted.extend(self.release_memory_blocks_from_request_indexes([slot]))
+        for req in evicted:
+            req.status = RequestStatus.WAITING
+            req.num_preemptions += 1
+        return evicted
+
+    def reset(self, preserve_prefix_cache: bool = False) -> None:
+        """Forget every request and free every block (the prefix cache survives if asked)."""
+        if preserve_prefix_cache:
+            for slot in self.active + self.paused:
+                self.allocator.release(self.block_table[slot, : self.num_blocks[slot]].tolist())
+        else:
+            self.allocator.reset()
+        self.num_blocks[:] = 0
+        self.hashes = [[] for _ in range(self.config.max_requests)]
+        self.requests = [None] * self.config.max_requests
+        self.free_slots = list(range(self.config.max_requests - 1, -1, -1))
+        self.active, self.paused = [], []
+
+    # ---- prefix cache ------------------------------------------------------------------------
+
+    def _use_cache(self, req: Request) -> bool:
+        # NOTE: prompt log-probs need every prompt row's logits, which cached blocks skip.
+        return self.allocator.enable_prefix_caching and req.params.prompt_logprobs is None
+
+    def _matchable_hashes(self, req: Request) -> list[int]:
+        """Hashes of the full blocks before the last token (at least one token is computed)."""
+        key = (self.policy_version, req.num_tokens)
+        if req.hash_cache_key != key:  # NOTE: scheduling asks again each step while it waits
+            tokens = req.all_token_ids
+            usable = (len(tokens) - 1) // self.block_size * self.block_size
+            req.hash_cache = block_hashes(tokens[:usable], self.block_size, extra_key=self.policy_version)
+            req.hash_cache_key = key
+        return req.hash_cache
+
+    def register_full_blocks(self, slots: np.ndarray) -> None:
+        """Register the blocks of `slots` whose K/V became complete in the last forward pass.
+
+        A slot's hash chain is extended lazily from its tokens (a forked sample computes the
+        shared prompt part once, when its first own block fills). Once the allocator refuses a
+        block (parent unregistered after a reset, or the hash already served by another block),
+        the rest of that request's blocks stay private.
+        """
+        if not self.allocator.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for slot in slots.tolist():
+            full = int(self.kv_len[slot]) // bs
+            done = int(self.num_registered[slot])
+            if full <= done:
+                continue
+            self.num_registered[slot] = full
+            if self.cache_broken[slot]:
+                continue
+            chain = self.hashes[slot]
+            parent_hash = chain[-1] if chain else 0
+            new_tokens = self.tokens[slot, len(chain) * bs : full * bs].tolist()
+            chain.extend(block_hashes(new_tokens, bs, parent_hash, self.policy_version))
+            parent = int(self.block_table[slot, done - 1]) if done else -1
+            ids = self.block_table[slot, done:full].tolist()
+            if self.allocator.register(ids, chain[done:full], parent) < full - done:
+                self.cache_broken[slot] = True

@@ -1,0 +1,251 @@
+"""The dense decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+The model is functional over a name -> tensor mapping with Hugging Face names, so that it can
+hold a trainer's parameters themselves (aliasing) or its own copies, and a weight update is a
+rebind or an in-place copy by name (`bind_weights`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from inference.attention.base import AttentionBackend
+from inference.attention.metadata import AttentionMetadata
+from inference.attention.selector import select_backend
+from inference.kv_cache.buffers import KVCacheBuffer
+from inference.models.layers import RotaryEmbedding, apply_rotary, rms_norm, swiglu
+from inference.models.spec import ModelSpec
+
+logger = logging.getLogger(__name__)
+
+# attribute of `_Layer` -> HF name suffix under `model.layers.{i}.`
+_LAYER_FIELDS = {
+    "in_norm": "input_layernorm.weight",
+    "q_w": "self_attn.q_proj.weight",
+    "q_b": "self_attn.q_proj.bias",
+    "k_w": "self_attn.k_proj.weight",
+    "k_b": "self_attn.k_proj.bias",
+    "v_w": "self_attn.v_proj.weight",
+    "v_b": "self_attn.v_proj.bias",
+    "o_w": "self_attn.o_proj.weight",
+    "o_b": "self_attn.o_proj.bias",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+    "post_norm": "post_attention_layernorm.weight",
+    "gate_w": "mlp.gate_proj.weight",
+    "gate_b": "mlp.gate_proj.bias",
+    "up_w": "mlp.up_proj.weight",
+    "up_b": "mlp.up_proj.bias",
+    "down_w": "mlp.down_proj.weight",
+    "down_b": "mlp.down_proj.bias",
+}
+EMBED = "model.embed_tokens.weight"
+FINAL_NORM = "model.norm.weight"
+LM_HEAD = "lm_head.weight"
+
+
+class _Layer:
+    """One block's tensors, resolved once per (re)bind so the forward does no dict lookups."""
+
+    __slots__ = tuple(_LAYER_FIELDS)
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], index: int) -> None:
+        prefix = f"model.layers.{index}."
+        for attr, suffix in _LAYER_FIELDS.items():
+            setattr(self, attr, tensors.get(prefix + suffix))
+
+
+@dataclass(slots=True)
+class BindReport:
+    """What `bind_weights` did: names now aliasing the source, and copied names with the reason."""
+
+    aliased: list[str] = field(default_factory=list)
+    copied: dict[str, str] = field(default_factory=dict)
+    ignored: list[str] = field(default_factory=list)
+
+
+def alias_blocker(src: torch.Tensor, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why `src` cannot be used as the engine's tensor as is, or None when it can."""
+    if type(src.data) is not torch.Tensor:
+        return f"tensor subclass {type(src.data).__name__} (sharded/quantised) is not a plain tensor"
+    if src.layout is not torch.strided:
+        return f"layout {src.layout} is not strided"
+    if src.device.type == "meta":
+        return "tensor is on the meta device (not materialised)"
+    if src.dtype != dtype:
+        return f"dtype {src.dtype} != engine dtype {dtype}"
+    if src.device != device:
+        return f"device {src.device} != engine device {device}"
+    return None
+
+
+class DenseDecoder:
+    """Llama-family decoder: `model(input_ids, positions, kv_cache, meta, logits_indices) -> logits`.
+
+    Invariants: `named_tensors()` holds exactly `spec.weight_shapes()` (HF names, shapes, the
+    spec's dtype, one device); with tied embeddings the LM head *is* the embedding tensor. The
+    forward never modifies a weight, so aliased trainer parameters are only read.
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        backend: AttentionBackend | None = None,
+    ) -> None:
+        self.spec = spec
+        expected = spec.weight_shapes()
+        missing = sorted(set(expected) - set(tensors))
+        if missing:
+            raise KeyError(f"DenseDecoder: missing tensors {missing[:8]}{'...' if len(missing) > 8 else ''}")
+        self.device = tensors[EMBED].device
+        self._tensors: dict[str, torch.Tensor] = {}
+        for name, shape in expected.items():
+            t = tensors[name]
+            self._check(name, t, shape)
+            if t.dtype != spec.dtype or t.device != self.device:
+                raise ValueError(
+                    f"DenseDecoder: {name} is {t.dtype} on {t.device}, expected {spec.dtype} on {self.device}"
+                )
+            self._tensors[name] = t.detach()
+        self.bind_report: BindReport | None = None  # set by the loaders and by bind_weights
+        self.rotary = RotaryEmbedding(spec.rope, spec.head_dim, self.device)
+        self.backend = backend or select_backend(
+            spec.num_heads, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype, device=self.device
+        )
+        self._resolve()
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.spec.dtype
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """The engine's tensors by HF name (a fresh dict; the tensors themselves, not copies)."""
+        return dict(self._tensors)
+
+    def bind_weights(self, tensors: Mapping[str, torch.Tensor], *, alias: bool) -> BindReport:
+        """Take new weights by HF name; a subset of names is fine (bucketed updates).
+
+        alias=True makes the engine hold the given tensors themselves (no copy) wherever their
+        dtype/device/type allow, else a converted copy, logged with the reason. alias=False copies
+        in place into the engine's current tensors (which, if aliased, are the trainer's).
+        Every name and shape is checked before anything changes; `lm_head.weight` of a tied
+        model is ignored (the LM head is the embedding).
+        """
+        expected = self.spec.weight_shapes()
+        report = BindReport()
+        todo: list[tuple[str, torch.Tensor]] = []
+        for name, src in tensors.items():
+            if name == LM_HEAD and self.spec.tie_word_embeddings:
+                report.ignored.append(name)
+                continue
+            if name not in expected:
+                raise KeyError(f"bind_weights: unknown tensor name {name!r}")
+            self._check(name, src, expected[name])
+            todo.append((name, src))
+        with torch.no_grad():
+            for name, src in todo:
+                if not alias:
+                    self._tensors[name].copy_(src)
+                    report.copied[name] = "copy requested"
+                    continue
+                reason = alias_blocker(src, self.dtype, self.device)
+                if reason is None:
+                    self._tensors[name] = src.detach()
+                    report.aliased.append(name)
+                else:
+                    self._tensors[name] = src.detach().to(self.device, self.dtype, copy=True)
+                    report.copied[name] = reason
+        if alias and report.copied:
+            sample = "; ".join(f"{n}: {r}" for n, r in list(report.copied.items())[:4])
+            logger.warning(
+                "bind_weights: %d of %d tensors could not be aliased and were COPIED "
+                "(trainer updates to them will not be seen): %s",
+                len(report.copied),
+                len(todo),
+                sample,
+            )
+        self._resolve()
+        self.bind_report = report
+        return report
+
+    def _check(self, name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name}: shape {tuple(t.shape)} != expected {shape}")
+
+    def _resolve(self) -> None:
+        t = self._tensors
+        self._embed = t[EMBED]
+        self._final_norm = t[FINAL_NORM]
+        self._lm_head = t[EMBED] if self.spec.tie_word_embeddings else t[LM_HEAD]
+        self._layers = [_Layer(t, i) for i in range(self.spec.num_layers)]
+
+    # -- cache -----------------------------------------------------------------------------------
+
+    def new_kv_cache(self, num_blocks: int, block_size: int, *, allocate: bool = True) -> KVCacheBuffer:
+        s = self.spec
+        return KVCacheBuffer(
+            s.num_layers, num_blocks, block_size, s.num_kv_heads, s.head_dim, s.dtype, self.device, allocate=allocate
+        )
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCacheBuffer,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits `[R, vocab]` (model dtype) for the flat-batch rows `logits_indices`.
+
+        Writes this step's K/V of every layer into `kv_cache` at `meta.slot_mapping`.
+        """
+        s = self.spec
+        if s.sliding_window is not None and meta.max_seq_len > s.sliding_window:
+            raise NotImplementedError(
+                f"sliding-window attention is not implemented: a sequence of {meta.max_seq_len} tokens "
+                f"exceeds the model's window of {s.sliding_window} (shorter sequences are exact)"
+            )
+        self.backend.plan(meta, kv_cache)
+        cos, sin = self.rotary.cos_sin(positions, s.dtype)
+        n_tok, eps = input_ids.shape[0], s.rms_norm_eps
+        x = F.embedding(input_ids, self._embed)
+        last = len(self._layers) - 1
+        for i, w in enumerate(self._layers):
+            h = rms_norm(x, w.in_norm, eps)
+            q = F.linear(h, w.q_w, w.q_b).view(n_tok, s.num_heads, s.head_dim)
+            k = F.linear(h, w.k_w, w.k_b).view(n_tok, s.num_kv_heads, s.head_dim)
+            v = F.linear(h, w.v_w, w.v_b).view(n_tok, s.num_kv_heads, s.head_dim)
+            if w.q_norm is not None:
+                q = rms_norm(q, w.q_norm, eps)
+                k = rms_norm(k, w.k_norm, eps)
+            o = self.backend.forward(i, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, kv_cache)
+            if i == last:
+                # NOTE: past the last attention everything is row-wise, so only sampled rows go on
+                o = o.index_select(0, logits_indices)
+                x = x.index_select(0, logits_indices)
+            x = x + F.linear(o, w.o_w, w.o_b)
+            h = rms_norm(x, w.post_norm, eps)
+            x = x + swiglu(h, w.gate_w, w.up_w, w.down_w, w.gate_b, w.up_b, w.down_b)
+        return F.linear(rms_norm(x, self._final_norm, eps), self._lm_head)
+
+    __call__ = forward
+
+    def __repr__(self) -> str:
+        s = self.spec
+        return (
+            f"DenseDecoder({s.family.value}, layers={s.num_layers}, hidden={s.hidden_size}, "
+            f"heads={s.num_heads}/{s.num_kv_heads}, {s.dtype}, {self.device}, "
+            f"backend={self.backend.kind.value})"
+        )

@@ -1,0 +1,84 @@
+"""The maths of a Llama-family block as pure functions over weight tensors.
+
+Each function reproduces HF transformers' op order and dtypes (e.g. RMSNorm normalises in fp32
+and casts back before the weight multiply), so fp32 parity is exact up to kernel rounding and
+low-precision runs round the way HF does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from inference.models.spec import RopeKind, RopeSpec
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`weight * normalize(x)` over the last dim; statistics in fp32 like HF's `LlamaRMSNorm`."""
+    dtype = x.dtype
+    if dtype == torch.float32 and weight.dtype == torch.float32:
+        # one fused kernel; in fp32 there is no intermediate cast for HF's op order to differ on
+        return F.rms_norm(x, (x.shape[-1],), weight=weight, eps=eps)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(dtype)
+
+
+def swiglu(
+    x: torch.Tensor,
+    gate_w: torch.Tensor,
+    up_w: torch.Tensor,
+    down_w: torch.Tensor,
+    gate_b: torch.Tensor | None = None,
+    up_b: torch.Tensor | None = None,
+    down_b: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`down(silu(gate(x)) * up(x))`. Separate gate/up weights: a fused copy would break aliasing."""
+    return F.linear(F.silu(F.linear(x, gate_w, gate_b)) * F.linear(x, up_w, up_b), down_w, down_b)
+
+
+def rope_inv_freq(rope: RopeSpec, head_dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Inverse frequencies `[head_dim // 2]` (fp32), including linear / llama3 scaling."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.kind is RopeKind.LINEAR:
+        return inv_freq / rope.factor
+    if rope.kind is RopeKind.LLAMA3:
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between
+        old_len = rope.original_max_position_embeddings
+        low_wavelen = old_len / rope.low_freq_factor
+        high_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding:
+    """Computes cos/sin for a step's positions; applied in place of HF's `apply_rotary_pos_emb`.
+
+    cos/sin are computed once per step (not per layer) in fp32 from the positions and cast to
+    the model dtype, as HF does. The table is not cached: `T * D / 2` trig ops per step are
+    negligible next to the projections and keep long-context memory flat.
+    """
+
+    __slots__ = ("inv_freq",)
+
+    def __init__(self, rope: RopeSpec, head_dim: int, device: torch.device | str = "cpu") -> None:
+        self.inv_freq = rope_inv_freq(rope, head_dim, device)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(cos, sin)`, each `[T, 1, head_dim]` so they broadcast over heads."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` `[T, H, D]` by the step's angles (HF's rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

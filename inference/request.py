@@ -1,0 +1,119 @@
+"""One request's life in the engine, and what the caller gets back.
+
+A `Request` carries everything that must survive a pause, an eviction or a suspend: its prompt,
+the tokens it generated with their log-probs and policy versions. While it runs, its tokens also
+sit in the context's per-slot buffers (the hot copy); the request object is brought up to date
+whenever it leaves its slot.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from inference.sampling_params import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # a stop token or EOS was sampled
+    LENGTH = "length"  # max_tokens or max_sequence_length reached
+    ABORT = "abort"  # aborted by the caller, or by a suspend / weight update under ABORT
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued; not in a slot (new, evicted, or to be recomputed)
+    RUNNING = "running"  # in a slot: prefilling or decoding
+    PAUSED = "paused"  # in a slot, keeps its blocks, waits for a free block
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Request:
+    """Bookkeeping of one sample. `group_size > 1` samples of one prompt share its prefill."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    group_id: int
+    sample_index: int = 0
+    group_size: int = 1
+    arrival_time: float = field(default_factory=time.perf_counter)
+    status: RequestStatus = RequestStatus.WAITING
+    generated_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
+    top_logprobs: Optional[list[dict[int, float]]] = None
+    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
+    generator: Optional[torch.Generator] = None
+    first_token_time: Optional[float] = None
+    finish_time: Optional[float] = None
+    finish_reason: Optional[FinishReason] = None
+    # sibling requests that wait for this one's prompt prefill to fork from it (sample 0 only)
+    fork_children: list[Request] = field(default_factory=list)
+    num_preemptions: int = 0
+    hash_cache_key: Optional[tuple[int, int]] = None  # (policy version, token count) of hash_cache
+    hash_cache: list[int] = field(default_factory=list)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.generated_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.generated_token_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.prompt_token_ids) + self.params.max_tokens
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A finished request: plain data, safe to ship to another process."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    generated_token_ids: list[int]
+    logprobs: list[float]
+    token_versions: list[int]
+    finish_reason: FinishReason
+    top_logprobs: Optional[list[dict[int, float]]] = None
+    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
+    group_id: int = 0
+    sample_index: int = 0
+    arrival_time: float = 0.0
+    first_token_time: Optional[float] = None
+    finish_time: Optional[float] = None
+    num_preemptions: int = 0
+
+    @property
+    def time_to_first_token(self) -> Optional[float]:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def latency(self) -> Optional[float]:
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+    @classmethod
+    def from_request(cls, req: Request) -> RequestOutput:
+        assert req.finish_reason is not None
+        return cls(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            generated_token_ids=req.generated_token_ids,
+            logprobs=req.logprobs,
+            token_versions=req.token_versions,
+            finish_reason=req.finish_reason,
+            top_logprobs=req.top_logprobs,
+            prompt_logprobs=req.prompt_logprobs,
+            group_id=req.group_id,
+            sample_index=req.sample_index,
+            arrival_time=req.arrival_time,
+            first_token_time=req.first_token_time,
+            finish_time=req.finish_time,
+            num_preemptions=req.num_preemptions,
+        )

@@ -1,0 +1,119 @@
+"""KVCacheBuffer: layout, slot writes, block copies, offload/restore, (de)allocation.
+
+NOTE: lives beside the attention tests because the kv_cache test folder belongs to another
+work item; it tests `inference/kv_cache/buffers.py`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from inference.kv_cache.buffers import KVCacheBuffer
+
+L, NB, BS, H, D = 2, 6, 4, 2, 3
+
+
+def test_layout_and_sizes():
+    buf = KVCacheBuffer(L, NB, BS, H, D, torch.float16)
+    assert buf.data.shape == (L, 2, NB, BS, H, D)
+    assert buf.layer(1).shape == (2, NB, BS, H, D)
+    assert buf.nbytes == L * 2 * NB * BS * H * D * 2 == buf.data.nbytes
+    assert buf.is_allocated and torch.count_nonzero(buf.data) == 0  # zero-filled: finite everywhere
+
+
+def test_deallocate_drops_storage_and_refuses_access():
+    buf = KVCacheBuffer(L, NB, BS, H, D)
+    buf.deallocate()
+    assert not buf.is_allocated and buf.nbytes > 0
+    with pytest.raises(RuntimeError, match="not allocated"):
+        buf.layer(0)
+    buf.allocate()
+    assert buf.is_allocated
+    lazy = KVCacheBuffer(L, NB, BS, H, D, allocate=False)
+    assert not lazy.is_allocated
+
+
+def test_store_follows_slot_formula():
+    buf = KVCacheBuffer(L, NB, BS, H, D)
+    table = [4, 1]
+    positions = torch.arange(6)
+    slots = torch.tensor([table[p // BS] * BS + p % BS for p in positions.tolist()])
+    k = torch.randn(6, H, D)
+    buf.store(1, slots, k, 2 * k)
+    for p in range(6):
+        assert torch.equal(buf.data[1, 0, table[p // BS], p % BS], k[p])
+        assert torch.equal(buf.data[1, 1, table[p // BS], p % BS], 2 * k[p])
+    assert torch.count_nonzero(buf.data[0]) == 0
+
+
+@pytest.mark.parametrize("bad", [dict(num_blocks=0), dict(block_size=-1), dict(dtype=torch.int32)])
+def test_rejects_bad_config(bad):
+    args = dict(num_layers=L, num_blocks=NB, block_size=BS, num_kv_heads=H, head_dim=D) | bad
+    with pytest.raises(ValueError):
+        KVCacheBuffer(**args)
+
+
+def test_copy_blocks_rejects_out_of_range_and_length_mismatch():
+    buf = KVCacheBuffer(L, NB, BS, H, D)
+    with pytest.raises(IndexError):
+        buf.copy_blocks([0], [NB])
+    with pytest.raises(ValueError):
+        buf.copy_blocks([0, 1], [2])
+
+
+class BufferMachine(RuleBasedStateMachine):
+    """Random block writes / copies / offload-restore / suspend against a dict of blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.buf = KVCacheBuffer(L, NB, BS, H, D)
+        self.model = {b: torch.zeros(L, 2, BS, H, D) for b in range(NB)}
+        self.parked: list[torch.Tensor] = []
+
+    @rule(block=st.integers(0, NB - 1), seed=st.integers(0, 1000))
+    def write_block(self, block, seed):
+        g = torch.Generator().manual_seed(seed)
+        content = torch.randn(L, 2, BS, H, D, generator=g)
+        slots = torch.arange(block * BS, (block + 1) * BS)
+        for layer in range(L):
+            self.buf.store(layer, slots, content[layer, 0], content[layer, 1])
+        self.model[block] = content
+
+    @rule(
+        pairs=st.lists(st.tuples(st.integers(0, NB - 1), st.integers(0, NB - 1)), max_size=4, unique_by=lambda p: p[1])
+    )
+    def copy_blocks(self, pairs):
+        self.buf.copy_blocks([s for s, _ in pairs], [d for _, d in pairs])
+        before = {b: t.clone() for b, t in self.model.items()}
+        for s, d in pairs:  # all sources read before any write
+            self.model[d] = before[s]
+
+    @rule(src=st.lists(st.integers(0, NB - 1), min_size=1, max_size=3, unique=True), data=st.data())
+    def offload_then_restore_elsewhere(self, src, data):
+        host = self.buf.offload(src)
+        assert host.device.type == "cpu" and host.shape[2] == len(src)
+        dst = data.draw(st.lists(st.integers(0, NB - 1), min_size=len(src), max_size=len(src), unique=True))
+        self.buf.restore(dst, host)
+        saved = [self.model[b].clone() for b in src]
+        for b, t in zip(dst, saved):
+            self.model[b] = t
+
+    @precondition(lambda self: self.buf.is_allocated)
+    @rule()
+    def suspend_resume(self):
+        self.buf.deallocate()
+        self.buf.allocate()
+        self.model = {b: torch.zeros(L, 2, BS, H, D) for b in range(NB)}
+
+    @invariant()
+    def matches_model(self):
+        for b, t in self.model.items():
+            assert torch.equal(self.buf.data[:, :, b], t)
+
+
+BufferMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=12, deadline=None)
+TestBufferMachine = BufferMachine.TestCase

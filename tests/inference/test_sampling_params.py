@@ -1,0 +1,63 @@
+"""SamplingParams: defaults are valid, every invalid field fails with a ValueError naming it."""
+
+import math
+
+import pytest
+
+from inference.sampling_params import MAX_LOGPROBS, LogprobsMode, SamplingParams
+
+
+def test_defaults_are_valid_and_cheap_to_read():
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_k, p.top_p, p.min_p) == (1, 1.0, 0, 1.0, 0.0)
+    assert p.seed is None and p.stop_token_ids == [] and not p.ignore_eos
+    assert p.logprobs is None and p.prompt_logprobs is None
+    assert p.logprobs_mode is LogprobsMode.RAW
+    assert not p.greedy and SamplingParams(temperature=0).greedy
+    assert not hasattr(p, "__dict__")  # slots: created per request
+
+
+def test_default_lists_are_not_shared():
+    a, b = SamplingParams(), SamplingParams()
+    a.stop_token_ids.append(3)
+    assert b.stop_token_ids == []
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(n=8, temperature=0.0, top_k=-1, top_p=0.5, min_p=0.0),
+        dict(temperature=2, top_k=1, top_p=1, min_p=0.99),
+        dict(seed=0), dict(seed=2**64 - 1), dict(max_tokens=1),
+        dict(stop_token_ids=[0, 2]), dict(ignore_eos=True),
+        dict(logprobs=0, prompt_logprobs=MAX_LOGPROBS, logprobs_mode=LogprobsMode.PROCESSED),
+    ],
+)
+def test_valid_edges(kwargs):
+    SamplingParams(**kwargs)
+
+
+def test_stop_token_ids_tuple_becomes_list():
+    assert SamplingParams(stop_token_ids=(1, 2)).stop_token_ids == [1, 2]
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("n", 0), ("n", 1.0), ("n", True),
+        ("temperature", -0.1), ("temperature", math.inf), ("temperature", math.nan), ("temperature", "1"),
+        ("top_k", -2), ("top_k", 2.0), ("top_k", True),
+        ("top_p", 0.0), ("top_p", 1.01), ("top_p", math.nan), ("top_p", None),
+        ("min_p", -0.01), ("min_p", 1.0), ("min_p", math.nan),
+        ("seed", -1), ("seed", 2**64), ("seed", 1.5),
+        ("max_tokens", 0), ("max_tokens", None),
+        ("stop_token_ids", [1, -1]), ("stop_token_ids", [1.0]), ("stop_token_ids", 3), ("stop_token_ids", "ab"),
+        ("ignore_eos", 1),
+        ("logprobs", -1), ("logprobs", MAX_LOGPROBS + 1), ("logprobs", 2.0),
+        ("prompt_logprobs", -1), ("prompt_logprobs", MAX_LOGPROBS + 1),
+        ("logprobs_mode", "raw"), ("logprobs_mode", 0),
+    ],
+)
+def test_invalid_value_names_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"^{field} "):
+        SamplingParams(**{field: value})
