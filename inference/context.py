@@ -64,6 +64,9 @@ class DynamicInferenceContext:
         self.active: list[int] = []
         self.paused: list[int] = []
         self.policy_version = 0
+        # version under which each block was registered: a match across versions is counted
+        self.block_version = np.full(allocator.total, -1, dtype=np.int64)
+        self.cross_version_hits = 0
         self.prefill_tokens = 0  # tokens whose K/V was computed by a prefill (not served by cache)
 
     # ---- queries -----------------------------------------------------------------------------
@@ -127,6 +130,7 @@ class DynamicInferenceContext:
         tokens = req.all_token_ids
         if self._use_cache(req):
             matched = self.allocator.match_prefix(self._matchable_hashes(req))
+            self.cross_version_hits += int((self.block_version[matched] != self.policy_version).sum())
         else:
             matched = []
         kv_len = len(matched) * self.block_size
@@ -341,5 +345,7 @@ class DynamicInferenceContext:
             chain.extend(block_hashes(new_tokens, bs, parent_hash, self.policy_version))
             parent = int(self.block_table[slot, done - 1]) if done else -1
             ids = self.block_table[slot, done:full].tolist()
-            if self.allocator.register(ids, chain[done:full], parent) < full - done:
+            registered = self.allocator.register(ids, chain[done:full], parent)
+            self.block_version[ids[:registered]] = self.policy_version
+            if registered < full - done:
                 self.cache_broken[slot] = True

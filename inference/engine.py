@@ -18,9 +18,15 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 
-from inference.config import InferenceConfig
+from inference.config import InferenceConfig, SuspendedAddPolicy
 from inference.context import DynamicInferenceContext
-from inference.errors import BlockOverflowError, MaxSequenceLengthOverflowError, RequestOverflowError
+from inference.coupling import TrainerCoupling
+from inference.errors import (
+    BlockOverflowError,
+    MaxSequenceLengthOverflowError,
+    RequestOverflowError,
+    TensorStateDeallocatedError,
+)
 from inference.kv_cache.allocator import KVBlockAllocator
 from inference.kv_cache.events import KVEventHub
 from inference.request import FinishReason, Request, RequestOutput, RequestStatus
@@ -39,11 +45,12 @@ class EngineState(enum.Enum):
     RESUMING = "resuming"
 
 
-class DynamicInferenceEngine:
-    """Serves many requests at once on one model replica.
+class DynamicInferenceEngine(TrainerCoupling):
+    """Serves many requests at once on one model replica, next to its trainer.
 
     Invariants: every request added is, at any time, exactly one of waiting, in a slot
-    (running or paused), or finished (its output returned by exactly one `step()`).
+    (running or paused), or finished (its output returned by exactly one `step()`). Steps run
+    only while RUNNING; suspend/resume and weight updates live in `TrainerCoupling`.
     """
 
     def __init__(self, model: Any, config: Optional[InferenceConfig] = None) -> None:
@@ -79,6 +86,9 @@ class DynamicInferenceEngine:
         self._unclaimed: list[RequestOutput] = []  # finished outside the caller's view (abort)
         self.num_steps = 0
         self.generated_tokens = 0
+        self._offloaded_kv = None
+        self._offloaded_weights: list = []
+        self._bound_trainer_tensors: list[torch.Tensor] = []
 
     @classmethod
     def from_pretrained(
@@ -96,7 +106,12 @@ class DynamicInferenceEngine:
             decoder = load_from_hf_dir(model, dtype=config.dtype, device=config.device)
         else:
             decoder = load_from_hf_model(model, share_weights=share_weights, dtype=config.dtype, device=config.device)
-        return cls(decoder, config)
+        engine = cls(decoder, config)
+        report = getattr(decoder, "bind_report", None)
+        if share_weights and report is not None:
+            params = dict(model.named_parameters(remove_duplicate=False))
+            engine._bound_trainer_tensors = [params[n] for n in report.aliased]
+        return engine
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -108,6 +123,8 @@ class DynamicInferenceEngine:
         Bad input raises `ValueError` naming the field; a request that can never fit raises
         the typed permanent error. Either way nothing already in the engine is touched.
         """
+        if self.state is not EngineState.RUNNING and self.config.suspended_add_policy is SuspendedAddPolicy.RAISE:
+            raise TensorStateDeallocatedError(None, f"the engine is {self.state.value}; add requests after resume()")
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -203,6 +220,8 @@ class DynamicInferenceEngine:
     def step(self) -> list[RequestOutput]:
         """Run one forward pass over the scheduled requests; return the requests that finished."""
         finished, self._unclaimed = self._unclaimed, []
+        if self.state is not EngineState.RUNNING:
+            return finished  # NOTE: suspended: only outputs already finished (e.g. aborted) come out
         ctx = self.context
         plan = self.scheduler.schedule()
         for req in plan.evicted:
@@ -343,6 +362,8 @@ class DynamicInferenceEngine:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Run `prompts` to completion; outputs in prompt order, the n samples of a prompt together."""
+        if self.state is not EngineState.RUNNING:
+            raise TensorStateDeallocatedError(None, f"generate() while the engine is {self.state.value}")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -387,6 +408,8 @@ class DynamicInferenceEngine:
             "prefill_tokens": self.context.prefill_tokens,
             "prefix_hit_blocks": pool.hit_blocks,
             "prefix_hit_rate": pool.hit_rate,
+            "cross_version_prefix_hits": self.context.cross_version_hits,
+            "policy_version": self.policy_version,
             "waiting": len(self.scheduler.waiting),
             **self.context.get_kvcache_utilization_stats(),
         }

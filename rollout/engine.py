@@ -1,0 +1,161 @@
+"""RolloutEngine: what a colocated RL loop talks to.
+
+It wraps one `DynamicInferenceEngine` and speaks in token lists and `RolloutBatch`es: n samples per
+prompt, each with its per-token log-probs and policy versions. Trainer coupling (suspend / resume,
+weight aliasing, version bumps) is passed through to the engine, which owns the state machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+from inference import DynamicInferenceEngine, InferenceConfig, RequestOutput, SamplingParams
+from rollout.types import GenerationStats, Rollout, RolloutBatch
+
+logger = logging.getLogger(__name__)
+
+_MASK64 = (1 << 64) - 1
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """A 64-bit seed for prompt `index` of a call seeded `seed` (splitmix64: nearby inputs diverge).
+
+    NOTE: the engine seeds sample j of a request with `seed + j`, so prompt seeds must not be
+    consecutive integers, or prompt i's sample 1 would replay prompt i+1's sample 0.
+    """
+    z = (seed * 0x9E3779B97F4A7C15 + index + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+class RolloutEngine:
+    """n samples per prompt from one engine replica that shares the trainer's process and memory.
+
+    Invariant: this object is the engine's only client, so every output a step returns belongs to
+    the `generate` call in progress (leftovers of an interrupted call are dropped, with a warning).
+    """
+
+    def __init__(
+        self,
+        model_or_path: Union[str, Path, torch.nn.Module],
+        config: Optional[InferenceConfig] = None,
+        *,
+        share_weights: bool = True,
+    ) -> None:
+        self.config = config or InferenceConfig()
+        self.engine = DynamicInferenceEngine.from_pretrained(model_or_path, self.config, share_weights=share_weights)
+
+    # ---- generation --------------------------------------------------------------------------
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int = 1, sampling: Optional[SamplingParams] = None
+    ) -> RolloutBatch:
+        """Sample `n` completions of every prompt; returns them grouped by prompt, in prompt order.
+
+        `sampling.n` is replaced by `n`. A seeded `sampling` gives every prompt its own seed derived
+        from it (see `derive_seed`), so a call is reproducible whatever the batch's scheduling.
+        Log-probs are the engine's RAW ones (log-softmax of the logits) unless `sampling` says
+        otherwise: what a trainer recomputes for importance ratios.
+        """
+        base = sampling or SamplingParams()
+        params = [
+            dataclasses.replace(base, n=n, seed=None if base.seed is None else derive_seed(base.seed, i))
+            for i in range(len(prompts))
+        ]
+        eng = self.engine
+        version = eng.policy_version
+        pool_before, steps_before = eng.allocator.stats(), eng.num_steps
+        start = time.perf_counter()
+        order: list[int] = []
+        pending: set[int] = set()
+        results: dict[int, RequestOutput] = {}
+        peak = 0.0
+        try:
+            for prompt, p in zip(prompts, params):
+                ids = eng.add_request(prompt, p)
+                ids = ids if isinstance(ids, list) else [ids]
+                order.extend(ids)
+                pending.update(ids)
+            while pending:
+                for out in eng.step():
+                    if out.request_id in pending:
+                        pending.discard(out.request_id)
+                        results[out.request_id] = out
+                    else:
+                        logger.warning("dropping output of request %d from an interrupted call", out.request_id)
+                # NOTE: the pool's O(1) counters, not `stats()`, whose per-slot scan costs more than a step
+                peak = max(peak, eng.allocator.active / eng.allocator.total)
+        finally:
+            for request_id in pending:  # only on an exception: leave nothing running behind us
+                eng.abort(request_id)
+        seconds = time.perf_counter() - start
+        pool_after = eng.allocator.stats()
+        outputs = [results[i] for i in order]
+        first_group = outputs[0].group_id if outputs else 0
+        rollouts = [
+            Rollout(
+                prompt_ids=list(o.prompt_token_ids),
+                completion_ids=list(o.generated_token_ids),
+                logprobs=list(o.logprobs),
+                versions=list(o.token_versions),
+                finish_reason=o.finish_reason,
+                group=o.group_id - first_group,
+                sample_index=o.sample_index,
+            )
+            for o in outputs
+        ]
+        hits = pool_after.hit_blocks - pool_before.hit_blocks
+        stats = GenerationStats(
+            seconds=seconds,
+            engine_steps=eng.num_steps - steps_before,
+            prompt_tokens=sum(len(p) for p in prompts) * n,
+            completion_tokens=sum(len(r.completion_ids) for r in rollouts),
+            peak_kv_utilization=peak,
+            prefix_hit_blocks=hits,
+            prefix_lookup_blocks=hits + pool_after.miss_blocks - pool_before.miss_blocks,
+        )
+        return RolloutBatch(rollouts, group_size=n, policy_version=version, stats=stats)
+
+    # ---- trainer coupling (the engine owns the state machine) --------------------------------
+
+    def suspend(self, **kwargs: Any) -> Any:
+        """Free the KV buffer for the trainer; returns the engine's `SuspendReport`."""
+        return self.engine.suspend(**kwargs)
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+    def bind_trainer_model(self, module: torch.nn.Module) -> Any:
+        """Alias `module`'s parameters (no copy); returns the bind report (aliased / copied names)."""
+        return self.engine.bind_trainer_model(module)
+
+    def on_weights_updated(self) -> int:
+        """The aliased parameters changed in place: bump the version, drop the prefix cache."""
+        return self.engine.on_weights_updated()
+
+    def update_weights(
+        self, named_tensors: Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]],
+        version: Optional[int] = None, **kwargs: Any,
+    ) -> int:
+        """Copy weights in (not aliased); returns the new policy version."""
+        return self.engine.update_weights(named_tensors, version, **kwargs)
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    @property
+    def state(self) -> Any:
+        return self.engine.state
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+

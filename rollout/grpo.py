@@ -1,0 +1,136 @@
+"""GRPO on padded rollout tensors: group-relative advantages, the clipped loss, one optimizer step.
+
+The trainer recomputes the log-probs of the sampled tokens in the same forward pass as the loss,
+before the optimizer step, so the difference to the engine's log-probs (`old_logprobs`) is the
+train-inference mismatch of identical weights: kernel rounding and nothing else.
+
+Token tensors here are *flat*: one entry per completion token, in the row-major order of
+`loss_mask.nonzero()`, so `old_logprobs[loss_mask]` lines up with them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rollout.types import PaddedBatch, RolloutBatch, group_slices
+
+__all__ = ["TrainStats", "group_advantages", "grpo_loss", "grpo_step", "token_logprobs"]
+
+
+def group_advantages(
+    rewards: Sequence[float], groups: Sequence[int], *, scale: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """`[B]` float32: each reward minus its group's mean, divided by the group's std if `scale`.
+
+    Groups must be contiguous (a `RolloutBatch` keeps them so). A group whose samples all scored
+    the same carries no signal: its advantages are exactly 0.
+    """
+    if len(rewards) != len(groups):
+        raise ValueError(f"group_advantages: {len(rewards)} rewards for {len(groups)} samples")
+    r = torch.tensor(rewards, dtype=torch.float64)
+    out = torch.zeros_like(r)
+    for start, end in group_slices(groups):
+        g = r[start:end]
+        centred = g - g.mean()
+        if scale:
+            centred = centred / (g.std(unbiased=False) + eps)
+        out[start:end] = centred
+    return out.float()
+
+
+def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Flat `[N]` log-probs (fp32, with grad) of the tokens where `loss_mask` is True.
+
+    Only the N predicting positions go through the LM head (a `[N, vocab]` logits matrix, not
+    `[B, T, vocab]`). Right padding means no attention mask is needed: a real token never attends
+    to a later position, so the padding after it is invisible under the causal mask.
+    """
+    if loss_mask[:, 0].any():
+        raise ValueError("token_logprobs: the first position has nothing to predict it")
+    rows, cols = loss_mask.nonzero(as_tuple=True)
+    targets = input_ids[rows, cols]
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    hidden = decoder(input_ids=input_ids, use_cache=False).last_hidden_state
+    logits = head(hidden[rows, cols - 1]).float()
+    return logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+
+
+def grpo_loss(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, *, clip_eps: float = 0.2
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token clipped surrogate `-min(r A, clip(r, 1-eps, 1+eps) A)`, r = exp(lp - old); flat `[N]`.
+
+    Returns (per-token loss, per-token "was clipped" flag). The caller reduces (token mean).
+    """
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * advantages
+    return -torch.minimum(unclipped, clipped), (clipped < unclipped).detach()
+
+
+@dataclass(slots=True)
+class TrainStats:
+    loss: float
+    grad_norm: float
+    clip_fraction: float
+    mismatch_mean: float  # mean |engine log-prob - trainer log-prob| over sampled tokens
+    mismatch_max: float
+    tokens: int
+
+
+def grpo_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: RolloutBatch,
+    rewards: Sequence[float],
+    *,
+    clip_eps: float = 0.2,
+    max_grad_norm: float = 1.0,
+    micro_batch_size: int | None = None,
+    pad_id: int = 0,
+) -> TrainStats:
+    """One GRPO optimizer step on `batch`, in place on `model` (whose parameters the engine may alias).
+
+    The loss is the token mean over every completion token of the batch (micro-batches are
+    weighted so the sum is exact). Mismatch figures compare the engine's log-probs with the
+    trainer's recomputation under the same weights, before the step.
+    """
+    device = next(model.parameters()).device
+    padded: PaddedBatch = batch.to_padded_tensors(pad_id=pad_id, device=device)
+    adv_rows = group_advantages(rewards, batch.groups).to(device)
+    total = int(padded.loss_mask.sum())
+    if total == 0:
+        raise ValueError("grpo_step: the batch has no completion token")
+    rows = len(batch)
+    step = micro_batch_size or rows
+    loss_sum, clipped, diffs = 0.0, 0, []
+    optimizer.zero_grad(set_to_none=True)
+    for start in range(0, rows, step):
+        sl = slice(start, start + step)
+        mask = padded.loss_mask[sl]
+        if not mask.any():
+            continue
+        lp = token_logprobs(model, padded.input_ids[sl], mask)
+        old = padded.old_logprobs[sl][mask]
+        adv = adv_rows[sl][:, None].expand_as(mask)[mask]
+        per_token, was_clipped = grpo_loss(lp, old, adv, clip_eps=clip_eps)
+        loss = per_token.sum() / total
+        loss.backward()
+        loss_sum += float(loss.detach())
+        clipped += int(was_clipped.sum())
+        diffs.append((lp.detach() - old).abs())
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+    diff = torch.cat(diffs)
+    return TrainStats(
+        loss=loss_sum,
+        grad_norm=float(grad_norm),
+        clip_fraction=clipped / total,
+        mismatch_mean=float(diff.mean()),
+        mismatch_max=float(diff.max()),
+        tokens=total,
+    )
+

@@ -1,0 +1,214 @@
+"""Run tracking for RL loops: W&B (offline by default), a progress bar, a console table, a PNG.
+
+`Tracker.log(step, metrics)` is the one call per step; it appends to `history`, writes a JSON line,
+logs to W&B, advances the bar and, every `table_every` steps, prints a table row. `finish()`
+writes the PNG of reward and train-inference mismatch against step and closes the W&B run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+# (metric key, column header, width, format): the console table, left to right
+COLUMNS: tuple[tuple[str, str, int, str], ...] = (
+    ("step", "step", 5, "d"),
+    ("reward", "reward", 6, ".3f"),
+    ("response_length", "len", 5, ".2f"),
+    ("tokens_per_s", "tok/s", 7, ".0f"),
+    ("time/generate", "gen s", 6, ".3f"),
+    ("time/train", "train s", 7, ".3f"),
+    ("time/suspend", "susp ms", 7, ".2f"),
+    ("time/resume", "res ms", 6, ".2f"),
+    ("time/weight_update", "upd ms", 6, ".2f"),
+    ("kv_utilization", "kv %", 5, ".0%"),
+    ("prefix_hit_rate", "hit %", 5, ".0%"),
+    ("mismatch/mean", "|dlp| mean", 10, ".1e"),
+    ("mismatch/max", "|dlp| max", 9, ".1e"),
+    ("policy_version", "ver", 4, "d"),
+)
+MISMATCH_TARGET = 1e-5  # max |engine - trainer| log-prob aimed for in fp32 (float rounding)
+_MS_KEYS = {"time/suspend", "time/resume", "time/weight_update"}
+
+
+class StepTimer:
+    """Wall-clock seconds per named phase of one step: `with timer("train"): ...`."""
+
+    __slots__ = ("seconds",)
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"time/{k}": v for k, v in self.seconds.items()}
+
+
+@dataclass(slots=True)
+class RunPaths:
+    out_dir: Path
+    metrics: Path
+    plot: Optional[Path] = None
+    wandb_dir: Optional[Path] = None
+    wandb_url: Optional[str] = None
+
+
+@dataclass
+class Tracker:
+    """Collects per-step metrics; see the module docstring. Invariant: one `log` per step, in order."""
+
+    out_dir: Path
+    total_steps: int
+    config: dict[str, Any] = field(default_factory=dict)
+    project: str = "rollout-engine"
+    run_name: Optional[str] = None
+    use_wandb: bool = True
+    table_every: int = 10
+    max_reward: float = 1.0
+    show_progress: bool = True
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.out_dir = Path(self.out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.paths = RunPaths(self.out_dir, self.out_dir / "metrics.jsonl")
+        self._metrics_file = self.paths.metrics.open("w")
+        self._wandb = self._init_wandb() if self.use_wandb else None
+        self._bar = None
+        if self.show_progress:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=self.total_steps, desc="grpo", unit="step", dynamic_ncols=True)
+        self._header_printed = False
+
+    def _init_wandb(self) -> Any:
+        os.environ.setdefault("WANDB_MODE", "offline")  # NOTE: online only when the caller asks for it
+        os.environ.setdefault("WANDB_SILENT", "true")
+        try:
+            import wandb
+
+            run = wandb.init(
+                project=self.project, name=self.run_name, config=self.config, dir=str(self.out_dir),
+                reinit="finish_previous",
+            )
+        except Exception as exc:  # NOTE: tracking must never stop training; say so and go on
+            logger.warning("W&B disabled: wandb.init failed (%s: %s)", type(exc).__name__, exc)
+            return None
+        self.paths.wandb_dir = Path(run.dir).parent if run.dir else None
+        self.paths.wandb_url = getattr(run, "url", None) or None
+        return run
+
+    # ---- per step ----------------------------------------------------------------------------
+
+    def log(self, step: int, metrics: dict[str, Any], example: str = "") -> None:
+        row = {"step": step, **metrics}
+        self.history.append(row)
+        self._metrics_file.write(json.dumps(row, default=float) + "\n")
+        self._metrics_file.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+        if self._bar is not None:
+            self._bar.set_postfix(reward=f"{metrics.get('reward', float('nan')):.3f}",
+                                  mismatch=f"{metrics.get('mismatch/max', float('nan')):.1e}", refresh=False)
+            self._bar.update(1)
+        last = step == self.total_steps - 1
+        if step % self.table_every == 0 or last:
+            if not self._header_printed:
+                self._write(self.header())
+                self._header_printed = True
+            self._write(self.format_row(row) + (f"  {example}" if example else ""))
+
+    def _write(self, line: str) -> None:
+        if self._bar is not None:
+            self._bar.write(line)
+        else:
+            print(line, flush=True)
+
+    @staticmethod
+    def header() -> str:
+        return " ".join(f"{title:>{width}}" for _, title, width, _ in COLUMNS) + "  example"
+
+    @staticmethod
+    def format_row(row: dict[str, Any]) -> str:
+        cells = []
+        for key, _, width, fmt in COLUMNS:
+            value = row.get(key)
+            if value is None or (isinstance(value, float) and math.isnan(value)):
+                cells.append(f"{'-':>{width}}")
+                continue
+            if key in _MS_KEYS:
+                value = value * 1e3
+            cells.append(f"{value:>{width}{fmt}}")
+        return " ".join(cells)
+
+    # ---- the end -----------------------------------------------------------------------------
+
+    def finish(self, summary: Optional[dict[str, Any]] = None) -> RunPaths:
+        if self._bar is not None:
+            self._bar.close()
+        self._metrics_file.close()
+        self.paths.plot = plot_history(self.history, self.out_dir / "reward_mismatch.png", self.max_reward)
+        if self._wandb is not None:
+            if summary:
+                self._wandb.summary.update(summary)
+            if self.paths.plot is not None:
+                try:
+                    import wandb
+
+                    self._wandb.log({"reward_mismatch": wandb.Image(str(self.paths.plot))})
+                except Exception as exc:  # a missing PIL must not lose the run
+                    logger.warning("W&B: could not attach the plot (%s)", exc)
+            self._wandb.finish()
+        return self.paths
+
+
+def plot_history(history: Sequence[dict[str, Any]], path: Path, max_reward: float = 1.0) -> Optional[Path]:
+    """Reward (top) and |engine - trainer| log-prob mismatch (bottom, log scale) against step."""
+    if not history:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # NOTE: headless: never open a window, whatever the environment says
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed: no plot written (pip install matplotlib)")
+        return None
+    steps = [h["step"] for h in history]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, constrained_layout=True)
+    top.plot(steps, [h.get("reward", math.nan) for h in history], label="mean reward", color="tab:blue")
+    top.axhline(max_reward, color="grey", lw=0.8, ls=":", label="max reward")
+    top.axhline(0.9 * max_reward, color="tab:green", lw=0.8, ls="--", label="0.9 x max")
+    top.set_ylabel("reward")
+    top.set_ylim(bottom=0)
+    top.legend(loc="lower right")
+    top.set_title("colocated GRPO: reward and train-inference mismatch")
+    curves = (("mismatch/max", "max |dlogp|", "tab:red"), ("mismatch/mean", "mean |dlogp|", "tab:orange"))
+    for key, label, color in curves:
+        values = [h.get(key, math.nan) for h in history]
+        bottom.plot(steps, [v if v and v > 0 else math.nan for v in values], label=label, color=color)
+    bottom.axhline(MISMATCH_TARGET, color="grey", lw=0.8, ls="--", label=f"target {MISMATCH_TARGET:g}")
+    bottom.set_yscale("log")
+    bottom.set_ylabel("|engine - trainer| log-prob")
+    bottom.set_xlabel("step (= policy version)")
+    bottom.legend(loc="upper right")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,30 @@
+"""A tiny Llama over the counting task's 16-token vocabulary, and engines around it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from inference import InferenceConfig
+from rollout.tasks import DigitVocab
+
+
+def tiny_policy(seed: int = 0, hidden: int = 64, layers: int = 2) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=DigitVocab.SIZE, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        bos_token_id=DigitVocab.BOS, eos_token_id=DigitVocab.EOS, pad_token_id=DigitVocab.PAD,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def small_engine_config(block_size: int = 4, num_blocks: int = 512) -> InferenceConfig:
+    return InferenceConfig(block_size=block_size, num_blocks=num_blocks, max_requests=128, max_tokens=1024,
+                           max_sequence_length=32)
+
+
+@pytest.fixture
+def policy() -> LlamaForCausalLM:
+    return tiny_policy()

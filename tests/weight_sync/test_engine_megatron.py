@@ -1,0 +1,59 @@
+"""The engine bound to a megatron-core GPTModel trains along with it (issue: trainer coupling)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if importlib.util.find_spec("megatron") is None:
+    pytest.skip("megatron-core is not installed", allow_module_level=True)
+
+import weight_sync  # noqa: E402,F401  (registers the megatron-core adapter)
+from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams  # noqa: E402
+from inference.models.decoder import DenseDecoder  # noqa: E402
+from tests.weight_sync.paged import tiny_spec  # noqa: E402
+from weight_sync.megatron_cpu import build_gpt_model, gpt_logits, megatron_cpu  # noqa: E402
+from weight_sync.megatron_model import bind_megatron_model, spec_from_gpt_model  # noqa: E402
+
+
+@torch.no_grad()
+def megatron_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
+    ids, logprobs = list(prompt), []
+    for _ in range(steps):
+        logp = torch.log_softmax(gpt_logits(model, torch.tensor([ids]))[0, -1].float(), -1)
+        ids.append(int(logp.argmax()))
+        logprobs.append(float(logp.max()))
+    return ids[len(prompt) :], logprobs
+
+
+def test_engine_follows_a_megatron_model_through_a_training_step():
+    with megatron_cpu(seed=0):
+        gpt = build_gpt_model(tiny_spec(), seed=0).eval()  # 2 query groups: q/k/v are converted copies
+        spec = spec_from_gpt_model(gpt)
+        engine = DynamicInferenceEngine(DenseDecoder(spec, dict(bind_megatron_model(gpt))), InferenceConfig(
+            block_size=4, num_blocks=64, max_requests=4, max_tokens=64, max_sequence_length=64))
+        report = engine.bind_trainer_model(gpt)
+        assert report.aliased and any("q_proj" in n for n in report.copied)  # said loudly, not hidden
+        prompts = [[5, 9, 14, 3, 7], [11, 2, 8]]
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+        def check(version: int) -> None:
+            for prompt, out in zip(prompts, engine.generate(prompts, params)):
+                tokens, logprobs = megatron_greedy(gpt, prompt, 8)
+                assert out.generated_token_ids == tokens
+                assert max(abs(a - b) for a, b in zip(out.logprobs, logprobs)) < 1e-4
+                assert set(out.token_versions) == {version}
+
+        check(0)
+        gpt.train()
+        optimizer = torch.optim.AdamW(gpt.parameters(), lr=1e-2)
+        batch = torch.randint(0, spec.vocab_size, (4, 12), generator=torch.Generator().manual_seed(1))
+        logits = gpt_logits(gpt, batch)
+        F.cross_entropy(logits[:, :-1].reshape(-1, spec.vocab_size).float(), batch[:, 1:].reshape(-1)).backward()
+        optimizer.step()
+        gpt.eval()
+        assert engine.on_weights_updated() == 1
+        check(1)
