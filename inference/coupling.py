@@ -127,7 +127,7 @@ class TrainerCoupling:
         try:
             self._restore_weights()
             self.kv_cache.allocate()
-        except (RuntimeError, MemoryError) as exc:  # an allocation failed half-way: undo, stay suspended
+        except (RuntimeError, MemoryError, OSError) as exc:  # an allocation failed: undo, stay suspended
             self.kv_cache.deallocate()
             self._offload_weights()
             self.state = EngineState.SUSPENDED

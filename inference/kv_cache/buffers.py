@@ -8,6 +8,7 @@ are contiguous `[num_blocks, block_size, H, D]` pages, i.e. flashinfer's "NHD" p
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 
 import torch
@@ -92,11 +93,25 @@ class KVCacheBuffer:
 
     def allocate(self) -> None:
         """Allocate (zero-filled) storage; a no-op when already allocated."""
-        if self._data is None:
+        if self._data is not None:
+            return
+        if self.device.type == "cpu":
+            # NOTE: an anonymous mapping of its own, so that deallocate() hands the pages back to
+            # the OS at once (munmap). A malloc'd buffer may land on the heap (glibc raises its mmap
+            # threshold after each large free), where freed pages stay resident for the trainer.
+            # Fresh anonymous pages read as zeros and only count once touched.
+            region = mmap.mmap(-1, max(self.nbytes, 1))
+            self._data = torch.frombuffer(region, dtype=self.dtype, count=self.nbytes // self.dtype.itemsize)
+            self._data = self._data.view(self.shape)
+        else:
             self._data = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
 
     def deallocate(self) -> None:
-        """Drop the storage so that suspend frees the memory; contents are lost."""
+        """Drop the storage so that suspend frees the memory; contents are lost.
+
+        On CPU the mapping is unmapped when the last tensor viewing it goes (see the class
+        invariant on views).
+        """
         self._data = None
 
     def layer(self, i: int) -> torch.Tensor:
