@@ -13,6 +13,8 @@ to the waiting queue to be recomputed (their tokens are kept on the `Request`).
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -20,7 +22,7 @@ from inference.config import InferenceConfig
 from inference.errors import BlockOverflowError
 from inference.kv_cache.allocator import KVBlockAllocator
 from inference.kv_cache.hashing import block_hashes
-from inference.request import Request, RequestStatus
+from inference.request import FinishReason, Request, RequestStatus
 from inference.sampling_params import LogprobsMode
 
 
@@ -227,6 +229,34 @@ class DynamicInferenceContext:
         self.block_table[slot, start : start + needed] = fresh
         self.num_blocks[slot] = start + needed
         return True
+
+    # ---- after a step ------------------------------------------------------------------------
+
+    def update_requests(
+        self, slots: np.ndarray, new_tokens: np.ndarray, new_logprobs: np.ndarray, eos_token_ids: np.ndarray
+    ) -> list[tuple[Request, FinishReason]]:
+        """Append each slot's sampled token; release the slots that hit a stop or their length.
+
+        Vectorised over the slots; only finishing requests (and first tokens, for timing) are
+        visited one by one. Returns the finished requests with their reasons.
+        """
+        pos = self.seq_len[slots]
+        self.tokens[slots, pos] = new_tokens
+        self.token_logprobs[slots, pos] = new_logprobs
+        self.token_versions[slots, pos] = self.policy_version
+        self.seq_len[slots] = pos + 1
+        first = slots[pos == self.prompt_len[slots]]
+        if first.size:
+            now = time.perf_counter()
+            for slot in first.tolist():
+                self.requests[slot].first_token_time = now
+        is_stop = np.isin(new_tokens, eos_token_ids) & ~self.ignore_eos[slots]
+        is_stop |= (self.stop_ids[slots] == new_tokens[:, None]).any(axis=1)
+        done = is_stop | (pos + 1 >= self.max_len[slots])
+        if not done.any():
+            return []
+        reasons = [FinishReason.STOP if s else FinishReason.LENGTH for s in is_stop[done].tolist()]
+        return list(zip(self.release_memory_blocks_from_request_indexes(slots[done]), reasons))
 
     # ---- leaving a slot ----------------------------------------------------------------------
 

@@ -290,29 +290,15 @@ class DynamicInferenceEngine(TrainerCoupling):
         )
 
     def _commit_tokens(self, slots: np.ndarray, out: Any) -> list[RequestOutput]:
-        """Append each slot's sampled token; finish the slots that hit a stop or their length."""
+        """Hand the sampled tokens to the context; turn the requests it finished into outputs."""
         ctx = self.context
         tokens = out.token_ids.numpy()
-        pos = ctx.seq_len[slots]
-        ctx.tokens[slots, pos] = tokens
-        ctx.token_logprobs[slots, pos] = out.logprobs.numpy()
-        ctx.token_versions[slots, pos] = ctx.policy_version
-        ctx.seq_len[slots] = pos + 1
         self.generated_tokens += slots.size
-        now = time.perf_counter()
-        for slot in slots[pos == ctx.prompt_len[slots]].tolist():
-            ctx.requests[slot].first_token_time = now
         if out.top_logprobs is not None:
             self._record_top_logprobs(slots, out)
-        is_eos = np.isin(tokens, self.eos_token_ids) & ~ctx.ignore_eos[slots]
-        is_stop = is_eos | (ctx.stop_ids[slots] == tokens[:, None]).any(axis=1)
-        done = is_stop | (pos + 1 >= ctx.max_len[slots])
-        if not done.any():
-            return []
-        finished_slots = slots[done]
-        reasons = [FinishReason.STOP if s else FinishReason.LENGTH for s in is_stop[done].tolist()]
+        finished = ctx.update_requests(slots, tokens, out.logprobs.numpy(), self.eos_token_ids)
         outputs = []
-        for req, reason in zip(ctx.release_memory_blocks_from_request_indexes(finished_slots), reasons):
+        for req, reason in finished:
             self._finish(req, reason)
             outputs.append(RequestOutput.from_request(req))
         return outputs
