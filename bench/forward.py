@@ -18,7 +18,10 @@ Calls of the two sides alternate, so load from other processes hits both; each s
 printed with the ratio HF/ours (> 1: the engine is faster), and max |logits difference| as a check
 that both computed the same thing (fp32 ~1e-5; bf16 rounds, ~1).
 
-Usage: `python bench/forward.py [--quick] [--threads N] [--repeats R]`.
+Usage: `python bench/forward.py [--quick] [--threads N] [--repeats R]`. Threads default to the
+number of cores. The load average is printed before and after: when other processes keep the
+cores busy, intra-op threads wait on each other (on 2 cores at load ~4.5, 2 threads made every
+timing 5-13x slower than 1 thread, and the ratios swung both ways), so pass `--threads 1` there.
 """
 
 from __future__ import annotations
@@ -255,9 +258,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads < 1 or (args.repeats is not None and args.repeats < 1):
         parser.error("--threads and --repeats must be positive")
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, block size {BLOCK_SIZE}", file=sys.stderr)
-    print_table(run(args))
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads on {default_threads()} cores, "
+        f"block size {BLOCK_SIZE}, {load_note()}"
+    )
+    rows = run(args)
+    print_table(rows)
+    print(f"at the end: {load_note()}")
     return 0
+
+
+def load_note() -> str:
+    """The 1-minute load average: above the core count, other processes take a share of every timing."""
+    if not hasattr(os, "getloadavg"):
+        return "load average unknown"
+    load = os.getloadavg()[0]
+    busy = " (busy machine: timings are inflated and noisy)" if load > default_threads() else ""
+    return f"load average {load:.1f}{busy}"
 
 
 if __name__ == "__main__":

@@ -361,11 +361,10 @@ class DynamicInferenceContext:
         if not self.allocator.enable_prefix_caching:
             return
         bs = self.block_size
-        for slot in slots.tolist():
+        crossed = slots[self.kv_len[slots] // bs > self.num_registered[slots]]  # few: ~1 in bs per step
+        for slot in crossed.tolist():
             full = int(self.kv_len[slot]) // bs
             done = int(self.num_registered[slot])
-            if full <= done:
-                continue
             self.num_registered[slot] = full
             if self.cache_broken[slot]:
                 continue

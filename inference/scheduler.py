@@ -87,12 +87,12 @@ class Scheduler:
         ctx, chunk_cap = self.ctx, self.config.chunked_prefill_size
         slots: list[int] = []
         lens: list[int] = []
-        for slot in list(ctx.active):
+        active = np.array(ctx.active, dtype=np.int64)
+        prefilling = active[ctx.seq_len[active] - ctx.kv_len[active] > 1] if active.size else active
+        for slot in prefilling.tolist():  # NOTE: decode-ready slots (one token left) run as decodes
             if budget <= 0:
                 break
             todo = int(ctx.seq_len[slot] - ctx.kv_len[slot])
-            if todo <= 1:
-                continue  # decode-ready (scheduled as a decode)
             chunk = self._fit_chunk(slot, min(todo, chunk_cap, budget))
             if chunk > 0:
                 slots.append(slot)

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from inference import InferenceConfig, SamplingParams
+from inference import InferenceConfig, LogprobsMode, SamplingParams
 from rollout.engine import RolloutEngine
 from rollout.grpo import grpo_step
 from rollout.tasks import ArithmeticTask, CountingTask, DigitVocab, Task
@@ -80,8 +80,8 @@ class GRPOConfig:
         model = ModelKind(model)
         base: dict[str, Any] = {"model": model}
         if model is ModelKind.SMOLLM2:
-            base.update(steps=30, prompts_per_step=8, samples_per_prompt=8, lr=1e-6, block_size=16,
-                        micro_batch_size=16, table_every=1)
+            base.update(steps=30, prompts_per_step=8, samples_per_prompt=8, lr=5e-6, temperature=0.7,
+                        block_size=16, micro_batch_size=16, table_every=1)
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)
 
@@ -144,9 +144,17 @@ def engine_config(cfg: GRPOConfig, task: Task) -> InferenceConfig:
 
 def run_grpo(cfg: GRPOConfig) -> RunSummary:
     """Train `cfg.model` with GRPO for `cfg.steps` steps; metrics to W&B, console and a PNG."""
-    start = time.perf_counter()
+    threads = torch.get_num_threads()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
+    try:
+        return _run(cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(cfg: GRPOConfig) -> RunSummary:
+    start = time.perf_counter()
     policy, task, pad_id = build_policy(cfg)
     rng = random.Random(cfg.seed)
     name = cfg.run_name or f"grpo-{cfg.model.value}-seed{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -157,7 +165,9 @@ def run_grpo(cfg: GRPOConfig) -> RunSummary:
     # -- the colocated loop: this is the whole point ------------------------------------------
     engine = RolloutEngine(policy, engine_config(cfg, task))  # aliases the policy's parameters
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
-    sampling = SamplingParams(temperature=cfg.temperature, max_tokens=task.max_tokens)
+    # log-probs of the distribution sampled from (softmax(logits / T)), which the trainer recomputes
+    mode = LogprobsMode.RAW if cfg.temperature == 1.0 else LogprobsMode.PROCESSED
+    sampling = SamplingParams(temperature=cfg.temperature, max_tokens=task.max_tokens, logprobs_mode=mode)
     engine.suspend()  # between steps the memory is the trainer's
     stale = 0
     for step in range(cfg.steps):
@@ -173,7 +183,8 @@ def run_grpo(cfg: GRPOConfig) -> RunSummary:
             freed = engine.suspend()
         with timer("train"):
             stats = grpo_step(policy, optimizer, batch, rewards, clip_eps=cfg.clip_eps,
-                              max_grad_norm=cfg.max_grad_norm, micro_batch_size=cfg.micro_batch_size, pad_id=pad_id)
+                              max_grad_norm=cfg.max_grad_norm, micro_batch_size=cfg.micro_batch_size, pad_id=pad_id,
+                              temperature=cfg.temperature)
         with timer("weight_update"):
             engine.on_weights_updated()  # no bytes move: version + 1, prefix cache reset
         # -----------------------------------------------------------------------------------------
@@ -236,7 +247,7 @@ def summarize(history: list[dict[str, Any]], max_reward: float, stale: int, seco
 def format_summary(s: RunSummary) -> str:
     target = f"step {s.first_step_at_target}" if s.first_step_at_target is not None else "not reached"
     lines = [
-        f"reward: {s.initial_reward:.3f} at step 0 (random policy) -> {s.final_reward:.3f} over the last 10 steps "
+        f"reward: {s.initial_reward:.3f} at step 0 (the initial policy) -> {s.final_reward:.3f} over the last 10 steps "
         f"(max {s.max_reward:g}); 0.9 x max (10-step mean) reached at {target}",
         f"train-inference mismatch |engine - trainer| log-prob over all sampled tokens: "
         f"mean {s.mismatch_mean:.2e}, max {s.mismatch_max:.2e}; tokens from a stale policy version: {s.stale_tokens}",

@@ -17,7 +17,7 @@ import torch
 
 from rollout.types import PaddedBatch, RolloutBatch, group_slices
 
-__all__ = ["TrainStats", "group_advantages", "grpo_loss", "grpo_step", "token_logprobs"]
+__all__ = ["TrainStats", "gather_logprobs", "group_advantages", "grpo_loss", "grpo_step", "token_logprobs"]
 
 
 def group_advantages(
@@ -41,8 +41,11 @@ def group_advantages(
     return out.float()
 
 
-def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Flat `[N]` log-probs (fp32, with grad) of the tokens where `loss_mask` is True.
+def token_logprobs(
+    model: torch.nn.Module, input_ids: torch.Tensor, loss_mask: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """Flat `[N]` log-probs (fp32, with grad) of the tokens where `loss_mask` is True, under
+    `softmax(logits / temperature)` (the engine's PROCESSED log-probs when sampling untruncated at T).
 
     Only the N predicting positions go through the LM head (a `[N, vocab]` logits matrix, not
     `[B, T, vocab]`). Right padding means no attention mask is needed: a real token never attends
@@ -55,7 +58,18 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, loss_mask: t
     decoder, head = model.get_decoder(), model.get_output_embeddings()
     hidden = decoder(input_ids=input_ids, use_cache=False).last_hidden_state
     logits = head(hidden[rows, cols - 1]).float()
-    return logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+    return gather_logprobs(logits if temperature == 1.0 else logits / temperature, targets)
+
+
+def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """`log_softmax(logits)[i, targets[i]]` for `[N, V]` logits, differentiable, accurate in fp32.
+
+    NOTE: not `log_softmax`: torch's fp32 CPU kernel errs by up to ~1e-5 over a 49k vocabulary
+    (SmolLM2), which would swamp the engine/trainer comparison; (x - max) - log(sum(exp(x - max)))
+    stays within ~2e-6, like the engine's sampler.
+    """
+    shifted = logits - logits.detach().amax(-1, keepdim=True)
+    return shifted.gather(-1, targets[:, None]).squeeze(-1) - shifted.exp().sum(-1).log()
 
 
 def grpo_loss(
@@ -91,12 +105,14 @@ def grpo_step(
     max_grad_norm: float = 1.0,
     micro_batch_size: int | None = None,
     pad_id: int = 0,
+    temperature: float = 1.0,
 ) -> TrainStats:
     """One GRPO optimizer step on `batch`, in place on `model` (whose parameters the engine may alias).
 
     The loss is the token mean over every completion token of the batch (micro-batches are
     weighted so the sum is exact). Mismatch figures compare the engine's log-probs with the
-    trainer's recomputation under the same weights, before the step.
+    trainer's recomputation under the same weights, before the step. `temperature` must match
+    the log-probs in `batch`: 1 for RAW ones, the sampling temperature for PROCESSED ones.
     """
     device = next(model.parameters()).device
     padded: PaddedBatch = batch.to_padded_tensors(pad_id=pad_id, device=device)
@@ -113,7 +129,7 @@ def grpo_step(
         mask = padded.loss_mask[sl]
         if not mask.any():
             continue
-        lp = token_logprobs(model, padded.input_ids[sl], mask)
+        lp = token_logprobs(model, padded.input_ids[sl], mask, temperature)
         old = padded.old_logprobs[sl][mask]
         adv = adv_rows[sl][:, None].expand_as(mask)[mask]
         per_token, was_clipped = grpo_loss(lp, old, adv, clip_eps=clip_eps)

@@ -7,8 +7,10 @@
   NOTE: chosen because its reward is dense: a one-token answer (the issue's "continue counting",
   reward 0.96 in 32 steps) is learnt in seconds, while all-or-nothing multi-token answers
   (0.74 in 700 steps for 3 tokens) and sparse arithmetic (no progress in 4,000) are not.
-* `ArithmeticTask`: "What is a + b?" for a chat model (SmolLM2-135M-Instruct), reward 1 when the
-  first integer of the answer is the sum.
+* `ArithmeticTask`: "What is a + b?" for a chat model (SmolLM2-135M-Instruct): reward 1 when the
+  first integer of the answer is the sum, `partial` when the sum comes later. Measured on the
+  GGUF-converted SmolLM2 at T=0.7 with one-digit operands: first integer right ~5%, the sum
+  anywhere ~37%; with two-digit operands the first is never right.
 """
 
 from __future__ import annotations
@@ -121,13 +123,15 @@ _INT = re.compile(r"-?\d+")
 
 @dataclass(slots=True)
 class ArithmeticTask:
-    """"What is a + b?" through a chat template; reward 1 iff the first integer answered is a + b."""
+    """"What is a + b?" through a chat template; reward 1 if the first integer answered is a + b,
+    `partial` if a later one is, else 0."""
 
     tokenizer: Any
     low: int = 0
-    high: int = 99
+    high: int = 9
     max_tokens: int = 12
     max_reward: float = 1.0
+    partial: float = 0.5
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -148,8 +152,10 @@ class ArithmeticTask:
         return problems
 
     def reward(self, problem: Problem, completion_ids: list[int]) -> float:
-        match = _INT.search(self.tokenizer.decode(completion_ids, skip_special_tokens=True))
-        return float(match is not None and int(match.group()) == problem.answer)
+        numbers = [int(m) for m in _INT.findall(self.tokenizer.decode(completion_ids, skip_special_tokens=True))]
+        if numbers and numbers[0] == problem.answer:
+            return 1.0
+        return self.partial if problem.answer in numbers else 0.0
 
     def render(self, problem: Problem, completion_ids: list[int]) -> str:
         text = self.tokenizer.decode(completion_ids, skip_special_tokens=True).strip().replace("\n", " ")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from inference import SamplingParams
+from inference import LogprobsMode, SamplingParams
 from rollout.engine import RolloutEngine, derive_seed
 from rollout.grpo import token_logprobs
 from rollout.types import FinishReason
@@ -65,3 +65,16 @@ def test_weights_are_aliased_not_copied(policy):
     assert report.copied == {} and len(report.aliased) == len(engine.engine.model.spec.weight_shapes())
     engine_embed = engine.engine.model.named_tensors()["model.embed_tokens.weight"]
     assert engine_embed.data_ptr() == policy.model.embed_tokens.weight.data_ptr()
+
+
+def test_processed_logprobs_equal_the_trainers_at_a_temperature(policy):
+    engine = RolloutEngine(policy, small_engine_config())
+    sampling = SamplingParams(max_tokens=10, seed=0, temperature=0.7, logprobs_mode=LogprobsMode.PROCESSED)
+    batch = engine.generate(PROMPTS, n=8, sampling=sampling)
+    padded = batch.to_padded_tensors()
+    with torch.no_grad():
+        trainer = token_logprobs(policy, padded.input_ids, padded.loss_mask, temperature=0.7)
+        raw = token_logprobs(policy, padded.input_ids, padded.loss_mask)
+    engine_lp = padded.old_logprobs[padded.loss_mask]
+    assert (trainer - engine_lp).abs().max() <= 1e-5
+    assert (raw - engine_lp).abs().max() > 1e-3  # the temperature does matter

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
-from rollout.tasks import CountingTask, DigitVocab, Problem
+from rollout.tasks import ArithmeticTask, CountingTask, DigitVocab, Problem
 
 D, EOS = DigitVocab.digit, DigitVocab.EOS
 
@@ -43,3 +44,25 @@ def test_render_and_config_checks():
         CountingTask(min_run=0)
     with pytest.raises(ValueError, match="max_tokens"):
         CountingTask(max_tokens=5)
+
+
+class CharTokenizer:
+    """Characters as token ids; a chat template that is the message itself."""
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        return [ord(c) for c in messages[0]["content"]]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def test_arithmetic_reward_prefers_the_sum_first():
+    task = ArithmeticTask(CharTokenizer())
+    problem = task.sample(random.Random(1), 1)[0]
+    a, b = (int(v) for v in re.findall(r"\d+", CharTokenizer().decode(problem.prompt_ids)))
+    assert problem.answer == a + b and len(problem.prompt_ids) <= task.max_prompt_tokens
+    enc = lambda s: [ord(c) for c in s]  # noqa: E731
+    assert task.reward(problem, enc(f"{a + b}")) == 1.0
+    assert task.reward(problem, enc(f"{a} + {b} = {a + b}")) == task.partial
+    assert task.reward(problem, enc(f"{a + b + 1}")) == 0.0
+    assert task.reward(problem, enc("no idea")) == 0.0

@@ -35,7 +35,8 @@ BLOCK_SIZE = 16
 # at most 5.1e-5 and HF's own fp32 forward by 6.5e-5, and HF fed the same prompt in two cached
 # chunks differs from HF in one pass by 6.4e-5. The residual stream does reach ~2.5e4 (SmolLM2's
 # attention-sink token), but only in that token's row, which later tokens see through RMS-normed
-# keys and values, so it adds no absolute error to their logits.
+# keys and values, so it adds no absolute error to their logits. Greedy identity is then safe:
+# the closest top-2 gap over these 51 rows is 0.013 (prompt 3), 190x the largest difference.
 FP32_TOL = 1e-4
 # NOTE: bf16 keeps 8 mantissa bits: 1 ulp of a logit in [16, 32) is 0.125, and both sides round
 # 30 layers of activations at different points (kernel blocking, SDPA over paged vs contiguous K/V).
