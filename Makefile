@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/demo.py
+	$(PY) examples/grpo_colocated.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

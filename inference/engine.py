@@ -240,11 +240,11 @@ class DynamicInferenceEngine(TrainerCoupling):
         sample_slots, sample_rows = self._fork_groups(batch.sample_slots)
         ctx.register_full_blocks(np.concatenate((plan.slots, sample_slots)))
         self.allocator.events.publish_pending()
+        if batch.prompt_rows:  # NOTE: before the commit, which may release a request finished now
+            self._record_prompt_logprobs(batch, logits)
         if sample_slots.size:  # NOTE: a step of mid-prompt chunks only samples nothing
             out = self.sampler(logits[sample_rows], self._sampling_batch(sample_slots))
             finished += self._commit_tokens(sample_slots, out)
-        if batch.prompt_rows:
-            self._record_prompt_logprobs(batch, logits)
         return finished
 
     def _fork_groups(self, sample_slots: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
@@ -319,8 +319,6 @@ class DynamicInferenceEngine(TrainerCoupling):
         ctx = self.context
         for rows in batch.prompt_rows:
             req = ctx.requests[rows.slot]
-            if req is None:
-                continue  # finished in this very step (max_tokens reached); its output is final
             n = req.params.prompt_logprobs
             targets = torch.from_numpy(ctx.tokens[rows.slot, rows.first_token : rows.first_token + rows.count])
             scored = compute_prompt_logprobs(logits[rows.start : rows.start + rows.count], targets, n)
@@ -385,6 +383,10 @@ class DynamicInferenceEngine(TrainerCoupling):
         return [results[i] for i in order]
 
     # ---- introspection -----------------------------------------------------------------------
+
+    def kv_utilization(self) -> float:
+        """Fraction of KV blocks held by requests now (cheap: two counters)."""
+        return self.allocator.active / self.allocator.total
 
     def stats(self) -> dict:
         pool = self.allocator.stats()

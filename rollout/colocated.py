@@ -51,7 +51,9 @@ class GRPOConfig:
     hidden_size: int = 64  # tiny model only
     num_layers: int = 2  # tiny model only
     block_size: int = 4  # KV block size (tokens)
-    threads: Optional[int] = None  # torch intra-op threads (None: torch's default, the cores)
+    # torch intra-op threads (None: torch's default, one per core). NOTE: 1 for the tiny model: its
+    # ops are too small to split, and on a busy 2-core machine 2 threads ran the demo 10x slower
+    threads: Optional[int] = 1
     out_dir: str = "runs"
     run_name: Optional[str] = None
     wandb: bool = True
@@ -81,7 +83,7 @@ class GRPOConfig:
         base: dict[str, Any] = {"model": model}
         if model is ModelKind.SMOLLM2:
             base.update(steps=30, prompts_per_step=8, samples_per_prompt=8, lr=5e-6, temperature=0.7,
-                        block_size=16, micro_batch_size=16, table_every=1)
+                        block_size=16, micro_batch_size=16, table_every=1, threads=None)
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)
 
@@ -156,12 +158,27 @@ def run_grpo(cfg: GRPOConfig) -> RunSummary:
 def _run(cfg: GRPOConfig) -> RunSummary:
     start = time.perf_counter()
     policy, task, pad_id = build_policy(cfg)
-    rng = random.Random(cfg.seed)
     name = cfg.run_name or f"grpo-{cfg.model.value}-seed{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
     tracker = Tracker(
         Path(cfg.out_dir) / name, cfg.steps, config=cfg.to_dict(), run_name=name, use_wandb=cfg.wandb,
         table_every=cfg.table_every, max_reward=task.max_reward, show_progress=cfg.progress,
     )
+    try:
+        stale = _loop(cfg, policy, task, pad_id, tracker)
+    except BaseException:  # NOTE: an interrupted run still closes its W&B run and plots what it has
+        tracker.finish()
+        raise
+    summary = summarize(tracker.history, task.max_reward, stale, time.perf_counter() - start)
+    paths = tracker.finish({k: v for k, v in asdict(summary).items() if isinstance(v, (int, float))})
+    summary.out_dir, summary.plot, summary.wandb_dir, summary.wandb_url = (
+        paths.out_dir, paths.plot, paths.wandb_dir, paths.wandb_url)
+    summary.history = tracker.history
+    return summary
+
+
+def _loop(cfg: GRPOConfig, policy: torch.nn.Module, task: Task, pad_id: int, tracker: Tracker) -> int:
+    """The steps; returns how many tokens were sampled by a stale policy version (must be 0)."""
+    rng = random.Random(cfg.seed)
     # -- the colocated loop: this is the whole point ------------------------------------------
     engine = RolloutEngine(policy, engine_config(cfg, task))  # aliases the policy's parameters
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -210,12 +227,7 @@ def _run(cfg: GRPOConfig) -> RunSummary:
             "engine_steps": gen.engine_steps,
             "suspend_freed_bytes": getattr(freed, "buffer_bytes", 0),
         }, example=task.render(problems[batch[0].group], batch[0].completion_ids))
-    summary = summarize(tracker.history, task.max_reward, stale, time.perf_counter() - start)
-    paths = tracker.finish({k: v for k, v in asdict(summary).items() if isinstance(v, (int, float))})
-    summary.out_dir, summary.plot, summary.wandb_dir, summary.wandb_url = (
-        paths.out_dir, paths.plot, paths.wandb_dir, paths.wandb_url)
-    summary.history = tracker.history
-    return summary
+    return stale
 
 
 def summarize(history: list[dict[str, Any]], max_reward: float, stale: int, seconds: float) -> RunSummary:

@@ -92,7 +92,7 @@ class RolloutEngine:
                     else:
                         logger.warning("dropping output of request %d from an interrupted call", out.request_id)
                 # NOTE: the pool's O(1) counters, not `stats()`, whose per-slot scan costs more than a step
-                peak = max(peak, eng.allocator.active / eng.allocator.total)
+                peak = max(peak, eng.kv_utilization())
         finally:
             for request_id in pending:  # only on an exception: leave nothing running behind us
                 eng.abort(request_id)

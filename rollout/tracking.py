@@ -180,7 +180,10 @@ class Tracker:
 
 
 def plot_history(history: Sequence[dict[str, Any]], path: Path, max_reward: float = 1.0) -> Optional[Path]:
-    """Reward (top) and |engine - trainer| log-prob mismatch (bottom, log scale) against step."""
+    """Reward (top) and |engine - trainer| log-prob mismatch (bottom, log scale) against step.
+
+    A step where engine and trainer agree exactly (mismatch 0) leaves a gap on the log scale.
+    """
     if not history:
         return None
     try:
@@ -208,7 +211,7 @@ def plot_history(history: Sequence[dict[str, Any]], path: Path, max_reward: floa
     bottom.set_yscale("log")
     bottom.set_ylabel("|engine - trainer| log-prob")
     bottom.set_xlabel("step (= policy version)")
-    bottom.legend(loc="upper right")
+    bottom.legend(loc="lower left")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -78,3 +78,32 @@ def test_processed_logprobs_equal_the_trainers_at_a_temperature(policy):
     engine_lp = padded.old_logprobs[padded.loss_mask]
     assert (trainer - engine_lp).abs().max() <= 1e-5
     assert (raw - engine_lp).abs().max() > 1e-3  # the temperature does matter
+
+
+def test_copied_weights_follow_update_weights_and_bind_trainer_model():
+    trainer = tiny_policy(seed=0)
+    engine = RolloutEngine(tiny_policy(seed=5), small_engine_config(), share_weights=False)
+    sampling = SamplingParams(max_tokens=6, seed=0)
+
+    def mismatch():
+        batch = engine.generate(PROMPTS, n=4, sampling=sampling)
+        padded = batch.to_padded_tensors()
+        with torch.no_grad():
+            lp = token_logprobs(trainer, padded.input_ids, padded.loss_mask)
+        return float((lp - padded.old_logprobs[padded.loss_mask]).abs().max()), batch.versions
+
+    assert mismatch()[0] > 1e-2  # another model's weights
+    assert engine.update_weights(dict(trainer.named_parameters()), version=7) == 7
+    diff, versions = mismatch()
+    assert diff <= 1e-5 and versions == {7} and engine.policy_version == 7
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.add_(0.05)  # the engine holds a copy: it does not see this
+    assert mismatch()[0] > 1e-3
+    engine.bind_trainer_model(trainer)  # from now on it aliases
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.sub_(0.01)
+    engine.on_weights_updated()
+    diff, versions = mismatch()
+    assert diff <= 1e-5 and versions == {8}

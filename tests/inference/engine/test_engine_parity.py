@@ -73,3 +73,11 @@ def test_seeded_sampling_is_independent_of_batch(llama):
         + [SamplingParams(temperature=0.7, max_tokens=9)] * 4,
     )[3]
     assert crowd.generated_token_ids == alone.generated_token_ids
+
+
+def test_prompt_logprobs_survive_finishing_in_the_prefill_step(llama):
+    engine = DynamicInferenceEngine.from_pretrained(llama, InferenceConfig(block_size=4, num_blocks=64, max_requests=4,
+                                                                           max_tokens=64, max_sequence_length=64))
+    prompt = random_prompts(1, 9, 9, seed=31)[0]
+    (out,) = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+    assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt)
