@@ -104,6 +104,9 @@ class TrainerCoupling:
         self.allocator.reset()  # the buffer's contents are about to go: so is every cached block
         buffer_bytes = self.kv_cache.nbytes
         self.kv_cache.deallocate()
+        release = getattr(self.model.backend, "release_workspace", None)
+        if release is not None:  # attention's reusable gather buffers are KV-sized too
+            release()
         weight_bytes = self._offload_weights() if offload_weights else 0
         freed = max(0, before - _memory_in_use(device))
         self.state = EngineState.SUSPENDED

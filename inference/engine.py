@@ -243,13 +243,18 @@ class DynamicInferenceEngine(TrainerCoupling):
         if batch.prompt_rows:  # NOTE: before the commit, which may release a request finished now
             self._record_prompt_logprobs(batch, logits)
         if sample_slots.size:  # NOTE: a step of mid-prompt chunks only samples nothing
-            out = self.sampler(logits[sample_rows], self._sampling_batch(sample_slots))
+            # NOTE: sampled rows come first in the logits; without forks a view, not a copy
+            rows = logits[: sample_slots.size] if sample_rows is None else logits[sample_rows]
+            out = self.sampler(rows, self._sampling_batch(sample_slots))
             finished += self._commit_tokens(sample_slots, out)
         return finished
 
-    def _fork_groups(self, sample_slots: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
-        """Samples 1..n-1 of a group whose prompt was just prefilled join as forks of sample 0."""
-        rows = torch.arange(sample_slots.size)
+    def _fork_groups(self, sample_slots: np.ndarray) -> tuple[np.ndarray, torch.Tensor | None]:
+        """Samples 1..n-1 of a group whose prompt was just prefilled join as forks of sample 0.
+
+        Returns the slots that sample and the logits rows they read (None: rows 0..n-1 in order,
+        so the caller can take a view instead of copying the logits).
+        """
         ctx = self.context
         forked_slots, forked_rows = [], []
         for row, slot in enumerate(sample_slots.tolist()):
@@ -270,10 +275,10 @@ class DynamicInferenceEngine(TrainerCoupling):
                 forked_slots.append(child_slot)
                 forked_rows.append(row)
         if not forked_slots:
-            return sample_slots, rows
+            return sample_slots, None
         return (
             np.concatenate((sample_slots, np.array(forked_slots, dtype=np.int64))),
-            torch.cat((rows, torch.tensor(forked_rows, dtype=torch.int64))),
+            torch.cat((torch.arange(sample_slots.size), torch.tensor(forked_rows, dtype=torch.int64))),
         )
 
     def _sampling_batch(self, slots: np.ndarray) -> SamplingBatch:

@@ -36,6 +36,9 @@ class StepPlan:
         return self.slots.size == 0
 
 
+ADMISSION_SCAN = 256  # waiting requests looked at per step (bounds the scheduler's per-step work)
+
+
 class Scheduler:
     """Owns the waiting queue; admits, pauses, resumes and evicts through the context."""
 
@@ -98,8 +101,16 @@ class Scheduler:
                 slots.append(slot)
                 lens.append(chunk)
                 budget -= chunk
-        while self.waiting and budget > 0 and not ctx.paused:
-            req = self.waiting[0]
+        being_prefilled = self._first_blocks_being_prefilled(prefilling)
+        index = 0
+        while index < min(len(self.waiting), ADMISSION_SCAN) and budget > 0 and not ctx.paused:
+            req = self.waiting[index]
+            first = self._first_block_hash(req)
+            if first is not None and first in being_prefilled:
+                # NOTE: the same prompt start is being prefilled right now: wait a step and match
+                # its blocks from the cache instead of computing them again (n=1 GRPO samples)
+                index += 1
+                continue
             group = 1 + len(req.fork_children)
             if len(ctx.free_slots) - self.reserved_slots < group:
                 break
@@ -112,15 +123,34 @@ class Scheduler:
             try:
                 slot_chunk = ctx.add_request(req, chunk)
             except BlockOverflowError:
-                break  # NOTE: nothing changed; it stays first in line
-            self.waiting.popleft()
+                break  # NOTE: nothing changed; it stays in line
+            del self.waiting[index]
             self.reserved_slots += group - 1
             slot = ctx.active[-1]
+            if first is not None and ctx.num_registered[slot] < len(req.hash_cache):
+                being_prefilled.add(first)
             if slot_chunk > 0:
                 slots.append(slot)
                 lens.append(slot_chunk)
                 budget -= slot_chunk
         return slots, lens
+
+    def _first_block_hash(self, req: Request) -> int | None:
+        """Hash of the request's first full block when it can share blocks through the cache."""
+        if not self.ctx._use_cache(req):
+            return None
+        hashes = self.ctx._matchable_hashes(req)
+        return hashes[0] if hashes else None
+
+    def _first_blocks_being_prefilled(self, prefilling: np.ndarray) -> set[int]:
+        """First-block hashes of the running prefills that will register new full blocks."""
+        ctx = self.ctx
+        heads = set()
+        for slot in prefilling.tolist():
+            req = ctx.requests[slot]
+            if not ctx.cache_broken[slot] and req.hash_cache and ctx.num_registered[slot] < len(req.hash_cache):
+                heads.add(req.hash_cache[0])
+        return heads
 
     def _fit_chunk(self, slot: int, chunk: int) -> int:
         """Shrink `chunk` to what the slot's blocks plus free blocks can hold, and grow into it."""

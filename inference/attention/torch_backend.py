@@ -16,6 +16,8 @@ Masks and gather indices are built once per step in `plan` and reused by every l
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -50,6 +52,13 @@ class TorchAttentionBackend(AttentionBackend):
         self._num_tokens = 0
         self._decode: _Group | None = None
         self._prefill: _Group | None = None
+        # NOTE: one gather buffer per group, reused by every layer and step: a fresh KV-sized
+        # buffer per layer costs page faults on CPU (45 ms vs 8 ms for a 71 MB gather measured)
+        self._gather_buffers: dict[str, torch.Tensor] = {}
+
+    def release_workspace(self) -> None:
+        """Drop the reusable gather buffers (suspend hands their memory back too)."""
+        self._gather_buffers.clear()
 
     # -- per step --------------------------------------------------------------------------------
 
@@ -122,20 +131,26 @@ class TorchAttentionBackend(AttentionBackend):
         out.index_copy_(0, pf.tokens, self._attend_prefill(q.index_select(0, pf.tokens), kv, pf))
         return out
 
-    def _gather_kv(self, kv: torch.Tensor, g: _Group):
+    def _gather_kv(self, kv: torch.Tensor, g: _Group, group: str):
         # one gather for K and V of all the group's blocks: [2, B * n_blocks, bs, Hkv, D]
-        blocks = kv.index_select(1, g.block_ids)
+        shape = (2, g.block_ids.numel(), *kv.shape[2:])
+        size = math.prod(shape)
+        buf = self._gather_buffers.get(group)
+        if buf is None or buf.numel() < size or buf.dtype != kv.dtype or buf.device != kv.device:
+            buf = torch.empty(size + size // 4, dtype=kv.dtype, device=kv.device)  # headroom: grows rarely
+            self._gather_buffers[group] = buf
+        blocks = torch.index_select(kv, 1, g.block_ids, out=buf[:size].view(shape))
         blocks = blocks.view(2, g.batch, g.kv_len, self.num_kv_heads, self.head_dim).transpose(2, 3)
         return blocks[0], blocks[1]  # [B, Hkv, S, D] each
 
     def _attend_decode(self, q: torch.Tensor, kv: torch.Tensor, g: _Group) -> torch.Tensor:
-        k, v = self._gather_kv(kv, g)
+        k, v = self._gather_kv(kv, g, "decode")
         q = q.view(g.batch, self.num_kv_heads, self.group_size, self.head_dim)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=self.scale)
         return o.reshape(g.batch, self.num_heads * self.head_dim)
 
     def _attend_prefill(self, q: torch.Tensor, kv: torch.Tensor, g: _Group) -> torch.Tensor:
-        k, v = self._gather_kv(kv, g)
+        k, v = self._gather_kv(kv, g, "prefill")
         lq, width = g.q_len, self.num_heads * self.head_dim
         grid = q
         if g.scatter is not None:

@@ -131,3 +131,13 @@ def test_abort_of_waiting_group_member_and_leader(llama):
     assert by_id[ids[0]].finish_reason.value == "abort" and by_id[ids[2]].finish_reason.value == "abort"
     assert len(by_id[ids[1]].generated_token_ids) == 5
     assert engine.scheduler.reserved_slots == 0 and engine.allocator.active == 0
+
+
+def test_identical_prompts_added_together_are_prefilled_once(llama):
+    engine = small_engine(llama)
+    prompt = random_prompts(1, 16, 16, seed=12)[0]
+    outputs = engine.generate([prompt] * 8, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    # the first computes the prompt; the others wait a step and match its 3 full blocks (the last
+    # block is recomputed: at least one token must be run to get logits)
+    assert engine.context.prefill_tokens == 16 + 7 * 4
+    assert len({tuple(o.generated_token_ids) for o in outputs}) == 1
