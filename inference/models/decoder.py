@@ -69,6 +69,31 @@ class BindReport:
     ignored: list[str] = field(default_factory=list)
 
 
+def alias_or_copy(
+    name: str,
+    src: torch.Tensor,
+    dtype: torch.dtype,
+    device: torch.device,
+    report: BindReport,
+    blocker: str | None = None,
+) -> torch.Tensor:
+    """`src` itself when it can be aliased, else a converted copy; `report` records which and why."""
+    reason = blocker or alias_blocker(src, dtype, device)
+    if reason is None:
+        report.aliased.append(name)
+        return src.detach()  # same storage: no copy
+    report.copied[name] = reason
+    return src.detach().to(device, dtype, copy=True)
+
+
+def warn_if_copied(what: str, report: BindReport, total: int) -> None:
+    """Say loudly when tensors meant to alias a trainer's had to be copied."""
+    if report.copied:
+        sample = "; ".join(f"{n}: {r}" for n, r in list(report.copied.items())[:4])
+        logger.warning("%s: %d of %d tensors could not be aliased and were COPIED (trainer updates to them "
+                       "will not be seen): %s", what, len(report.copied), total, sample)
+
+
 def alias_blocker(src: torch.Tensor, dtype: torch.dtype, device: torch.device) -> str | None:
     """Why `src` cannot be used as the engine's tensor as is, or None when it can."""
     if type(src.data) is not torch.Tensor:
@@ -157,22 +182,9 @@ class DenseDecoder:
                     self._tensors[name].copy_(src)
                     report.copied[name] = "copy requested"
                     continue
-                reason = alias_blocker(src, self.dtype, self.device)
-                if reason is None:
-                    self._tensors[name] = src.detach()
-                    report.aliased.append(name)
-                else:
-                    self._tensors[name] = src.detach().to(self.device, self.dtype, copy=True)
-                    report.copied[name] = reason
-        if alias and report.copied:
-            sample = "; ".join(f"{n}: {r}" for n, r in list(report.copied.items())[:4])
-            logger.warning(
-                "bind_weights: %d of %d tensors could not be aliased and were COPIED "
-                "(trainer updates to them will not be seen): %s",
-                len(report.copied),
-                len(todo),
-                sample,
-            )
+                self._tensors[name] = alias_or_copy(name, src, self.dtype, self.device, report)
+        if alias:
+            warn_if_copied("bind_weights", report, len(todo))
         self._resolve()
         self.bind_report = report
         return report

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from inference.attention.base import AttentionBackend
-from inference.models.decoder import EMBED, LM_HEAD, BindReport, DenseDecoder, alias_blocker
+from inference.models.decoder import EMBED, LM_HEAD, BindReport, DenseDecoder, alias_or_copy, warn_if_copied
 from inference.models.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -107,23 +107,10 @@ def load_from_hf_model(
     report = BindReport()
     tensors: dict[str, torch.Tensor] = {}
     for name in expected:
-        param = params[name]
-        reason = alias_blocker(param, dtype, device) if share_weights else "share_weights=False"
-        if reason is None:
-            tensors[name] = param.detach()  # same storage: no copy
-            report.aliased.append(name)
-        else:
-            tensors[name] = param.detach().to(device, dtype, copy=True)
-            report.copied[name] = reason
-    if share_weights and report.copied:
-        sample = "; ".join(f"{n}: {r}" for n, r in list(report.copied.items())[:4])
-        logger.warning(
-            "share_weights=True but %d of %d tensors could not be aliased and were COPIED "
-            "(trainer updates to them will not be seen): %s",
-            len(report.copied),
-            len(expected),
-            sample,
-        )
+        blocker = None if share_weights else "share_weights=False"
+        tensors[name] = alias_or_copy(name, params[name], dtype, device, report, blocker)
+    if share_weights:
+        warn_if_copied("share_weights=True", report, len(expected))
     decoder = DenseDecoder(spec, tensors, backend=backend)
     decoder.bind_report = report
     return decoder
