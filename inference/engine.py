@@ -11,7 +11,7 @@ import enum
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -349,8 +349,15 @@ class DynamicInferenceEngine(TrainerCoupling):
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         *,
         use_tqdm: bool = False,
+        on_step: Optional[Callable[[], None]] = None,
+        abort_on_error: bool = False,
     ) -> list[RequestOutput]:
-        """Run `prompts` to completion; outputs in prompt order, the n samples of a prompt together."""
+        """Run `prompts` to completion; outputs in prompt order, the n samples of a prompt together.
+
+        `on_step` is called after every engine step (e.g. to sample KV use). Outputs of other
+        callers' requests that finish meanwhile are kept for the next `step()`. If a step raises,
+        this call's requests stay in the engine, or are aborted and dropped with `abort_on_error`.
+        """
         if self.state is not EngineState.RUNNING:
             raise TensorStateDeallocatedError(None, f"generate() while the engine is {self.state.value}")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -381,6 +388,14 @@ class DynamicInferenceEngine(TrainerCoupling):
                             bar.update(1)
                     else:
                         others.append(output)
+                if on_step is not None:
+                    on_step()
+        except BaseException:
+            if abort_on_error:
+                for request_id in pending:
+                    self.abort(request_id)
+                self._unclaimed = [o for o in self._unclaimed if o.request_id not in pending]
+            raise
         finally:
             self._unclaimed.extend(others)
             if bar is not None:

@@ -16,7 +16,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from inference import DynamicInferenceEngine, InferenceConfig, RequestOutput, SamplingParams
+from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams
 from rollout.types import GenerationStats, Rollout, RolloutBatch
 
 logger = logging.getLogger(__name__)
@@ -74,31 +74,14 @@ class RolloutEngine:
         version = eng.policy_version
         pool_before, steps_before = eng.allocator.stats(), eng.num_steps
         start = time.perf_counter()
-        order: list[int] = []
-        pending: set[int] = set()
-        results: dict[int, RequestOutput] = {}
-        peak = 0.0
-        try:
-            for prompt, p in zip(prompts, params):
-                ids = eng.add_request(prompt, p)
-                ids = ids if isinstance(ids, list) else [ids]
-                order.extend(ids)
-                pending.update(ids)
-            while pending:
-                for out in eng.step():
-                    if out.request_id in pending:
-                        pending.discard(out.request_id)
-                        results[out.request_id] = out
-                    else:
-                        logger.warning("dropping output of request %d from an interrupted call", out.request_id)
-                # NOTE: the pool's O(1) counters, not `stats()`, whose per-slot scan costs more than a step
-                peak = max(peak, eng.kv_utilization())
-        finally:
-            for request_id in pending:  # only on an exception: leave nothing running behind us
-                eng.abort(request_id)
+        peak = [0.0]
+
+        def sample_kv_use() -> None:  # NOTE: the pool's O(1) counters, not the per-slot stats() scan
+            peak[0] = max(peak[0], eng.kv_utilization())
+
+        outputs = eng.generate(prompts, params, on_step=sample_kv_use, abort_on_error=True)
         seconds = time.perf_counter() - start
         pool_after = eng.allocator.stats()
-        outputs = [results[i] for i in order]
         first_group = outputs[0].group_id if outputs else 0
         rollouts = [
             Rollout(
@@ -118,7 +101,7 @@ class RolloutEngine:
             engine_steps=eng.num_steps - steps_before,
             prompt_tokens=sum(len(p) for p in prompts) * n,
             completion_tokens=sum(len(r.completion_ids) for r in rollouts),
-            peak_kv_utilization=peak,
+            peak_kv_utilization=peak[0],
             prefix_hit_blocks=hits,
             prefix_lookup_blocks=hits + pool_after.miss_blocks - pool_before.miss_blocks,
         )
