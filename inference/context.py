@@ -121,7 +121,7 @@ class DynamicInferenceContext:
 
     def peek_cached_prefix(self, req: Request) -> tuple[int, int]:
         """(cached leading blocks of `req`, how many of those nobody holds yet)."""
-        return self.allocator.peek_prefix(self._matchable_hashes(req)) if self._use_cache(req) else (0, 0)
+        return self.allocator.peek_prefix(self.matchable_hashes(req)) if self.uses_prefix_cache(req) else (0, 0)
 
     def add_request(self, req: Request, prefill_chunk_length: int) -> int:
         """Give `req` a slot, its tokens and the blocks of its first chunk; returns the chunk length.
@@ -130,8 +130,8 @@ class DynamicInferenceContext:
         `BlockOverflowError` with nothing changed when the chunk's blocks cannot be had.
         """
         tokens = req.all_token_ids
-        if self._use_cache(req):
-            matched = self.allocator.match_prefix(self._matchable_hashes(req))
+        if self.uses_prefix_cache(req):
+            matched = self.allocator.match_prefix(self.matchable_hashes(req))
             self.cross_version_hits += int((self.block_version[matched] != self.policy_version).sum())
         else:
             matched = []
@@ -156,7 +156,7 @@ class DynamicInferenceContext:
         self.num_blocks[slot] = len(blocks)
         self.num_registered[slot] = len(matched)
         self.cache_broken[slot] = False
-        self.hashes[slot] = self._matchable_hashes(req)[: len(matched)] if matched else []
+        self.hashes[slot] = self.matchable_hashes(req)[: len(matched)] if matched else []
         self._bind_slot(slot, req)
         req.status = RequestStatus.RUNNING
         self.active.append(slot)
@@ -336,11 +336,11 @@ class DynamicInferenceContext:
 
     # ---- prefix cache ------------------------------------------------------------------------
 
-    def _use_cache(self, req: Request) -> bool:
+    def uses_prefix_cache(self, req: Request) -> bool:
         # NOTE: prompt log-probs need every prompt row's logits, which cached blocks skip.
         return self.allocator.enable_prefix_caching and req.params.prompt_logprobs is None
 
-    def _matchable_hashes(self, req: Request) -> list[int]:
+    def matchable_hashes(self, req: Request) -> list[int]:
         """Hashes of the full blocks before the last token (at least one token is computed)."""
         key = (self.policy_version, req.num_tokens)
         if req.hash_cache_key != key:  # NOTE: scheduling asks again each step while it waits

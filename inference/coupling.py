@@ -104,9 +104,7 @@ class TrainerCoupling:
         self.allocator.reset()  # the buffer's contents are about to go: so is every cached block
         buffer_bytes = self.kv_cache.nbytes
         self.kv_cache.deallocate()
-        release = getattr(self.model.backend, "release_workspace", None)
-        if release is not None:  # attention's reusable gather buffers are KV-sized too
-            release()
+        self.model.backend.release_workspace()  # attention's reusable gather buffers are KV-sized too
         weight_bytes = self._offload_weights() if offload_weights else 0
         freed = max(0, before - _memory_in_use(device))
         self.state = EngineState.SUSPENDED
@@ -173,7 +171,7 @@ class TrainerCoupling:
         return len(slots)
 
     def _restore_offloaded_requests(self) -> None:
-        saved, self._offloaded_kv = getattr(self, "_offloaded_kv", None), None
+        saved, self._offloaded_kv = self._offloaded_kv, None
         if saved is None:
             return
         held, host = saved
@@ -195,9 +193,9 @@ class TrainerCoupling:
 
     def _offload_weights(self) -> int:
         """Move the engine's own weight storage to host memory (aliased trainer tensors stay)."""
-        if getattr(self, "_offloaded_weights", None):
+        if self._offloaded_weights:
             return 0
-        aliased = {t.data_ptr() for t in self._trainer_tensors()}
+        aliased = {t.data_ptr() for t in self._bound_trainer_tensors}
         seen, moved, total = set(), [], 0
         for name, tensor in self.model.named_tensors().items():
             ptr = tensor.data_ptr()
@@ -216,16 +214,12 @@ class TrainerCoupling:
         return total
 
     def _restore_weights(self) -> None:
-        moved = getattr(self, "_offloaded_weights", None) or []
-        for _, host, tensor in moved:
+        for _, host, tensor in self._offloaded_weights:
             tensor.untyped_storage().resize_(host.numel() * host.element_size())
             tensor.copy_(host)
         self._offloaded_weights = []
 
     # ---- weights -----------------------------------------------------------------------------
-
-    def _trainer_tensors(self) -> list[torch.Tensor]:
-        return getattr(self, "_bound_trainer_tensors", [])
 
     def bind_trainer_model(self, module: Any) -> Any:
         """Alias the trainer's parameters (HF `*ForCausalLM`, or megatron-core via `weight_sync`).
@@ -268,7 +262,7 @@ class TrainerCoupling:
 
         Tensors an adapter had to convert (not aliasable) are refreshed from the trainer first.
         """
-        if getattr(self, "_trainer_refresh", None) is not None:
+        if self._trainer_refresh is not None:
             self._trainer_refresh()
         self._apply_update_policy(in_flight)
         self.context.policy_version += 1
@@ -289,7 +283,7 @@ class TrainerCoupling:
         old weights are intact and nothing changed. `partial=True` accepts a subset of tensors.
         Returns the new policy version (`version`, which must exceed the current one, or +1).
         """
-        if self._trainer_tensors():
+        if self._bound_trainer_tensors:
             raise EngineStateError(
                 "update_weights would write into the trainer's aliased parameters; call on_weights_updated()"
             )

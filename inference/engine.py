@@ -88,7 +88,8 @@ class DynamicInferenceEngine(TrainerCoupling):
         self.generated_tokens = 0
         self._offloaded_kv = None
         self._offloaded_weights: list = []
-        self._bound_trainer_tensors: list[torch.Tensor] = []
+        self._bound_trainer_tensors: list[torch.Tensor] = []  # the trainer's tensors the model aliases
+        self._trainer_refresh = None  # rewrites tensors an adapter had to convert (see bind_trainer_model)
 
     @classmethod
     def from_pretrained(
@@ -224,8 +225,6 @@ class DynamicInferenceEngine(TrainerCoupling):
             return finished  # NOTE: suspended: only outputs already finished (e.g. aborted) come out
         ctx = self.context
         plan = self.scheduler.schedule()
-        for req in plan.evicted:
-            self.scheduler.reserved_slots -= len(req.fork_children)
         if plan.empty:
             return finished
         batch = build_step_batch(ctx, plan, self.kv_cache.device)
@@ -238,7 +237,8 @@ class DynamicInferenceEngine(TrainerCoupling):
         ctx.kv_len[plan.slots] += plan.query_lens
         ctx.prefill_tokens += batch.prompt_tokens
         sample_slots, sample_rows = self._fork_groups(batch.sample_slots)
-        ctx.register_full_blocks(np.concatenate((plan.slots, sample_slots)))
+        # NOTE: forked samples have nothing to register: their full blocks are the parent's
+        ctx.register_full_blocks(plan.slots)
         self.allocator.events.publish_pending()
         if batch.prompt_rows:  # NOTE: before the commit, which may release a request finished now
             self._record_prompt_logprobs(batch, logits)

@@ -64,6 +64,7 @@ class Scheduler:
         if not decode and not prefill_slots and ctx.has_unfinished_requests():
             evicted += self._evict_newest()
         for req in reversed(evicted):
+            self.reserved_slots -= len(req.fork_children)  # re-reserved when it is admitted again
             self.add(req, front=True)
         slots = np.array(decode + prefill_slots, dtype=np.int64)
         lens = np.ones(slots.size, dtype=np.int64)
@@ -137,9 +138,9 @@ class Scheduler:
 
     def _first_block_hash(self, req: Request) -> int | None:
         """Hash of the request's first full block when it can share blocks through the cache."""
-        if not self.ctx._use_cache(req):
+        if not self.ctx.uses_prefix_cache(req):
             return None
-        hashes = self.ctx._matchable_hashes(req)
+        hashes = self.ctx.matchable_hashes(req)
         return hashes[0] if hashes else None
 
     def _first_blocks_being_prefilled(self, prefilling: np.ndarray) -> set[int]:

@@ -52,6 +52,9 @@ class AttentionBackend(ABC):
         self.dtype = dtype
         self.device = torch.device(device)
 
+    def release_workspace(self) -> None:  # noqa: B027 (a hook: backends without scratch buffers need nothing)
+        """Drop per-step scratch buffers kept between steps (suspend frees them); none by default."""
+
     @abstractmethod
     def plan(self, meta: AttentionMetadata, kv_cache: KVCacheBuffer) -> None:
         """Prepare the step described by `meta`; called once per step, before any `forward`."""
