@@ -125,7 +125,7 @@ def _engine(model, budget: Budget) -> DynamicInferenceEngine:
         block_size=BLOCK_SIZE,
         num_blocks=budget.kv_tokens // BLOCK_SIZE,
         max_requests=budget.max_requests,
-        max_tokens=budget.step_tokens,
+        max_batch_tokens=budget.step_tokens,
         dtype=model.dtype,
     )
     engine = DynamicInferenceEngine.from_pretrained(model, config, share_weights=True)

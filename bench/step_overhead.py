@@ -119,7 +119,7 @@ def _timed_steps(engine: DynamicInferenceEngine, clock: Stopwatch, steps: int, b
 def bench_batch(real, batch: int, args: argparse.Namespace, profile: bool) -> BatchResult:
     stub = InstantLogits(real, MAX_REQUESTS)
     # NOTE: requests admitted first decode while later ones prefill: leave room for those tokens
-    prefill_steps = -(-batch * args.prompt_len // InferenceConfig().max_tokens) + 1
+    prefill_steps = -(-batch * args.prompt_len // InferenceConfig().max_batch_tokens) + 1
     max_tokens = prefill_steps + args.warmup + args.steps + 1 + args.real_steps + 4
     per_request = -(-(args.prompt_len + max_tokens) // BLOCK_SIZE)
     config = InferenceConfig(

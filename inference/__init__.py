@@ -1,19 +1,30 @@
 """rollout-engine's inference engine: one model replica serving many requests at once."""
 
-from inference.config import EvictionPolicy, InferenceConfig, InFlightPolicy, SuspendedAddPolicy
-from inference.engine import DynamicInferenceEngine, EngineState
+from inference.config import (
+    EvictionPolicy,
+    InferenceConfig,
+    PauseMode,
+    SuspendedAddPolicy,
+    SuspendPolicy,
+    UpdatePolicy,
+)
+from inference.core import EngineState, SuspendReport
+from inference.engine import DynamicInferenceEngine
 from inference.errors import (
     ActiveRequestCountOverflowError,
     BlockOverflowError,
     ContextErrorFactory,
     ContextOverflowError,
+    EngineStateError,
     MaxSequenceLengthOverflowError,
     RequestOverflowError,
+    ResumeMemoryError,
     TensorStateDeallocatedError,
     TokenOverflowError,
 )
-from inference.request import FinishReason, RequestOutput
+from inference.request import FinishReason, RequestOutput, TokenEvent
 from inference.sampling_params import LogprobsMode, SamplingParams
+from inference.streams import EngineStepError, RequestStream
 
 __all__ = [
     "ActiveRequestCountOverflowError",
@@ -24,14 +35,22 @@ __all__ = [
     "EngineState",
     "EvictionPolicy",
     "FinishReason",
-    "InFlightPolicy",
+    "EngineStateError",
+    "EngineStepError",
     "InferenceConfig",
     "LogprobsMode",
     "MaxSequenceLengthOverflowError",
+    "PauseMode",
     "RequestOutput",
     "RequestOverflowError",
+    "RequestStream",
+    "ResumeMemoryError",
     "SamplingParams",
+    "SuspendPolicy",
+    "SuspendReport",
     "SuspendedAddPolicy",
     "TensorStateDeallocatedError",
+    "TokenEvent",
     "TokenOverflowError",
+    "UpdatePolicy",
 ]

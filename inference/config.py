@@ -10,22 +10,47 @@ import torch
 
 from inference.kv_cache.policy import EvictionPolicy
 
-__all__ = ["EvictionPolicy", "InFlightPolicy", "InferenceConfig", "SuspendedAddPolicy"]
+__all__ = ["EvictionPolicy", "InferenceConfig", "PauseMode", "SuspendPolicy", "SuspendedAddPolicy", "UpdatePolicy"]
 
 
-class InFlightPolicy(str, enum.Enum):
-    """What happens to requests in flight at a suspend or a weight update.
+class SuspendPolicy(str, enum.Enum):
+    """What `suspend()` does with requests in flight (they hold KV blocks the trainer wants).
 
     ABORT: they finish with reason `abort`, partial tokens returned.
-    RECOMPUTE: kept; their prompt plus the tokens generated so far are prefilled again.
-    OFFLOAD: (suspend) their KV blocks go to host memory and come back on resume.
-    KEEP: (weight update) they continue on their old KV; new tokens carry the new version.
+    RECOMPUTE: released and queued again; prompt + tokens so far are prefilled again on resume.
+    OFFLOAD: their KV blocks are copied to host memory and come back on resume.
     """
 
     ABORT = "abort"
     RECOMPUTE = "recompute"
     OFFLOAD = "offload"
+
+
+class UpdatePolicy(str, enum.Enum):
+    """What a weight update does with requests in flight.
+
+    ABORT: they finish with reason `abort`. RECOMPUTE: their KV (computed by the old weights) is
+    dropped and recomputed by the new ones. KEEP: they go on with their old KV; the tokens they
+    sample from now on carry the new version.
+    """
+
+    ABORT = "abort"
+    RECOMPUTE = "recompute"
     KEEP = "keep"
+
+
+class PauseMode(str, enum.Enum):
+    """What `pause()` does with requests in flight; new requests queue until `continue_()`.
+
+    ABORT: finish them now with their partial tokens. WAIT: admit nothing new and let the
+    admitted ones run to completion (`pause` returns once they have). KEEP: freeze them with
+    their KV. RETRACT: release their KV and queue them to be recomputed on continue.
+    """
+
+    ABORT = "abort"
+    WAIT = "wait"
+    KEEP = "keep"
+    RETRACT = "retract"
 
 
 class SuspendedAddPolicy(str, enum.Enum):
@@ -43,17 +68,19 @@ class InferenceConfig:
     """How big the engine is and how it schedules.
 
     Give the KV pool's size either as `num_blocks` or as `kv_memory_bytes` (converted once the
-    model's layer shapes are known); with neither, 256 MiB. `max_tokens` bounds the tokens of one
-    step (decode tokens plus prefill chunks); `chunked_prefill_size` bounds one request's prefill
-    chunk. `paused_block_budget` bounds the blocks held by paused requests (None: a quarter of
-    the pool); past it the most recently paused are evicted and later recomputed.
+    model's layer shapes are known); with neither, 256 MiB. `max_batch_tokens` bounds the tokens of
+    one step (decode tokens plus prefill chunks; not to be confused with `SamplingParams.max_tokens`,
+    the tokens of one request); `chunked_prefill_size` bounds one request's prefill chunk.
+    `paused_block_budget` bounds the blocks held by paused requests (None: a quarter of the pool);
+    past it the most recently paused are evicted and later recomputed. `suspend_policy` and
+    `update_policy` are the defaults for requests in flight at a suspend / a weight update.
     """
 
     block_size: int = 16
     num_blocks: Optional[int] = None
     kv_memory_bytes: Optional[int] = None
     max_requests: int = 256
-    max_tokens: int = 2048
+    max_batch_tokens: int = 2048
     max_sequence_length: int = 4096
     chunked_prefill_size: int = 512
     enable_prefix_caching: bool = True
@@ -61,12 +88,13 @@ class InferenceConfig:
     paused_block_budget: Optional[int] = None
     dtype: torch.dtype | str = torch.float32
     device: torch.device | str = "cpu"
-    in_flight_policy: InFlightPolicy = InFlightPolicy.RECOMPUTE
+    suspend_policy: SuspendPolicy = SuspendPolicy.RECOMPUTE
+    update_policy: UpdatePolicy = UpdatePolicy.RECOMPUTE
     suspended_add_policy: SuspendedAddPolicy = SuspendedAddPolicy.RAISE
     record_kv_events: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_requests", "max_tokens", "max_sequence_length", "chunked_prefill_size"):
+        for name in ("block_size", "max_requests", "max_batch_tokens", "max_sequence_length", "chunked_prefill_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"InferenceConfig.{name} must be a positive int, got {value!r}")
@@ -78,8 +106,11 @@ class InferenceConfig:
             raise ValueError(f"InferenceConfig.kv_memory_bytes must be positive, got {self.kv_memory_bytes!r}")
         if self.paused_block_budget is not None and self.paused_block_budget < 0:
             raise ValueError(f"InferenceConfig.paused_block_budget must be >= 0, got {self.paused_block_budget}")
-        if self.max_tokens < self.max_requests and self.max_tokens < 1:
-            raise ValueError("InferenceConfig.max_tokens must allow at least one token per step")
+        if self.max_batch_tokens < self.max_requests:
+            raise ValueError(
+                f"InferenceConfig.max_batch_tokens ({self.max_batch_tokens}) must be >= max_requests "
+                f"({self.max_requests}): every running request decodes one token per step"
+            )
         if isinstance(self.dtype, str):
             if self.dtype not in _DTYPES:
                 raise ValueError(f"InferenceConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
@@ -88,7 +119,8 @@ class InferenceConfig:
             raise ValueError(f"InferenceConfig.dtype must be float32, bfloat16 or float16, got {self.dtype}")
         self.device = torch.device(self.device)
         self.eviction_policy = EvictionPolicy(self.eviction_policy)
-        self.in_flight_policy = InFlightPolicy(self.in_flight_policy)
+        self.suspend_policy = SuspendPolicy(self.suspend_policy)
+        self.update_policy = UpdatePolicy(self.update_policy)
         self.suspended_add_policy = SuspendedAddPolicy(self.suspended_add_policy)
 
     @property

@@ -21,7 +21,7 @@ from inference.sampling_params import SamplingParams
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # a stop token or EOS was sampled
     LENGTH = "length"  # max_tokens or max_sequence_length reached
-    ABORT = "abort"  # aborted by the caller, or by a suspend / weight update under ABORT
+    ABORT = "abort"  # aborted by the caller, or by a pause / suspend / weight update under ABORT
 
 
 class RequestStatus(enum.Enum):
@@ -52,6 +52,8 @@ class Request:
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
     finish_reason: Optional[FinishReason] = None
+    stream_tokens: bool = False  # its caller wants each token as it is sampled, not only the end
+    admitted: bool = False  # has held a slot (a pause in WAIT mode lets only these run on)
     # sibling requests that wait for this one's prompt prefill to fork from it (sample 0 only)
     fork_children: list[Request] = field(default_factory=list)
     num_preemptions: int = 0
@@ -69,6 +71,18 @@ class Request:
     @property
     def max_total_tokens(self) -> int:
         return len(self.prompt_token_ids) + self.params.max_tokens
+
+
+@dataclass(slots=True, frozen=True)
+class TokenEvent:
+    """One token of a streamed request, sent as soon as it is sampled (`index` 0 = first token)."""
+
+    request_id: int
+    sample_index: int
+    index: int
+    token_id: int
+    logprob: float
+    version: int
 
 
 @dataclass(slots=True)

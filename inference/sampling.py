@@ -137,6 +137,21 @@ def make_generator(seed: int, device: torch.device | str | None = None) -> torch
     return torch.Generator(device=device or "cpu").manual_seed(seed)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The 64-bit seed of sample `index` of a request seeded `seed` (a splitmix64-style mix).
+
+    NOTE: `seed + index` would make sample 1 of seed s replay sample 0 of seed s + 1; mixing both
+    inputs through the finaliser makes nearby (seed, index) pairs give unrelated streams.
+    """
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xD1B54A32D192ED03) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
 class Sampler:
     """`sample` with a float32 workspace kept across steps (grown on demand, never shrunk).
 
@@ -156,8 +171,10 @@ class Sampler:
             ws = self._workspace = torch.empty(need, dtype=torch.float32, device=logits.device)
         return sample(logits, batch, workspace=ws)
 
-    def release(self) -> None:
-        self._workspace = None
+    def release(self) -> int:
+        """Drop the workspace (engine suspend); returns its bytes."""
+        ws, self._workspace = self._workspace, None
+        return 0 if ws is None else ws.numel() * ws.element_size()
 
 
 def sample(logits: Tensor, batch: SamplingBatch, workspace: Tensor | None = None) -> SamplerOutput:

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from inference.attention.metadata import AttentionMetadata
-from inference.context import DynamicInferenceContext
-from inference.scheduler import StepPlan
+from inference.sched.context import DynamicInferenceContext
+from inference.sched.scheduler import StepPlan
 
 
 @dataclass(slots=True)

@@ -139,7 +139,7 @@ def engine_config(cfg: GRPOConfig, task: Task) -> InferenceConfig:
     longest = task.max_prompt_tokens + task.max_tokens
     blocks = samples * -(-longest // cfg.block_size)
     return InferenceConfig(
-        block_size=cfg.block_size, num_blocks=blocks, max_requests=samples, max_tokens=max(2048, samples),
+        block_size=cfg.block_size, num_blocks=blocks, max_requests=samples, max_batch_tokens=max(2048, samples),
         max_sequence_length=longest, dtype=torch.float32,
     )
 

@@ -21,26 +21,10 @@ from rollout.types import GenerationStats, Rollout, RolloutBatch
 
 logger = logging.getLogger(__name__)
 
-_MASK64 = (1 << 64) - 1
-
-
-def derive_seed(seed: int, index: int) -> int:
-    """A 64-bit seed for prompt `index` of a call seeded `seed` (splitmix64: nearby inputs diverge).
-
-    NOTE: the engine seeds sample j of a request with `seed + j`, so prompt seeds must not be
-    consecutive integers, or prompt i's sample 1 would replay prompt i+1's sample 0.
-    """
-    z = (seed * 0x9E3779B97F4A7C15 + index + 1) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
-
-
 class RolloutEngine:
     """n samples per prompt from one engine replica that shares the trainer's process and memory.
 
-    Invariant: this object is the engine's only client, so every output a step returns belongs to
-    the `generate` call in progress (leftovers of an interrupted call are dropped, with a warning).
+    Safe to call from several threads at once: each `generate` receives exactly its own samples.
     """
 
     def __init__(
@@ -60,26 +44,22 @@ class RolloutEngine:
     ) -> RolloutBatch:
         """Sample `n` completions of every prompt; returns them grouped by prompt, in prompt order.
 
-        `sampling.n` is replaced by `n`. A seeded `sampling` gives every prompt its own seed derived
-        from it (see `derive_seed`), so a call is reproducible whatever the batch's scheduling.
+        `sampling.n` is replaced by `n`. A seeded `sampling` gives prompt i the seed `seed + i` (the
+        engine mixes seed and sample index into each sample's stream), so a call is reproducible
+        whatever the batch's scheduling.
         Log-probs are the engine's RAW ones (log-softmax of the logits) unless `sampling` says
         otherwise: what a trainer recomputes for importance ratios.
         """
         base = sampling or SamplingParams()
         params = [
-            dataclasses.replace(base, n=n, seed=None if base.seed is None else derive_seed(base.seed, i))
+            dataclasses.replace(base, n=n, seed=None if base.seed is None else (base.seed + i) % 2**64)
             for i in range(len(prompts))
         ]
         eng = self.engine
         version = eng.policy_version
         pool_before, steps_before = eng.allocator.stats(), eng.num_steps
         start = time.perf_counter()
-        peak = [0.0]
-
-        def sample_kv_use() -> None:  # NOTE: the pool's O(1) counters, not the per-slot stats() scan
-            peak[0] = max(peak[0], eng.kv_utilization())
-
-        outputs = eng.generate(prompts, params, on_step=sample_kv_use, abort_on_error=True)
+        outputs = eng.generate(prompts, params)
         seconds = time.perf_counter() - start
         pool_after = eng.allocator.stats()
         first_group = outputs[0].group_id if outputs else 0
@@ -99,9 +79,9 @@ class RolloutEngine:
         stats = GenerationStats(
             seconds=seconds,
             engine_steps=eng.num_steps - steps_before,
-            prompt_tokens=sum(len(p) for p in prompts) * n,
+            prompt_tokens=sum(len(p) for p in prompts),  # NOTE: a group's prompt is prefilled once
             completion_tokens=sum(len(r.completion_ids) for r in rollouts),
-            peak_kv_utilization=peak[0],
+            peak_kv_utilization=eng.peak_kv_utilization(steps_before),
             prefix_hit_blocks=hits,
             prefix_lookup_blocks=hits + pool_after.miss_blocks - pool_before.miss_blocks,
         )

@@ -54,7 +54,7 @@ class GenerationStats:
 
     seconds: float = 0.0
     engine_steps: int = 0
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # distinct prompt tokens: a group of n prefills its prompt once
     completion_tokens: int = 0
     peak_kv_utilization: float = 0.0  # max over engine steps of the fraction of KV blocks in use
     prefix_hit_blocks: int = 0

@@ -52,8 +52,10 @@ class AttentionBackend(ABC):
         self.dtype = dtype
         self.device = torch.device(device)
 
-    def release_workspace(self) -> None:  # noqa: B027 (a hook: backends without scratch buffers need nothing)
-        """Drop per-step scratch buffers kept between steps (suspend frees them); none by default."""
+    def release_workspace(self) -> int:
+        """Drop per-step scratch buffers kept between steps (suspend frees them); returns their
+        bytes. Backends without scratch buffers have nothing to drop."""
+        return 0
 
     @abstractmethod
     def plan(self, meta: AttentionMetadata, kv_cache: KVCacheBuffer) -> None:

@@ -21,7 +21,7 @@ def tiny_policy(seed: int = 0, hidden: int = 64, layers: int = 2) -> LlamaForCau
 
 
 def small_engine_config(block_size: int = 4, num_blocks: int = 512) -> InferenceConfig:
-    return InferenceConfig(block_size=block_size, num_blocks=num_blocks, max_requests=128, max_tokens=1024,
+    return InferenceConfig(block_size=block_size, num_blocks=num_blocks, max_requests=128, max_batch_tokens=1024,
                            max_sequence_length=32)
 
 

@@ -34,7 +34,7 @@ def test_engine_follows_a_megatron_model_through_a_training_step():
         gpt = build_gpt_model(tiny_spec(), seed=0).eval()  # 2 query groups: q/k/v are converted copies
         spec = spec_from_gpt_model(gpt)
         engine = DynamicInferenceEngine(DenseDecoder(spec, dict(bind_megatron_model(gpt))), InferenceConfig(
-            block_size=4, num_blocks=64, max_requests=4, max_tokens=64, max_sequence_length=64))
+            block_size=4, num_blocks=64, max_requests=4, max_batch_tokens=64, max_sequence_length=64))
         report = engine.bind_trainer_model(gpt)
         assert report.aliased and any("q_proj" in n for n in report.copied)  # said loudly, not hidden
         prompts = [[5, 9, 14, 3, 7], [11, 2, 8]]

@@ -11,12 +11,13 @@ from inference import (
     DynamicInferenceEngine,
     EngineState,
     InferenceConfig,
-    InFlightPolicy,
     SamplingParams,
     SuspendedAddPolicy,
+    SuspendPolicy,
     TensorStateDeallocatedError,
+    UpdatePolicy,
 )
-from inference.coupling import process_rss_bytes
+from inference.core.memory import process_rss_bytes
 from inference.errors import EngineStateError, ResumeMemoryError, WeightNameError, WeightShapeError
 from tests.inference.engine.conftest import random_prompts, tiny_llama
 
@@ -24,7 +25,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
 def config(**overrides) -> InferenceConfig:
-    fields = dict(block_size=4, num_blocks=96, max_requests=8, max_tokens=64, chunked_prefill_size=16,
+    fields = dict(block_size=4, num_blocks=96, max_requests=8, max_batch_tokens=64, chunked_prefill_size=16,
                   max_sequence_length=96)
     fields.update(overrides)
     return InferenceConfig(**fields)
@@ -74,11 +75,11 @@ def test_add_while_suspended_queues_when_configured(llama):
 
 
 def test_resume_without_memory_fails_cleanly_and_stays_suspended(llama, monkeypatch):
-    engine = DynamicInferenceEngine.from_pretrained(llama, config(in_flight_policy=InFlightPolicy.RECOMPUTE))
+    engine = DynamicInferenceEngine.from_pretrained(llama, config(suspend_policy=SuspendPolicy.RECOMPUTE))
     rid = engine.add_request([3, 4, 5, 6, 7], GREEDY)
     engine.step()
     engine.suspend()
-    monkeypatch.setattr("inference.coupling.available_device_memory", lambda device: 1024)
+    monkeypatch.setattr("inference.core.engine_core.available_device_memory", lambda device: 1024)
     with pytest.raises(ResumeMemoryError):
         engine.resume()
     assert engine.state is EngineState.SUSPENDED and not engine.kv_cache.is_allocated
@@ -98,7 +99,7 @@ def cycle_run(engine, prompts, cycles, policy):
     pending = list(prompts)
     outputs, rss = [], []
     for _ in range(cycles):
-        while pending and len(engine._live) < 6:
+        while pending and len(engine.scheduler.live) < 6:
             engine.add_request(pending.pop(0), GREEDY)
         outputs += engine.step()
         engine.suspend(policy)
@@ -111,14 +112,14 @@ def cycle_run(engine, prompts, cycles, policy):
     return sorted(outputs, key=lambda o: o.request_id), rss
 
 
-@pytest.mark.parametrize("policy", [InFlightPolicy.RECOMPUTE, InFlightPolicy.OFFLOAD, InFlightPolicy.ABORT])
+@pytest.mark.parametrize("policy", [SuspendPolicy.RECOMPUTE, SuspendPolicy.OFFLOAD, SuspendPolicy.ABORT])
 def test_hundred_suspend_resume_cycles(llama, policy):
     prompts = random_prompts(40, 3, 30, seed=21)
     expected = run_all(DynamicInferenceEngine.from_pretrained(llama, config()), prompts)
     engine = DynamicInferenceEngine.from_pretrained(llama, config(num_blocks=4096))
     outputs, rss = cycle_run(engine, prompts, 100, policy)
     assert [o.prompt_token_ids for o in outputs] == prompts  # no request lost, none twice
-    if policy is InFlightPolicy.ABORT:
+    if policy is SuspendPolicy.ABORT:
         assert any(o.finish_reason.value == "abort" for o in outputs)
         for out, full in zip(outputs, expected):
             assert full[: len(out.generated_token_ids)] == out.generated_token_ids  # partial prefixes
@@ -220,7 +221,7 @@ def test_update_refuses_to_write_into_aliased_trainer_weights(llama):
         engine.update_weights(tiny_llama(seed=9).named_parameters())
 
 
-@pytest.mark.parametrize("policy", [InFlightPolicy.KEEP, InFlightPolicy.RECOMPUTE, InFlightPolicy.ABORT])
+@pytest.mark.parametrize("policy", [UpdatePolicy.KEEP, UpdatePolicy.RECOMPUTE, UpdatePolicy.ABORT])
 def test_in_flight_requests_at_an_update(policy):
     trainer = tiny_llama(seed=7)
     engine = DynamicInferenceEngine.from_pretrained(trainer, config(), share_weights=True)
@@ -236,11 +237,11 @@ def test_in_flight_requests_at_an_update(policy):
     outputs += engine.step()
     (out,) = [o for o in outputs if o.request_id == rid]
     versions = out.token_versions
-    if policy is InFlightPolicy.ABORT:
+    if policy is UpdatePolicy.ABORT:
         assert out.finish_reason.value == "abort" and set(versions) == {0}
         return
     assert len(versions) == 16 and versions == sorted(versions) and versions[0] == 0 and versions[-1] == 1
-    if policy is InFlightPolicy.RECOMPUTE:
+    if policy is UpdatePolicy.RECOMPUTE:
         # the tokens after the update are what the new weights say, given everything before
         old = out.generated_token_ids[: versions.count(0)]
         fresh = DynamicInferenceEngine.from_pretrained(copy.deepcopy(trainer), config())

@@ -16,7 +16,7 @@ def test_greedy_matches_hf_with_pauses_and_chunked_prefill(build):
     hf = build()
     prompts = random_prompts(64, 2, 60, seed=1)
     config = InferenceConfig(
-        block_size=4, num_blocks=96, max_requests=24, max_tokens=64, chunked_prefill_size=16,
+        block_size=4, num_blocks=96, max_requests=24, max_batch_tokens=64, chunked_prefill_size=16,
         max_sequence_length=128,
     )
     engine = DynamicInferenceEngine.from_pretrained(hf, config)
@@ -34,7 +34,7 @@ def test_greedy_matches_hf_with_pauses_and_chunked_prefill(build):
 def test_logprobs_match_hf_log_softmax(llama):
     prompts = random_prompts(6, 3, 20, seed=2)
     engine = DynamicInferenceEngine.from_pretrained(llama, InferenceConfig(block_size=4, num_blocks=64, max_requests=8,
-                                                                           max_tokens=64, max_sequence_length=64))
+                                                                           max_batch_tokens=64, max_sequence_length=64))
     outputs = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=12, seed=3, ignore_eos=True))
     for prompt, out in zip(prompts, outputs):
         ids = torch.tensor([prompt + out.generated_token_ids])
@@ -48,7 +48,7 @@ def test_logprobs_match_hf_log_softmax(llama):
 def test_prompt_logprobs_match_hf(llama):
     prompt = random_prompts(1, 30, 30, seed=4)[0]
     engine = DynamicInferenceEngine.from_pretrained(llama, InferenceConfig(block_size=4, num_blocks=64, max_requests=4,
-                                                                           max_tokens=64, chunked_prefill_size=7,
+                                                                           max_batch_tokens=64, chunked_prefill_size=7,
                                                                            max_sequence_length=64))
     (out,) = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3))
     with torch.no_grad():
@@ -63,7 +63,7 @@ def test_prompt_logprobs_match_hf(llama):
 
 
 def test_seeded_sampling_is_independent_of_batch(llama):
-    config = InferenceConfig(block_size=4, num_blocks=128, max_requests=16, max_tokens=64, max_sequence_length=64)
+    config = InferenceConfig(block_size=4, num_blocks=128, max_requests=16, max_batch_tokens=64, max_sequence_length=64)
     prompt = random_prompts(1, 10, 10, seed=5)[0]
     params = SamplingParams(temperature=1.0, max_tokens=16, seed=1234, ignore_eos=True)
     alone = DynamicInferenceEngine.from_pretrained(llama, config).generate([prompt], params)[0]
@@ -77,7 +77,7 @@ def test_seeded_sampling_is_independent_of_batch(llama):
 
 def test_prompt_logprobs_survive_finishing_in_the_prefill_step(llama):
     engine = DynamicInferenceEngine.from_pretrained(llama, InferenceConfig(block_size=4, num_blocks=64, max_requests=4,
-                                                                           max_tokens=64, max_sequence_length=64))
+                                                                           max_batch_tokens=64, max_sequence_length=64))
     prompt = random_prompts(1, 9, 9, seed=31)[0]
     (out,) = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
     assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt)

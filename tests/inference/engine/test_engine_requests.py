@@ -18,7 +18,7 @@ from tests.inference.engine.conftest import VOCAB, hf_greedy, random_prompts
 
 
 def small_engine(model, **overrides) -> DynamicInferenceEngine:
-    fields = dict(block_size=4, num_blocks=64, max_requests=16, max_tokens=64, chunked_prefill_size=16,
+    fields = dict(block_size=4, num_blocks=64, max_requests=16, max_batch_tokens=64, chunked_prefill_size=16,
                   max_sequence_length=96)
     fields.update(overrides)
     return DynamicInferenceEngine.from_pretrained(model, InferenceConfig(**fields))

@@ -41,7 +41,7 @@ def test_two_thousand_requests_through_64_blocks(policy):
     rng = random.Random(11)
     engine = DynamicInferenceEngine.from_pretrained(
         tiny_llama(layers=1, hidden=32),
-        InferenceConfig(block_size=4, num_blocks=64, max_requests=32, max_tokens=64, chunked_prefill_size=16,
+        InferenceConfig(block_size=4, num_blocks=64, max_requests=32, max_batch_tokens=64, chunked_prefill_size=16,
                         max_sequence_length=96, eviction_policy=policy),
     )
     shared_prefix = [rng.randrange(3, VOCAB) for _ in range(12)]

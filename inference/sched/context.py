@@ -14,6 +14,7 @@ to the waiting queue to be recomputed (their tokens are kept on the `Request`).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -30,12 +31,16 @@ class DynamicInferenceContext:
     """Slots, token buffers and block tables of the requests in flight (see module docstring).
 
     Invariants: a slot is in exactly one of `free_slots`, `active`, `paused`; the blocks in a
-    slot's table row `[:num_blocks]` hold one reference each on behalf of that slot.
+    slot's table row `[:num_blocks]` hold one reference each on behalf of that slot. The policy
+    version is read from its owner (`version_of`), never stored here.
     """
 
-    def __init__(self, config: InferenceConfig, allocator: KVBlockAllocator) -> None:
+    def __init__(
+        self, config: InferenceConfig, allocator: KVBlockAllocator, version_of: Callable[[], int] = lambda: 0
+    ) -> None:
         self.config = config
         self.allocator = allocator
+        self._version_of = version_of
         self.block_size = config.block_size
         n, length = config.max_requests, config.max_sequence_length
         self.tokens = np.zeros((n, length), dtype=np.int64)
@@ -61,17 +66,21 @@ class DynamicInferenceContext:
         self.num_top_logprobs = np.zeros(n, dtype=np.int64)
         self.wants_prompt_logprobs = np.zeros(n, dtype=bool)
         self.ignore_eos = np.zeros(n, dtype=bool)
+        self.streams_tokens = np.zeros(n, dtype=bool)  # the request's caller wants every token as sampled
         self.stop_ids = np.full((n, 4), -1, dtype=np.int64)  # widened when a request has more
         self.free_slots: list[int] = list(range(n - 1, -1, -1))
         self.active: list[int] = []
         self.paused: list[int] = []
-        self.policy_version = 0
         # version under which each block was registered: a match across versions is counted
         self.block_version = np.full(allocator.total, -1, dtype=np.int64)
         self.cross_version_hits = 0
         self.prefill_tokens = 0  # tokens whose K/V was computed by a prefill (not served by cache)
 
     # ---- queries -----------------------------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        return self._version_of()
 
     @property
     def active_request_count(self) -> int:
@@ -208,6 +217,7 @@ class DynamicInferenceContext:
         self.num_top_logprobs[slot] = p.logprobs or 0
         self.wants_prompt_logprobs[slot] = p.prompt_logprobs is not None
         self.ignore_eos[slot] = p.ignore_eos
+        self.streams_tokens[slot] = req.stream_tokens
         stops = p.stop_token_ids
         if len(stops) > self.stop_ids.shape[1]:
             wider = np.full((self.stop_ids.shape[0], len(stops)), -1, dtype=np.int64)
@@ -243,7 +253,7 @@ class DynamicInferenceContext:
         pos = self.seq_len[slots]
         self.tokens[slots, pos] = new_tokens
         self.token_logprobs[slots, pos] = new_logprobs
-        self.token_versions[slots, pos] = self.policy_version
+        self.token_versions[slots, pos] = self._version_of()
         self.seq_len[slots] = pos + 1
         first = slots[pos == self.prompt_len[slots]]
         if first.size:
@@ -309,16 +319,14 @@ class DynamicInferenceContext:
         """Evict the most recently paused requests while paused blocks exceed their budget.
 
         `force_one` evicts at least one (nothing else can run: the paused hold the pool).
-        Evicted requests lose their blocks and must be recomputed from their tokens.
+        Evicted requests lose their blocks and must be recomputed from their tokens; the
+        scheduler queues them again (and counts the preemption).
         """
         budget = self.config.resolve_paused_block_budget(self.allocator.total)
         evicted = []
         while self.paused and (self.paused_block_count() > budget or (force_one and not evicted)):
             slot = self.paused[-1]
             evicted.extend(self.release_memory_blocks_from_request_indexes([slot]))
-        for req in evicted:
-            req.status = RequestStatus.WAITING
-            req.num_preemptions += 1
         return evicted
 
     def reset(self, preserve_prefix_cache: bool = False) -> None:
@@ -334,7 +342,43 @@ class DynamicInferenceContext:
         self.free_slots = list(range(self.config.max_requests - 1, -1, -1))
         self.active, self.paused = [], []
 
+    # ---- suspend with offload ----------------------------------------------------------------
+
+    def held_block_ids(self) -> np.ndarray:
+        """Distinct blocks held by the requests in slots (sorted), e.g. to copy them to host."""
+        slots = self.active + self.paused
+        if not slots:
+            return np.empty(0, dtype=np.int64)
+        return np.unique(np.concatenate([self.block_table[s, : self.num_blocks[s]] for s in slots])).astype(np.int64)
+
+    def move_held_blocks(self, held: np.ndarray) -> np.ndarray:
+        """After the pool was reset (suspend), give the slots fresh blocks for `held`, in order.
+
+        Every slot's table is rewritten to the fresh ids and each fresh block gets one reference
+        per slot holding it (a group's shared prompt blocks stay shared). Their hash chains left
+        the registry with the reset, so they stay private. Returns the fresh ids (`held[i]` ->
+        `fresh[i]`) for the caller to copy the blocks' contents into.
+        """
+        fresh = np.array(self.allocator.allocate(held.size), dtype=np.int64)
+        new_id = np.full(self.allocator.total, -1, dtype=np.int64)
+        new_id[held] = fresh
+        slots = self.active + self.paused
+        for slot in slots:
+            n = int(self.num_blocks[slot])
+            self.block_table[slot, :n] = new_id[self.block_table[slot, :n]]
+        counts = np.bincount(np.concatenate([self.block_table[s, : self.num_blocks[s]] for s in slots]),
+                             minlength=self.allocator.total)
+        extra = np.repeat(np.arange(counts.size), np.maximum(counts - 1, 0))
+        if extra.size:
+            self.allocator.retain(extra.tolist())
+        self.cache_broken[slots] = True
+        return fresh
+
     # ---- prefix cache ------------------------------------------------------------------------
+
+    def break_hash_chains(self) -> None:
+        """After a prefix-cache reset: blocks in flight may not register under the new version."""
+        self.cache_broken[:] = True
 
     def uses_prefix_cache(self, req: Request) -> bool:
         # NOTE: prompt log-probs need every prompt row's logits, which cached blocks skip.

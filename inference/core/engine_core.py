@@ -1,0 +1,389 @@
+"""EngineCore: owns one engine's parts and steps them; every state change goes through it.
+
+The parts, each the only writer of its state: the `Scheduler` (live requests, waiting queue,
+groups, reservations, preemption), the context (slots, token buffers, block tables), the
+`KVBlockAllocator` (blocks and the prefix cache), the KV buffer, the model, the sampler and the
+`WeightManager` (policy version, trainer binding). Suspend / resume is the core asking each part
+to release and re-acquire what it holds.
+
+The core is single-threaded: its client (`DynamicInferenceEngine`) serialises every call. It
+keeps no outputs: each finished request goes to `on_finished` and each streamed token to
+`on_tokens` the moment it exists, whichever call (step, abort, pause, suspend, update) made it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from inference.config import InferenceConfig, PauseMode, SuspendedAddPolicy, SuspendPolicy, UpdatePolicy
+from inference.core import outputs as out_ops
+from inference.core.memory import SuspendReport, available_device_memory, memory_in_use
+from inference.core.states import EngineState, OnFinished, OnTokens
+from inference.errors import (
+    BlockOverflowError,
+    EngineStateError,
+    MaxSequenceLengthOverflowError,
+    RequestOverflowError,
+    ResumeMemoryError,
+    TensorStateDeallocatedError,
+)
+from inference.kv_cache.allocator import KVBlockAllocator
+from inference.kv_cache.events import KVEventHub
+from inference.request import Request, RequestOutput
+from inference.sampling import Sampler, make_generator, sample_seed
+from inference.sampling_params import SamplingParams
+from inference.sched.context import DynamicInferenceContext
+from inference.sched.scheduler import Scheduler
+from inference.step_batch import build_step_batch
+from inference.weights import NamedTensors, WeightManager
+
+logger = logging.getLogger(__name__)
+
+KV_TRACE_STEPS = 1 << 14  # steps of blocks-in-use history kept for peak-utilisation queries
+
+
+class EngineCore:
+    """One model replica's parts and its state machine (see module docstring).
+
+    States: RUNNING steps; PAUSED (by `pause(mode)`) steps only in WAIT mode and only what was
+    admitted; SUSPENDED holds no KV buffer. `resume()` returns to the state `suspend()` left.
+    """
+
+    def __init__(self, model: Any, config: InferenceConfig, on_finished: OnFinished, on_tokens: OnTokens) -> None:
+        self.config = config
+        self.model = model
+        self._on_finished = on_finished
+        self._on_tokens = on_tokens
+        spec = model.spec
+        self.vocab_size = spec.vocab_size
+        self.eos_token_ids = np.array(sorted(spec.eos_token_ids), dtype=np.int64)
+        bytes_per_block = (
+            2 * spec.num_layers * config.block_size * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
+        )
+        num_blocks = config.resolve_num_blocks(bytes_per_block)
+        self.weights = WeightManager(model)
+        self.kv_cache = model.new_kv_cache(num_blocks, config.block_size)
+        self.allocator = KVBlockAllocator(
+            num_blocks, config.block_size, config.eviction_policy, config.enable_prefix_caching,
+            KVEventHub(record=config.record_kv_events),
+        )
+        self.context = DynamicInferenceContext(config, self.allocator, lambda: self.weights.policy_version)
+        self.scheduler = Scheduler(self.context)
+        self.sampler = Sampler()
+        self.state = EngineState.RUNNING
+        self.pause_mode: Optional[PauseMode] = None
+        self._before_suspend: tuple[EngineState, Optional[PauseMode]] = (EngineState.RUNNING, None)
+        self._offloaded_kv: Optional[tuple[np.ndarray, torch.Tensor]] = None
+        self.num_steps = 0
+        self.generated_tokens = 0
+        # blocks in use during each step (ring buffer), sampled before finished requests release
+        self._kv_trace = np.zeros(KV_TRACE_STEPS, dtype=np.int32)
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def check_request(self, prompt_token_ids: Sequence[int], params: Optional[SamplingParams]) -> tuple[
+            list[int], SamplingParams]:
+        """Validate a request without changing anything; returns the normalised prompt and params.
+
+        Bad input raises `ValueError` naming the field; a request that can never fit raises the
+        typed permanent error; while suspended (policy RAISE) a transient error.
+        """
+        if self.state is EngineState.SUSPENDED and self.config.suspended_add_policy is SuspendedAddPolicy.RAISE:
+            raise TensorStateDeallocatedError(None, "the engine is suspended; add requests after resume()")
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        prompt = self._validate_prompt(prompt_token_ids)
+        for tok in params.stop_token_ids:
+            if tok >= self.vocab_size:
+                raise ValueError(f"stop_token_ids: {tok} is outside the vocabulary of {self.vocab_size}")
+        self._check_fits(prompt, params)
+        return prompt, params
+
+    def add_checked(self, prompt: list[int], params: SamplingParams, *, stream_tokens: bool = False) -> list[int]:
+        """Queue a request that `check_request` accepted; returns one id per sample."""
+        group_id, ids = self.scheduler.next_ids(params.n)
+        samples = [
+            Request(rid, prompt, params, group_id, index, params.n, stream_tokens=stream_tokens,
+                    generator=None if params.seed is None else make_generator(sample_seed(params.seed, index)))
+            for index, rid in enumerate(ids)
+        ]
+        self.scheduler.new_group(samples)
+        return ids
+
+    def _validate_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        if isinstance(prompt_token_ids, (torch.Tensor, np.ndarray)):
+            prompt_token_ids = prompt_token_ids.tolist()
+        if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Sequence):
+            raise ValueError(f"prompt_token_ids must be a sequence of ints, got {type(prompt_token_ids).__name__}")
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise ValueError("prompt_token_ids must not be empty")
+        for tok in prompt:
+            if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)):
+                raise ValueError(f"prompt_token_ids must hold ints, got {tok!r}")
+            if not 0 <= tok < self.vocab_size:
+                raise ValueError(f"prompt_token_ids: token {tok} is outside the vocabulary of {self.vocab_size}")
+        return [int(t) for t in prompt]
+
+    def _check_fits(self, prompt: list[int], params: SamplingParams) -> None:
+        cfg = self.config
+        total = len(prompt) + params.max_tokens
+        if total > cfg.max_sequence_length:
+            raise MaxSequenceLengthOverflowError(
+                None, f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) > max_sequence_length "
+                f"({cfg.max_sequence_length})"
+            )
+        blocks = -(-total // cfg.block_size)
+        if blocks > self.allocator.total:
+            raise BlockOverflowError(
+                None, f"needs {blocks} KV blocks at full length; the pool has {self.allocator.total}",
+                is_transient=False,
+            )
+        if params.n > cfg.max_requests:
+            raise RequestOverflowError(
+                None, f"n={params.n} samples exceed max_requests={cfg.max_requests}", is_transient=False
+            )
+
+    def abort(self, request_id: int) -> bool:
+        """Finish a request now with reason `abort` (partial tokens kept); False if unknown/done."""
+        req = self.scheduler.abort(request_id)
+        if req is not None:
+            self._on_finished(RequestOutput.from_request(req))
+        return req is not None
+
+    def abort_all(self) -> int:
+        """Abort every live request (outputs go to `on_finished`); how many there were."""
+        aborted = self.scheduler.abort_all()
+        for req in aborted:
+            self._on_finished(RequestOutput.from_request(req))
+        return len(aborted)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def can_step(self) -> bool:
+        """Whether a step could make progress now (there is work and the state lets it run)."""
+        if self.state is EngineState.RUNNING:
+            return self.scheduler.has_unfinished_requests()
+        return self.state is EngineState.PAUSED and self.pause_mode is PauseMode.WAIT and self.scheduler.in_flight()
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """One forward pass over the scheduled requests; outputs go to the client's callbacks."""
+        if not self.can_step():
+            return
+        ctx = self.context
+        plan = self.scheduler.schedule(admit_new=self.state is EngineState.RUNNING)
+        if plan.empty:
+            return
+        batch = build_step_batch(ctx, plan, self.kv_cache.device)
+        try:
+            logits = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.meta, batch.logits_indices)
+        except Exception:
+            self.allocator.events.discard_pending()
+            raise
+        self._kv_trace[self.num_steps % KV_TRACE_STEPS] = self.allocator.active
+        self.num_steps += 1
+        ctx.kv_len[plan.slots] += plan.query_lens
+        ctx.prefill_tokens += batch.prompt_tokens
+        forks = self.scheduler.fork_groups(batch.sample_slots)
+        if forks.copies:
+            src, dst = zip(*forks.copies)
+            self.kv_cache.copy_blocks(list(src), list(dst))
+        # NOTE: forked samples have nothing to register: their full blocks are the parent's
+        ctx.register_full_blocks(plan.slots)
+        self.allocator.events.publish_pending()
+        if batch.prompt_rows:  # NOTE: before the commit, which may release a request finished now
+            out_ops.record_prompt_logprobs(ctx, batch, logits)
+        slots = forks.slots
+        if slots.size:  # NOTE: a step of mid-prompt chunks only samples nothing
+            # NOTE: sampled rows come first in the logits; without forks a view, not a copy
+            rows = logits[: slots.size] if forks.rows is None else logits[forks.rows]
+            out = self.sampler(rows, out_ops.sampling_batch(ctx, slots))
+            self._commit_tokens(slots, out)
+
+    def _commit_tokens(self, slots: np.ndarray, out: Any) -> None:
+        ctx = self.context
+        tokens, logprobs = out.token_ids.numpy(), out.logprobs.numpy()
+        self.generated_tokens += slots.size
+        if out.top_logprobs is not None:
+            out_ops.record_top_logprobs(ctx, slots, out)
+        finished = ctx.update_requests(slots, tokens, logprobs, self.eos_token_ids)
+        events = out_ops.token_events(ctx, slots, tokens, logprobs)
+        if events:
+            self._on_tokens(events)
+        for req, reason in finished:
+            self.scheduler.finish(req, reason)
+            self._on_finished(RequestOutput.from_request(req))
+
+    # ---- pause / continue --------------------------------------------------------------------
+
+    def pause(self, mode: PauseMode) -> None:
+        """Stop generating (see `PauseMode`); new requests queue until `continue_()`."""
+        mode = PauseMode(mode)
+        if self.state is EngineState.SUSPENDED:
+            raise EngineStateError("cannot pause a suspended engine; resume() first")
+        if mode is PauseMode.ABORT:
+            self.abort_all()
+        elif mode is PauseMode.RETRACT:
+            self.scheduler.requeue_in_slot_requests()
+        self.state, self.pause_mode = EngineState.PAUSED, mode
+
+    def continue_(self) -> None:
+        """Generate again after `pause()`; a no-op while running."""
+        if self.state is EngineState.SUSPENDED:
+            raise EngineStateError("cannot continue a suspended engine; resume() first")
+        self.state, self.pause_mode = EngineState.RUNNING, None
+
+    def drained(self) -> bool:
+        """Nothing admitted is still in flight (what a WAIT pause waits for)."""
+        return not self.scheduler.in_flight()
+
+    # ---- suspend / resume --------------------------------------------------------------------
+
+    def suspend(self, policy: Optional[SuspendPolicy] = None, *, offload_weights: bool = False) -> SuspendReport:
+        """Free the KV buffer, the step workspaces (and, if asked, the engine's own weights).
+
+        In-flight requests follow `policy` (default: the config's). A second suspend is a no-op.
+        """
+        if self.state is EngineState.SUSPENDED:
+            return SuspendReport.nothing()
+        policy = SuspendPolicy(policy or self.config.suspend_policy)
+        device = self.kv_cache.device
+        before = memory_in_use(device)
+        aborted = requeued = offloaded = 0
+        if policy is SuspendPolicy.ABORT:
+            aborted = self.abort_all()
+        elif policy is SuspendPolicy.RECOMPUTE:
+            requeued = self.scheduler.requeue_in_slot_requests()
+        else:
+            offloaded = self._offload_in_slot_requests()
+        self.allocator.reset()  # the buffer's contents are about to go: so is every cached block
+        buffer_bytes = self.kv_cache.nbytes
+        self.kv_cache.deallocate()
+        workspace = self.model.backend.release_workspace() + self.sampler.release()
+        weight_bytes = self.weights.offload() if offload_weights else 0
+        freed = max(0, before - memory_in_use(device))
+        self._before_suspend = (self.state, self.pause_mode)
+        self.state = EngineState.SUSPENDED
+        report = SuspendReport(buffer_bytes, workspace, weight_bytes, freed, aborted, requeued, offloaded)
+        logger.info("suspended: %s", report)
+        return report
+
+    def resume(self) -> None:
+        """Re-allocate what suspend freed; raises `ResumeMemoryError` (still suspended) if it can't."""
+        if self.state is not EngineState.SUSPENDED:
+            raise EngineStateError(f"resume() without suspend(): the engine is {self.state.value}")
+        device = self.kv_cache.device
+        needed = self.kv_cache.nbytes + self.weights.offloaded_bytes()
+        free = available_device_memory(device)
+        if needed > free:
+            raise ResumeMemoryError(f"resume needs {needed} bytes on {device}, {free} available; still suspended")
+        had_offloaded_weights = self.weights.offloaded
+        try:
+            self.weights.restore()
+            self.kv_cache.allocate()
+        except (RuntimeError, MemoryError, OSError) as exc:  # an allocation failed: undo, stay suspended
+            self.kv_cache.deallocate()
+            if had_offloaded_weights:
+                self.weights.offload()
+            raise ResumeMemoryError(f"resume could not allocate its buffers ({exc}); still suspended") from exc
+        self._restore_offloaded_requests()
+        self.state, self.pause_mode = self._before_suspend
+
+    def _offload_in_slot_requests(self) -> int:
+        """Copy the blocks of every request in a slot to host memory; slots stay as they are."""
+        held = self.context.held_block_ids()
+        self._offloaded_kv = (held, self.kv_cache.offload(held.tolist())) if held.size else None
+        return len(self.context.active) + len(self.context.paused)
+
+    def _restore_offloaded_requests(self) -> None:
+        saved, self._offloaded_kv = self._offloaded_kv, None
+        if saved is not None:
+            held, host = saved
+            self.kv_cache.restore(self.context.move_held_blocks(held).tolist(), host)
+
+    # ---- weights -----------------------------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        return self.weights.policy_version
+
+    def reset_prefix_cache(self) -> None:
+        """Nothing cached so far can be matched again, even blocks requests still hold."""
+        self.allocator.reset_prefix_cache()
+        self.context.break_hash_chains()
+
+    def bind_trainer_model(self, module: Any) -> Any:
+        report = self.weights.bind_trainer_model(module)
+        self.reset_prefix_cache()
+        return report
+
+    def on_weights_updated(self, policy: Optional[UpdatePolicy] = None) -> int:
+        """The aliased weights changed in place: new version, prefix cache reset."""
+        self.weights.refresh_from_trainer()
+        self._apply_update_policy(policy)
+        version = self.weights.commit_version()
+        self.reset_prefix_cache()
+        return version
+
+    def update_weights(self, named_tensors: NamedTensors, version: Optional[int] = None, *,
+                       policy: Optional[UpdatePolicy] = None, partial: bool = False) -> int:
+        """Copy new weights in (HF or megatron-core names); commit them under a new version.
+
+        Everything is checked before a byte is copied: on a typed error nothing changed.
+        """
+        hf = self.weights.prepare_update(named_tensors, partial=partial)
+        self.weights.check_version(version)
+        self._apply_update_policy(policy)
+        self.weights.apply_update(hf)
+        version = self.weights.commit_version(version)
+        self.reset_prefix_cache()
+        return version
+
+    def _apply_update_policy(self, policy: Optional[UpdatePolicy]) -> None:
+        policy = UpdatePolicy(policy or self.config.update_policy)
+        if policy is UpdatePolicy.ABORT:
+            self.abort_all()
+        elif policy is UpdatePolicy.RECOMPUTE:
+            self.scheduler.requeue_in_slot_requests()
+        # KEEP: requests go on with their KV; their next tokens carry the new version
+
+    # ---- introspection -----------------------------------------------------------------------
+
+    def kv_utilization(self) -> float:
+        """Fraction of KV blocks held by requests now (cheap: two counters)."""
+        return self.allocator.active / self.allocator.total
+
+    def peak_kv_utilization(self, since_step: int) -> float:
+        """Largest fraction of blocks in use during any step since `since_step` (counted while the
+        step ran, before its finished requests gave their blocks back)."""
+        first = max(since_step, self.num_steps - KV_TRACE_STEPS)
+        if first >= self.num_steps:
+            return 0.0
+        idx = np.arange(first, self.num_steps) % KV_TRACE_STEPS
+        return float(self._kv_trace[idx].max()) / self.allocator.total
+
+    def stats(self) -> dict:
+        pool = self.allocator.stats()
+        return {
+            "state": self.state.value,
+            "pause_mode": None if self.pause_mode is None else self.pause_mode.value,
+            "steps": self.num_steps,
+            "generated_tokens": self.generated_tokens,
+            "prefill_tokens": self.context.prefill_tokens,
+            "prefix_hit_blocks": pool.hit_blocks,
+            "prefix_hit_rate": pool.hit_rate,
+            "cross_version_prefix_hits": self.context.cross_version_hits,
+            "policy_version": self.policy_version,
+            "waiting": len(self.scheduler.waiting),
+            "preemptions": self.scheduler.num_preemptions,
+            **self.context.get_kvcache_utilization_stats(),
+        }

@@ -1,0 +1,335 @@
+"""Decides, each step, which requests run and how many tokens each computes.
+
+Order of business (oldest work first, so nothing starves):
+1. resume paused requests, oldest first, while a block can be had for each;
+2. decode-ready requests get the block their next token needs, or are paused;
+3. paused requests past their block budget are evicted (to be recomputed later);
+4. the token budget left after decode goes to running prefills, then to new requests (FIFO),
+   each chunk at most `chunked_prefill_size` tokens and only as many as free blocks allow.
+If nothing at all can run while requests hold the pool, the newest one is evicted: progress is
+guaranteed as long as one request fits the pool, which admission checks.
+
+The scheduler is the sole owner of a request's life outside its slot: the live requests, the
+waiting queue, the samples of a group waiting to fork from their leader, the slots reserved for
+them, preemption counts, and what abort / requeue do to all of these.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from inference.errors import BlockOverflowError
+from inference.request import FinishReason, Request, RequestStatus
+from inference.sched.context import DynamicInferenceContext
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """The requests of one step: `slots[i]` computes `query_lens[i]` tokens; decodes come first."""
+
+    slots: np.ndarray
+    query_lens: np.ndarray
+    num_decode: int
+    evicted: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return self.slots.size == 0
+
+
+ADMISSION_SCAN = 256  # waiting requests looked at per step (bounds the scheduler's per-step work)
+
+
+@dataclass(slots=True)
+class ForkResult:
+    """Samples that sample this step: `slots`, reading logits `rows` (None: rows 0..len-1 in
+    order); `copies` are (source, destination) KV blocks to copy for the forks' partial blocks."""
+
+    slots: np.ndarray
+    rows: torch.Tensor | None
+    copies: list[tuple[int, int]]
+
+
+class Scheduler:
+    """Admits, pauses, resumes, evicts, aborts and forks requests through the context.
+
+    Invariants: every live request is exactly one of waiting (in `waiting`, or a sibling in its
+    leader's `fork_children`), in a slot (running or paused), or finished and gone from `live`;
+    `reserved_slots` equals the fork children of the leaders that hold a slot.
+    """
+
+    def __init__(self, context: DynamicInferenceContext) -> None:
+        self.ctx = context
+        self.config = context.config
+        self.waiting: deque[Request] = deque()
+        self.live: dict[int, Request] = {}  # every request not finished yet, by id
+        self._reserved_slots = 0  # slots promised to forked samples of groups being prefilled
+        self.num_preemptions = 0
+        self.watermark_blocks = max(1, context.allocator.total // 100)
+        self._ids = itertools.count()
+        self._groups = itertools.count()
+
+    @property
+    def reserved_slots(self) -> int:
+        return self._reserved_slots
+
+    # ---- a request's life --------------------------------------------------------------------
+
+    def new_group(self, samples: list[Request]) -> None:
+        """Queue the n samples of one prompt: the first prefills it, the others fork from it."""
+        head = samples[0]
+        head.fork_children = samples[1:]
+        for req in samples:
+            self.live[req.request_id] = req
+        self._queue(head)
+
+    def next_ids(self, n: int) -> tuple[int, list[int]]:
+        """A fresh group id and `n` fresh request ids."""
+        return next(self._groups), [next(self._ids) for _ in range(n)]
+
+    def _queue(self, req: Request, front: bool = False) -> None:
+        req.status = RequestStatus.WAITING
+        (self.waiting.appendleft if front else self.waiting.append)(req)
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.finish_time = time.perf_counter()
+        self.live.pop(req.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.live)
+
+    def in_flight(self) -> bool:
+        """Whether a request that has held a slot is unfinished (what a WAIT pause drains)."""
+        return bool(self.ctx.active or self.ctx.paused) or any(r.admitted for r in self.waiting)
+
+    def abort(self, request_id: int) -> Request | None:
+        """Finish one request now with reason `abort` (partial tokens kept); None if unknown."""
+        req = self.live.get(request_id)
+        if req is None:
+            return None
+        ctx = self.ctx
+        if req.status is RequestStatus.WAITING:
+            if req in self.waiting:
+                self.waiting.remove(req)
+                self._hand_group_to_next(req)
+            else:  # a sibling waiting for its group's prefill
+                in_slots = (r for r in ctx.requests if r is not None)
+                for head in itertools.chain(self.waiting, in_slots):
+                    if req in head.fork_children:
+                        head.fork_children.remove(req)
+                        if head.status is not RequestStatus.WAITING:
+                            self._reserved_slots -= 1
+                        break
+        else:
+            ctx.release_memory_blocks_from_request_indexes([ctx.requests.index(req)])
+            self._reserved_slots -= len(req.fork_children)
+            self._hand_group_to_next(req)
+        self.finish(req, FinishReason.ABORT)
+        return req
+
+    def _hand_group_to_next(self, leader: Request) -> None:
+        """The leader leaves before its group forked: the next sibling prefills for the rest."""
+        if leader.fork_children:
+            lead, rest = leader.fork_children[0], leader.fork_children[1:]
+            lead.fork_children, leader.fork_children = rest, []
+            self._queue(lead, front=True)
+
+    def abort_all(self) -> list[Request]:
+        """Finish every live request with reason `abort`, oldest first; frees all their blocks."""
+        ctx = self.ctx
+        ctx.release_memory_blocks_from_request_indexes(list(ctx.active) + list(ctx.paused))
+        self.waiting.clear()
+        self._reserved_slots = 0
+        aborted = sorted(self.live.values(), key=lambda r: r.request_id)
+        for req in aborted:
+            req.fork_children = []
+            self.finish(req, FinishReason.ABORT)
+        return aborted
+
+    def requeue_in_slot_requests(self) -> int:
+        """Release every request in a slot and queue it at the front, oldest first, to be
+        recomputed from its tokens (suspend RECOMPUTE, pause RETRACT, update RECOMPUTE)."""
+        ctx = self.ctx
+        slots = sorted(ctx.active + ctx.paused, key=lambda s: ctx.requests[s].request_id)
+        requests = ctx.release_memory_blocks_from_request_indexes(slots)
+        for req in reversed(requests):
+            self._reserved_slots -= len(req.fork_children)  # re-reserved when it is admitted again
+            self._queue(req, front=True)
+        return len(requests)
+
+    # ---- each step ---------------------------------------------------------------------------
+
+    def schedule(self, admit_new: bool = True) -> StepPlan:
+        """This step's requests. `admit_new=False` (a WAIT pause) admits only requests that have
+        held a slot before (evicted ones), so what is in flight can finish."""
+        ctx = self.ctx
+        evicted: list[Request] = []
+        ctx.resume_paused_requests()
+        decode = self._schedule_decodes()
+        evicted += ctx.evict_overflow_paused_requests()
+        budget = self.config.max_batch_tokens - len(decode)
+        prefill_slots, prefill_lens = self._schedule_prefills(budget, admit_new)
+        if not decode and not prefill_slots and ctx.has_unfinished_requests():
+            evicted += self._evict_newest()
+        for req in reversed(evicted):
+            req.num_preemptions += 1
+            self.num_preemptions += 1
+            self._reserved_slots -= len(req.fork_children)  # re-reserved when it is admitted again
+            self._queue(req, front=True)
+        slots = np.array(decode + prefill_slots, dtype=np.int64)
+        lens = np.ones(slots.size, dtype=np.int64)
+        lens[len(decode) :] = prefill_lens
+        return StepPlan(slots, lens, len(decode), evicted)
+
+    def _schedule_decodes(self) -> list[int]:
+        ctx = self.ctx
+        if not ctx.active:
+            return []
+        active = np.array(ctx.active, dtype=np.int64)
+        ready = active[ctx.kv_len[active] == ctx.seq_len[active] - 1]
+        needs_block = ready[ctx.kv_len[ready] // ctx.block_size >= ctx.num_blocks[ready]]
+        if needs_block.size == 0:
+            return ready.tolist()
+        paused = set()
+        for slot in needs_block.tolist():
+            if not ctx.grow(slot, int(ctx.kv_len[slot]) + 1):
+                ctx.pause(slot)
+                paused.add(slot)
+        return [s for s in ready.tolist() if s not in paused]
+
+    def _schedule_prefills(self, budget: int, admit_new: bool) -> tuple[list[int], list[int]]:
+        ctx, chunk_cap = self.ctx, self.config.chunked_prefill_size
+        slots: list[int] = []
+        lens: list[int] = []
+        active = np.array(ctx.active, dtype=np.int64)
+        prefilling = active[ctx.seq_len[active] - ctx.kv_len[active] > 1] if active.size else active
+        for slot in prefilling.tolist():  # NOTE: decode-ready slots (one token left) run as decodes
+            if budget <= 0:
+                break
+            todo = int(ctx.seq_len[slot] - ctx.kv_len[slot])
+            chunk = self._fit_chunk(slot, min(todo, chunk_cap, budget))
+            if chunk > 0:
+                slots.append(slot)
+                lens.append(chunk)
+                budget -= chunk
+        being_prefilled = self._first_blocks_being_prefilled(prefilling)
+        index = 0
+        while index < min(len(self.waiting), ADMISSION_SCAN) and budget > 0 and not ctx.paused:
+            req = self.waiting[index]
+            if not (admit_new or req.admitted):
+                index += 1
+                continue
+            first = self._first_block_hash(req)
+            if first is not None and first in being_prefilled:
+                # NOTE: the same prompt start is being prefilled right now: wait a step and match
+                # its blocks from the cache instead of computing them again (n=1 GRPO samples)
+                index += 1
+                continue
+            group = 1 + len(req.fork_children)
+            if len(ctx.free_slots) - self.reserved_slots < group:
+                break
+            chunk = min(chunk_cap, budget)
+            _, _, fits = ctx.check_availability(req, chunk)
+            if not fits:
+                chunk = self._chunk_within_free_blocks(req, chunk)
+                if chunk <= 0:
+                    break
+            try:
+                slot_chunk = ctx.add_request(req, chunk)
+            except BlockOverflowError:
+                break  # NOTE: nothing changed; it stays in line
+            del self.waiting[index]
+            req.admitted = True
+            self._reserved_slots += group - 1
+            slot = ctx.active[-1]
+            if first is not None and ctx.num_registered[slot] < len(req.hash_cache):
+                being_prefilled.add(first)
+            if slot_chunk > 0:
+                slots.append(slot)
+                lens.append(slot_chunk)
+                budget -= slot_chunk
+        return slots, lens
+
+    def _first_block_hash(self, req: Request) -> int | None:
+        """Hash of the request's first full block when it can share blocks through the cache."""
+        if not self.ctx.uses_prefix_cache(req):
+            return None
+        hashes = self.ctx.matchable_hashes(req)
+        return hashes[0] if hashes else None
+
+    def _first_blocks_being_prefilled(self, prefilling: np.ndarray) -> set[int]:
+        """First-block hashes of the running prefills that will register new full blocks."""
+        ctx = self.ctx
+        heads = set()
+        for slot in prefilling.tolist():
+            req = ctx.requests[slot]
+            if not ctx.cache_broken[slot] and req.hash_cache and ctx.num_registered[slot] < len(req.hash_cache):
+                heads.add(req.hash_cache[0])
+        return heads
+
+    def _fit_chunk(self, slot: int, chunk: int) -> int:
+        """Shrink `chunk` to what the slot's blocks plus free blocks can hold, and grow into it."""
+        ctx = self.ctx
+        kv_len = int(ctx.kv_len[slot])
+        room = (int(ctx.num_blocks[slot]) + ctx.allocator.available) * ctx.block_size - kv_len
+        chunk = min(chunk, room)
+        if chunk > 0 and not ctx.grow(slot, kv_len + chunk):
+            return 0
+        return max(chunk, 0)
+
+    def _chunk_within_free_blocks(self, req: Request, chunk: int) -> int:
+        """The largest first chunk of `req` that free blocks (above the watermark) can hold."""
+        _, unheld = self.ctx.peek_cached_prefix(req)
+        spare = self.ctx.allocator.available - unheld - self.watermark_blocks
+        return min(chunk, spare * self.ctx.block_size) if spare > 0 else 0
+
+    def _evict_newest(self) -> list[Request]:
+        """Nothing can run: free the newest request's blocks so older ones can proceed."""
+        ctx = self.ctx
+        if ctx.paused:
+            return ctx.evict_overflow_paused_requests(force_one=True)
+        return ctx.release_memory_blocks_from_request_indexes([ctx.active[-1]])
+
+    def fork_groups(self, sample_slots: np.ndarray) -> ForkResult:
+        """Samples 1..n-1 of a group whose prompt was just prefilled join as forks of sample 0.
+
+        Full prompt blocks are shared; the partial last one is copied (the caller copies the KV
+        of `copies`). A child that cannot get a slot or block now prefills on its own later.
+        """
+        ctx = self.ctx
+        # NOTE: only a leader sampling its first token can have children left to fork
+        first = np.flatnonzero(ctx.seq_len[sample_slots] == ctx.prompt_len[sample_slots])
+        forked_slots, forked_rows, copies = [], [], []
+        for row in first.tolist():
+            slot = int(sample_slots[row])
+            req = ctx.requests[slot]
+            if not req.fork_children:
+                continue
+            children, req.fork_children = req.fork_children, []
+            self._reserved_slots -= len(children)
+            full = int(ctx.prompt_len[slot]) // ctx.block_size
+            for child in children:
+                child_slot = ctx.fork(slot, child)
+                if child_slot is None:  # no block for its partial copy: it prefills on its own
+                    self._queue(child, front=True)
+                    continue
+                child.admitted = True
+                if ctx.num_blocks[slot] > full:  # the partial last prompt block is copied, not shared
+                    copies.append((int(ctx.block_table[slot, full]), int(ctx.block_table[child_slot, full])))
+                forked_slots.append(child_slot)
+                forked_rows.append(row)
+        if not forked_slots:
+            return ForkResult(sample_slots, None, copies)
+        return ForkResult(
+            np.concatenate((sample_slots, np.array(forked_slots, dtype=np.int64))),
+            torch.cat((torch.arange(sample_slots.size), torch.tensor(forked_rows, dtype=torch.int64))),
+            copies,
+        )
