@@ -134,7 +134,7 @@ class PrefixCacheRegistry:
         """Drop every entry, KV and Mamba, keeping the evict callback installed.
 
         NOTE: a reset is not an eviction, so the callback does not fire: whoever owns the Mamba
-        state slots frees them as part of its own reset (the allocator refills its free pool).
+        state slots frees them all as part of its own reset.
         """
         self.kv_hash_to_block_id.clear()
         self.mamba_hash_to_block_id.clear()
