@@ -85,7 +85,7 @@ class KVBlockAllocator:
 
     @property
     def cached(self) -> int:
-        return self.state.get_evictable_block_count()
+        return self.state.num_cached
 
     @property
     def active(self) -> int:
@@ -116,7 +116,7 @@ class KVBlockAllocator:
             return []
         shortfall = num_blocks - len(self._free)
         if shortfall > 0:
-            evicted = self.state.try_lru_evict_for_pool(shortfall)
+            evicted = self.state.evict_lru_leaves(shortfall)
             if evicted is None:
                 raise BlockOverflowError(
                     None,
@@ -143,7 +143,7 @@ class KVBlockAllocator:
         self.lru_clock += 1
         # NOTE: stamp first, so a released block's recency is its last use, not its allocation.
         self.state.update_timestamps(ids, self.lru_clock)
-        for_pool, hashes = self.state.on_release_compute_pool_returns(ids)
+        for_pool, hashes = self.state.release_references(ids)
         self._drop_from_registry(hashes)
         self._free.extend(for_pool)
 
@@ -241,6 +241,8 @@ class KVBlockAllocator:
         self.events.all_cleared()
 
     def _drop_from_registry(self, hashes: list[int]) -> None:
+        # NOTE: under REF_ZERO `hashes` lists -1 for each unregistered block; evict_kv skips those.
         if hashes:
             removed = self.registry.evict_kv(hashes)
-            self.events.blocks_removed(removed)
+            if removed:
+                self.events.blocks_removed(removed)

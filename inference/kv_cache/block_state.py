@@ -28,6 +28,10 @@ def _as_list(block_ids: BlockIds) -> list[int]:
     return list(block_ids)
 
 
+def _as_tensor(block_ids: list[int]) -> torch.Tensor:
+    return torch.tensor(block_ids, dtype=torch.int64)
+
+
 class PromptLogprobsBlock:
     """Prompt log-probs cached on one KV block, slot i scoring the token after the block's token i.
 
@@ -61,8 +65,12 @@ class PrefixCacheBlockState:
       leaf is queued under a key <= its timestamp: a block used again keeps its old entry, which
       is re-keyed when popped, so the minimum popped with a current key is the true LRU leaf.
       Entries of blocks that stopped being evictable leaves are dropped when popped.
+    * `_num_cached` counts the registered zero-ref blocks through this class's own mutations;
+      `get_evictable_block_count()` recounts them from the public tensors instead.
 
-    The public tensors share memory with numpy arrays used for fast scalar updates.
+    The public tensors share memory with numpy arrays used for fast scalar updates. The seed's
+    tensor-returning methods have list-returning twins (`release_references`,
+    `evict_lru_leaves`) that the allocator uses on its hot path.
     """
 
     def __init__(self, pool_size: int, eviction_policy: EvictionPolicy) -> None:
@@ -167,97 +175,151 @@ class PrefixCacheBlockState:
         if bad:
             raise ValueError(f"release of blocks {bad[:8]} exceeds the references held on them")
 
-    def on_release_compute_pool_returns(self, blocks: BlockIds) -> tuple[list[int], list[int]]:
+    def on_release_compute_pool_returns(self, blocks: BlockIds) -> tuple[torch.Tensor, list[int]]:
         """Drop one reference per occurrence; return (blocks for the free pool, hashes to drop).
 
         A block listed twice loses two references but is returned at most once. REF_ZERO frees
-        and deregisters every block reaching zero. LRU returns only unregistered zero-ref blocks;
+        and deregisters every block reaching zero and returns each one's hash, -1 for a block
+        that never had one. LRU returns only unregistered zero-ref blocks and no hashes;
         registered ones stay cached and become eviction candidates.
         """
-        ids = _as_list(blocks)
+        for_pool, hashes_to_drop = self.release_references(_as_list(blocks))
+        return _as_tensor(for_pool), hashes_to_drop
+
+    def release_references(self, block_ids: list[int]) -> tuple[list[int], list[int]]:
+        """`on_release_compute_pool_returns` with a list of free-pool blocks (the allocator's form)."""
         refs = self._refs
-        self.check_releasable(ids)
-        for_pool: list[int] = []
-        hashes_to_drop: list[int] = []
-        for block_id in ids:
+        self.check_releasable(block_ids)
+        reached_zero: list[int] = []
+        for block_id in block_ids:
             refs[block_id] -= 1
             if refs[block_id] == 0:
-                for_pool.append(block_id)
+                reached_zero.append(block_id)
         if not self.is_lru:
-            hashes_to_drop = self.deregister_blocks(for_pool)
-            return for_pool, [h for h in hashes_to_drop if h != UNSET_HASH]
+            return reached_zero, self.deregister_blocks(reached_zero)
         to_pool = []
-        for block_id in for_pool:
+        for block_id in reached_zero:
             if self._hashes[block_id] == UNSET_HASH:
                 to_pool.append(block_id)
             else:
                 self._num_cached += 1
                 if self._child_counts[block_id] == 0:
                     self._enqueue(block_id)
-        return to_pool, hashes_to_drop
+        return to_pool, []
 
     # ---- eviction ----------------------------------------------------------------------------
 
-    def get_evictable_block_count(self) -> int:
-        """Registered blocks with zero references (always 0 under REF_ZERO)."""
+    def get_evictable_block_count(self) -> torch.Tensor:
+        """Blocks the public tensors show as cached: zero references and a hash (any policy).
+
+        Scans the pool, so it also counts state a caller wrote into `block_ref_counts` or
+        `block_hashes` directly. The eviction path keeps its own count: `num_cached`.
+        """
+        return torch.count_nonzero((self.block_ref_counts == 0) & (self.block_hashes != UNSET_HASH))
+
+    @property
+    def num_cached(self) -> int:
+        """Registered zero-ref blocks as this class's own bookkeeping counts them (LRU only), O(1)."""
         return self._num_cached
 
     def extra_blocks_available(self) -> int:
-        """Blocks that eviction could hand to the free pool."""
+        """Blocks that eviction could hand to the free pool (always 0 under REF_ZERO)."""
         return self._num_cached if self.is_lru else 0
 
-    def try_lru_evict_for_pool(self, num_blocks_needed: int) -> Optional[tuple[list[int], list[int]]]:
+    def try_lru_evict_for_pool(self, num_blocks_needed: int) -> Optional[tuple[torch.Tensor, list[int]]]:
         """Pick and deregister `num_blocks_needed` LRU victims: (victims, hashes to drop), or None.
 
         None under REF_ZERO, or when fewer blocks can be evicted; then nothing changed.
         The caller pushes the victims onto the free pool.
         """
-        victims = self.find_lru_evictable(num_blocks_needed)
+        evicted = self.evict_lru_leaves(num_blocks_needed)
+        if evicted is None:
+            return None
+        return _as_tensor(evicted[0]), evicted[1]
+
+    def evict_lru_leaves(self, num_blocks_needed: int) -> Optional[tuple[list[int], list[int]]]:
+        """`try_lru_evict_for_pool` with a list of victims (the allocator's form)."""
+        if not self.is_lru:
+            return None
+        victims = self._peel_lru_leaves(num_blocks_needed, commit=True)
         if victims is None:
             return None
-        # NOTE: the peel above already queued the parents it turned into leaves
+        # NOTE: the peel already queued the parents it turned into leaves
         return victims, self.deregister_blocks(victims, requeue_parents=False)
 
-    def find_lru_evictable(self, num_blocks_needed: int) -> Optional[list[int]]:
+    def find_lru_evictable(self, num_blocks_needed: int) -> Optional[torch.Tensor]:
         """Exactly `num_blocks_needed` evictable blocks, least recently used leaf first, or None.
 
-        Peels the cached forest from its leaves inwards with a min-heap keyed by each block's
-        own timestamp: evicting a leaf may make its parent a leaf, which then joins the heap.
-        Costs O(k log n) for k victims. Changes no block state, but the victims leave the heap:
-        the caller must deregister them (`try_lru_evict_for_pool` does both). On None, the heap
-        holds every evictable leaf as before.
+        A query: it changes no state, so asking twice names the same blocks, and they are the
+        ones `try_lru_evict_for_pool` would evict next. To evict them yourself, call
+        `deregister_blocks` on them and push them onto the free pool. Calling it under REF_ZERO,
+        which has no cached reservoir, is a caller bug: AssertionError.
         """
-        if not self.is_lru or num_blocks_needed > self._num_cached:
+        if not self.is_lru:
+            raise AssertionError("find_lru_evictable needs the LRU eviction policy")
+        victims = self._peel_lru_leaves(num_blocks_needed, commit=False)
+        return None if victims is None else _as_tensor(victims)
+
+    def _peel_lru_leaves(self, num_blocks_needed: int, commit: bool) -> Optional[list[int]]:
+        """The next `num_blocks_needed` LRU victims, or None; with `commit`, take them off the heap.
+
+        Peels the cached forest from its leaves inwards: the heap yields leaves by their own
+        timestamp, and a parent whose children were all picked becomes a leaf, queued in a
+        pass-local heap merged with the main one. O(k log n) for k victims. Without `commit`
+        (or on None) the popped entries go back, so the heap is as before; with it, entries
+        popped stay dropped (see the class invariant) and the pass-local leaves join the heap.
+        """
+        if num_blocks_needed > self._num_cached:
             return None
         if num_blocks_needed <= 0:
             return []
         heap, refs, hashes, queued = self._lru_heap, self._refs, self._hashes, self._queued
         timestamps, parents, children = self._timestamps, self._parents, self._child_counts
+        found: list[tuple[int, int]] = []  # leaves that were not queued when this pass began
+        in_found: set[int] = set()
+        popped: list[tuple[int, int]] = []
         victims: list[int] = []
-        children_gone: dict[int, int] = {}  # parent -> its children chosen in this call
-        while len(victims) < num_blocks_needed and heap:
-            key, block_id = heapq.heappop(heap)
-            queued[block_id] = False
+        children_gone: dict[int, int] = {}  # parent -> its children picked in this pass
+        while len(victims) < num_blocks_needed:
+            if found and (not heap or found[0] < heap[0]):
+                key, block_id = heapq.heappop(found)
+                in_found.discard(block_id)
+            elif heap:
+                entry = heapq.heappop(heap)
+                popped.append(entry)
+                key, block_id = entry
+                queued[block_id] = False
+            else:
+                break
             if refs[block_id] != 0 or hashes[block_id] == UNSET_HASH:
-                continue  # in use or gone: re-queued when it is released again
+                continue  # in use or gone: queued again when it is released again
             if children[block_id] != children_gone.get(block_id, 0):
                 continue  # not a leaf: queued again when its last child goes
-            if key != timestamps[block_id]:  # used since it was queued: re-key, keep order exact
-                self._enqueue(block_id)
+            stamp = int(timestamps[block_id])
+            if key != stamp:  # used since it was queued: re-key, keep the order exact
+                if block_id not in in_found:
+                    heapq.heappush(found, (stamp, block_id))
+                    in_found.add(block_id)
                 continue
             victims.append(block_id)
             parent = int(parents[block_id])
             if parent >= 0:
                 gone = children_gone.get(parent, 0) + 1
                 children_gone[parent] = gone
-                if children[parent] == gone and refs[parent] == 0 and hashes[parent] != UNSET_HASH:
-                    self._enqueue(parent)
-        if len(victims) < num_blocks_needed:
-            # NOTE: possible only if a cached block sits above a child still in use; keep state.
-            for block_id in victims:
-                self._enqueue(block_id)
-            return None
-        return victims
+                if (children[parent] == gone and refs[parent] == 0 and hashes[parent] != UNSET_HASH
+                        and not queued[parent] and parent not in in_found):
+                    heapq.heappush(found, (int(timestamps[parent]), parent))
+                    in_found.add(parent)
+        if commit and len(victims) == num_blocks_needed:
+            for entry in found:
+                queued[entry[1]] = True
+                heapq.heappush(heap, entry)
+            return victims
+        for entry in popped:
+            queued[entry[1]] = True
+            heapq.heappush(heap, entry)
+        # NOTE: short only if a cached block sits above a child still in use; nothing changed.
+        return victims if len(victims) == num_blocks_needed else None
 
     def _enqueue(self, block_id: int) -> None:
         if not self._queued[block_id]:
@@ -265,33 +327,39 @@ class PrefixCacheBlockState:
             heapq.heappush(self._lru_heap, (int(self._timestamps[block_id]), block_id))
 
     def deregister_blocks(self, block_ids: BlockIds, requeue_parents: bool = True) -> list[int]:
-        """Reset the state of `block_ids` and return their hashes (-1 for unregistered ones).
+        """Reset the state of `block_ids` (hash, ref count, timestamp); return their old hashes.
 
-        Touches neither the registry nor the free pool: both are the caller's job. Parents
-        left without registered children become eviction candidates (`requeue_parents=False`
-        when the caller's eviction pass has queued them already).
+        An unregistered block yields -1. Touches neither the registry nor the free pool: both
+        are the caller's job. Parents left without registered children become eviction
+        candidates (`requeue_parents=False` when the caller's eviction pass queued them already).
         """
         ids = _as_list(block_ids)
-        hashes = self._hashes
-        dropped = [int(hashes[b]) for b in ids]
-        lru = self.is_lru
-        for block_id, h in zip(ids, dropped):
-            if h == UNSET_HASH:
-                continue
-            hashes[block_id] = UNSET_HASH
+        hashes, refs, lru = self._hashes, self._refs, self.is_lru
+        dropped: list[int] = []
+        for block_id in ids:
+            h = int(hashes[block_id])  # NOTE: read per block, so a repeated id yields -1 the 2nd time
+            dropped.append(h)
             self.prompt_logprobs.pop(block_id, None)
-            if not lru:
-                continue
-            if self._refs[block_id] == 0:
-                self._num_cached -= 1
-            parent = int(self._parents[block_id])
-            if parent >= 0:
-                self._parents[block_id] = -1
-                self._child_counts[parent] -= 1
-                if (requeue_parents and self._child_counts[parent] == 0 and self._refs[parent] == 0
-                        and hashes[parent] != UNSET_HASH):
-                    self._enqueue(parent)
+            if lru:
+                self._timestamps[block_id] = 0
+                if h != UNSET_HASH:
+                    self._unlink(block_id, requeue_parents)
+            hashes[block_id] = UNSET_HASH
+            refs[block_id] = 0
         return dropped
+
+    def _unlink(self, block_id: int, requeue_parents: bool) -> None:
+        """Take a registered block out of the LRU bookkeeping, before its state is reset."""
+        if self._refs[block_id] == 0:
+            self._num_cached -= 1
+        parent = int(self._parents[block_id])
+        if parent < 0:
+            return
+        self._parents[block_id] = -1
+        self._child_counts[parent] -= 1
+        if (requeue_parents and self._child_counts[parent] == 0 and self._refs[parent] == 0
+                and self._hashes[parent] != UNSET_HASH):
+            self._enqueue(parent)
 
     def detach_all(self) -> list[int]:
         """Deregister every block at once (prefix-cache reset); return the zero-ref cached ones.

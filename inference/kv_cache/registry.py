@@ -131,5 +131,10 @@ class PrefixCacheRegistry:
             self._mamba_evict_callback(freed)
 
     def reset(self) -> None:
-        """Drop every entry, KV and Mamba."""
-        self.clear_kv()
+        """Drop every entry, KV and Mamba, keeping the evict callback installed.
+
+        NOTE: a reset is not an eviction, so the callback does not fire: whoever owns the Mamba
+        state slots frees them all as part of its own reset.
+        """
+        self.kv_hash_to_block_id.clear()
+        self.mamba_hash_to_block_id.clear()

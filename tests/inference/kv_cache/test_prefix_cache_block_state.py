@@ -29,8 +29,14 @@ def _snapshot(state):
         state.block_hashes.tolist(),
         state.block_ref_counts.tolist(),
         None if state.block_timestamps is None else state.block_timestamps.tolist(),
-        state.get_evictable_block_count(),
+        int(state.get_evictable_block_count()),
     )
+
+
+def _as_lists(result):
+    """A (block id tensor, hash list) result as two lists, for comparison."""
+    blocks, hashes = result
+    return blocks.tolist(), hashes
 
 
 # ---- construction, reset --------------------------------------------------------------------
@@ -61,8 +67,8 @@ def test_reset_forgets_everything(policy):
     assert state.block_ref_counts.tolist() == [0] * 4
     assert state.prompt_logprobs == {}
     assert state.get_evictable_block_count() == 0
-    assert state.find_lru_evictable(1) is None
     if policy is LRU:
+        assert state.find_lru_evictable(1) is None
         assert state.block_timestamps.tolist() == [0] * 4
 
 
@@ -87,7 +93,7 @@ def test_record_parent_chain_makes_a_parent_a_leaf_only_after_its_last_child():
     state.record_parent_chain([1, 2], [0, 0])  # two children of block 0
     state.on_release_compute_pool_returns([0, 1, 2])
     assert state.get_evictable_block_count() == 3
-    victims, _ = state.try_lru_evict_for_pool(3)
+    victims = state.try_lru_evict_for_pool(3)[0].tolist()
     assert sorted(victims[:2]) == [1, 2] and victims[2] == 0
 
 
@@ -129,9 +135,9 @@ def test_retaining_a_cached_block_takes_it_out_of_the_reservoir():
     state.retain([0, 1], 5)  # a matched prefix
     assert state.get_evictable_block_count() == 0
     assert state.find_lru_evictable(1) is None
-    assert state.on_release_compute_pool_returns([0, 1]) == ([], [])
+    assert _as_lists(state.on_release_compute_pool_returns([0, 1])) == ([], [])
     assert state.get_evictable_block_count() == 2
-    assert state.find_lru_evictable(2) == [1, 0]
+    assert state.find_lru_evictable(2).tolist() == [1, 0]
 
 
 # ---- counts ---------------------------------------------------------------------------------
@@ -154,9 +160,9 @@ def test_duplicate_ids_drop_one_ref_each_but_return_a_block_once(policy):
     state = PrefixCacheBlockState(4, policy)
     state.on_allocate([0, 1], 1)
     state.retain([0, 1], 2)  # two owners each
-    for_pool, hashes = state.on_release_compute_pool_returns([0, 1, 0, 1, 0][:4])
+    for_pool, hashes = _as_lists(state.on_release_compute_pool_returns([0, 1, 0, 1, 0][:4]))
     assert sorted(for_pool) == [0, 1] and len(for_pool) == 2
-    assert hashes == []
+    assert hashes == ([UNSET_HASH, UNSET_HASH] if policy is REF_ZERO else [])  # REF_ZERO: one per freed block
     assert state.block_ref_counts.tolist() == [0, 0, 0, 0]
 
 
@@ -164,7 +170,7 @@ def test_duplicate_ids_of_a_still_held_block_return_nothing():
     state = PrefixCacheBlockState(2, REF_ZERO)
     state.on_allocate([0], 1)
     state.retain([0, 0], 1)
-    assert state.on_release_compute_pool_returns([0, 0]) == ([], [])
+    assert _as_lists(state.on_release_compute_pool_returns([0, 0])) == ([], [])
     assert state.ref_count(0) == 1
 
 
@@ -174,8 +180,8 @@ def test_ref_zero_release_deregisters_and_returns_hashes():
     state.stamp_block_hashes([0, 1], [10, 11])
     state.retain([0], 2)
     for_pool, hashes = state.on_release_compute_pool_returns([0, 1, 2])
-    assert for_pool == [1, 2]
-    assert hashes == [11]  # unregistered block 2 contributes no -1
+    assert for_pool.tolist() == [1, 2]
+    assert hashes == [11, UNSET_HASH]  # as the seed says: the hash of each freed block, -1 if it had none
     assert state.block_hashes.tolist() == [10, UNSET_HASH, UNSET_HASH, UNSET_HASH]
 
 
@@ -183,7 +189,7 @@ def test_lru_release_keeps_registered_blocks_cached():
     state = PrefixCacheBlockState(4, LRU)
     state.on_allocate([0, 1], 1)
     state.stamp_block_hashes([0], [10])
-    assert state.on_release_compute_pool_returns([0, 1]) == ([1], [])
+    assert _as_lists(state.on_release_compute_pool_returns([0, 1])) == ([1], [])
     assert state.block_hashes.tolist()[0] == 10
     assert state.get_evictable_block_count() == 1
 
@@ -212,10 +218,11 @@ def test_releasing_more_references_than_held_is_refused(policy):
 # ---- LRU eviction ---------------------------------------------------------------------------
 
 
-def test_try_lru_evict_for_pool_is_none_under_ref_zero():
+def test_try_lru_evict_for_pool_is_none_and_find_lru_evictable_a_caller_bug_under_ref_zero():
     state = PrefixCacheBlockState(4, REF_ZERO)
     assert state.try_lru_evict_for_pool(1) is None
-    assert state.find_lru_evictable(0) is None
+    with pytest.raises(AssertionError):
+        state.find_lru_evictable(0)
 
 
 def test_try_lru_evict_returns_exactly_the_needed_victims_and_their_hashes():
@@ -223,12 +230,12 @@ def test_try_lru_evict_returns_exactly_the_needed_victims_and_their_hashes():
     _cached_chain(state, [0, 1, 2], [10, 11, 12], [1, 2, 3])
     assert state.try_lru_evict_for_pool(4) is None  # fewer evictable: nothing changes
     assert state.get_evictable_block_count() == 3
-    assert state.find_lru_evictable(0) == []
-    victims, hashes = state.try_lru_evict_for_pool(2)
+    assert state.find_lru_evictable(0).tolist() == []
+    victims, hashes = _as_lists(state.try_lru_evict_for_pool(2))
     assert victims == [2, 1] and hashes == [12, 11]
     assert state.block_hashes.tolist()[:3] == [10, UNSET_HASH, UNSET_HASH]
     assert state.get_evictable_block_count() == 1
-    assert state.try_lru_evict_for_pool(1) == ([0], [10])
+    assert _as_lists(state.try_lru_evict_for_pool(1)) == ([0], [10])
     assert state.get_evictable_block_count() == 0
 
 
@@ -240,7 +247,7 @@ def test_younger_leaf_goes_before_its_older_root():
     state.stamp_block_hashes([2], [20])
     state.record_parent_chain([2], [-1])
     state.on_release_compute_pool_returns([2])
-    victims, _ = state.try_lru_evict_for_pool(3)
+    victims = state.try_lru_evict_for_pool(3)[0].tolist()
     assert victims == [2, 1, 0]  # root only after its leaf, although it is the oldest
 
 
@@ -248,7 +255,7 @@ def test_evicting_a_leaf_turns_its_parent_into_a_candidate_keyed_by_its_own_age(
     state = PrefixCacheBlockState(6, LRU)
     _cached_chain(state, [0, 1], [10, 11], [1, 2])  # chain A: old root, old leaf
     _cached_chain(state, [2, 3], [20, 21], [5, 6])  # chain B: young
-    victims, _ = state.try_lru_evict_for_pool(3)
+    victims = state.try_lru_evict_for_pool(3)[0].tolist()
     assert victims == [1, 0, 3]
 
 
@@ -262,7 +269,7 @@ def test_a_cached_parent_of_a_held_child_is_not_evictable():
     assert state.find_lru_evictable(1) is None
     assert state.try_lru_evict_for_pool(1) is None
     state.on_release_compute_pool_returns([1])
-    assert state.try_lru_evict_for_pool(2)[0] == [1, 0]
+    assert state.try_lru_evict_for_pool(2)[0].tolist() == [1, 0]
 
 
 def test_find_lru_evictable_hands_victims_to_the_caller_to_deregister():
@@ -270,8 +277,8 @@ def test_find_lru_evictable_hands_victims_to_the_caller_to_deregister():
     state = PrefixCacheBlockState(4, LRU)
     _cached_chain(state, [0, 1], [10, 11], [1, 2])
     victims = state.find_lru_evictable(2)
-    assert victims == [1, 0]
-    assert state.deregister_blocks(victims, requeue_parents=False) == [11, 10]
+    assert victims.tolist() == [1, 0]
+    assert state.deregister_blocks(victims) == [11, 10]
     assert state.get_evictable_block_count() == 0
     assert state.find_lru_evictable(1) is None
 
@@ -280,14 +287,16 @@ def test_find_lru_evictable_hands_victims_to_the_caller_to_deregister():
 
 
 @pytest.mark.parametrize("policy", [LRU, REF_ZERO])
-def test_deregister_returns_hashes_and_keeps_references(policy):
+def test_deregister_returns_hashes_and_resets_block_state(policy):
     state = PrefixCacheBlockState(4, policy)
     state.on_allocate([0, 1], 1)
     state.stamp_block_hashes([0], [10])
     state.prompt_logprobs[0] = PromptLogprobsBlock(2, 1)
     assert state.deregister_blocks([0, 1]) == [10, UNSET_HASH]
     assert state.block_hashes.tolist()[:2] == [UNSET_HASH, UNSET_HASH]
-    assert state.block_ref_counts.tolist()[:2] == [1, 1]
+    assert state.block_ref_counts.tolist()[:2] == [0, 0]  # the seed: hash, ref count, timestamp
+    if policy is LRU:
+        assert state.block_timestamps.tolist()[:2] == [0, 0]
     assert state.prompt_logprobs == {}
 
 
@@ -300,7 +309,7 @@ def test_detach_all_returns_the_cached_blocks_and_keeps_held_ones():
     assert state.block_hashes.tolist() == [UNSET_HASH] * 4
     assert state.block_ref_counts.tolist() == [0, 0, 1, 0]
     assert state.get_evictable_block_count() == 0
-    assert state.on_release_compute_pool_returns([2]) == ([2], [])
+    assert _as_lists(state.on_release_compute_pool_returns([2])) == ([2], [])
 
 
 # ---- PromptLogprobsBlock --------------------------------------------------------------------

@@ -202,4 +202,4 @@ def test_reset_drops_everything_and_nothing_matches():
     registry.reset()
     assert registry.match_kv_prefix([11, 12]) == ([], NO_PARENT)
     assert registry.match_mamba_farthest([11, 12]) == 0
-    assert calls == [[7]]
+    assert calls == []  # a reset is not an eviction: the slot owner frees its slots itself
