@@ -120,6 +120,10 @@ class _Envelope(msgspec.Struct):
 
 
 _ENVELOPE = msgspec.msgpack.Decoder(_Envelope)
+# NOTE: besides DecodeError, msgspec raises RecursionError for input nested too deep,
+# UnicodeDecodeError for a map key that is not UTF-8 and TypeError for a map used as a map key
+# (where a field takes any value: the envelope's, or a packed array's before its dec_hook).
+_UNPARSABLE = (msgspec.DecodeError, RecursionError, UnicodeDecodeError, TypeError)
 
 
 def encode(msg: _Message, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytes:
@@ -163,9 +167,10 @@ def _decode(frame: bytes, max_frame_bytes: int, expected: str) -> Any:
         msg = decoder.decode(frame)
     except msgspec.ValidationError as exc:
         raise _explain(frame, str(exc), expected, kinds) from None
-    except (msgspec.DecodeError, RecursionError) as exc:
-        # NOTE: msgspec raises RecursionError (not DecodeError) for input nested too deep.
+    except _UNPARSABLE as exc:
         raise ProtocolError(ErrorCode.MALFORMED, f"not a msgpack message: {exc}") from None
+    except Exception as exc:  # a bug of ours; the server must still not die of one frame
+        raise ProtocolError(ErrorCode.INTERNAL, f"decoding failed: {type(exc).__name__}: {exc}") from exc
     if msg.v != PROTOCOL_VERSION:
         raise _version_error(msg.v, getattr(msg, "request_id", None))
     return msg
@@ -181,7 +186,7 @@ def _explain(frame: bytes, problem: str, expected: str, kinds: frozenset) -> Pro
     """Tell a wrong version or kind from a wrong field, for a frame that failed its schema."""
     try:
         env = _ENVELOPE.decode(frame)
-    except (msgspec.DecodeError, RecursionError):
+    except _UNPARSABLE:
         return ProtocolError(ErrorCode.MALFORMED, f"not a message map: {problem}")
     rid = env.request_id
     rid = rid if isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID_LENGTH else None
