@@ -136,6 +136,7 @@ def test_packed_arrays_are_little_endian_views_with_their_dtypes():
     assert back.token_ids.tolist() == [7, 8] and back.logprobs.tolist() == [-0.5, -1.25]
     assert back.versions.tolist() == [6, 7] and not back.token_ids.flags.writeable
     assert back.top_logprobs == [{7: -0.5, 4: -2.0}, {8: -1.25}]
+    assert decode(memoryview(FRAMES[11])) == decode(bytearray(FRAMES[11])) == sample  # zmq hands out buffers
 
 
 def test_weight_source_is_tagged_for_later_transports():
