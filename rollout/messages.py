@@ -1,0 +1,326 @@
+"""The message schemas of the wire protocol (see `rollout.protocol` for framing and rules).
+
+One `msgspec.Struct` per message kind, tagged by `kind` (a `Kind`); every message carries the
+writer's protocol version `v`. msgspec checks types and numeric ranges when a frame is decoded;
+`__post_init__` (run at construction and at decode) checks the rest, e.g. packed-array lengths,
+and turns packed fields into numpy arrays (`rollout.packing`). A `ValueError` there names the
+field. Requests have kinds below 64, replies 64 and up.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import Annotated, Any, Optional, Union
+
+import msgspec
+import numpy as np
+from msgspec import Meta
+
+from inference.request import FinishReason
+from inference.sampling_params import MAX_LOGPROBS, LogprobsMode
+from rollout.packing import as_float32, as_int32, check_non_negative, check_same_length
+
+PROTOCOL_VERSION = 1
+MAX_REQUEST_ID_LENGTH = 256
+MAX_SAMPLES = 1024  # n per Generate
+MAX_STOP_TOKENS = 1024
+MAX_ABORT_TARGETS = 65536
+MAX_LEASE_SECONDS = 3600.0
+
+
+class Kind(enum.IntEnum):
+    """Message kinds. Fixed numbers: never reuse or renumber one (bump PROTOCOL_VERSION)."""
+
+    GENERATE = 1
+    ABORT = 2
+    PAUSE = 3
+    CONTINUE = 4
+    SUSPEND = 5
+    RESUME = 6
+    UPDATE_WEIGHTS = 7
+    RESET_PREFIX_CACHE = 8
+    STATS = 9
+    HEALTH = 10
+    HEARTBEAT = 11
+    SAMPLE_OUTPUT = 64
+    TOKEN_DELTA = 65
+    RESULT = 66
+    ERROR = 67
+
+
+class ErrorCode(enum.IntEnum):
+    """Why a frame or a request was refused. Stable numbers, as `Kind`."""
+
+    MALFORMED = 1  # not msgpack, truncated, not a map, nested too deep
+    UNKNOWN_KIND = 2  # `kind` missing, not a Kind, or a reply where a request was expected
+    BAD_SCHEMA = 3  # a field missing, unknown, mistyped or out of range
+    TOO_LARGE = 4  # the frame exceeds max_frame_bytes
+    BAD_VERSION = 5  # `v` missing or not PROTOCOL_VERSION
+    INVALID_REQUEST = 6  # well-formed, but the engine's own validation refused it
+    CONTEXT_OVERFLOW = 7  # the engine cannot fit it (now or ever); see ErrorReply.context_error
+    ENGINE_STATE = 8  # not allowed in the engine's state (e.g. generate while suspended)
+    NOT_FOUND = 9  # e.g. aborting an unknown request id
+    DUPLICATE = 10  # a request id reused for a different request
+    INTERNAL = 11  # a bug on the server
+
+
+class PauseMode(str, enum.Enum):
+    """What `Pause` does to requests in flight (admission of new ones stops in every mode).
+
+    ABORT: finish them now with reason `abort`. WAIT: let them run to completion, then idle.
+    KEEP: stop stepping; they keep their KV and go on at `Continue`. RETRACT: free their KV and
+    requeue them; their tokens so far are prefilled again at `Continue`.
+    """
+
+    ABORT = "abort"
+    WAIT = "wait"
+    KEEP = "keep"
+    RETRACT = "retract"
+
+
+class SuspendPolicy(str, enum.Enum):
+    """Requests in flight at `Suspend`; the values are `inference.InFlightPolicy`'s."""
+
+    ABORT = "abort"
+    RECOMPUTE = "recompute"
+    OFFLOAD = "offload"
+
+
+RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID_LENGTH)]
+Hint = Annotated[str, Meta(max_length=MAX_REQUEST_ID_LENGTH)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+TopN = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+TokenLogprobs = Annotated[dict[Annotated[int, Meta(ge=0)], float], Meta(max_length=MAX_LOGPROBS + 1)]
+Seconds = Annotated[float, Meta(ge=0)]
+StatValue = Union[int, float, str]
+
+
+def _field_eq(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype \
+            and np.array_equal(a, b, equal_nan=a.dtype.kind == "f")
+    return a == b
+
+
+class _Message(msgspec.Struct, tag_field="kind", forbid_unknown_fields=True, kw_only=True, eq=False):
+    """Base of every message: the `kind` tag (class keyword `tag`) and the writer's version `v`."""
+
+    v: int = PROTOCOL_VERSION
+
+    # NOTE: msgspec's own __eq__ would ask numpy arrays for a single truth value; compare
+    # packed arrays element-wise (dtype included) instead.
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return all(_field_eq(getattr(self, f), getattr(other, f)) for f in self.__struct_fields__)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class _Request(_Message):
+    request_id: RequestId
+
+
+# ---- requests --------------------------------------------------------------------------------
+
+
+class Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """`inference.SamplingParams` on the wire: the same fields, names and ranges.
+
+    msgspec refuses NaN against every range below (`ge`, `gt`, ... compare false) and the
+    msgpack format bounds `seed` below 2**64; `temperature` has no upper bound, so infinity is
+    refused here.
+    """
+
+    n: Annotated[int, Meta(ge=1, le=MAX_SAMPLES)] = 1
+    temperature: Annotated[float, Meta(ge=0)] = 1.0
+    top_k: Annotated[int, Meta(ge=-1)] = 0
+    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
+    min_p: Annotated[float, Meta(ge=0, lt=1)] = 0.0
+    seed: Optional[NonNegInt] = None
+    max_tokens: Annotated[int, Meta(ge=1)] = 16
+    stop_token_ids: Annotated[list[NonNegInt], Meta(max_length=MAX_STOP_TOKENS)] = []
+    ignore_eos: bool = False
+    logprobs: Optional[TopN] = None
+    prompt_logprobs: Optional[TopN] = None
+    logprobs_mode: LogprobsMode = LogprobsMode.RAW
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature):
+            raise ValueError(f"sampling.temperature must be finite, got {self.temperature!r}")
+        if self.seed is not None and self.seed >= 2**64:
+            raise ValueError(f"sampling.seed must be < 2**64, got {self.seed}")
+
+
+class Generate(_Request, tag=Kind.GENERATE.value):
+    """Sample `sampling.n` completions of one prompt; `session_id` / `group_id` are routing hints."""
+
+    prompt_token_ids: np.ndarray  # packed int32, at least one token, ids >= 0
+    sampling: Sampling = msgspec.field(default_factory=Sampling)
+    stream_tokens: bool = False
+    session_id: Optional[Hint] = None
+    group_id: Optional[Hint] = None
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = as_int32("prompt_token_ids", self.prompt_token_ids)
+        if self.prompt_token_ids.size == 0:
+            raise ValueError("prompt_token_ids must not be empty")
+        check_non_negative("prompt_token_ids", self.prompt_token_ids)
+
+
+class Abort(_Request, tag=Kind.ABORT.value):
+    """Finish the `targets` (Generate request ids) now with reason `abort`, partial tokens sent."""
+
+    targets: Annotated[list[RequestId], Meta(min_length=1, max_length=MAX_ABORT_TARGETS)]
+
+
+class Pause(_Request, tag=Kind.PAUSE.value):
+    mode: PauseMode
+
+
+class Continue(_Request, tag=Kind.CONTINUE.value):
+    """Undo `Pause`."""
+
+
+class Suspend(_Request, tag=Kind.SUSPEND.value):
+    """Free the KV / state buffers (and the weights if `offload_weights`) for a colocated trainer."""
+
+    policy: SuspendPolicy = SuspendPolicy.RECOMPUTE
+    offload_weights: bool = False
+
+
+class Resume(_Request, tag=Kind.RESUME.value):
+    """Undo `Suspend`."""
+
+
+class SafetensorsDir(msgspec.Struct, tag_field="type", tag="safetensors_dir", forbid_unknown_fields=True):
+    """Weights from `*.safetensors` files in a directory the server can read (HF names)."""
+
+    path: Annotated[str, Meta(min_length=1, max_length=4096)]
+
+
+# NOTE: a tagged union by `type`; later transports (broadcast, shared memory) join it as structs.
+WeightSource = SafetensorsDir
+
+
+class UpdateWeights(_Request, tag=Kind.UPDATE_WEIGHTS.value):
+    """Load new weights and commit them atomically under `target_version` (default: current + 1)."""
+
+    source: WeightSource
+    target_version: Optional[NonNegInt] = None
+
+
+class ResetPrefixCache(_Request, tag=Kind.RESET_PREFIX_CACHE.value):
+    pass
+
+
+class Stats(_Request, tag=Kind.STATS.value):
+    pass
+
+
+class Health(_Request, tag=Kind.HEALTH.value):
+    pass
+
+
+class Heartbeat(_Request, tag=Kind.HEARTBEAT.value):
+    """Renews the sender's lease for `lease_s` seconds (None: the server's default)."""
+
+    lease_s: Optional[Annotated[float, Meta(gt=0, le=MAX_LEASE_SECONDS)]] = None
+
+
+# ---- replies ---------------------------------------------------------------------------------
+
+
+class SampleOutput(_Message, tag=Kind.SAMPLE_OUTPUT.value):
+    """One finished sample of a Generate (`sample_index` of its `n`).
+
+    `token_ids`, `logprobs` (float32) and `versions` (the policy version that sampled each
+    token) are packed arrays, one entry per generated token. `top_logprobs` is None or one dict
+    {token id: log-prob} per generated token; `prompt_logprobs` None or one entry per prompt
+    token (the first None: nothing predicts it). `ttft` / `latency` are seconds since arrival.
+    """
+
+    request_id: RequestId
+    sample_index: NonNegInt
+    n: Annotated[int, Meta(ge=1, le=MAX_SAMPLES)]
+    prompt_len: Annotated[int, Meta(ge=1)]
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    finish_reason: FinishReason
+    top_logprobs: Optional[list[TokenLogprobs]] = None
+    prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
+    ttft: Optional[Seconds] = None
+    latency: Optional[Seconds] = None
+    num_preemptions: NonNegInt = 0
+
+    def __post_init__(self) -> None:
+        if self.sample_index >= self.n:
+            raise ValueError(f"sample_index {self.sample_index} must be < n ({self.n})")
+        _unpack_tokens(self, "SampleOutput")
+        self.finish_reason = FinishReason(self.finish_reason)
+        if self.top_logprobs is not None and len(self.top_logprobs) != len(self.token_ids):
+            raise ValueError(f"SampleOutput: top_logprobs ({len(self.top_logprobs)}) must have one entry "
+                             f"per token ({len(self.token_ids)})")
+        if self.prompt_logprobs is not None and len(self.prompt_logprobs) != self.prompt_len:
+            raise ValueError(f"SampleOutput: prompt_logprobs ({len(self.prompt_logprobs)}) must have one "
+                             f"entry per prompt token ({self.prompt_len})")
+
+
+class TokenDelta(_Message, tag=Kind.TOKEN_DELTA.value):
+    """Tokens a streaming sample generated since its last delta; `start` indexes the first one."""
+
+    request_id: RequestId
+    sample_index: NonNegInt
+    start: NonNegInt
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+
+    def __post_init__(self) -> None:
+        _unpack_tokens(self, "TokenDelta")
+
+
+def _unpack_tokens(msg: Union[SampleOutput, TokenDelta], what: str) -> None:
+    msg.token_ids = as_int32("token_ids", msg.token_ids)
+    msg.logprobs = as_float32("logprobs", msg.logprobs)
+    msg.versions = as_int32("versions", msg.versions)
+    check_non_negative("token_ids", msg.token_ids)
+    check_non_negative("versions", msg.versions)
+    check_same_length(what, token_ids=msg.token_ids, logprobs=msg.logprobs, versions=msg.versions)
+
+
+class HealthInfo(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    healthy: bool
+    seconds_since_loop_tick: Seconds
+    state: Annotated[str, Meta(max_length=64)]
+    policy_version: NonNegInt
+
+
+class Result(_Message, tag=Kind.RESULT.value):
+    """Success of a control request (`request_kind`), with what that kind returns."""
+
+    request_id: RequestId
+    request_kind: Kind
+    policy_version: Optional[NonNegInt] = None
+    stats: Optional[dict[str, StatValue]] = None
+    health: Optional[HealthInfo] = None
+
+
+class ErrorReply(_Message, tag=Kind.ERROR.value):
+    """A refused frame or request; `context_error` is `ContextErrorFactory.serialize`'s dict."""
+
+    code: ErrorCode
+    message: str
+    request_id: Optional[Hint] = None
+    context_error: Optional[dict[str, Union[str, int, bool, None]]] = None
+
+
+RequestMessage = Union[Generate, Abort, Pause, Continue, Suspend, Resume, UpdateWeights, ResetPrefixCache,
+                       Stats, Health, Heartbeat]
+ReplyMessage = Union[SampleOutput, TokenDelta, Result, ErrorReply]
+Message = Union[RequestMessage, ReplyMessage]
+
+REQUEST_KINDS = frozenset(k for k in Kind if k < 64)
+REPLY_KINDS = frozenset(k for k in Kind if k >= 64)
