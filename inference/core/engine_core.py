@@ -215,8 +215,8 @@ class EngineCore:
         self.generated_tokens += slots.size
         if out.top_logprobs is not None:
             out_ops.record_top_logprobs(ctx, slots, out)
+        events = out_ops.token_events(ctx, slots, tokens, logprobs)  # NOTE: before slots are released
         finished = ctx.update_requests(slots, tokens, logprobs, self.eos_token_ids)
-        events = out_ops.token_events(ctx, slots, tokens, logprobs)
         if events:
             self._on_tokens(events)
         for req, reason in finished:
@@ -301,14 +301,18 @@ class EngineCore:
     def _offload_in_slot_requests(self) -> int:
         """Copy the blocks of every request in a slot to host memory; slots stay as they are."""
         held = self.context.held_block_ids()
-        self._offloaded_kv = (held, self.kv_cache.offload(held.tolist())) if held.size else None
+        if held.size:
+            self._offloaded_kv = (held, self.kv_cache.offload(held.tolist()))
+            self.context.detach_blocks()  # NOTE: the pool reset that follows takes their references
         return len(self.context.active) + len(self.context.paused)
 
     def _restore_offloaded_requests(self) -> None:
         saved, self._offloaded_kv = self._offloaded_kv, None
         if saved is not None:
             held, host = saved
-            self.kv_cache.restore(self.context.move_held_blocks(held).tolist(), host)
+            fresh, rows = self.context.reattach_blocks(held)
+            if fresh.size:
+                self.kv_cache.restore(fresh.tolist(), host[:, :, torch.from_numpy(rows)])
 
     # ---- weights -----------------------------------------------------------------------------
 

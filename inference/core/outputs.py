@@ -62,8 +62,8 @@ def record_prompt_logprobs(ctx: DynamicInferenceContext, batch: Any, logits: tor
 
 def token_events(ctx: DynamicInferenceContext, slots: np.ndarray, tokens: np.ndarray,
                  logprobs: np.ndarray) -> list[TokenEvent]:
-    """Events for the just-sampled tokens of streaming slots; call before the slots' requests
-    can be released (their ids and positions are read here)."""
+    """Events for the just-sampled tokens of streaming slots; call before `update_requests`
+    appends them (positions are read here) and releases finished slots."""
     rows = np.flatnonzero(ctx.streams_tokens[slots])
     if rows.size == 0:
         return []

@@ -75,6 +75,7 @@ class DynamicInferenceContext:
         self.block_version = np.full(allocator.total, -1, dtype=np.int64)
         self.cross_version_hits = 0
         self.prefill_tokens = 0  # tokens whose K/V was computed by a prefill (not served by cache)
+        self._blocks_detached = False  # see detach_blocks
 
     # ---- queries -----------------------------------------------------------------------------
 
@@ -284,7 +285,8 @@ class DynamicInferenceContext:
         released = []
         for slot in [int(s) for s in slots]:
             req = self.sync_request(slot)
-            self.allocator.release(self.block_table[slot, : self.num_blocks[slot]].tolist())
+            if not self._blocks_detached:
+                self.allocator.release(self.block_table[slot, : self.num_blocks[slot]].tolist())
             self.num_blocks[slot] = 0
             self.hashes[slot] = []
             self.requests[slot] = None
@@ -351,15 +353,26 @@ class DynamicInferenceContext:
             return np.empty(0, dtype=np.int64)
         return np.unique(np.concatenate([self.block_table[s, : self.num_blocks[s]] for s in slots])).astype(np.int64)
 
-    def move_held_blocks(self, held: np.ndarray) -> np.ndarray:
-        """After the pool was reset (suspend), give the slots fresh blocks for `held`, in order.
+    def detach_blocks(self) -> None:
+        """The pool was reset under the slots (suspend OFFLOAD): their tables now name blocks
+        they hold no reference on. Until `reattach_blocks`, releasing a slot frees nothing."""
+        self._blocks_detached = True
 
-        Every slot's table is rewritten to the fresh ids and each fresh block gets one reference
-        per slot holding it (a group's shared prompt blocks stay shared). Their hash chains left
-        the registry with the reset, so they stay private. Returns the fresh ids (`held[i]` ->
-        `fresh[i]`) for the caller to copy the blocks' contents into.
+    def reattach_blocks(self, offloaded: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Give the slots fresh blocks for the detached ones they still hold (resume).
+
+        `offloaded` lists the (sorted) detached block ids whose contents were saved; requests
+        released meanwhile (aborted) no longer hold theirs. Every slot's table is rewritten to the
+        fresh ids, and each fresh block gets one reference per slot holding it (a group's shared
+        prompt blocks stay shared). Their hash chains left the registry with the reset, so they
+        stay private. Returns `(fresh, rows)`: block `offloaded[rows[i]]` moves to `fresh[i]`.
         """
+        self._blocks_detached = False
+        held = self.held_block_ids()
+        rows = np.searchsorted(offloaded, held)
         fresh = np.array(self.allocator.allocate(held.size), dtype=np.int64)
+        if held.size == 0:
+            return fresh, rows
         new_id = np.full(self.allocator.total, -1, dtype=np.int64)
         new_id[held] = fresh
         slots = self.active + self.paused
@@ -372,7 +385,7 @@ class DynamicInferenceContext:
         if extra.size:
             self.allocator.retain(extra.tolist())
         self.cache_broken[slots] = True
-        return fresh
+        return fresh, rows
 
     # ---- prefix cache ------------------------------------------------------------------------
 
