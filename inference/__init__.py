@@ -25,6 +25,7 @@ from inference.errors import (
 from inference.request import FinishReason, RequestOutput, TokenEvent
 from inference.sampling_params import LogprobsMode, SamplingParams
 from inference.streams import EngineStepError, RequestStream
+from inference.weights import Staging
 
 __all__ = [
     "ActiveRequestCountOverflowError",
@@ -46,6 +47,7 @@ __all__ = [
     "RequestStream",
     "ResumeMemoryError",
     "SamplingParams",
+    "Staging",
     "SuspendPolicy",
     "SuspendReport",
     "SuspendedAddPolicy",

@@ -92,6 +92,9 @@ class InferenceConfig:
     update_policy: UpdatePolicy = UpdatePolicy.RECOMPUTE
     suspended_add_policy: SuspendedAddPolicy = SuspendedAddPolicy.RAISE
     record_kv_events: bool = False
+    # pad each step's tokens to the smallest of these sizes (CUDA graphs replay a few shapes);
+    # None: no padding (the CPU default: padding only costs compute there)
+    batch_buckets: Optional[tuple[int, ...]] = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_requests", "max_batch_tokens", "max_sequence_length", "chunked_prefill_size"):
@@ -119,6 +122,12 @@ class InferenceConfig:
             raise ValueError(f"InferenceConfig.dtype must be float32, bfloat16 or float16, got {self.dtype}")
         self.device = torch.device(self.device)
         self.eviction_policy = EvictionPolicy(self.eviction_policy)
+        if self.batch_buckets is not None:
+            buckets = tuple(self.batch_buckets)
+            if not buckets or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets) \
+                    or list(buckets) != sorted(set(buckets)):
+                raise ValueError(f"InferenceConfig.batch_buckets must be increasing positive ints, got {buckets!r}")
+            self.batch_buckets = buckets
         self.suspend_policy = SuspendPolicy(self.suspend_policy)
         self.update_policy = UpdatePolicy(self.update_policy)
         self.suspended_add_policy = SuspendedAddPolicy(self.suspended_add_policy)

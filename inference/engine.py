@@ -32,7 +32,7 @@ from inference.errors import EngineStateError
 from inference.request import RequestOutput, TokenEvent
 from inference.sampling_params import SamplingParams
 from inference.streams import Callback, RequestStream
-from inference.weights import NamedTensors
+from inference.weights import NamedTensors, Staging
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,9 @@ class DynamicInferenceEngine:
     scheduler = property(lambda self: self.core.scheduler)
     allocator = property(lambda self: self.core.allocator)
     kv_cache = property(lambda self: self.core.kv_cache)
-    sampler = property(lambda self: self.core.sampler)
+    sampler = property(lambda self: self.core.runner.sampler)
+    runner = property(lambda self: self.core.runner)
+    caches = property(lambda self: self.core.caches)
     weights = property(lambda self: self.core.weights)
 
     @property
@@ -350,6 +352,24 @@ class DynamicInferenceEngine:
         """Copy weights in (HF or megatron-core names), committed under a new version (returned).
         Names, shapes and dtypes are all checked first: on a typed error nothing changed."""
         return self._call(self.core.update_weights, named_tensors, version, policy=policy, partial=partial)
+
+    def begin_update(self, version: Optional[int] = None, staging: Staging = Staging.DOUBLE, *,
+                     partial: bool = False) -> None:
+        """Open a staged weight update: `double` keeps serving the old weights until commit;
+        `in_place` writes into the live ones and refuses to generate until a complete commit."""
+        self._call(self.core.begin_update, version, staging, partial=partial)
+
+    def load_weights(self, named_tensors: NamedTensors) -> int:
+        """One bucket of the open update (checked before it is written); names loaded so far."""
+        return self._call(self.core.load_weights, named_tensors)
+
+    def commit_update(self, policy: Optional[UpdatePolicy] = None) -> int:
+        """Make the loaded weights live; version changes and the prefix cache resets, once."""
+        return self._call(self.core.commit_update, policy)
+
+    def abort_update(self) -> None:
+        """Drop the open update (see `begin_update` for what each staging leaves behind)."""
+        self._call(self.core.abort_update)
 
     def reset_prefix_cache(self) -> None:
         self._call(self.core.reset_prefix_cache)

@@ -2,15 +2,25 @@
 
 Colocated, the model's tensors alias the trainer's parameters, so a sync moves no bytes
 (`refresh_from_trainer` rewrites only what an adapter had to convert). Otherwise new weights are
-copied in by name (`prepare_update` checks everything, `apply_update` copies). The version goes
-up only once the new weights are in place (`commit_version`); the engine core then resets the
-prefix cache, which this class does not own.
+copied in by name, in one call (`prepare_update` checks everything, `apply_update` copies) or
+staged over many (`begin_update`, any number of `load`, then `commit` or `abort`):
+
+* `double` staging loads into copies while the old weights keep serving; commit swaps them in,
+  abort drops them and nothing changed;
+* `in_place` staging loads into the live weights (no second copy): from `begin_update` until a
+  complete update commits the weights are not fit to serve (`serving_error` says why), also after
+  an abort, until the next complete update.
+
+The version goes up only once the new weights are in place (`commit_version`); the engine core
+then resets the prefix cache, which this class does not own.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -21,6 +31,22 @@ from inference.weight_adapters import adapter_for_module, adapter_for_names
 logger = logging.getLogger(__name__)
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+class Staging(str, enum.Enum):
+    """Where a staged update's tensors go until it commits (see module docstring)."""
+
+    DOUBLE = "double"
+    IN_PLACE = "in_place"
+
+
+@dataclass(slots=True)
+class _StagedUpdate:
+    version: Optional[int]
+    staging: Staging
+    partial: bool
+    loaded: set[str] = field(default_factory=set)
+    staged: dict[str, torch.Tensor] = field(default_factory=dict)  # DOUBLE: the copies to swap in
 
 
 class WeightManager:
@@ -36,6 +62,8 @@ class WeightManager:
         self._bound_trainer_tensors: list[torch.Tensor] = []  # the trainer's tensors the model aliases
         self._trainer_refresh = None  # rewrites tensors an adapter had to convert
         self._offloaded: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (name, host copy, tensor)
+        self._update: Optional[_StagedUpdate] = None
+        self._broken: Optional[str] = None  # why the live weights are mixed (an aborted in-place update)
 
     @property
     def policy_version(self) -> int:
@@ -44,6 +72,17 @@ class WeightManager:
     @property
     def aliases_trainer(self) -> bool:
         return bool(self._bound_trainer_tensors)
+
+    @property
+    def serving_error(self) -> Optional[str]:
+        """Why the weights cannot serve now (an in-place update is open or was aborted), or None."""
+        if self._update is not None and self._update.staging is Staging.IN_PLACE:
+            return f"an in-place weight update to version {self._update.version} is being loaded"
+        return self._broken
+
+    @property
+    def update_in_progress(self) -> bool:
+        return self._update is not None
 
     # ---- binding -----------------------------------------------------------------------------
 
@@ -107,7 +146,14 @@ class WeightManager:
 
     def apply_update(self, hf: dict[str, torch.Tensor]) -> None:
         """Copy checked tensors (from `prepare_update`) into the model's own weights."""
+        if self._update is not None:
+            raise EngineStateError("a staged weight update is open; commit() or abort() it first")
         self.model.bind_weights(hf, alias=False)
+        if not self.missing_after(hf):
+            self._broken = None  # a complete update makes mixed weights whole again
+
+    def missing_after(self, hf: dict[str, torch.Tensor]) -> list[str]:
+        return [n for n in self.model.spec.weight_shapes() if n not in hf]
 
     def check_version(self, version: Optional[int]) -> None:
         if version is not None and version <= self._version:
@@ -148,6 +194,76 @@ class WeightManager:
             if name in expected and tuple(tensor.shape) != expected[name]:
                 raise WeightShapeError(f"update_weights: {name} has shape {tuple(tensor.shape)}, "
                                        f"expected {expected[name]}")
+
+    # ---- staged updates ----------------------------------------------------------------------
+
+    def begin_update(self, version: Optional[int] = None, staging: Staging = Staging.DOUBLE, *,
+                     partial: bool = False) -> None:
+        """Open a staged update to `version` (default: current + 1 at commit). With `partial`,
+        commit accepts a subset of the tensors; otherwise every tensor must be loaded first."""
+        staging = Staging(staging)
+        if self._update is not None:
+            raise EngineStateError("a weight update is already open; commit() or abort() it first")
+        if self._bound_trainer_tensors:
+            raise EngineStateError("the engine aliases the trainer's parameters; call on_weights_updated()")
+        if self._offloaded:
+            raise EngineStateError("the engine's weights are offloaded (suspended); resume() first")
+        self.check_version(version)
+        self._update = _StagedUpdate(version, staging, partial)
+
+    def load(self, named_tensors: NamedTensors) -> int:
+        """Load a bucket of tensors into the open update; returns how many names are loaded so far.
+
+        Every name, shape and dtype of the bucket is checked before any of it is written; a name
+        loaded twice is refused. On an error the update stays open (abort it, or load again).
+        """
+        update = self._update
+        if update is None:
+            raise EngineStateError("load() without begin_update()")
+        hf = self.prepare_update(named_tensors, partial=True)
+        again = sorted(set(hf) & update.loaded)
+        if again:
+            raise WeightNameError(f"load: tensors loaded twice in one update: {again[:8]}")
+        if update.staging is Staging.DOUBLE:
+            device, dtype = self.model.device, self.model.spec.dtype
+            update.staged.update({n: t.detach().to(device, dtype, copy=True) for n, t in hf.items()})
+        else:
+            self.model.bind_weights(hf, alias=False)
+        update.loaded.update(hf)
+        return len(update.loaded)
+
+    def missing_from_update(self) -> list[str]:
+        update = self._update
+        if update is None or update.partial:
+            return []
+        spec = self.model.spec
+        return [n for n in spec.weight_shapes() if n not in update.loaded]
+
+    def commit_update(self) -> int:
+        """Put the loaded tensors in place and commit the version; returns it. Refused (update
+        still open) when tensors are missing from a complete update."""
+        update = self._update
+        if update is None:
+            raise EngineStateError("commit() without begin_update()")
+        missing = self.missing_from_update()
+        if missing:
+            raise WeightNameError(f"commit: {len(missing)} tensors not loaded, e.g. {missing[:8]}")
+        if update.staging is Staging.DOUBLE and update.staged:
+            self.model.bind_weights(update.staged, alias=True)  # NOTE: a swap: the copies become the weights
+        self._update = None
+        self._broken = None
+        return self.commit_version(update.version)
+
+    def abort_update(self) -> None:
+        """Drop the open update. `double`: nothing changed. `in_place` after a load: the live weights
+        are mixed and refuse to serve until a complete update commits."""
+        update, self._update = self._update, None
+        if update is None:
+            return
+        if update.staging is Staging.IN_PLACE and update.loaded:
+            self._broken = (f"an in-place update was aborted after {len(update.loaded)} tensors were written: the "
+                            "weights are mixed; load a complete update to serve again")
+            logger.warning(self._broken)
 
     # ---- offload (suspend) -------------------------------------------------------------------
 

@@ -22,7 +22,8 @@ class AttentionMetadata:
     `query_start_loc` int32 `[B + 1]`, `seq_lens` int32 `[B]`, `block_tables` int32
     `[B, max_blocks]` (entries past a request's blocks are padding: any value, they are never
     read unmasked), `slot_mapping` int64 `[T]`. `max_query_len` / `max_seq_len` are python ints so
-    that backends can size buffers without a device sync.
+    that backends can size buffers without a device sync. `query_start_loc_cpu` / `seq_lens_cpu`,
+    when given, are host copies of the same values, so that planning needs no device-to-host copy.
     """
 
     query_start_loc: torch.Tensor
@@ -31,6 +32,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    query_start_loc_cpu: torch.Tensor | None = None
+    seq_lens_cpu: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         # NOTE: only metadata (dtype / rank / sizes) is checked: no device sync on the hot path.
@@ -132,8 +135,9 @@ class BatchSplit:
 def split_decode_prefill(meta: AttentionMetadata) -> BatchSplit:
     """Split the step into its decode and prefill requests (a few host ops, once per step)."""
     device = meta.query_start_loc.device
-    qsl = meta.query_start_loc.cpu().to(torch.int64)
-    seq_lens = meta.seq_lens.cpu()
+    qsl = (meta.query_start_loc if meta.query_start_loc_cpu is None else meta.query_start_loc_cpu).cpu()
+    qsl = qsl.to(torch.int64)
+    seq_lens = (meta.seq_lens if meta.seq_lens_cpu is None else meta.seq_lens_cpu).cpu()
     q_lens = qsl[1:] - qsl[:-1]
     is_dec = q_lens == 1
     dec_reqs = is_dec.nonzero().flatten()

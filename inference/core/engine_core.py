@@ -2,8 +2,9 @@
 
 The parts, each the only writer of its state: the `Scheduler` (live requests, waiting queue,
 groups, reservations, preemption), the context (slots, token buffers, block tables), the
-`KVBlockAllocator` (blocks and the prefix cache), the KV buffer, the model, the sampler and the
-`WeightManager` (policy version, trainer binding). Suspend / resume is the core asking each part
+`CacheManager` (KV buffer with its block allocator and prefix cache, per-request state pool), the
+`ModelRunner` (persistent inputs, the model's forward, the sampler) and the `WeightManager`
+(policy version, trainer binding, staged updates). Suspend / resume is the core asking each part
 to release and re-acquire what it holds.
 
 The core is single-threaded: its client (`DynamicInferenceEngine`) serialises every call. It
@@ -20,6 +21,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from inference.cache.manager import CacheManager, OffloadedCaches
 from inference.config import InferenceConfig, PauseMode, SuspendedAddPolicy, SuspendPolicy, UpdatePolicy
 from inference.core import outputs as out_ops
 from inference.core.memory import SuspendReport, available_device_memory, memory_in_use
@@ -31,16 +33,15 @@ from inference.errors import (
     RequestOverflowError,
     ResumeMemoryError,
     TensorStateDeallocatedError,
+    WeightNameError,
 )
-from inference.kv_cache.allocator import KVBlockAllocator
-from inference.kv_cache.events import KVEventHub
 from inference.request import Request, RequestOutput
-from inference.sampling import Sampler, make_generator, sample_seed
+from inference.runner.model_runner import ModelRunner
+from inference.sampling import make_generator, sample_seed
 from inference.sampling_params import SamplingParams
 from inference.sched.context import DynamicInferenceContext
 from inference.sched.scheduler import Scheduler
-from inference.step_batch import build_step_batch
-from inference.weights import NamedTensors, WeightManager
+from inference.weights import NamedTensors, Staging, WeightManager
 
 logger = logging.getLogger(__name__)
 
@@ -62,23 +63,19 @@ class EngineCore:
         spec = model.spec
         self.vocab_size = spec.vocab_size
         self.eos_token_ids = np.array(sorted(spec.eos_token_ids), dtype=np.int64)
-        bytes_per_block = (
-            2 * spec.num_layers * config.block_size * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
-        )
-        num_blocks = config.resolve_num_blocks(bytes_per_block)
         self.weights = WeightManager(model)
-        self.kv_cache = model.new_kv_cache(num_blocks, config.block_size)
-        self.allocator = KVBlockAllocator(
-            num_blocks, config.block_size, config.eviction_policy, config.enable_prefix_caching,
-            KVEventHub(record=config.record_kv_events),
-        )
-        self.context = DynamicInferenceContext(config, self.allocator, lambda: self.weights.policy_version)
+        self.caches = CacheManager(model.cache_specs(), config, model.device,
+                                   scratch_block=config.batch_buckets is not None)
+        self.kv_cache = self.caches.kv
+        self.allocator = self.caches.allocator
+        self.context = DynamicInferenceContext(config, self.allocator, lambda: self.weights.policy_version,
+                                               self.caches.states)
         self.scheduler = Scheduler(self.context)
-        self.sampler = Sampler()
+        self.runner = ModelRunner(model, self.caches, config)
         self.state = EngineState.RUNNING
         self.pause_mode: Optional[PauseMode] = None
         self._before_suspend: tuple[EngineState, Optional[PauseMode]] = (EngineState.RUNNING, None)
-        self._offloaded_kv: Optional[tuple[np.ndarray, torch.Tensor]] = None
+        self._offloaded: Optional[OffloadedCaches] = None
         self.num_steps = 0
         self.generated_tokens = 0
         # blocks in use during each step (ring buffer), sampled before finished requests release
@@ -95,6 +92,8 @@ class EngineCore:
         """
         if self.state is EngineState.SUSPENDED and self.config.suspended_add_policy is SuspendedAddPolicy.RAISE:
             raise TensorStateDeallocatedError(None, "the engine is suspended; add requests after resume()")
+        if self.weights.serving_error is not None:
+            raise EngineStateError(f"the engine cannot generate now: {self.weights.serving_error}")
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -169,6 +168,8 @@ class EngineCore:
 
     def can_step(self) -> bool:
         """Whether a step could make progress now (there is work and the state lets it run)."""
+        if self.weights.serving_error is not None:
+            return False
         if self.state is EngineState.RUNNING:
             return self.scheduler.has_unfinished_requests()
         return self.state is EngineState.PAUSED and self.pause_mode is PauseMode.WAIT and self.scheduler.in_flight()
@@ -183,9 +184,9 @@ class EngineCore:
         plan = self.scheduler.schedule(admit_new=self.state is EngineState.RUNNING)
         if plan.empty:
             return
-        batch = build_step_batch(ctx, plan, self.kv_cache.device)
+        batch = self.runner.prepare(ctx, plan)
         try:
-            logits = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.meta, batch.logits_indices)
+            logits = self.runner.forward(batch)
         except Exception:
             self.allocator.events.discard_pending()
             raise
@@ -194,9 +195,7 @@ class EngineCore:
         ctx.kv_len[plan.slots] += plan.query_lens
         ctx.prefill_tokens += batch.prompt_tokens
         forks = self.scheduler.fork_groups(batch.sample_slots)
-        if forks.copies:
-            src, dst = zip(*forks.copies)
-            self.kv_cache.copy_blocks(list(src), list(dst))
+        self.caches.copy_for_forks(forks.kv_copies, forks.state_copies)
         # NOTE: forked samples have nothing to register: their full blocks are the parent's
         ctx.register_full_blocks(plan.slots)
         self.allocator.events.publish_pending()
@@ -206,7 +205,7 @@ class EngineCore:
         if slots.size:  # NOTE: a step of mid-prompt chunks only samples nothing
             # NOTE: sampled rows come first in the logits; without forks a view, not a copy
             rows = logits[: slots.size] if forks.rows is None else logits[forks.rows]
-            out = self.sampler(rows, out_ops.sampling_batch(ctx, slots))
+            out = self.runner.sample(rows, out_ops.sampling_batch(ctx, slots))
             self._commit_tokens(slots, out)
 
     def _commit_tokens(self, slots: np.ndarray, out: Any) -> None:
@@ -265,10 +264,8 @@ class EngineCore:
             requeued = self.scheduler.requeue_in_slot_requests()
         else:
             offloaded = self._offload_in_slot_requests()
-        self.allocator.reset()  # the buffer's contents are about to go: so is every cached block
-        buffer_bytes = self.kv_cache.nbytes
-        self.kv_cache.deallocate()
-        workspace = self.model.backend.release_workspace() + self.sampler.release()
+        buffer_bytes = self.caches.release()  # every cached block goes with the buffers
+        workspace = self.runner.release_workspace()
         weight_bytes = self.weights.offload() if offload_weights else 0
         freed = max(0, before - memory_in_use(device))
         self._before_suspend = (self.state, self.pause_mode)
@@ -282,16 +279,15 @@ class EngineCore:
         if self.state is not EngineState.SUSPENDED:
             raise EngineStateError(f"resume() without suspend(): the engine is {self.state.value}")
         device = self.kv_cache.device
-        needed = self.kv_cache.nbytes + self.weights.offloaded_bytes()
+        needed = self.caches.nbytes + self.weights.offloaded_bytes()
         free = available_device_memory(device)
         if needed > free:
             raise ResumeMemoryError(f"resume needs {needed} bytes on {device}, {free} available; still suspended")
         had_offloaded_weights = self.weights.offloaded
         try:
             self.weights.restore()
-            self.kv_cache.allocate()
+            self.caches.reacquire()
         except (RuntimeError, MemoryError, OSError) as exc:  # an allocation failed: undo, stay suspended
-            self.kv_cache.deallocate()
             if had_offloaded_weights:
                 self.weights.offload()
             raise ResumeMemoryError(f"resume could not allocate its buffers ({exc}); still suspended") from exc
@@ -299,20 +295,19 @@ class EngineCore:
         self.state, self.pause_mode = self._before_suspend
 
     def _offload_in_slot_requests(self) -> int:
-        """Copy the blocks of every request in a slot to host memory; slots stay as they are."""
-        held = self.context.held_block_ids()
+        """Copy what every request in a slot holds (KV blocks, state) to host; slots stay as they are."""
+        ctx = self.context
+        held = ctx.held_block_ids()
         if held.size:
-            self._offloaded_kv = (held, self.kv_cache.offload(held.tolist()))
-            self.context.detach_blocks()  # NOTE: the pool reset that follows takes their references
-        return len(self.context.active) + len(self.context.paused)
+            self._offloaded = self.caches.offload(held, ctx.held_state_slots())
+            ctx.detach_blocks()  # NOTE: the pool reset that follows takes their references
+        return len(ctx.active) + len(ctx.paused)
 
     def _restore_offloaded_requests(self) -> None:
-        saved, self._offloaded_kv = self._offloaded_kv, None
+        saved, self._offloaded = self._offloaded, None
         if saved is not None:
-            held, host = saved
-            fresh, rows = self.context.reattach_blocks(held)
-            if fresh.size:
-                self.kv_cache.restore(fresh.tolist(), host[:, :, torch.from_numpy(rows)])
+            fresh, rows = self.context.reattach_blocks(saved.block_ids)
+            self.caches.restore(saved, fresh, rows)
 
     # ---- weights -----------------------------------------------------------------------------
 
@@ -352,6 +347,28 @@ class EngineCore:
         self.reset_prefix_cache()
         return version
 
+    def begin_update(self, version: Optional[int] = None, staging: Staging = Staging.DOUBLE, *,
+                     partial: bool = False) -> None:
+        """Open a staged update (see `WeightManager`); `load_weights` buckets, then commit / abort."""
+        self.weights.begin_update(version, staging, partial=partial)
+
+    def load_weights(self, named_tensors: NamedTensors) -> int:
+        return self.weights.load(named_tensors)
+
+    def commit_update(self, policy: Optional[UpdatePolicy] = None) -> int:
+        """The staged weights go live: in-flight requests follow `policy`, the version changes and
+        the prefix cache resets, once."""
+        missing = self.weights.missing_from_update()
+        if missing:  # NOTE: checked before the policy touches anything in flight
+            raise WeightNameError(f"commit: {len(missing)} tensors not loaded, e.g. {missing[:8]}")
+        self._apply_update_policy(policy)
+        version = self.weights.commit_update()
+        self.reset_prefix_cache()
+        return version
+
+    def abort_update(self) -> None:
+        self.weights.abort_update()
+
     def _apply_update_policy(self, policy: Optional[UpdatePolicy]) -> None:
         policy = UpdatePolicy(policy or self.config.update_policy)
         if policy is UpdatePolicy.ABORT:
@@ -387,7 +404,9 @@ class EngineCore:
             "prefix_hit_rate": pool.hit_rate,
             "cross_version_prefix_hits": self.context.cross_version_hits,
             "policy_version": self.policy_version,
+            "weights_serving_error": self.weights.serving_error,
             "waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions,
             **self.context.get_kvcache_utilization_stats(),
+            **self.caches.stats(),
         }

@@ -8,10 +8,11 @@ are contiguous `[num_blocks, block_size, H, D]` pages, i.e. flashinfer's "NHD" p
 
 from __future__ import annotations
 
-import mmap
 from collections.abc import Sequence
 
 import torch
+
+from inference.cache.memory import returnable_zeros
 
 IdList = Sequence[int] | torch.Tensor
 
@@ -95,17 +96,7 @@ class KVCacheBuffer:
         """Allocate (zero-filled) storage; a no-op when already allocated."""
         if self._data is not None:
             return
-        if self.device.type == "cpu":
-            # NOTE: an anonymous mapping of its own, so that deallocate() hands the pages back to
-            # the OS at once (munmap). A malloc'd buffer may land on the heap (glibc raises its mmap
-            # threshold after each large free), where freed pages stay resident for the trainer.
-            # Fresh anonymous pages read as zeros and only count once touched.
-            # MAP_PRIVATE: Python's default MAP_SHARED is shmem-backed, with page faults ~1.8x slower
-            region = mmap.mmap(-1, max(self.nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            self._data = torch.frombuffer(region, dtype=self.dtype, count=self.nbytes // self.dtype.itemsize)
-            self._data = self._data.view(self.shape)
-        else:
-            self._data = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        self._data = returnable_zeros(self.shape, self.dtype, self.device)
 
     def deallocate(self) -> None:
         """Drop the storage so that suspend frees the memory; contents are lost.

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from inference.attention.base import AttentionBackend
 from inference.attention.metadata import AttentionMetadata
 from inference.attention.selector import select_backend
+from inference.cache.specs import KVCacheSpec
 from inference.kv_cache.buffers import KVCacheBuffer
 from inference.models.layers import RotaryEmbedding, apply_rotary, rms_norm, swiglu
 from inference.models.spec import ModelSpec
@@ -202,6 +203,11 @@ class DenseDecoder:
 
     # -- cache -----------------------------------------------------------------------------------
 
+    def cache_specs(self) -> list[KVCacheSpec]:
+        """One paged KV cache for all layers; a dense decoder keeps no per-request state."""
+        s = self.spec
+        return [KVCacheSpec(s.num_layers, s.num_kv_heads, s.head_dim, s.dtype)]
+
     def new_kv_cache(self, num_blocks: int, block_size: int, *, allocate: bool = True) -> KVCacheBuffer:
         s = self.spec
         return KVCacheBuffer(
@@ -218,11 +224,26 @@ class DenseDecoder:
         kv_cache: KVCacheBuffer,
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
+        *,
+        states: None = None,
     ) -> torch.Tensor:
         """Logits `[R, vocab]` (model dtype) for the flat-batch rows `logits_indices`.
 
-        Writes this step's K/V of every layer into `kv_cache` at `meta.slot_mapping`.
+        Writes this step's K/V of every layer into `kv_cache` at `meta.slot_mapping`. A dense
+        decoder keeps no per-request state (`states` is for models that declare a state pool).
         """
+        return self.decode_layers(F.embedding(input_ids, self._embed), positions, kv_cache, meta, logits_indices)
+
+    @torch.no_grad()
+    def decode_layers(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCacheBuffer,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """The decoder blocks, final norm and LM head over embedded tokens `x [T, hidden]`."""
         s = self.spec
         if s.sliding_window is not None and meta.max_seq_len > s.sliding_window:
             raise NotImplementedError(
@@ -231,8 +252,7 @@ class DenseDecoder:
             )
         self.backend.plan(meta, kv_cache)
         cos, sin = self.rotary.cos_sin(positions, s.dtype)
-        n_tok, eps = input_ids.shape[0], s.rms_norm_eps
-        x = F.embedding(input_ids, self._embed)
+        n_tok, eps = x.shape[0], s.rms_norm_eps
         last = len(self._layers) - 1
         for i, w in enumerate(self._layers):
             h = rms_norm(x, w.in_norm, eps)
@@ -252,7 +272,8 @@ class DenseDecoder:
             x = x + swiglu(h, w.gate_w, w.up_w, w.down_w, w.gate_b, w.up_b, w.down_b)
         return F.linear(rms_norm(x, self._final_norm, eps), self._lm_head)
 
-    __call__ = forward
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
+        return self.forward(*args, **kwargs)  # NOTE: late-bound, so subclasses' forward is the one called
 
     def __repr__(self) -> str:
         s = self.spec

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from inference.cache.state_pool import StatePool
 from inference.config import InferenceConfig
 from inference.errors import BlockOverflowError
 from inference.kv_cache.allocator import KVBlockAllocator
@@ -36,10 +37,15 @@ class DynamicInferenceContext:
     """
 
     def __init__(
-        self, config: InferenceConfig, allocator: KVBlockAllocator, version_of: Callable[[], int] = lambda: 0
+        self,
+        config: InferenceConfig,
+        allocator: KVBlockAllocator,
+        version_of: Callable[[], int] = lambda: 0,
+        states: StatePool | None = None,
     ) -> None:
         self.config = config
         self.allocator = allocator
+        self.states = states  # per-request recurrent state, one slot per request in a slot
         self._version_of = version_of
         self.block_size = config.block_size
         n, length = config.max_requests, config.max_sequence_length
@@ -54,6 +60,7 @@ class DynamicInferenceContext:
         self.num_blocks = np.zeros(n, dtype=np.int64)
         self.num_registered = np.zeros(n, dtype=np.int64)
         self.cache_broken = np.zeros(n, dtype=bool)
+        self.state_slot = np.full(n, -1, dtype=np.int64)  # the request's row in the state pool
         self.hashes: list[list[int]] = [[] for _ in range(n)]
         self.requests: list[Request | None] = [None] * n
         # per-slot sampling parameters, gathered into the sampler's row tensors each step
@@ -153,6 +160,7 @@ class DynamicInferenceContext:
             self.allocator.release(matched)
             raise
         slot = self.free_slots.pop()
+        self._take_state_slot(slot)
         n = len(tokens)
         self.tokens[slot, :n] = tokens
         self.token_logprobs[slot, len(req.prompt_token_ids) : n] = req.logprobs
@@ -190,6 +198,7 @@ class DynamicInferenceContext:
         shared = self.block_table[parent_slot, :full].tolist()
         self.allocator.retain(shared)
         slot = self.free_slots.pop()
+        self._take_state_slot(slot)
         n = int(self.seq_len[parent_slot])
         self.tokens[slot, :n] = self.tokens[parent_slot, :n]
         for name in ("seq_len", "kv_len", "prompt_len", "max_len"):
@@ -204,6 +213,17 @@ class DynamicInferenceContext:
         child.status = RequestStatus.RUNNING
         self.active.append(slot)
         return slot
+
+    def _take_state_slot(self, slot: int) -> None:
+        if self.states is not None:
+            state = self.states.allocate_slot()
+            if state is None:  # NOTE: the pool has a slot per request slot; this is a bug, not load
+                raise RuntimeError("state pool exhausted although a request slot was free")
+            self.state_slot[slot] = state
+
+    def held_state_slots(self) -> list[int]:
+        """State-pool rows held by the requests in slots (e.g. to copy them to host)."""
+        return [int(self.state_slot[s]) for s in self.active + self.paused] if self.states is not None else []
 
     def _bind_slot(self, slot: int, req: Request) -> None:
         """Point `slot` at `req` and copy its sampling parameters into the per-slot arrays."""
@@ -288,6 +308,9 @@ class DynamicInferenceContext:
             if not self._blocks_detached:
                 self.allocator.release(self.block_table[slot, : self.num_blocks[slot]].tolist())
             self.num_blocks[slot] = 0
+            if self.states is not None:
+                self.states.free_slot(int(self.state_slot[slot]))
+                self.state_slot[slot] = -1
             self.hashes[slot] = []
             self.requests[slot] = None
             self.generators[slot] = None
@@ -333,6 +356,10 @@ class DynamicInferenceContext:
 
     def reset(self, preserve_prefix_cache: bool = False) -> None:
         """Forget every request and free every block (the prefix cache survives if asked)."""
+        if self.states is not None:
+            for slot in self.active + self.paused:
+                self.states.free_slot(int(self.state_slot[slot]))
+            self.state_slot[:] = -1
         if preserve_prefix_cache:
             for slot in self.active + self.paused:
                 self.allocator.release(self.block_table[slot, : self.num_blocks[slot]].tolist())

@@ -49,11 +49,13 @@ ADMISSION_SCAN = 256  # waiting requests looked at per step (bounds the schedule
 @dataclass(slots=True)
 class ForkResult:
     """Samples that sample this step: `slots`, reading logits `rows` (None: rows 0..len-1 in
-    order); `copies` are (source, destination) KV blocks to copy for the forks' partial blocks."""
+    order); `kv_copies` are (source, destination) KV blocks to copy for the forks' partial blocks,
+    `state_copies` (source, destination) state-pool rows for their recurrent state."""
 
     slots: np.ndarray
     rows: torch.Tensor | None
-    copies: list[tuple[int, int]]
+    kv_copies: list[tuple[int, int]]
+    state_copies: list[tuple[int, int]]
 
 
 class Scheduler:
@@ -307,7 +309,7 @@ class Scheduler:
         ctx = self.ctx
         # NOTE: only a leader sampling its first token can have children left to fork
         first = np.flatnonzero(ctx.seq_len[sample_slots] == ctx.prompt_len[sample_slots])
-        forked_slots, forked_rows, copies = [], [], []
+        forked_slots, forked_rows, kv_copies, state_copies = [], [], [], []
         for row in first.tolist():
             slot = int(sample_slots[row])
             req = ctx.requests[slot]
@@ -323,13 +325,16 @@ class Scheduler:
                     continue
                 child.admitted = True
                 if ctx.num_blocks[slot] > full:  # the partial last prompt block is copied, not shared
-                    copies.append((int(ctx.block_table[slot, full]), int(ctx.block_table[child_slot, full])))
+                    kv_copies.append((int(ctx.block_table[slot, full]), int(ctx.block_table[child_slot, full])))
+                if ctx.states is not None:
+                    state_copies.append((int(ctx.state_slot[slot]), int(ctx.state_slot[child_slot])))
                 forked_slots.append(child_slot)
                 forked_rows.append(row)
         if not forked_slots:
-            return ForkResult(sample_slots, None, copies)
+            return ForkResult(sample_slots, None, kv_copies, state_copies)
         return ForkResult(
             np.concatenate((sample_slots, np.array(forked_slots, dtype=np.int64))),
             torch.cat((torch.arange(sample_slots.size), torch.tensor(forked_rows, dtype=torch.int64))),
-            copies,
+            kv_copies,
+            state_copies,
         )

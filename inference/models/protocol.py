@@ -1,0 +1,57 @@
+"""The model protocol: what the engine needs of any model it serves.
+
+A model declares the caches it needs (`cache_specs()`: one paged KV cache for its attention
+layers, plus per-request state for recurrent layers), runs one flat batch of prefill chunks and
+decode tokens against them, and exposes its weights by HF name so they can be aliased, copied or
+updated. The dense decoder implements it; hybrid (Mamba) and MoE models implement the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol, runtime_checkable
+
+import torch
+
+from inference.attention.base import AttentionBackend
+from inference.attention.metadata import AttentionMetadata
+from inference.cache.specs import CacheSpec
+from inference.kv_cache.buffers import KVCacheBuffer
+
+
+@dataclass(slots=True)
+class StateBatch:
+    """Per-request state for one step: the pool's tensors (`name -> [slots + 1, *shape]`), the
+    row of each request of the batch (`slots [B]`), and whether it starts from zero (`fresh [B]`,
+    its first chunk). A recurrent layer reads its rows, runs the request's tokens, writes back."""
+
+    tensors: Mapping[str, torch.Tensor]
+    slots: torch.Tensor
+    fresh: torch.Tensor
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """What the engine calls; `spec` carries vocab size, EOS ids, dtype and `weight_shapes()`."""
+
+    spec: Any
+    device: torch.device
+    backend: AttentionBackend
+
+    def cache_specs(self) -> list[CacheSpec]: ...
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCacheBuffer,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+        *,
+        states: Optional[StateBatch] = None,
+    ) -> torch.Tensor: ...
+
+    def named_tensors(self) -> dict[str, torch.Tensor]: ...
+
+    def bind_weights(self, tensors: Mapping[str, torch.Tensor], *, alias: bool) -> Any: ...

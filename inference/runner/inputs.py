@@ -1,0 +1,206 @@
+"""A step's model inputs, written into persistent buffers with a handful of vectorised gathers.
+
+Rows of the flat batch: request `b` (slot `slots[b]`) owns `query_lens[b]` consecutive rows,
+positions `kv_len .. kv_len + q - 1`. The logits the model returns are, in order: one row per
+request that samples this step (its chunk reaches the end of its known tokens), then the rows
+whose prompt log-probs were asked for, then (with padding) one row per padding token.
+
+Every field lives at a fixed offset of one byte buffer sized at start (`InputBuffers`): the
+host fills it through numpy views and one host-to-device copy of its used prefix moves it all
+(on CPU the host buffer *is* the device buffer: no copy). So the tensors handed to the model
+keep their `data_ptr` from step to step, which CUDA graphs need.
+
+With `buckets`, a step's tokens are padded up to the smallest bucket that holds them by extra
+one-token requests that write their K/V into a scratch block and their state into a scratch
+state row, so the model sees only a few distinct batch shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from inference.attention.metadata import AttentionMetadata
+from inference.sched.context import DynamicInferenceContext
+from inference.sched.scheduler import StepPlan
+
+
+@dataclass(slots=True)
+class PromptLogprobRows:
+    """Logits rows `[start, start + count)` score prompt tokens `first_token .. first_token + count - 1`."""
+
+    slot: int
+    start: int
+    count: int
+    first_token: int
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's model inputs (views of the persistent buffers) and how to read its logits."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    state_slots: Optional[torch.Tensor]  # [B] state-pool row of each request (stateful models)
+    state_fresh: Optional[torch.Tensor]  # [B] bool: the request starts from a zero state
+    sample_slots: np.ndarray  # slots that sample a token, in logits-row order
+    prompt_rows: list[PromptLogprobRows]
+    prompt_tokens: int  # prompt tokens whose K/V this step computes
+    num_tokens: int  # real tokens (padding excluded)
+    num_padding: int  # padding tokens (= padding requests) after the real ones
+
+
+class InputBuffers:
+    """Fixed-offset regions of one byte buffer (see module docstring); the block tables come last
+    so that a step copies only the prefix it used."""
+
+    _INT64 = ("input_ids", "positions", "slot_mapping", "logits_indices", "state_slots")
+    _INT32 = ("query_start_loc", "seq_lens")
+
+    def __init__(self, max_tokens: int, max_blocks_per_request: int, device: torch.device) -> None:
+        self.max_tokens = max_tokens
+        self.width = max_blocks_per_request
+        self.device = torch.device(device)
+        layout: dict[str, tuple[int, int, np.dtype]] = {}  # name -> (byte offset, count, dtype)
+        offset = 0
+        for name in self._INT64:
+            layout[name] = (offset, max_tokens, np.dtype(np.int64))
+            offset += 8 * max_tokens
+        for name, count in (("query_start_loc", max_tokens + 1), ("seq_lens", max_tokens)):
+            layout[name] = (offset, count, np.dtype(np.int32))
+            offset += 4 * count
+        layout["state_fresh"] = (offset, max_tokens, np.dtype(np.bool_))
+        offset = -(-(offset + max_tokens) // 8) * 8
+        layout["block_tables"] = (offset, max_tokens * max_blocks_per_request, np.dtype(np.int32))
+        self.nbytes = offset + 4 * max_tokens * max_blocks_per_request
+        self._layout = layout
+        on_cpu = self.device.type == "cpu"
+        self.host = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=not on_cpu and torch.cuda.is_available())
+        self.dev = self.host if on_cpu else torch.zeros(self.nbytes, dtype=torch.uint8, device=self.device)
+        raw = self.host.numpy()
+        self.np = {name: raw[o:o + n * d.itemsize].view(d) for name, (o, n, d) in layout.items()}
+        torch_dtype = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
+                       np.dtype(np.bool_): torch.bool}
+        self.t = {name: self.dev[o:o + n * d.itemsize].view(torch_dtype[d]) for name, (o, n, d) in layout.items()}
+        self.t_host = {name: self.host[o:o + n * d.itemsize].view(torch_dtype[d])
+                       for name, (o, n, d) in layout.items()}
+
+    def upload(self, table_entries: int) -> None:
+        """One host-to-device copy of everything this step wrote (a no-op on CPU)."""
+        if self.dev is self.host:
+            return
+        end = self._layout["block_tables"][0] + 4 * table_entries
+        self.dev[:end].copy_(self.host[:end], non_blocking=True)
+
+
+def pick_bucket(num_tokens: int, buckets: Optional[Sequence[int]]) -> int:
+    """The smallest bucket >= `num_tokens`, or `num_tokens` itself (no padding) past the largest."""
+    if buckets:
+        for b in buckets:
+            if b >= num_tokens:
+                return b
+    return num_tokens
+
+
+def fill_inputs(buf: InputBuffers, ctx: DynamicInferenceContext, plan: StepPlan, *,
+                buckets: Optional[Sequence[int]] = None, scratch_block: Optional[int] = None,
+                scratch_state: Optional[int] = None) -> StepInputs:
+    """Write the step of `plan` into `buf` and return views of it."""
+    slots, q = plan.slots, plan.query_lens
+    bs = ctx.block_size
+    kv0 = ctx.kv_len[slots]
+    kv1 = kv0 + q
+    ends = np.cumsum(q)
+    starts = ends - q
+    num_tokens = int(ends[-1])
+    num_reqs = slots.size
+    padded = pick_bucket(num_tokens, buckets) if scratch_block is not None else num_tokens
+    pad = padded - num_tokens
+    total_reqs = num_reqs + pad
+    if plan.num_decode == num_reqs:  # decode-only step: one row per request
+        token_slots, positions = slots, kv0
+    else:
+        token_slots = np.repeat(slots, q)
+        positions = np.arange(num_tokens) - np.repeat(starts - kv0, q)
+    n = buf.np
+    n["input_ids"][:num_tokens] = ctx.tokens[token_slots, positions]
+    n["positions"][:num_tokens] = positions
+    n["slot_mapping"][:num_tokens] = ctx.block_table[token_slots, positions // bs] * bs + positions % bs
+    width = int(-(-kv1.max() // bs))
+    tables = n["block_tables"][: total_reqs * width].reshape(total_reqs, width)
+    tables[:num_reqs] = ctx.block_table[slots, :width]
+    qsl, seq_lens = n["query_start_loc"], n["seq_lens"]
+    qsl[0] = 0
+    qsl[1 : num_reqs + 1] = ends
+    seq_lens[:num_reqs] = kv1
+    if pad:  # one-token requests at position 0 of the scratch block
+        n["input_ids"][num_tokens:padded] = 0
+        n["positions"][num_tokens:padded] = 0
+        n["slot_mapping"][num_tokens:padded] = scratch_block * bs
+        tables[num_reqs:] = scratch_block
+        qsl[num_reqs + 1 : total_reqs + 1] = num_tokens + np.arange(1, pad + 1)
+        seq_lens[num_reqs:total_reqs] = 1
+
+    samples = kv1 == ctx.seq_len[slots]
+    sample_slots = slots[samples]
+    rows = [ends[samples] - 1]
+    prompt_rows: list[PromptLogprobRows] = []
+    prompt_len = ctx.prompt_len[slots]
+    wants = ctx.wants_prompt_logprobs[slots] & (kv0 < prompt_len - 1)
+    next_row = int(samples.sum())
+    for b in np.flatnonzero(wants).tolist():
+        # row at position p scores token p + 1; only prompt tokens are scored here
+        first, last = int(kv0[b]), min(int(kv1[b]), int(prompt_len[b]) - 1)
+        if last > first:
+            rows.append(np.arange(starts[b], starts[b] + last - first))
+            prompt_rows.append(PromptLogprobRows(int(slots[b]), next_row, last - first, first + 1))
+            next_row += last - first
+    if pad:
+        rows.append(np.arange(num_tokens, padded))
+    num_rows = sum(r.size for r in rows)
+    if len(rows) == 1:
+        n["logits_indices"][:num_rows] = rows[0]
+    else:
+        np.concatenate(rows, out=n["logits_indices"][:num_rows])
+    prompt_tokens = int(np.clip(np.minimum(kv1, prompt_len) - kv0, 0, None).sum())
+
+    state_slots = state_fresh = None
+    if ctx.states is not None:
+        n["state_slots"][:num_reqs] = ctx.state_slot[slots]
+        n["state_fresh"][:num_reqs] = kv0 == 0
+        if pad:
+            n["state_slots"][num_reqs:total_reqs] = scratch_state
+            n["state_fresh"][num_reqs:total_reqs] = True
+        state_slots, state_fresh = buf.t["state_slots"][:total_reqs], buf.t["state_fresh"][:total_reqs]
+
+    buf.upload(total_reqs * width)
+    t, th = buf.t, buf.t_host
+    meta = AttentionMetadata(
+        query_start_loc=t["query_start_loc"][: total_reqs + 1],
+        seq_lens=t["seq_lens"][:total_reqs],
+        block_tables=t["block_tables"][: total_reqs * width].view(total_reqs, width),
+        slot_mapping=t["slot_mapping"][:padded],
+        max_query_len=int(q.max()),
+        max_seq_len=int(kv1.max()),
+        query_start_loc_cpu=th["query_start_loc"][: total_reqs + 1],
+        seq_lens_cpu=th["seq_lens"][:total_reqs],
+    )
+    return StepInputs(
+        input_ids=t["input_ids"][:padded],
+        positions=t["positions"][:padded],
+        meta=meta,
+        logits_indices=t["logits_indices"][:num_rows],
+        state_slots=state_slots,
+        state_fresh=state_fresh,
+        sample_slots=sample_slots,
+        prompt_rows=prompt_rows,
+        prompt_tokens=prompt_tokens,
+        num_tokens=num_tokens,
+        num_padding=pad,
+    )

@@ -1,0 +1,143 @@
+"""Staged weight updates: begin / load (buckets) / commit or abort, under both stagings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inference import DynamicInferenceEngine, EngineStateError, InferenceConfig, SamplingParams, Staging
+from inference.errors import WeightNameError, WeightShapeError
+from tests.inference.engine.conftest import random_prompts, tiny_llama
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+PROMPTS = random_prompts(6, 4, 20, seed=51)
+
+
+def config() -> InferenceConfig:
+    return InferenceConfig(block_size=4, num_blocks=128, max_requests=8, max_batch_tokens=64, max_sequence_length=64)
+
+
+def outputs(engine):
+    return [o.generated_token_ids for o in engine.generate(PROMPTS, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def old():
+    return tiny_llama(seed=21)
+
+
+@pytest.fixture(scope="module")
+def new():
+    return tiny_llama(seed=22)
+
+
+@pytest.fixture(scope="module")
+def fresh_new_outputs(new):
+    return outputs(DynamicInferenceEngine.from_pretrained(new, config()))
+
+
+def buckets(model, size=5):
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    return [dict(named[i : i + size]) for i in range(0, len(named), size)]
+
+
+def count_prefix_resets(engine):
+    calls = []
+    real = engine.allocator.reset_prefix_cache
+    engine.allocator.reset_prefix_cache = lambda: (calls.append(1), real())[1]
+    return calls
+
+
+def snapshot(engine):
+    return {n: t.clone() for n, t in engine.model.named_tensors().items()}
+
+
+@pytest.mark.parametrize("staging", list(Staging))
+def test_a_committed_update_equals_a_fresh_engine_with_one_version_change(old, new, fresh_new_outputs, staging):
+    engine = DynamicInferenceEngine.from_pretrained(old, config())
+    before = outputs(engine)
+    resets = count_prefix_resets(engine)
+    engine.begin_update(version=5, staging=staging)
+    for i, bucket in enumerate(buckets(new)):
+        assert engine.load_weights(bucket) > 0
+        assert engine.policy_version == 0 and not resets  # nothing changes before the commit
+        if staging is Staging.DOUBLE and i == 0:
+            assert outputs(engine) == before  # the old weights keep serving meanwhile
+    assert engine.commit_update() == 5
+    assert engine.policy_version == 5 and len(resets) == 1
+    after = engine.generate(PROMPTS, GREEDY)
+    assert [o.generated_token_ids for o in after] == fresh_new_outputs
+    assert {v for o in after for v in o.token_versions} == {5}
+
+
+def test_an_aborted_double_update_changes_nothing(old, new):
+    engine = DynamicInferenceEngine.from_pretrained(old, config())
+    before, weights = outputs(engine), snapshot(engine)
+    resets = count_prefix_resets(engine)
+    engine.begin_update(staging=Staging.DOUBLE)
+    parts = buckets(new)
+    with pytest.raises(RuntimeError, match="sender died"):
+        engine.load_weights(parts[0])
+        raise RuntimeError("sender died")  # between two loads
+    engine.abort_update()
+    assert engine.policy_version == 0 and not resets
+    assert all(torch.equal(t, weights[n]) for n, t in engine.model.named_tensors().items())
+    assert outputs(engine) == before
+
+
+def test_an_aborted_in_place_update_refuses_until_a_complete_one(old, new, fresh_new_outputs):
+    engine = DynamicInferenceEngine.from_pretrained(old, config())
+    outputs(engine)
+    waiting = engine.add_request(PROMPTS[0], GREEDY)
+    engine.begin_update(staging=Staging.IN_PLACE)
+    with pytest.raises(EngineStateError, match="in-place"):
+        engine.generate(PROMPTS, GREEDY)  # refused from begin_update on
+    parts = buckets(new)
+    with pytest.raises(RuntimeError, match="sender died"):
+        engine.load_weights(parts[0])
+        raise RuntimeError("sender died")
+    engine.abort_update()
+    assert engine.policy_version == 0
+    with pytest.raises(EngineStateError, match="mixed"):
+        engine.add_request(PROMPTS[0], GREEDY)
+    assert engine.step() == [] and engine.has_unfinished_requests()  # nothing runs on mixed weights
+    engine.begin_update(staging=Staging.IN_PLACE)
+    for bucket in parts:
+        engine.load_weights(bucket)
+    assert engine.commit_update() == 1
+    assert outputs(engine) == fresh_new_outputs
+    done = engine.step()  # it was stepped along by generate(); its output waits for step()
+    while engine.has_unfinished_requests():
+        done += engine.step()
+    assert [o.request_id for o in done] == [waiting]  # recomputed under the new weights (policy RECOMPUTE)
+    assert done[0].generated_token_ids == fresh_new_outputs[0]
+
+
+def test_bad_buckets_and_incomplete_commits_are_refused(old, new):
+    engine = DynamicInferenceEngine.from_pretrained(old, config())
+    parts = buckets(new)
+    engine.begin_update(staging=Staging.IN_PLACE)
+    with pytest.raises(EngineStateError, match="already open"):
+        engine.begin_update()
+    bad = dict(parts[0])
+    bad["model.norm.weight"] = torch.zeros(3)
+    with pytest.raises(WeightShapeError):
+        engine.load_weights(bad)
+    engine.load_weights(parts[0])
+    with pytest.raises(WeightNameError, match="twice"):
+        engine.load_weights(parts[0])
+    with pytest.raises(WeightNameError, match="not loaded"):
+        engine.commit_update()
+    assert engine.policy_version == 0
+    for bucket in parts[1:]:
+        engine.load_weights(bucket)
+    assert engine.commit_update() == 1
+
+
+def test_a_one_call_update_heals_mixed_weights(old, new, fresh_new_outputs):
+    engine = DynamicInferenceEngine.from_pretrained(old, config())
+    engine.begin_update(staging=Staging.IN_PLACE)
+    engine.load_weights(buckets(new)[0])
+    engine.abort_update()
+    assert engine.update_weights(new.named_parameters()) == 1
+    assert outputs(engine) == fresh_new_outputs
