@@ -48,8 +48,8 @@ class ModelRunner:
         if inputs.state_slots is not None:
             states = StateBatch(self.caches.states.tensors, inputs.state_slots, inputs.state_fresh)
         kwargs = {} if states is None else {"states": states}
-        return self.model.forward(inputs.input_ids, inputs.positions, self.caches.kv, inputs.meta, inputs.logits_indices,
-                          **kwargs)
+        return self.model.forward(inputs.input_ids, inputs.positions, self.caches.kv, inputs.meta,
+                                  inputs.logits_indices, **kwargs)
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         return self.sampler(logits, batch)
