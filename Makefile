@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 export WANDB_MODE ?= offline
 
-.PHONY: demo test lint bench clean smollm2
+.PHONY: demo test stress lint bench clean smollm2
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,6 +24,10 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q tests
+
+# large counts (thousands of requests through real processes); not part of `make test`
+stress: $(STAMP)
+	$(PY) -m pytest -q -m stress tests
 
 bench: $(STAMP)
 	$(PY) bench/prefix_cache.py
