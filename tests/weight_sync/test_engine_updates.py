@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
 
 import weight_sync.megatron_model as megatron_model
 from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams
@@ -30,7 +29,8 @@ def config() -> InferenceConfig:
 
 def generated(engine):
     outs = engine.generate(PROMPTS, PARAMS)
-    return [o.generated_token_ids for o in outs], [o.logprobs for o in outs], {v for o in outs for v in o.token_versions}
+    versions = {v for o in outs for v in o.token_versions}
+    return [o.generated_token_ids for o in outs], [o.logprobs for o in outs], versions
 
 
 def check_update(old_model, target_model, named_tensors, *, partial):
