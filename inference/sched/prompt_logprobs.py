@@ -105,10 +105,12 @@ class PromptScores:
 
     # ---- output ------------------------------------------------------------------------------
 
-    def as_dicts(self, prompt: Sequence[int]) -> list[Optional[dict[int, float]]]:
-        """`[None, {token: lp, alternative: lp, ...}, ...]` over the leading scored positions."""
-        unknown = np.flatnonzero(~self.known[1:])
-        end = 1 + (int(unknown[0]) if unknown.size else self.prompt_len - 1)
+    def as_dicts(self, prompt: Sequence[int]) -> Optional[list[Optional[dict[int, float]]]]:
+        """`[None, {token: lp, alternative: lp, ...}, ...]`, one entry per prompt token; None while
+        a position is unscored (a request aborted mid-prefill): never a list of another length."""
+        if not bool(self.known[1:].all()):
+            return None
+        end = self.prompt_len
         out: list[Optional[dict[int, float]]] = [None]
         lps = self.logprobs[1:end].tolist()
         if not self.top_n:

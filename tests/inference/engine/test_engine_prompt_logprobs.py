@@ -132,6 +132,15 @@ def test_scores_are_cached_only_by_a_forward_pass_that_succeeded(model, prompt, 
                        scored(engine_for(model, enable_prefix_caching=False), prompt, 1)[0][0].prompt_logprobs)
 
 
+def test_a_request_aborted_mid_prompt_has_no_partial_prompt_logprobs(model, prompt):
+    engine = engine_for(model)
+    rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1))
+    engine.step()  # 7 of 18 prompt tokens scored
+    engine.abort(rid)
+    (out,) = engine.step()
+    assert out.finish_reason.value == "abort" and out.prompt_logprobs is None  # one per token, or none
+
+
 def check_new_weights_get_new_scores(make_engine, prompt):
     """Scores cached under version 0 never answer a request under version 1."""
     old, new = tiny_llama(seed=3), tiny_llama(seed=4)
