@@ -41,7 +41,7 @@ class ModelKind(str, enum.Enum):
 
 @dataclass(slots=True)
 class GRPOConfig:
-    """Everything a run depends on; the defaults are the demo (<= 5 min on 2 CPU cores)."""
+    """Everything a run depends on; the defaults are the demo (about a minute on 2 CPU cores)."""
 
     model: ModelKind = ModelKind.TINY
     steps: int = 200
