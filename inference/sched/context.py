@@ -26,7 +26,7 @@ from inference.kv_cache.allocator import KVBlockAllocator
 from inference.kv_cache.hashing import block_hashes
 from inference.request import FinishReason, Request, RequestStatus
 from inference.sampling_params import LogprobsMode
-from inference.sched.prompt_logprobs import PromptScores, block_serves
+from inference.sched.prompt_logprobs import PromptScores, servable_prefix
 
 
 class DynamicInferenceContext:
@@ -167,11 +167,9 @@ class DynamicInferenceContext:
             raise
         self.prefix_cached_tokens += len(matched) * self.block_size
         if req.params.prompt_logprobs is not None:  # NOTE: each admission scores the prompt afresh
-            req.prompt_scores = PromptScores(len(req.prompt_token_ids), req.params.prompt_logprobs)
-            for index, block_id in enumerate(matched):
-                block = self.allocator.prompt_logprobs_of(block_id)
-                if block is not None:
-                    self.prompt_logprobs_cached += req.prompt_scores.fill_from(block, index, self.block_size)
+            req.prompt_scores = PromptScores.admitted(len(req.prompt_token_ids), req.params.prompt_logprobs,
+                                                      self.allocator, matched)
+            self.prompt_logprobs_cached += int(req.prompt_scores.known.sum())
         slot = self.free_slots.pop()
         self._take_state_slot(slot)
         n = len(tokens)
@@ -450,13 +448,7 @@ class DynamicInferenceContext:
         top_n = req.params.prompt_logprobs
         if top_n is None or not hashes:
             return hashes
-        usable = 0
-        prompt = req.prompt_token_ids
-        for index, block_id in enumerate(self.allocator.cached_prefix(hashes)):
-            if not block_serves(self.allocator.prompt_logprobs_of(block_id), index, self.block_size, prompt, top_n):
-                break
-            usable += 1
-        return hashes[:usable]
+        return servable_prefix(self.allocator, hashes, req.prompt_token_ids, top_n)
 
     def matchable_hashes(self, req: Request) -> list[int]:
         """Hashes of the full blocks before the last token (at least one token is computed)."""

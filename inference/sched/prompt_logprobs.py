@@ -14,12 +14,15 @@ score the request needs from it, with at least its top-n: it never gets partial 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
 
 from inference.kv_cache.block_state import MAX_CACHED_PROMPT_TOP_N_LOGPROBS, PromptLogprobsBlock
+
+if TYPE_CHECKING:
+    from inference.kv_cache.allocator import KVBlockAllocator
 
 
 def block_targets(block_index: int, block_size: int, prompt_len: int) -> tuple[int, int]:
@@ -41,6 +44,17 @@ def block_serves(block: Optional[PromptLogprobsBlock], block_index: int, block_s
     return hi - lo < block_size or block.next_token_id == prompt[hi - 1]
 
 
+def servable_prefix(pool: KVBlockAllocator, hashes: list[int], prompt: Sequence[int], top_n: int) -> list[int]:
+    """The leading `hashes` whose cached blocks carry every prompt score a request asking for
+    `top_n` alternatives needs (it must not take a block it would have to score again)."""
+    usable = 0
+    for index, block_id in enumerate(pool.cached_prefix(hashes)):
+        if not block_serves(pool.prompt_logprobs_of(block_id), index, pool.block_size, prompt, top_n):
+            break
+        usable += 1
+    return hashes[:usable]
+
+
 class PromptScores:
     """Scores of one admission of a request (see module docstring).
 
@@ -57,6 +71,16 @@ class PromptScores:
         self.top_logprobs = np.zeros((prompt_len, top_n), dtype=np.float32)
         self.top_ids = np.zeros((prompt_len, top_n), dtype=np.int64)
         self.known = np.zeros(prompt_len, dtype=bool)
+
+    @classmethod
+    def admitted(cls, prompt_len: int, top_n: int, pool: KVBlockAllocator, matched: list[int]) -> PromptScores:
+        """Fresh scores of a request entering a slot, with those its matched blocks carry."""
+        scores = cls(prompt_len, top_n)
+        for index, block_id in enumerate(matched):
+            block = pool.prompt_logprobs_of(block_id)
+            if block is not None:
+                scores.fill_from(block, index, pool.block_size)
+        return scores
 
     @property
     def prompt_len(self) -> int:
