@@ -132,6 +132,15 @@ def test_scores_are_cached_only_by_a_forward_pass_that_succeeded(model, prompt, 
                        scored(engine_for(model, enable_prefix_caching=False), prompt, 1)[0][0].prompt_logprobs)
 
 
+def test_identical_scored_prompts_added_together_compute_the_prompt_once(model, prompt):
+    engine = engine_for(model)
+    outs = engine.generate([prompt] * 4, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2))
+    # the first scores the prompt; the others wait for its blocks and their scores, then run the
+    # last 2 tokens (the scheduler holds a request back only for a prefill that records its top-n)
+    assert engine.stats()["prefill_tokens"] == 18 + 3 * 2 and engine.stats()["prompt_logprobs_cached"] == 3 * 16
+    assert all(o.prompt_logprobs[:17] == outs[0].prompt_logprobs[:17] for o in outs)
+
+
 def test_a_request_aborted_mid_prompt_has_no_partial_prompt_logprobs(model, prompt):
     engine = engine_for(model)
     rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1))
