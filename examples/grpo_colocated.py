@@ -1,6 +1,6 @@
 """Colocated GRPO on a laptop-class CPU: a trainer and the engine in one process, same memory.
 
-    python examples/grpo_colocated.py                   # the demo: ~1 min on 2 cores
+    python examples/grpo_colocated.py                   # the demo: ~1 min on 2 cores (58.6 s measured)
     python examples/grpo_colocated.py --model smollm2   # SmolLM2-135M-Instruct on "a + b" (slow)
     python examples/grpo_colocated.py --help
 
@@ -14,9 +14,11 @@ A 2-layer Llama (hidden 64) from random init learns to continue counting up to 9
     grpo_step(policy, optimizer, batch, rewards)      # the engine aliases `policy`'s parameters
     engine.on_weights_updated()                       # version + 1, prefix cache reset; no copy
 
-The loop itself is `rollout.colocated.run_grpo` (also `rollout grpo`). Metrics go to W&B
-(offline unless WANDB_MODE=online), to the console, to `runs/<name>/metrics.jsonl` and to a PNG of
-reward and train-inference mismatch against step; the paths are printed at the end.
+Every 10 steps it also measures the reward on held-out prompts the loop never trains on, greedy
+and sampled. The loop itself is `rollout.colocated.run_grpo` (also `rollout grpo`). Metrics go to
+W&B (offline unless WANDB_MODE=online), to the console, to `runs/<name>/metrics.jsonl` and to a
+PNG of training and held-out reward and train-inference mismatch against step; the paths are
+printed at the end.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -59,6 +59,9 @@ class Request:
     num_preemptions: int = 0
     hash_cache_key: Optional[tuple[int, int]] = None  # (policy version, token count) of hash_cache
     hash_cache: list[int] = field(default_factory=list)
+    # prompt log-probs by position while in a slot (a `PromptScores`; `prompt_logprobs` is built
+    # from it when the request leaves its slot)
+    prompt_scores: Optional[Any] = None
 
     @property
     def all_token_ids(self) -> list[int]:

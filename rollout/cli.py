@@ -34,6 +34,8 @@ def _add_grpo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-dir", help=f"where runs go ({d.out_dir}/<run name>/)")
     parser.add_argument("--run-name", help="run name (default: grpo-<model>-seed<seed>-<time>)")
     parser.add_argument("--table-every", type=int, help=f"print a table row every k steps ({d.table_every})")
+    parser.add_argument("--eval-every", type=int,
+                        help=f"held-out reward (greedy and sampled) every k steps and at the last ({d.eval_every})")
     parser.add_argument("--no-wandb", dest="wandb", action="store_false", default=None,
                         help="do not log to W&B (default: offline W&B; WANDB_MODE=online logs for real)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", default=None,

@@ -1,9 +1,14 @@
 """Colocated GRPO: a trainer and the engine in one process, taking turns on the same memory.
 
-Each step: resume -> generate n samples per prompt -> score -> suspend -> policy-gradient step on
-the trainer's own module (which the engine aliases, so nothing is copied) -> `on_weights_updated()`
-(policy version + 1, prefix cache reset). `run_grpo(GRPOConfig())` is what `make demo`,
-`examples/grpo_colocated.py` and `rollout grpo` run.
+Each step: resume -> generate n samples per prompt -> score -> (every `eval_every` steps: the
+held-out reward, greedy and sampled, on prompts never trained on) -> suspend -> policy-gradient
+step on the trainer's own module (which the engine aliases, so nothing is copied) ->
+`on_weights_updated()` (policy version + 1, prefix cache reset). `run_grpo(GRPOConfig())` is what
+`make demo`, `examples/grpo_colocated.py` and `rollout grpo` run.
+
+Checks that can fail, each step: every token was sampled by the version the trainer expects
+(its count of updates, not the engine's own word), no prefix-cache hit crossed a version, and
+the engine's log-probs equal the trainer's recomputation (the mismatch).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 from inference import InferenceConfig, LogprobsMode, SamplingParams
 from rollout.engine import RolloutEngine
 from rollout.grpo import grpo_step
-from rollout.tasks import ArithmeticTask, CountingTask, DigitVocab, Task
+from rollout.tasks import ArithmeticTask, CountingTask, DigitVocab, Problem, Task
 from rollout.tracking import StepTimer, Tracker
 
 logger = logging.getLogger(__name__)
@@ -36,7 +41,7 @@ class ModelKind(str, enum.Enum):
 
 @dataclass(slots=True)
 class GRPOConfig:
-    """Everything a run depends on; the defaults are the demo (<= 5 min on 2 CPU cores)."""
+    """Everything a run depends on; the defaults are the demo (about a minute on 2 CPU cores)."""
 
     model: ModelKind = ModelKind.TINY
     steps: int = 200
@@ -58,12 +63,13 @@ class GRPOConfig:
     run_name: Optional[str] = None
     wandb: bool = True
     table_every: int = 10
+    eval_every: int = 10  # held-out reward every k steps (and at the last one)
     progress: bool = True
 
     def __post_init__(self) -> None:
         self.model = ModelKind(self.model)
         for name in ("steps", "prompts_per_step", "samples_per_prompt", "block_size", "table_every",
-                     "hidden_size", "num_layers"):
+                     "eval_every", "hidden_size", "num_layers"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"GRPOConfig.{name} must be a positive int, got {value!r}")
@@ -83,7 +89,7 @@ class GRPOConfig:
         base: dict[str, Any] = {"model": model}
         if model is ModelKind.SMOLLM2:
             base.update(steps=30, prompts_per_step=8, samples_per_prompt=8, lr=5e-6, temperature=0.7,
-                        block_size=16, micro_batch_size=16, table_every=1, threads=None)
+                        block_size=16, micro_batch_size=16, table_every=1, eval_every=5, threads=None)
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)
 
@@ -103,7 +109,10 @@ class RunSummary:
     first_step_at_target: Optional[int]  # first step whose 10-step mean reward is >= 0.9 x max
     mismatch_mean: float  # over the whole run
     mismatch_max: float
-    stale_tokens: int  # tokens sampled by a version other than the step's: must be 0
+    stale_tokens: int  # tokens sampled by a version other than the trainer's count of updates: must be 0
+    cross_version_hits: int  # prefix-cache blocks served across a weight update: must be 0
+    heldout_greedy: tuple[float, float]  # held-out reward, greedy: (first evaluation, last)
+    heldout_sampled: tuple[float, float]  # held-out reward, sampled like training: (first, last)
     out_dir: Path
     plot: Optional[Path]
     wandb_dir: Optional[Path]
@@ -164,11 +173,12 @@ def _run(cfg: GRPOConfig) -> RunSummary:
         table_every=cfg.table_every, max_reward=task.max_reward, show_progress=cfg.progress,
     )
     try:
-        stale = _loop(cfg, policy, task, pad_id, tracker)
+        checks = _loop(cfg, policy, task, pad_id, tracker)
     except BaseException:  # NOTE: an interrupted run still closes its W&B run and plots what it has
         tracker.finish()
         raise
-    summary = summarize(tracker.history, task.max_reward, stale, time.perf_counter() - start)
+    summary = summarize(tracker.history, task.max_reward, checks.stale_tokens, time.perf_counter() - start,
+                        cross_version_hits=checks.cross_version_hits)
     paths = tracker.finish({k: v for k, v in asdict(summary).items() if isinstance(v, (int, float))})
     summary.out_dir, summary.plot, summary.wandb_dir, summary.wandb_url = (
         paths.out_dir, paths.plot, paths.wandb_dir, paths.wandb_url)
@@ -176,9 +186,19 @@ def _run(cfg: GRPOConfig) -> RunSummary:
     return summary
 
 
-def _loop(cfg: GRPOConfig, policy: torch.nn.Module, task: Task, pad_id: int, tracker: Tracker) -> int:
-    """The steps; returns how many tokens were sampled by a stale policy version (must be 0)."""
+EVAL_SEED = 987_654_321  # the held-out samples' seed: the same every evaluation, so curves show the policy
+
+
+@dataclass(slots=True)
+class LoopChecks:
+    stale_tokens: int = 0  # tokens whose version is not the trainer's count of updates
+    cross_version_hits: int = 0  # prefix-cache blocks matched under another version
+
+
+def _loop(cfg: GRPOConfig, policy: torch.nn.Module, task: Task, pad_id: int, tracker: Tracker) -> LoopChecks:
+    """The steps; returns what the checks counted (both must be 0)."""
     rng = random.Random(cfg.seed)
+    held_out = task.held_out()
     # -- the colocated loop: this is the whole point ------------------------------------------
     engine = RolloutEngine(policy, engine_config(cfg, task))  # aliases the policy's parameters
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -186,16 +206,22 @@ def _loop(cfg: GRPOConfig, policy: torch.nn.Module, task: Task, pad_id: int, tra
     mode = LogprobsMode.RAW if cfg.temperature == 1.0 else LogprobsMode.PROCESSED
     sampling = SamplingParams(temperature=cfg.temperature, max_tokens=task.max_tokens, logprobs_mode=mode)
     engine.suspend()  # between steps the memory is the trainer's
-    stale = 0
+    checks = LoopChecks()
+    first_version = engine.policy_version
     for step in range(cfg.steps):
         timer = StepTimer()
         problems = task.sample(rng, cfg.prompts_per_step)
+        cross_before = engine.stats()["cross_version_prefix_hits"]
         with timer("resume"):
             engine.resume()
         with timer("generate"):
             seeded = dataclasses.replace(sampling, seed=cfg.seed * 1_000_003 + step)
             batch = engine.generate([p.prompt_ids for p in problems], n=cfg.samples_per_prompt, sampling=seeded)
         rewards = [task.reward(problems[r.group], r.completion_ids) for r in batch]
+        evaluation, eval_batches = {}, []
+        if held_out and (step % cfg.eval_every == 0 or step == cfg.steps - 1):
+            with timer("eval"):
+                evaluation, eval_batches = _evaluate(engine, task, held_out, sampling, cfg.samples_per_prompt)
         with timer("suspend"):
             freed = engine.suspend()
         with timer("train"):
@@ -205,17 +231,22 @@ def _loop(cfg: GRPOConfig, policy: torch.nn.Module, task: Task, pad_id: int, tra
         with timer("weight_update"):
             engine.on_weights_updated()  # no bytes move: version + 1, prefix cache reset
         # -----------------------------------------------------------------------------------------
-        step_stale = sum(v != batch.policy_version for r in batch for v in r.versions)
-        stale += step_stale
+        # NOTE: the trainer's own count of updates, so an engine that forgot one is caught
+        expected = first_version + step
+        step_stale = sum(v != expected for b in (batch, *eval_batches) for r in b for v in r.versions)
+        step_cross = engine.stats()["cross_version_prefix_hits"] - cross_before
+        checks.stale_tokens += step_stale
+        checks.cross_version_hits += step_cross
         gen = batch.stats
         tracker.log(step, {
             "reward": sum(rewards) / len(rewards),
+            **evaluation,
             "response_length": sum(batch.completion_lengths) / len(batch),
             "tokens_per_s": gen.tokens_per_second,
             **timer.metrics(),
             "kv_utilization": gen.peak_kv_utilization,
             "prefix_hit_rate": gen.prefix_hit_rate,
-            "prefix_hits_cross_version": engine.stats().get("cross_version_prefix_hits", 0),
+            "prefix_hits_cross_version": step_cross,
             "mismatch/mean": stats.mismatch_mean,
             "mismatch/max": stats.mismatch_max,
             "policy_version": batch.policy_version,
@@ -227,11 +258,30 @@ def _loop(cfg: GRPOConfig, policy: torch.nn.Module, task: Task, pad_id: int, tra
             "engine_steps": gen.engine_steps,
             "suspend_freed_bytes": getattr(freed, "buffer_bytes", 0),
         }, example=task.render(problems[batch[0].group], batch[0].completion_ids))
-    return stale
+    return checks
 
 
-def summarize(history: list[dict[str, Any]], max_reward: float, stale: int, seconds: float) -> RunSummary:
+def _evaluate(engine: RolloutEngine, task: Task, problems: list[Problem], sampling: SamplingParams,
+              samples: int) -> tuple[dict[str, float], list[Any]]:
+    """Mean reward on prompts never trained on: greedy, and sampled as in training (fixed seed)."""
+    prompts = [p.prompt_ids for p in problems]
+    greedy = engine.generate(prompts, n=1, sampling=dataclasses.replace(sampling, temperature=0.0, seed=None))
+    sampled = engine.generate(prompts, n=samples, sampling=dataclasses.replace(sampling, seed=EVAL_SEED))
+
+    def mean_reward(batch: Any) -> float:
+        return sum(task.reward(problems[r.group], r.completion_ids) for r in batch) / len(batch)
+
+    return {"heldout/greedy": mean_reward(greedy), "heldout/sampled": mean_reward(sampled)}, [greedy, sampled]
+
+
+def summarize(history: list[dict[str, Any]], max_reward: float, stale: int, seconds: float, *,
+              cross_version_hits: int = 0) -> RunSummary:
     rewards = [h["reward"] for h in history]
+
+    def first_and_last(key: str) -> tuple[float, float]:
+        values = [h[key] for h in history if key in h]
+        return (values[0], values[-1]) if values else (math.nan, math.nan)
+
     window = 10
     at_target = next(
         (i for i in range(len(rewards)) if sum(rewards[max(0, i - window + 1) : i + 1]) / min(window, i + 1)
@@ -249,6 +299,9 @@ def summarize(history: list[dict[str, Any]], max_reward: float, stale: int, seco
         mismatch_mean=sum(h["mismatch/mean"] * t for h, t in zip(history, tokens)) / max(1, sum(tokens)),
         mismatch_max=max((h["mismatch/max"] for h in history), default=math.nan),
         stale_tokens=stale,
+        cross_version_hits=cross_version_hits,
+        heldout_greedy=first_and_last("heldout/greedy"),
+        heldout_sampled=first_and_last("heldout/sampled"),
         out_dir=Path("."),
         plot=None,
         wandb_dir=None,
@@ -261,8 +314,10 @@ def format_summary(s: RunSummary) -> str:
     lines = [
         f"reward: {s.initial_reward:.3f} at step 0 (the initial policy) -> {s.final_reward:.3f} over the last 10 steps "
         f"(max {s.max_reward:g}); 0.9 x max (10-step mean) reached at {target}",
-        f"train-inference mismatch |engine - trainer| log-prob over all sampled tokens: "
-        f"mean {s.mismatch_mean:.2e}, max {s.mismatch_max:.2e}; tokens from a stale policy version: {s.stale_tokens}",
+        f"held-out reward (prompts never trained on): greedy {s.heldout_greedy[0]:.3f} -> {s.heldout_greedy[1]:.3f}, "
+        f"sampled {s.heldout_sampled[0]:.3f} -> {s.heldout_sampled[1]:.3f}",
+        f"mismatch {s.mismatch_mean:.2e} mean, {s.mismatch_max:.2e} max (|engine - trainer| log-prob, all sampled "
+        f"tokens); stale-version tokens: {s.stale_tokens}; cross-version prefix hits: {s.cross_version_hits}",
         f"wall time: {s.wall_seconds:.1f} s for {s.steps} steps",
         f"metrics: {s.out_dir / 'metrics.jsonl'}",
         f"plot:    {s.plot if s.plot is not None else '(not written)'}",

@@ -7,6 +7,8 @@
   NOTE: chosen because its reward is dense: a one-token answer (the issue's "continue counting",
   reward 0.96 in 32 steps) is learnt in seconds, while all-or-nothing multi-token answers
   (0.74 in 700 steps for 3 tokens) and sparse arithmetic (no progress in 4,000) are not.
+* Each task holds out a fixed, seeded sample of its prompts (`held_out()`) that `sample` never
+  draws: the loop's held-out reward measures what it learnt, not what it memorised.
 * `ArithmeticTask`: "What is a + b?" for a chat model (SmolLM2-135M-Instruct): reward 1 when the
   first integer of the answer is the sum, `partial` when the sum comes later. Measured on the
   GGUF-converted SmolLM2 at T=0.7 with one-digit operands: first integer right ~5%, the sum
@@ -31,8 +33,12 @@ class Problem:
     answer: Any
 
 
+HELD_OUT_SEED = 1234  # fixes which prompts are held out, whatever the run's seed
+
+
 class Task(Protocol):
-    """A verifiable task: sample problems, score token completions (reward in [0, max_reward])."""
+    """A verifiable task: sample training problems, list held-out ones, score token completions
+    (reward in [0, max_reward]). `sample` never returns a held-out prompt."""
 
     max_tokens: int
     max_reward: float
@@ -41,6 +47,8 @@ class Task(Protocol):
     def max_prompt_tokens(self) -> int: ...
 
     def sample(self, rng: random.Random, count: int) -> list[Problem]: ...
+
+    def held_out(self) -> list[Problem]: ...
 
     def reward(self, problem: Problem, completion_ids: list[int]) -> float: ...
 
@@ -76,12 +84,16 @@ class CountingTask:
 
     The prompt is `min_run..max_run` consecutive digits ending at most at 8, so every answer has
     1..9 digits plus EOS. `max_tokens` leaves room to overshoot (which the reward penalises).
+    `num_held_out` of the distinct prompts (24 with the defaults) are never trained on; they are
+    runs of two digits or more, so a training prompt ends on each one's last digit: the held-out
+    reward measures counting on from an unseen prompt, not from a digit never seen last.
     """
 
     min_run: int = 1
     max_run: int = 3
     max_tokens: int = 12
     max_reward: float = 1.0
+    num_held_out: int = 6
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_run <= self.max_run <= 9:
@@ -89,21 +101,40 @@ class CountingTask:
                              f"{self.min_run}/{self.max_run}")
         if self.max_tokens < 10:
             raise ValueError(f"CountingTask.max_tokens must be >= 10 (the longest answer), got {self.max_tokens}")
+        longer = len(self._longer_runs())
+        # NOTE: at least one prompt must stay for training (min_run >= 2 makes every prompt "longer")
+        longer -= int(longer == sum(10 - run for run in range(self.min_run, self.max_run + 1)))
+        if not 0 <= self.num_held_out <= longer:
+            raise ValueError(f"CountingTask.num_held_out must be in [0, {longer}] (the prompts of two digits or "
+                             f"more), got {self.num_held_out}")
 
     @property
     def max_prompt_tokens(self) -> int:
         return 1 + self.max_run
 
     def sample(self, rng: random.Random, count: int) -> list[Problem]:
-        problems = []
-        for _ in range(count):
+        held_out = {p.prompt_ids for p in self.held_out()}
+        problems: list[Problem] = []
+        while len(problems) < count:
             run = rng.randint(self.min_run, self.max_run)
-            first = rng.randint(0, 9 - run)  # the run ends at 8 at the latest
-            digits = list(range(first, first + run))
-            prompt = (DigitVocab.BOS, *(DigitVocab.digit(d) for d in digits))
-            answer = tuple(DigitVocab.digit(d) for d in range(digits[-1] + 1, 10)) + (DigitVocab.EOS,)
-            problems.append(Problem(prompt, answer))
+            problem = self._problem(rng.randint(0, 9 - run), run)  # the run ends at 8 at the latest
+            if problem.prompt_ids not in held_out:
+                problems.append(problem)
         return problems
+
+    def held_out(self) -> list[Problem]:
+        return random.Random(HELD_OUT_SEED).sample(self._longer_runs(), self.num_held_out)
+
+    def _longer_runs(self) -> list[Problem]:
+        return [self._problem(first, run) for run in range(max(2, self.min_run), self.max_run + 1)
+                for first in range(10 - run)]
+
+    @staticmethod
+    def _problem(first: int, run: int) -> Problem:
+        digits = range(first, first + run)
+        prompt = (DigitVocab.BOS, *(DigitVocab.digit(d) for d in digits))
+        answer = tuple(DigitVocab.digit(d) for d in range(first + run, 10)) + (DigitVocab.EOS,)
+        return Problem(prompt, answer)
 
     def reward(self, problem: Problem, completion_ids: list[int]) -> float:
         answer = problem.answer
@@ -124,7 +155,7 @@ _INT = re.compile(r"-?\d+")
 @dataclass(slots=True)
 class ArithmeticTask:
     """"What is a + b?" through a chat template; reward 1 if the first integer answered is a + b,
-    `partial` if a later one is, else 0."""
+    `partial` if a later one is, else 0. `num_held_out` (a, b) pairs are never trained on."""
 
     tokenizer: Any
     low: int = 0
@@ -132,6 +163,7 @@ class ArithmeticTask:
     max_tokens: int = 12
     max_reward: float = 1.0
     partial: float = 0.5
+    num_held_out: int = 8
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -145,11 +177,20 @@ class ArithmeticTask:
         return tuple(int(t) for t in ids)
 
     def sample(self, rng: random.Random, count: int) -> list[Problem]:
+        held_out = set(self._held_out_pairs())
         problems = []
-        for _ in range(count):
+        while len(problems) < count:
             a, b = rng.randint(self.low, self.high), rng.randint(self.low, self.high)
-            problems.append(Problem(self._encode(a, b), a + b))
+            if (a, b) not in held_out:
+                problems.append(Problem(self._encode(a, b), a + b))
         return problems
+
+    def held_out(self) -> list[Problem]:
+        return [Problem(self._encode(a, b), a + b) for a, b in self._held_out_pairs()]
+
+    def _held_out_pairs(self) -> list[tuple[int, int]]:
+        pairs = [(a, b) for a in range(self.low, self.high + 1) for b in range(self.low, self.high + 1)]
+        return random.Random(HELD_OUT_SEED).sample(pairs, min(self.num_held_out, len(pairs) - 1))
 
     def reward(self, problem: Problem, completion_ids: list[int]) -> float:
         numbers = [int(m) for m in _INT.findall(self.tokenizer.decode(completion_ids, skip_special_tokens=True))]

@@ -3,6 +3,11 @@
 `Tracker.log(step, metrics)` is the one call per step; it appends to `history`, writes a JSON line,
 logs to W&B, advances the bar and, every `table_every` steps, prints a table row. `finish()`
 writes the PNG of reward and train-inference mismatch against step and closes the W&B run.
+
+Console: the bar and the table share one stream (stdout by default) and every table row, like
+every log record meanwhile, is written through the bar (cleared, row, redrawn), so no row is
+glued to it. A stream that is not a terminal (a log file, a pipe) gets no bar: the rows are the
+progress there, with nothing but rows on their lines.
 """
 
 from __future__ import annotations
@@ -11,12 +16,13 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TextIO
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +30,8 @@ logger = logging.getLogger(__name__)
 COLUMNS: tuple[tuple[str, str, int, str], ...] = (
     ("step", "step", 5, "d"),
     ("reward", "reward", 6, ".3f"),
+    ("heldout/greedy", "ho grd", 6, ".3f"),
+    ("heldout/sampled", "ho smp", 6, ".3f"),
     ("response_length", "len", 5, ".2f"),
     ("tokens_per_s", "tok/s", 7, ".0f"),
     ("time/generate", "gen s", 6, ".3f"),
@@ -83,6 +91,7 @@ class Tracker:
     table_every: int = 10
     max_reward: float = 1.0
     show_progress: bool = True
+    stream: Optional[TextIO] = None  # the console: None = sys.stdout at construction
     history: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -91,11 +100,17 @@ class Tracker:
         self.paths = RunPaths(self.out_dir, self.out_dir / "metrics.jsonl")
         self._metrics_file = self.paths.metrics.open("w")
         self._wandb = self._init_wandb() if self.use_wandb else None
+        if self.stream is None:
+            self.stream = sys.stdout
         self._bar = None
-        if self.show_progress:
+        self._console = ExitStack()
+        if self.show_progress and _is_terminal(self.stream):
             from tqdm.auto import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
-            self._bar = tqdm(total=self.total_steps, desc="grpo", unit="step", dynamic_ncols=True)
+            self._bar = tqdm(total=self.total_steps, desc="grpo", unit="step", dynamic_ncols=True, file=self.stream)
+            # NOTE: log records (e.g. a W&B warning) go through the bar too, not across it
+            self._console.enter_context(logging_redirect_tqdm(tqdm_class=type(self._bar)))
         self._header_printed = False
 
     def _init_wandb(self) -> Any:
@@ -137,9 +152,9 @@ class Tracker:
 
     def _write(self, line: str) -> None:
         if self._bar is not None:
-            self._bar.write(line)
+            self._bar.write(line, file=self.stream)  # clears the bar, writes the line, redraws the bar
         else:
-            print(line, flush=True)
+            print(line, file=self.stream, flush=True)
 
     @staticmethod
     def header() -> str:
@@ -163,6 +178,7 @@ class Tracker:
     def finish(self, summary: Optional[dict[str, Any]] = None) -> RunPaths:
         if self._bar is not None:
             self._bar.close()
+        self._console.close()
         self._metrics_file.close()
         self.paths.plot = plot_history(self.history, self.out_dir / "reward_mismatch.png", self.max_reward)
         if self._wandb is not None:
@@ -179,8 +195,16 @@ class Tracker:
         return self.paths
 
 
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
 def plot_history(history: Sequence[dict[str, Any]], path: Path, max_reward: float = 1.0) -> Optional[Path]:
-    """Reward (top) and |engine - trainer| log-prob mismatch (bottom, log scale) against step.
+    """Reward (top: training batches, and held-out prompts greedy and sampled where evaluated) and
+    |engine - trainer| log-prob mismatch (bottom, log scale) against step.
 
     A step where engine and trainer agree exactly (mismatch 0) leaves a gap on the log scale.
     """
@@ -196,7 +220,12 @@ def plot_history(history: Sequence[dict[str, Any]], path: Path, max_reward: floa
         return None
     steps = [h["step"] for h in history]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, constrained_layout=True)
-    top.plot(steps, [h.get("reward", math.nan) for h in history], label="mean reward", color="tab:blue")
+    top.plot(steps, [h.get("reward", math.nan) for h in history], label="training reward", color="tab:blue")
+    for key, label, color in (("heldout/greedy", "held-out, greedy", "tab:purple"),
+                              ("heldout/sampled", "held-out, sampled", "tab:cyan")):
+        points = [(h["step"], h[key]) for h in history if key in h]
+        if points:
+            top.plot(*zip(*points), label=label, color=color, marker="o", ms=3, lw=1.2)
     top.axhline(max_reward, color="grey", lw=0.8, ls=":", label="max reward")
     top.axhline(0.9 * max_reward, color="tab:green", lw=0.8, ls="--", label="0.9 x max")
     top.set_ylabel("reward")

@@ -194,13 +194,13 @@ class EngineCore:
         self.num_steps += 1
         ctx.kv_len[plan.slots] += plan.query_lens
         ctx.prefill_tokens += batch.prompt_tokens
+        if batch.prompt_rows:  # NOTE: before registration caches them with their blocks
+            out_ops.record_prompt_logprobs(ctx, batch, logits)
         forks = self.scheduler.fork_groups(batch.sample_slots)
         self.caches.copy_for_forks(forks.kv_copies, forks.state_copies)
         # NOTE: forked samples have nothing to register: their full blocks are the parent's
         ctx.register_full_blocks(plan.slots)
         self.allocator.events.publish_pending()
-        if batch.prompt_rows:  # NOTE: before the commit, which may release a request finished now
-            out_ops.record_prompt_logprobs(ctx, batch, logits)
         slots = forks.slots
         if slots.size:  # NOTE: a step of mid-prompt chunks only samples nothing
             # NOTE: sampled rows come first in the logits; without forks a view, not a copy
@@ -400,6 +400,8 @@ class EngineCore:
             "steps": self.num_steps,
             "generated_tokens": self.generated_tokens,
             "prefill_tokens": self.context.prefill_tokens,
+            "prefix_cached_tokens": self.context.prefix_cached_tokens,
+            "prompt_logprobs_cached": self.context.prompt_logprobs_cached,
             "prefix_hit_blocks": pool.hit_blocks,
             "prefix_hit_rate": pool.hit_rate,
             "cross_version_prefix_hits": self.context.cross_version_hits,

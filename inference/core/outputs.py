@@ -45,19 +45,14 @@ def record_top_logprobs(ctx: DynamicInferenceContext, slots: np.ndarray, out: An
 
 
 def record_prompt_logprobs(ctx: DynamicInferenceContext, batch: Any, logits: torch.Tensor) -> None:
-    """Score the prompt tokens of the rows that asked for prompt log-probs this step."""
+    """Score the prompt tokens of the rows that asked for prompt log-probs this step, by position
+    (a recomputed row overwrites its earlier score)."""
     for rows in batch.prompt_rows:
-        req = ctx.requests[rows.slot]
-        n = req.params.prompt_logprobs
+        scores = ctx.requests[rows.slot].prompt_scores
         targets = torch.from_numpy(ctx.tokens[rows.slot, rows.first_token : rows.first_token + rows.count])
-        scored = compute_prompt_logprobs(logits[rows.start : rows.start + rows.count], targets, n)
-        if req.prompt_logprobs is None:
-            req.prompt_logprobs = [None]  # the first prompt token has no prediction
-        for i, lp in enumerate(scored.logprobs.tolist()):
-            entry = {int(targets[i]): lp}
-            if n:
-                entry.update(zip(scored.top_token_ids[i].tolist(), scored.top_logprobs[i].tolist()))
-            req.prompt_logprobs.append(entry)
+        scored = compute_prompt_logprobs(logits[rows.start : rows.start + rows.count],
+                                         targets.to(logits.device), scores.top_n)
+        scores.write(rows.first_token, scored.logprobs, scored.top_logprobs, scored.top_token_ids)
 
 
 def token_events(ctx: DynamicInferenceContext, slots: np.ndarray, tokens: np.ndarray,

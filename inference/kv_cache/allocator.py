@@ -9,10 +9,11 @@ every cached hash unmatchable at once, even while requests still hold blocks.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from inference.errors import BlockOverflowError
-from inference.kv_cache.block_state import BlockIds, PrefixCacheBlockState, _as_list
+from inference.kv_cache.block_state import BlockIds, PrefixCacheBlockState, PromptLogprobsBlock, _as_list
 from inference.kv_cache.events import BlockStored, KVEventHub
 from inference.kv_cache.hashing import NO_PARENT, UNSET_HASH
 from inference.kv_cache.policy import EvictionPolicy
@@ -158,17 +159,34 @@ class KVBlockAllocator:
 
     # ---- prefix cache ------------------------------------------------------------------------
 
-    def match_prefix(self, hashes: list[int]) -> list[int]:
-        """Blocks of the longest cached prefix of `hashes`, each retained for the caller."""
-        if not self.enable_prefix_caching or not hashes:
+    def match_prefix(self, hashes: list[int], looked_up: int | None = None) -> list[int]:
+        """Blocks of the longest cached prefix of `hashes`, each retained for the caller.
+
+        `looked_up` (default `len(hashes)`) is how many blocks the caller wanted, for the hit
+        rate: a caller that cut `hashes` short (a cached block lacking what it needs) counts the
+        blocks it left out as misses.
+        """
+        if not self.enable_prefix_caching:
             return []
-        block_ids, _ = self.registry.match_kv_prefix(hashes)
+        looked_up = len(hashes) if looked_up is None else looked_up
+        block_ids = self.registry.match_kv_prefix(hashes)[0] if hashes else []
         self.hit_blocks += len(block_ids)
-        self.miss_blocks += len(hashes) - len(block_ids)
+        self.miss_blocks += looked_up - len(block_ids)
         if block_ids:
             self.lru_clock += 1
             self.state.retain(block_ids, self.lru_clock)
         return block_ids
+
+    def cached_prefix(self, hashes: list[int]) -> list[int]:
+        """Blocks of the longest cached prefix of `hashes`, changing nothing (no reference taken)."""
+        if not self.enable_prefix_caching or not hashes:
+            return []
+        return self.registry.match_kv_prefix(hashes)[0]
+
+    def prompt_logprobs_of(self, block_id: int) -> PromptLogprobsBlock | None:
+        """The prompt log-probs cached on a registered block, if the request that computed it
+        recorded them."""
+        return self.state.prompt_logprobs.get(block_id)
 
     def peek_prefix(self, hashes: list[int]) -> tuple[int, int]:
         """(leading blocks of `hashes` cached, how many of them nobody holds), changing nothing.
@@ -182,7 +200,8 @@ class KVBlockAllocator:
         unheld = sum(1 for b in block_ids if self.state.ref_count(b) == 0)
         return len(block_ids), unheld
 
-    def register(self, block_ids: BlockIds, hashes: list[int], parent_block_id: int = -1) -> int:
+    def register(self, block_ids: BlockIds, hashes: list[int], parent_block_id: int = -1, *,
+                 prompt_logprobs: Sequence[PromptLogprobsBlock | None] | None = None) -> int:
         """Make freshly computed full blocks matchable; returns how many were registered.
 
         `block_ids` is a run of one request's consecutive full blocks (each the parent of the
@@ -191,7 +210,9 @@ class KVBlockAllocator:
         registered (e.g. after a prefix-cache reset) or not held by the caller, its hash is already served by another
         block (computed twice concurrently; the copy stays private and is freed on release), or
         it was registered before. Stored events wait for `events.publish_pending()`. A hash
-        <= 0 is a caller bug: ValueError, nothing changed.
+        <= 0 is a caller bug: ValueError, nothing changed. `prompt_logprobs[i]`, if given, is
+        cached with block i (see `PromptLogprobsBlock`); call only after the forward pass that
+        computed the blocks (and their scores) succeeded.
         """
         ids = _as_list(block_ids)
         if len(ids) != len(hashes):
@@ -217,9 +238,28 @@ class KVBlockAllocator:
         new_ids, new_hashes = ids[:count], hashes[:count]
         self.state.stamp_block_hashes(new_ids, new_hashes)
         self.state.record_parent_chain(new_ids, [parent_block_id] + new_ids[:-1])
+        self.state.attach_prompt_logprobs(new_ids, None if prompt_logprobs is None else list(prompt_logprobs[:count]))
         self.registry.register_kv(new_ids, new_hashes)
         self.events.queue_stored(BlockStored(tuple(new_hashes), parent_hash, tuple(new_ids), self.block_size))
         return count
+
+    def offer_prompt_logprobs(self, hashes: list[int], blocks: Sequence[PromptLogprobsBlock | None]) -> int:
+        """Scores computed for blocks whose hashes another block already serves (a request that
+        recomputed cached KV to get its prompt log-probs): cache each with the registered block
+        if it serves more than what that block carries (more alternatives or more valid slots).
+
+        Returns how many leading `hashes` are registered; the caller stops offering after a gap.
+        Same hash, same version, same tokens: the scores are those of the registered block too.
+        """
+        table, cached = self.registry.kv_hash_to_block_id, self.state.prompt_logprobs
+        for count, (h, new) in enumerate(zip(hashes, blocks)):
+            block_id = table.get(h)
+            if block_id is None:
+                return count
+            old = cached.get(block_id)
+            if new is not None and (old is None or _serves_more(new, old)):
+                cached[block_id] = new
+        return len(hashes)
 
     def reset_prefix_cache(self) -> None:
         """Make every cached hash unmatchable now, whether or not requests hold the blocks.
@@ -246,3 +286,8 @@ class KVBlockAllocator:
             removed = self.registry.evict_kv(hashes)
             if removed:
                 self.events.blocks_removed(removed)
+
+
+def _serves_more(new: PromptLogprobsBlock, old: PromptLogprobsBlock) -> bool:
+    new_valid, old_valid = int(new.valid.sum()), int(old.valid.sum())
+    return new.top_n >= old.top_n and new_valid >= old_valid and (new.top_n, new_valid) != (old.top_n, old_valid)

@@ -141,6 +141,24 @@ class PrefixCacheBlockState:
             if parent >= 0:
                 self._child_counts[parent] += 1
 
+    def attach_prompt_logprobs(self, block_ids: list[int],
+                               blocks: Optional[list[Optional[PromptLogprobsBlock]]]) -> None:
+        """Cache prompt log-probs on freshly registered blocks (None: the block carries none).
+
+        A block's entry lives exactly as long as its hash: deregistering, a prefix-cache reset
+        and `reset` drop it, so no score outlives the weights that computed it.
+        """
+        if blocks is None:
+            if self.prompt_logprobs:  # NOTE: defensive; entries already go with their hashes
+                for block_id in block_ids:
+                    self.prompt_logprobs.pop(block_id, None)
+            return
+        for block_id, block in zip(block_ids, blocks):
+            if block is None:
+                self.prompt_logprobs.pop(block_id, None)
+            else:
+                self.prompt_logprobs[block_id] = block
+
     # ---- references --------------------------------------------------------------------------
 
     def update_timestamps(self, block_ids: BlockIds, lru_clock: int) -> None:

@@ -26,6 +26,7 @@ from inference.kv_cache.allocator import KVBlockAllocator
 from inference.kv_cache.hashing import block_hashes
 from inference.request import FinishReason, Request, RequestStatus
 from inference.sampling_params import LogprobsMode
+from inference.sched.prompt_logprobs import PromptScores, servable_prefix
 
 
 class DynamicInferenceContext:
@@ -60,6 +61,9 @@ class DynamicInferenceContext:
         self.num_blocks = np.zeros(n, dtype=np.int64)
         self.num_registered = np.zeros(n, dtype=np.int64)
         self.cache_broken = np.zeros(n, dtype=bool)
+        # a slot that registers nothing more because another block serves its hash, but whose
+        # prompt scores can still be cached with that block (see register_full_blocks)
+        self.offers_scores = np.zeros(n, dtype=bool)
         self.state_slot = np.full(n, -1, dtype=np.int64)  # the request's row in the state pool
         self.hashes: list[list[int]] = [[] for _ in range(n)]
         self.requests: list[Request | None] = [None] * n
@@ -82,6 +86,8 @@ class DynamicInferenceContext:
         self.block_version = np.full(allocator.total, -1, dtype=np.int64)
         self.cross_version_hits = 0
         self.prefill_tokens = 0  # tokens whose K/V was computed by a prefill (not served by cache)
+        self.prefix_cached_tokens = 0  # tokens whose K/V a request took from the prefix cache
+        self.prompt_logprobs_cached = 0  # prompt positions whose scores came with cached blocks
         self._blocks_detached = False  # see detach_blocks
 
     # ---- queries -----------------------------------------------------------------------------
@@ -138,7 +144,7 @@ class DynamicInferenceContext:
 
     def peek_cached_prefix(self, req: Request) -> tuple[int, int]:
         """(cached leading blocks of `req`, how many of those nobody holds yet)."""
-        return self.allocator.peek_prefix(self.matchable_hashes(req)) if self.uses_prefix_cache(req) else (0, 0)
+        return self.allocator.peek_prefix(self.prefix_to_match(req)) if self.uses_prefix_cache(req) else (0, 0)
 
     def add_request(self, req: Request, prefill_chunk_length: int) -> int:
         """Give `req` a slot, its tokens and the blocks of its first chunk; returns the chunk length.
@@ -148,7 +154,7 @@ class DynamicInferenceContext:
         """
         tokens = req.all_token_ids
         if self.uses_prefix_cache(req):
-            matched = self.allocator.match_prefix(self.matchable_hashes(req))
+            matched = self.allocator.match_prefix(self.prefix_to_match(req), len(self.matchable_hashes(req)))
             self.cross_version_hits += int((self.block_version[matched] != self.policy_version).sum())
         else:
             matched = []
@@ -159,6 +165,11 @@ class DynamicInferenceContext:
         except BlockOverflowError:
             self.allocator.release(matched)
             raise
+        self.prefix_cached_tokens += len(matched) * self.block_size
+        if req.params.prompt_logprobs is not None:  # NOTE: each admission scores the prompt afresh
+            req.prompt_scores = PromptScores.admitted(len(req.prompt_token_ids), req.params.prompt_logprobs,
+                                                      self.allocator, matched)
+            self.prompt_logprobs_cached += int(req.prompt_scores.known.sum())
         slot = self.free_slots.pop()
         self._take_state_slot(slot)
         n = len(tokens)
@@ -174,6 +185,7 @@ class DynamicInferenceContext:
         self.num_blocks[slot] = len(blocks)
         self.num_registered[slot] = len(matched)
         self.cache_broken[slot] = False
+        self.offers_scores[slot] = False
         self.hashes[slot] = self.matchable_hashes(req)[: len(matched)] if matched else []
         self._bind_slot(slot, req)
         req.status = RequestStatus.RUNNING
@@ -208,7 +220,9 @@ class DynamicInferenceContext:
         self.num_blocks[slot] = total
         self.num_registered[slot] = full
         self.cache_broken[slot] = False
+        self.offers_scores[slot] = False
         self.hashes[slot] = []
+        child.prompt_scores = self.requests[parent_slot].prompt_scores  # NOTE: complete, never written again
         self._bind_slot(slot, child)
         child.status = RequestStatus.RUNNING
         self.active.append(slot)
@@ -298,6 +312,8 @@ class DynamicInferenceContext:
         req.generated_token_ids = self.tokens[slot, start:end].tolist()
         req.logprobs = self.token_logprobs[slot, start:end].tolist()
         req.token_versions = self.token_versions[slot, start:end].tolist()
+        if req.prompt_scores is not None:
+            req.prompt_logprobs = req.prompt_scores.as_dicts(req.prompt_token_ids)
         return req
 
     def release_memory_blocks_from_request_indexes(self, slots) -> list[Request]:
@@ -412,6 +428,7 @@ class DynamicInferenceContext:
         if extra.size:
             self.allocator.retain(extra.tolist())
         self.cache_broken[slots] = True
+        self.offers_scores[slots] = False
         return fresh, rows
 
     # ---- prefix cache ------------------------------------------------------------------------
@@ -419,10 +436,19 @@ class DynamicInferenceContext:
     def break_hash_chains(self) -> None:
         """After a prefix-cache reset: blocks in flight may not register under the new version."""
         self.cache_broken[:] = True
+        self.offers_scores[:] = False
 
     def uses_prefix_cache(self, req: Request) -> bool:
-        # NOTE: prompt log-probs need every prompt row's logits, which cached blocks skip.
-        return self.allocator.enable_prefix_caching and req.params.prompt_logprobs is None
+        return self.allocator.enable_prefix_caching
+
+    def prefix_to_match(self, req: Request) -> list[int]:
+        """Hashes of the leading blocks `req` may take from the cache: its matchable ones, cut
+        before the first cached block that lacks prompt scores it asks for (see PromptScores)."""
+        hashes = self.matchable_hashes(req)
+        top_n = req.params.prompt_logprobs
+        if top_n is None or not hashes:
+            return hashes
+        return servable_prefix(self.allocator, hashes, req.prompt_token_ids, top_n)
 
     def matchable_hashes(self, req: Request) -> list[int]:
         """Hashes of the full blocks before the last token (at least one token is computed)."""
@@ -450,15 +476,32 @@ class DynamicInferenceContext:
             full = int(self.kv_len[slot]) // bs
             done = int(self.num_registered[slot])
             self.num_registered[slot] = full
-            if self.cache_broken[slot]:
+            if self.cache_broken[slot] and not self.offers_scores[slot]:
                 continue
             chain = self.hashes[slot]
             parent_hash = chain[-1] if chain else 0
             new_tokens = self.tokens[slot, len(chain) * bs : full * bs].tolist()
             chain.extend(block_hashes(new_tokens, bs, parent_hash, self.policy_version))
+            req = self.requests[slot]
+            scores = req.prompt_scores
+            # NOTE: the scores of these blocks were recorded from the same forward pass, just before
+            cached_scores = None if scores is None else [
+                scores.to_block(index, bs, req.prompt_token_ids) for index in range(done, full)]
+            if self.offers_scores[slot]:
+                self._offer_scores(slot, chain[done:full], cached_scores)
+                continue
             parent = int(self.block_table[slot, done - 1]) if done else -1
             ids = self.block_table[slot, done:full].tolist()
-            registered = self.allocator.register(ids, chain[done:full], parent)
+            registered = self.allocator.register(ids, chain[done:full], parent, prompt_logprobs=cached_scores)
             self.block_version[ids[:registered]] = self.policy_version
             if registered < full - done:
                 self.cache_broken[slot] = True
+                if scores is not None:  # NOTE: typically its hash is served by a block cached without scores
+                    self.offers_scores[slot] = True
+                    self._offer_scores(slot, chain[done + registered : full], cached_scores[registered:])
+
+    def _offer_scores(self, slot: int, hashes: list[int], cached_scores: list) -> None:
+        """Cache the slot's prompt scores with the registered blocks that serve its hashes, until
+        its chain leaves the cache."""
+        if self.allocator.offer_prompt_logprobs(hashes, cached_scores) < len(hashes):
+            self.offers_scores[slot] = False

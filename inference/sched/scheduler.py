@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from inference.errors import BlockOverflowError
+from inference.kv_cache.block_state import MAX_CACHED_PROMPT_TOP_N_LOGPROBS
 from inference.request import FinishReason, Request, RequestStatus
 from inference.sched.context import DynamicInferenceContext
 
@@ -56,6 +57,17 @@ class ForkResult:
     rows: torch.Tensor | None
     kv_copies: list[tuple[int, int]]
     state_copies: list[tuple[int, int]]
+
+
+def _scores_wanted(req: Request) -> int:
+    """The top-n of prompt scores a request needs from cached blocks (-1: none)."""
+    return -1 if req.params.prompt_logprobs is None else req.params.prompt_logprobs
+
+
+def _scores_recorded(req: Request) -> int:
+    """The top-n of the prompt scores a request caches with the blocks it registers (-1: none)."""
+    scores = req.prompt_scores
+    return -1 if scores is None or scores.top_n > MAX_CACHED_PROMPT_TOP_N_LOGPROBS else scores.top_n
 
 
 class Scheduler:
@@ -230,9 +242,10 @@ class Scheduler:
                 index += 1
                 continue
             first = self._first_block_hash(req)
-            if first is not None and first in being_prefilled:
-                # NOTE: the same prompt start is being prefilled right now: wait a step and match
-                # its blocks from the cache instead of computing them again (n=1 GRPO samples)
+            if first is not None and being_prefilled.get(first, -2) >= _scores_wanted(req):
+                # NOTE: the same prompt start is being prefilled right now (with the prompt scores
+                # this request asks for, if any): wait a step and match its blocks from the cache
+                # instead of computing them again (n=1 GRPO samples)
                 index += 1
                 continue
             group = 1 + len(req.fork_children)
@@ -253,7 +266,7 @@ class Scheduler:
             self._reserved_slots += group - 1
             slot = ctx.active[-1]
             if first is not None and ctx.num_registered[slot] < len(req.hash_cache):
-                being_prefilled.add(first)
+                being_prefilled[first] = max(being_prefilled.get(first, -1), _scores_recorded(req))
             if slot_chunk > 0:
                 slots.append(slot)
                 lens.append(slot_chunk)
@@ -267,14 +280,16 @@ class Scheduler:
         hashes = self.ctx.matchable_hashes(req)
         return hashes[0] if hashes else None
 
-    def _first_blocks_being_prefilled(self, prefilling: np.ndarray) -> set[int]:
-        """First-block hashes of the running prefills that will register new full blocks."""
+    def _first_blocks_being_prefilled(self, prefilling: np.ndarray) -> dict[int, int]:
+        """First-block hashes of the running prefills that will register new full blocks, each
+        with the top-n of the prompt scores cached with them (-1: none)."""
         ctx = self.ctx
-        heads = set()
+        heads: dict[int, int] = {}
         for slot in prefilling.tolist():
             req = ctx.requests[slot]
             if not ctx.cache_broken[slot] and req.hash_cache and ctx.num_registered[slot] < len(req.hash_cache):
-                heads.add(req.hash_cache[0])
+                first = req.hash_cache[0]
+                heads[first] = max(heads.get(first, -1), _scores_recorded(req))
         return heads
 
     def _fit_chunk(self, slot: int, chunk: int) -> int:

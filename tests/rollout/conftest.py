@@ -28,3 +28,9 @@ def small_engine_config(block_size: int = 4, num_blocks: int = 512) -> Inference
 @pytest.fixture
 def policy() -> LlamaForCausalLM:
     return tiny_policy()
+
+
+@pytest.fixture
+def no_plot(monkeypatch):
+    """The PNG takes longer than a short run: for tests that read the summary or the console only."""
+    monkeypatch.setattr("rollout.tracking.plot_history", lambda *args, **kwargs: None)

@@ -64,14 +64,17 @@ def test_run_grpo_writes_its_outputs(tmp_path, monkeypatch, use_wandb):
     cfg = GRPOConfig(steps=3, prompts_per_step=4, samples_per_prompt=4, threads=1, out_dir=str(tmp_path),
                      run_name="t", wandb=use_wandb, progress=False, table_every=1)
     summary = run_grpo(cfg)
-    assert summary.steps == 3 and summary.stale_tokens == 0 and summary.mismatch_max <= 1e-5
+    check_run(summary)
+    assert summary.steps == 3
     assert summary.plot is not None and summary.plot.stat().st_size > 0
     rows = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2] and [r["policy_version"] for r in rows] == [0, 1, 2]
     for key in ("reward", "response_length", "tokens_per_s", "time/generate", "time/train", "time/suspend",
                 "time/resume", "time/weight_update", "kv_utilization", "prefix_hit_rate", "mismatch/mean",
-                "mismatch/max"):
+                "mismatch/max", "heldout/greedy", "heldout/sampled", "time/eval"):
         assert key in rows[0], key
+    assert "heldout/greedy" not in rows[1] and "heldout/greedy" in rows[2]  # every eval_every steps and the last
+    assert all(0 <= summary.heldout_greedy[i] <= 1 and 0 <= summary.heldout_sampled[i] <= 1 for i in (0, 1))
     assert all(r["prefix_hits_cross_version"] == 0 for r in rows)
     if use_wandb:
         assert summary.wandb_dir is not None and summary.wandb_dir.exists()
@@ -88,6 +91,67 @@ def test_runs_are_reproducible(tmp_path):
     assert rewards("a") == rewards("b")
 
 
+def check_run(summary):
+    """What the demo's summary reports must be zero or tiny, and can be caught otherwise."""
+    assert summary.stale_tokens == 0, f"{summary.stale_tokens} tokens from a stale policy version"
+    assert summary.cross_version_hits == 0, f"{summary.cross_version_hits} prefix hits across versions"
+    assert summary.mismatch_max <= 1e-5, f"engine and trainer disagree by {summary.mismatch_max:.1e}"
+
+
+def short_run(tmp_path, **overrides):
+    fields = dict(steps=3, prompts_per_step=8, samples_per_prompt=2, threads=1, out_dir=str(tmp_path), wandb=False,
+                  progress=False, table_every=5)
+    return run_grpo(GRPOConfig(**{**fields, **overrides}))
+
+
+@pytest.fixture
+def planted_version_not_bumped(monkeypatch):
+    """Planted bug: an update goes in, but the policy version stays."""
+    monkeypatch.setattr("inference.weights.WeightManager.commit_version", lambda self, version=None: self._version)
+
+
+@pytest.fixture
+def planted_cache_outlives_versions(monkeypatch):
+    """Planted bug: suspend keeps the prefix cache, updates forget to reset it, hashes ignore the
+    version: blocks of the last step's weights are served to the next."""
+    import inference.sched.context as context
+    from inference.cache.manager import CacheManager
+
+    def release_keeping_cache(self):
+        freed = self.nbytes
+        self.kv.deallocate()
+        return freed
+
+    hashes = context.block_hashes
+
+    def versionless(tokens, block_size, parent=0, extra_key=None):
+        return hashes(tokens, block_size, parent)
+
+    monkeypatch.setattr(CacheManager, "release", release_keeping_cache)
+    monkeypatch.setattr("inference.core.engine_core.EngineCore.reset_prefix_cache", lambda self: None)
+    monkeypatch.setattr(context, "block_hashes", versionless)
+
+
+@pytest.mark.usefixtures("one_torch_thread", "no_plot")
+def test_the_run_checks_catch_a_stale_version(tmp_path, planted_version_not_bumped):
+    with pytest.raises(AssertionError, match="stale policy version"):
+        check_run(short_run(tmp_path))
+
+
+@pytest.mark.usefixtures("one_torch_thread", "no_plot")
+def test_the_run_checks_catch_blocks_served_across_versions(tmp_path, planted_cache_outlives_versions):
+    # NOTE: blocks of 2 tokens: prompts of 3-4 tokens have a full block to match (with 4, none has)
+    with pytest.raises(AssertionError, match="across versions"):
+        check_run(short_run(tmp_path, block_size=2))
+
+
+@pytest.mark.usefixtures("one_torch_thread", "no_plot")
+def test_the_same_run_without_the_planted_bug_passes_its_checks(tmp_path):
+    summary = short_run(tmp_path, block_size=2)
+    check_run(summary)
+    assert any(h["prefix_hit_rate"] > 0 for h in summary.history)  # the cache served blocks, within a version
+
+
 @pytest.mark.slow
 def test_the_demo_learns(tmp_path):
     """The default demo's task and hyper-parameters, cut to 150 steps: reward from ~0.01 to >= 0.9."""
@@ -96,4 +160,5 @@ def test_the_demo_learns(tmp_path):
     summary = run_grpo(cfg)
     assert summary.initial_reward < 0.05
     assert summary.final_reward >= 0.9, summary
-    assert summary.mismatch_max <= 1e-5 and summary.stale_tokens == 0
+    check_run(summary)
+    assert summary.heldout_greedy[1] >= 0.9 and summary.heldout_sampled[1] >= 0.8

@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from inference import SamplingParams
+from rollout.engine import RolloutEngine
 from rollout.grpo import gather_logprobs, group_advantages, grpo_loss, grpo_step, token_logprobs
 from rollout.types import FinishReason, Rollout, RolloutBatch
+
+from .conftest import small_engine_config
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_advantages_are_centred_and_scaled_per_group():
@@ -59,9 +65,57 @@ def test_grpo_step_raises_the_rewarded_completion(policy):
     ], group_size=2)
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)
     stats = grpo_step(policy, optimizer, batch, [1.0, 0.0], micro_batch_size=1)
-    assert stats.tokens == 6 and stats.mismatch_max < 1e-5 and stats.clip_fraction == 0.0
+    # NOTE: old log-probs are the trainer's own here; the mismatch is checked against the engine below
+    assert stats.tokens == 6 and stats.clip_fraction == 0.0
     with torch.no_grad():
         assert logp(good).sum() > lp_good.sum() and logp(bad).sum() < lp_bad.sum()
+
+
+def check_engine_and_trainer_agree(policy):
+    """grpo_step's mismatch compares the engine's log-probs (sampled, RAW at T=1) with the
+    trainer's recomputation under the same weights: float rounding only."""
+    engine = RolloutEngine(policy, small_engine_config())
+    prompts = [[1, 4, 5], [1, 9], [1, 3, 4, 5, 6]]
+    batch = engine.generate(prompts, n=4, sampling=SamplingParams(max_tokens=8, seed=3))
+    rewards = [len(r.completion_ids) / 8 for r in batch]
+    stats = grpo_step(policy, torch.optim.SGD(policy.parameters(), lr=1e-3), batch, rewards, micro_batch_size=5)
+    assert stats.tokens == sum(batch.completion_lengths) > 20
+    assert stats.mismatch_max <= 1e-5, f"engine and trainer disagree by {stats.mismatch_max:.2e}"
+
+
+def test_grpo_step_measures_the_engine_against_the_trainer(policy):
+    check_engine_and_trainer_agree(policy)
+
+
+@pytest.fixture
+def planted_trainer_reads_the_wrong_position(monkeypatch):
+    """Planted bug: the trainer scores each token with the logits of its own position (off by one)."""
+    def shifted(model, input_ids, loss_mask, temperature=1.0):
+        rows, cols = loss_mask.nonzero(as_tuple=True)
+        logits = model(input_ids).logits[rows, cols].float()
+        return gather_logprobs(logits / temperature, input_ids[rows, cols])
+
+    monkeypatch.setattr("rollout.grpo.token_logprobs", shifted)
+
+
+@pytest.fixture
+def planted_misaligned_old_logprobs(monkeypatch):
+    """Planted bug: the padded batch puts the engine's log-probs one position late."""
+    to_padded = RolloutBatch.to_padded_tensors
+
+    def misaligned(self, *args, **kwargs):
+        padded = to_padded(self, *args, **kwargs)
+        padded.old_logprobs.copy_(padded.old_logprobs.roll(1, dims=1))
+        return padded
+
+    monkeypatch.setattr(RolloutBatch, "to_padded_tensors", misaligned)
+
+
+@pytest.mark.parametrize("planted", ["planted_trainer_reads_the_wrong_position", "planted_misaligned_old_logprobs"])
+def test_the_mismatch_check_catches_misaligned_logprobs(policy, planted, request):
+    request.getfixturevalue(planted)
+    with pytest.raises(AssertionError, match="disagree"):
+        check_engine_and_trainer_agree(policy)
 
 
 def test_gather_logprobs_is_accurate_over_a_large_vocabulary():

@@ -66,3 +66,18 @@ def test_arithmetic_reward_prefers_the_sum_first():
     assert task.reward(problem, enc(f"{a} + {b} = {a + b}")) == task.partial
     assert task.reward(problem, enc(f"{a + b + 1}")) == 0.0
     assert task.reward(problem, enc("no idea")) == 0.0
+
+
+def test_held_out_prompts_are_fixed_and_never_sampled():
+    task = CountingTask()
+    held_out = {p.prompt_ids for p in task.held_out()}
+    assert len(held_out) == task.num_held_out == 6 and held_out == {p.prompt_ids for p in CountingTask().held_out()}
+    assert all(len(prompt) >= 3 for prompt in held_out)  # two digits or more: each last digit ends a training prompt
+    trained = {p.prompt_ids for p in task.sample(random.Random(3), 2000)}
+    assert not trained & held_out and len(trained) == 24 - 6
+    with pytest.raises(ValueError, match="num_held_out"):
+        CountingTask(num_held_out=16)
+    arithmetic = ArithmeticTask(CharTokenizer())
+    held = {p.prompt_ids for p in arithmetic.held_out()}
+    assert len(held) == arithmetic.num_held_out
+    assert not {p.prompt_ids for p in arithmetic.sample(random.Random(4), 500)} & held

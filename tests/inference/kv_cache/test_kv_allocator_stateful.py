@@ -26,6 +26,7 @@ from inference.kv_cache import (
     KVBlockAllocator,
     KVEventHub,
     KVPoolStats,
+    PromptLogprobsBlock,
     block_hashes,
 )
 from inference.kv_cache.hashing import NO_PARENT, UNSET_HASH
@@ -134,6 +135,13 @@ class Model:
     def write_full_blocks(self, req: Request, start: int) -> None:
         for i in range(start, req.num_full):
             self.content[req.blocks[i]] = req.prefix(i + 1)
+
+
+def tagged_scores(block_hash: int) -> PromptLogprobsBlock:
+    """Prompt scores tagged with the hash of the block they were cached with."""
+    block = PromptLogprobsBlock(BS, 0)
+    block.next_token_id = block_hash
+    return block
 
 
 class AllocatorMachine(RuleBasedStateMachine):
@@ -296,7 +304,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         ids, hashes = req.blocks[start:end], all_hashes[start:end]
         parent = req.blocks[start - 1] if start else -1
         expected = m.expected_register_count(ids, hashes, parent)
-        assert self.alloc.register(ids, hashes, parent) == expected
+        scores = [tagged_scores(h) if h % 2 else None for h in hashes]  # some blocks carry prompt scores
+        assert self.alloc.register(ids, hashes, parent, prompt_logprobs=scores) == expected
         if expected < len(ids):
             note_event("register: stopped early")
         for k in range(expected):
@@ -400,6 +409,13 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert m.content[b] == m.hash_prefix[h], "a block registered under a hash holds other tokens"
             parent = m.parent_of[b]
             assert parent == -1 or m.hash_of.get(parent) == parent_hash
+
+    @invariant()
+    def prompt_scores_live_exactly_as_long_as_their_hash(self):
+        state = self.alloc.state
+        for b, block in state.prompt_logprobs.items():
+            assert state.hash_of(b) == block.next_token_id, "prompt scores outlived the hash they were cached with"
+        assert sum(h % 2 for h in self.alloc.registry.kv_hash_to_block_id) == len(state.prompt_logprobs)
 
     @invariant()
     def announced_blocks_are_served(self):

@@ -1,0 +1,201 @@
+"""Prompt log-probs cached with their KV blocks (the seed's `PromptLogprobsBlock`).
+
+A request asking for prompt log-probs reuses cached blocks and the scores cached with them: its
+prompt log-probs equal those of an engine without a prefix cache, while the prefill it saved is
+counted. It never gets partial data (fewer alternatives than asked, the last slot of a block
+scoring another continuation), and nothing cached survives the weights that computed it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams, SuspendPolicy
+from tests.inference.engine.conftest import random_prompts, tiny_llama
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+BS = 4
+
+
+def engine_for(model, **overrides) -> DynamicInferenceEngine:
+    fields = dict(block_size=BS, num_blocks=64, max_requests=8, max_batch_tokens=64, chunked_prefill_size=7,
+                  max_sequence_length=64)
+    fields.update(overrides)
+    return DynamicInferenceEngine.from_pretrained(model, InferenceConfig(**fields))
+
+
+def scored(engine, prompt, top_n, n=1):
+    """(the samples' outputs, prefill tokens this call computed, scores it took from the cache)."""
+    before = engine.stats()
+    outs = engine.generate([prompt], SamplingParams(n=n, temperature=0, max_tokens=2, prompt_logprobs=top_n))
+    after = engine.stats()
+    return (outs, after["prefill_tokens"] - before["prefill_tokens"],
+            after["prompt_logprobs_cached"] - before["prompt_logprobs_cached"])
+
+
+def assert_same_scores(got, want, tol=1e-6):
+    """Same positions, same alternatives, log-probs equal up to float rounding."""
+    assert len(got) == len(want) and got[0] is None and want[0] is None
+    for g, w in zip(got[1:], want[1:]):
+        assert g.keys() == w.keys()
+        assert max(abs(g[k] - w[k]) for k in g) <= tol
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=3)
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return random_prompts(1, 18, 18, seed=41)[0]
+
+
+def test_a_hit_gives_the_same_prompt_logprobs_and_saves_its_prefill(model, prompt):
+    reference = scored(engine_for(model, enable_prefix_caching=False), prompt, 3)[0][0].prompt_logprobs
+    engine = engine_for(model)
+    (first,), computed, cached = scored(engine, prompt, 3)
+    assert computed == 18 and cached == 0
+    assert_same_scores(first.prompt_logprobs, reference)
+    (second,), computed, cached = scored(engine, prompt, 3)
+    # 4 full blocks (16 tokens) before the last token came from the cache with their scores of
+    # tokens 1..16; only tokens 16 and 17 were run
+    assert computed == 2 and cached == 16
+    assert engine.stats()["prefix_cached_tokens"] == 16
+    assert second.prompt_logprobs[:17] == first.prompt_logprobs[:17]  # served: the very same numbers
+    assert_same_scores(second.prompt_logprobs, reference)
+    assert engine.stats()["cross_version_prefix_hits"] == 0
+
+
+def test_a_shared_prefix_is_served_up_to_the_block_whose_last_slot_scores_another_token(model, prompt):
+    engine = engine_for(model)
+    scored(engine, prompt, 2)
+    other = prompt[:12] + [t + 1 for t in prompt[12:]]  # blocks 0-2 equal, token 12 differs
+    (out,), computed, cached = scored(engine, other, 2)
+    # block 2's hash matches, but its last slot scores prompt[12], not other[12]: blocks 0-1 only
+    assert cached == 8 and computed == 18 - 8
+    assert_same_scores(out.prompt_logprobs,
+                       scored(engine_for(model, enable_prefix_caching=False), other, 2)[0][0].prompt_logprobs)
+
+
+def test_more_alternatives_than_cached_are_computed_never_served_partially(model, prompt):
+    no_cache = engine_for(model, enable_prefix_caching=False)
+    engine = engine_for(model)
+    engine.generate([prompt], SamplingParams(temperature=0, max_tokens=2))  # blocks cached without scores
+    (out,), computed, cached = scored(engine, prompt, 2)
+    assert cached == 0 and computed == 18  # cached KV without scores does not serve them
+    (out,), computed, cached = scored(engine, prompt, 2)
+    assert cached == 16
+    (out,), computed, cached = scored(engine, prompt, 5)
+    assert cached == 0 and computed == 18
+    assert_same_scores(out.prompt_logprobs, scored(no_cache, prompt, 5)[0][0].prompt_logprobs)
+    (out,), computed, cached = scored(engine, prompt, 1)  # fewer than cached: served
+    assert cached == 16 and computed == 2
+    assert_same_scores(out.prompt_logprobs, scored(no_cache, prompt, 1)[0][0].prompt_logprobs)
+
+
+def test_samples_of_a_group_and_recomputed_requests_get_the_prompt_logprobs_once(model, prompt):
+    engine = engine_for(model)
+    outs, computed, _ = scored(engine, prompt, 2, n=3)
+    assert computed == 18 and all(o.prompt_logprobs == outs[0].prompt_logprobs for o in outs)
+    reference = outs[0].prompt_logprobs
+    engine.reset_prefix_cache()
+    rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=2))
+    engine.step()  # first chunk scored, then recomputed from scratch after the suspend
+    engine.suspend(SuspendPolicy.RECOMPUTE)
+    engine.resume()
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs[0].request_id == rid
+    assert_same_scores(outputs[0].prompt_logprobs, reference)
+
+
+def test_scores_are_cached_only_by_a_forward_pass_that_succeeded(model, prompt, monkeypatch):
+    engine = engine_for(model)
+    rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1))
+    engine.step()  # chunk 0..6: block 0 complete and cached with its scores
+    assert set(engine.allocator.state.prompt_logprobs) == {int(engine.context.block_table[0, 0])}
+    forward = engine.runner.forward
+    monkeypatch.setattr(engine.runner, "forward", lambda batch: (_ for _ in ()).throw(RuntimeError("device lost")))
+    with pytest.raises(RuntimeError):
+        engine.step()  # would have completed blocks 1-2
+    assert len(engine.allocator.state.prompt_logprobs) == 1 and len(engine.allocator.registry.kv_hash_to_block_id) == 1
+    monkeypatch.setattr(engine.runner, "forward", forward)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs[0].request_id == rid
+    assert_same_scores(outputs[0].prompt_logprobs,
+                       scored(engine_for(model, enable_prefix_caching=False), prompt, 1)[0][0].prompt_logprobs)
+
+
+def test_identical_scored_prompts_added_together_compute_the_prompt_once(model, prompt):
+    engine = engine_for(model)
+    outs = engine.generate([prompt] * 4, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2))
+    # the first scores the prompt; the others wait for its blocks and their scores, then run the
+    # last 2 tokens (the scheduler holds a request back only for a prefill that records its top-n)
+    assert engine.stats()["prefill_tokens"] == 18 + 3 * 2 and engine.stats()["prompt_logprobs_cached"] == 3 * 16
+    assert all(o.prompt_logprobs[:17] == outs[0].prompt_logprobs[:17] for o in outs)
+
+
+def test_a_request_aborted_mid_prompt_has_no_partial_prompt_logprobs(model, prompt):
+    engine = engine_for(model)
+    rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1))
+    engine.step()  # 7 of 18 prompt tokens scored
+    engine.abort(rid)
+    (out,) = engine.step()
+    assert out.finish_reason.value == "abort" and out.prompt_logprobs is None  # one per token, or none
+
+
+def check_new_weights_get_new_scores(make_engine, prompt):
+    """Scores cached under version 0 never answer a request under version 1."""
+    old, new = tiny_llama(seed=3), tiny_llama(seed=4)
+    engine = make_engine(old)
+    scored(engine, prompt, 2)
+    engine.update_weights(new.named_parameters())
+    assert engine.allocator.state.prompt_logprobs == {}
+    (out,), computed, cached = scored(engine, prompt, 2)
+    assert cached == 0 and computed == 18
+    assert_same_scores(out.prompt_logprobs,
+                       scored(make_engine(new, enable_prefix_caching=False), prompt, 2)[0][0].prompt_logprobs)
+    assert engine.stats()["cross_version_prefix_hits"] == 0
+
+
+def test_a_weight_update_drops_cached_scores_with_their_blocks(prompt):
+    check_new_weights_get_new_scores(engine_for, prompt)
+
+
+@pytest.fixture
+def planted_stale_scores(monkeypatch):
+    """Planted bug: the update forgets the prefix cache, and hashes ignore the policy version."""
+    import inference.sched.context as context
+
+    monkeypatch.setattr("inference.core.engine_core.EngineCore.reset_prefix_cache", lambda self: None)
+    hashes = context.block_hashes
+
+    def versionless(tokens, block_size, parent=0, extra_key=None):
+        return hashes(tokens, block_size, parent)
+
+    monkeypatch.setattr(context, "block_hashes", versionless)
+
+
+def test_the_update_check_catches_stale_scores(prompt, planted_stale_scores):
+    with pytest.raises(AssertionError):
+        check_new_weights_get_new_scores(engine_for, prompt)
+
+
+def test_prompt_logprobs_with_cached_scores_match_hf(model, prompt):
+    engine = engine_for(model)
+    scored(engine, prompt, 3)
+    (out,), _, cached = scored(engine, prompt, 3)
+    assert cached == 16
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
+    for t in range(1, len(prompt)):
+        top = torch.topk(logp[t - 1], 3)
+        want = {prompt[t]: logp[t - 1, prompt[t]].item(), **dict(zip(top.indices.tolist(), top.values.tolist()))}
+        assert out.prompt_logprobs[t].keys() == want.keys()
+        assert all(abs(out.prompt_logprobs[t][k] - v) < 1e-4 for k, v in want.items())
