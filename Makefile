@@ -22,6 +22,10 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
+# NOTE: one OpenMP thread per test process: the tests' ops are tiny, several processes (servers,
+# replicas) share 2 cores, and spinning OpenMP workers on a busy core make small ops 10-100x slower
+test stress: export OMP_NUM_THREADS ?= 1
+
 test: $(STAMP) lint
 	$(PY) -m pytest -q tests
 
