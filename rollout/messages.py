@@ -21,7 +21,7 @@ from inference.request import FinishReason
 from inference.sampling_params import MAX_LOGPROBS, LogprobsMode
 from rollout.packing import as_float32, as_int32, check_non_negative, check_same_length
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: UpdateWeights.policy
 MAX_REQUEST_ID_LENGTH = 256
 MAX_SAMPLES = 1024  # n per Generate
 MAX_STOP_TOKENS = 1024
@@ -80,11 +80,19 @@ class PauseMode(str, enum.Enum):
 
 
 class SuspendPolicy(str, enum.Enum):
-    """Requests in flight at `Suspend`; the values are `inference.InFlightPolicy`'s."""
+    """Requests in flight at `Suspend`; the values are `inference.SuspendPolicy`'s."""
 
     ABORT = "abort"
     RECOMPUTE = "recompute"
     OFFLOAD = "offload"
+
+
+class UpdatePolicy(str, enum.Enum):
+    """Requests in flight at `UpdateWeights`; the values are `inference.UpdatePolicy`'s."""
+
+    ABORT = "abort"
+    RECOMPUTE = "recompute"
+    KEEP = "keep"
 
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID_LENGTH)]
@@ -205,10 +213,12 @@ WeightSource = SafetensorsDir
 
 
 class UpdateWeights(_Request, tag=Kind.UPDATE_WEIGHTS.value):
-    """Load new weights and commit them atomically under `target_version` (default: current + 1)."""
+    """Load new weights and commit them atomically under `target_version` (default: current + 1);
+    `policy` says what happens to requests in flight (None: the engine's configured default)."""
 
     source: WeightSource
     target_version: Optional[NonNegInt] = None
+    policy: Optional[UpdatePolicy] = None
 
 
 class ResetPrefixCache(_Request, tag=Kind.RESET_PREFIX_CACHE.value):

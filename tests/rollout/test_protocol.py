@@ -40,6 +40,7 @@ from rollout.protocol import (
     Suspend,
     SuspendPolicy,
     TokenDelta,
+    UpdatePolicy,
     UpdateWeights,
     decode,
     decode_reply,
@@ -67,7 +68,8 @@ def examples() -> list:
         Continue(request_id="c-3"),
         Suspend(request_id="c-4", policy=SuspendPolicy.OFFLOAD, offload_weights=True),
         Resume(request_id="c-5"),
-        UpdateWeights(request_id="c-6", source=SafetensorsDir(path="/ckpt/step-7"), target_version=7),
+        UpdateWeights(request_id="c-6", source=SafetensorsDir(path="/ckpt/step-7"), target_version=7,
+                      policy=UpdatePolicy.KEEP),
         ResetPrefixCache(request_id="c-7"),
         Stats(request_id="c-8"),
         Health(request_id="c-9"),
@@ -248,7 +250,8 @@ def test_generate_fields_are_refused_naming_the_field(field, value):
 @pytest.mark.parametrize("msg,field,value", [
     (EXAMPLES[10], "lease_s", NAN), (EXAMPLES[10], "lease_s", INF), (EXAMPLES[10], "lease_s", 0.0),
     (EXAMPLES[10], "lease_s", MAX_LEASE_SECONDS + 1), (EXAMPLES[2], "mode", "sideways"),
-    (EXAMPLES[4], "policy", "keep"), (EXAMPLES[1], "targets", []), (EXAMPLES[6], "target_version", -1),
+    (EXAMPLES[4], "policy", "keep"), (EXAMPLES[6], "policy", "offload"), (EXAMPLES[1], "targets", []),
+    (EXAMPLES[6], "target_version", -1),
     (EXAMPLES[11], "logprobs", np.array([-1.0], "<f4").tobytes()),  # 1 log-prob for 2 tokens
     (EXAMPLES[11], "versions", b"\x00" * 7), (EXAMPLES[11], "top_logprobs", [{7: -0.5}]),
     (EXAMPLES[11], "prompt_logprobs", [None]), (EXAMPLES[11], "sample_index", 4),
@@ -267,8 +270,8 @@ def test_other_version_is_refused_naming_both_versions():
     err = refused(encode(newer), ErrorCode.BAD_VERSION)
     assert f"version {PROTOCOL_VERSION + 1}" in err.message and f"version {PROTOCOL_VERSION}" in err.message
     assert err.request_id == "g-9"
-    future = raw(EXAMPLES[0]) | {"v": 2, "new_field": 1, "sampling": "changed"}  # a schema we do not know
-    assert "version 2" in refused(future, ErrorCode.BAD_VERSION).message
+    future = raw(EXAMPLES[0]) | {"v": PROTOCOL_VERSION + 1, "new_field": 1, "sampling": "changed"}  # unknown schema
+    assert f"version {PROTOCOL_VERSION + 1}" in refused(future, ErrorCode.BAD_VERSION).message
     assert "no protocol version" in refused({"kind": 1, "request_id": "a"}, ErrorCode.BAD_VERSION).message
 
 
@@ -287,9 +290,9 @@ def test_malformed_and_unknown_frames():
     for frame in [b"", b"\xc1", b"\x93\x01\x02\x03", b"\x05", b"\x91" * 100_000 + b"\x00",
                   b"\x82\xa4kind\x01\xa1z" + b"\x91" * 100_000 + b"\x00", FRAMES[0][:-3]]:
         refused(frame, ErrorCode.MALFORMED)
-    assert "99" in refused({"kind": 99, "v": 1}, ErrorCode.UNKNOWN_KIND).message
-    refused({"kind": "generate", "v": 1}, ErrorCode.UNKNOWN_KIND)
-    refused({"v": 1}, ErrorCode.UNKNOWN_KIND)
+    assert "99" in refused({"kind": 99, "v": PROTOCOL_VERSION}, ErrorCode.UNKNOWN_KIND).message
+    refused({"kind": "generate", "v": PROTOCOL_VERSION}, ErrorCode.UNKNOWN_KIND)
+    refused({"v": PROTOCOL_VERSION}, ErrorCode.UNKNOWN_KIND)
     with pytest.raises(ProtocolError) as info:
         decode("not bytes")  # type: ignore[arg-type]
     assert info.value.code is ErrorCode.MALFORMED
