@@ -187,9 +187,12 @@ class EngineLane:
         if isinstance(msg, Resume):
             return engine.resume()
         if isinstance(msg, UpdateWeights):
-            tensors = read_safetensors(Path(msg.source.path), None)
             policy = None if msg.policy is None else UpdatePolicy(msg.policy.value)
-            return engine.update_weights(tensors, msg.target_version, policy=policy)
+            try:
+                tensors = read_safetensors(Path(msg.source.path), None)
+                return engine.update_weights(tensors, msg.target_version, policy=policy)
+            except (OSError, KeyError) as exc:  # NOTE: the request's fault (a path, a name), not the server's
+                raise ValueError(f"source.path {msg.source.path!r}: {type(exc).__name__}: {exc}") from exc
         if isinstance(msg, ResetPrefixCache):
             return engine.reset_prefix_cache()
         if isinstance(msg, Stats):

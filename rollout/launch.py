@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
@@ -30,12 +31,13 @@ class ServerProcess:
     """A `rollout serve --model MODEL --port 0 [extra args]` child (see module docstring)."""
 
     def __init__(self, model: os.PathLike | str, *args: str, host: str = "127.0.0.1",
-                 ready_timeout: float = 120.0, env: Optional[dict[str, str]] = None) -> None:
+                 ready_timeout: float = 120.0, env: Optional[dict[str, str]] = None,
+                 entry: Sequence[str] = ("-m", "rollout.cli", "serve")) -> None:
+        """`entry`: what the child runs before its arguments (tests run `rollout serve` with hooks)."""
         child_env = dict(os.environ if env is None else env)
         child_env["PYTHONPATH"] = os.pathsep.join([str(_ROOT)] + [p for p in [child_env.get("PYTHONPATH")] if p])
         child_env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        self.command = [sys.executable, "-m", "rollout.cli", "serve", "--model", str(model), "--host", host,
-                        "--port", "0", *args]
+        self.command = [sys.executable, *entry, "--model", str(model), "--host", host, "--port", "0", *args]
         self.output: collections.deque[str] = collections.deque(maxlen=200)
         self._ready = threading.Event()
         self.address: Optional[str] = None

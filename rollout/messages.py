@@ -123,6 +123,11 @@ class _Message(msgspec.Struct, tag_field="kind", forbid_unknown_fields=True, kw_
             return NotImplemented
         return all(_field_eq(getattr(self, f), getattr(other, f)) for f in self.__struct_fields__)
 
+    # NOTE: msgspec.Struct's own `!=` does not invert the `__eq__` above: define it too
+    def __ne__(self, other: object) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
     __hash__ = None  # type: ignore[assignment]
 
 

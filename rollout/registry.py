@@ -36,7 +36,6 @@ class Record:
     frames: dict[int, bytes] = field(default_factory=dict)  # sample index -> encoded SampleOutput
     next_token: dict[int, int] = field(default_factory=dict)  # sample index -> tokens streamed so far
     stream: Any = None  # the engine's RequestStream; written by the engine lane only
-    refused: bool = False  # the engine refused it (an error was sent; the record is dropped)
     finished_at: Optional[float] = None
 
     @property

@@ -247,6 +247,7 @@ class RolloutServer:
             return
         params = sampling_params_from_wire(msg.sampling)
         record = self.registry.add(msg, peer)
+        self.metrics.count("requests_run")
         post = self._mailbox.put
         self._lane.generate(record, msg.prompt_token_ids.tolist(), params,
                             lambda item, record=record: post((record, item)))
@@ -332,7 +333,7 @@ class RolloutServer:
 
     def _housekeeping(self, now: float) -> None:
         for peer in self.leases.expired(now):
-            records = [r for r in self.registry.live_of(peer) if not r.refused]
+            records = self.registry.live_of(peer)
             self.metrics.count("lease_expiries")
             if records:
                 logger.warning("client %s went silent: aborting its %d requests", peer.hex(), len(records))
