@@ -18,7 +18,7 @@ import numpy as np
 from msgspec import Meta
 
 from inference.request import FinishReason
-from inference.sampling_params import MAX_LOGPROBS, LogprobsMode
+from inference.sampling_params import MAX_LOGPROBS, MAX_TEMPERATURE, MAX_TOP_K, LogprobsMode
 from rollout.packing import as_float32, as_int32, check_non_negative, check_same_length
 
 PROTOCOL_VERSION = 2  # 2: UpdateWeights.policy
@@ -142,13 +142,13 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """`inference.SamplingParams` on the wire: the same fields, names and ranges.
 
     msgspec refuses NaN against every range below (`ge`, `gt`, ... compare false) and the
-    msgpack format bounds `seed` below 2**64; `temperature` has no upper bound, so infinity is
-    refused here.
+    msgpack format bounds `seed` below 2**64. What a range cannot say (a temperature between 0
+    and `MIN_TEMPERATURE`) the engine's own validation refuses (`sampling_params_from_wire`).
     """
 
     n: Annotated[int, Meta(ge=1, le=MAX_SAMPLES)] = 1
-    temperature: Annotated[float, Meta(ge=0)] = 1.0
-    top_k: Annotated[int, Meta(ge=-1)] = 0
+    temperature: Annotated[float, Meta(ge=0, le=MAX_TEMPERATURE)] = 1.0
+    top_k: Annotated[int, Meta(ge=-1, le=MAX_TOP_K)] = 0
     top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
     min_p: Annotated[float, Meta(ge=0, lt=1)] = 0.0
     seed: Optional[NonNegInt] = None

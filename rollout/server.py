@@ -211,6 +211,8 @@ class RolloutServer:
         self.leases.renew(peer, now, msg.lease_s if isinstance(msg, Heartbeat) else None)
         try:
             self._dispatch(peer, msg, now)
+        except ProtocolError as err:  # refused by rule (not found, duplicate, invalid sampling)
+            self._send_error(peer, error_reply(err, msg.request_id))
         except Exception as exc:  # noqa: BLE001 (a bug of ours must not end the server; the sender hears it)
             logger.exception("serving %s failed", type(msg).__name__)
             self._send_error(peer, error_reply(exc, msg.request_id))

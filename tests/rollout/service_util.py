@@ -42,6 +42,18 @@ def engine_config():
                            max_sequence_length=2048)
 
 
+def greedy(max_tokens: int, n: int = 1):
+    from inference import SamplingParams
+
+    return SamplingParams(n=n, temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def expected_outputs(reference, prompts, params) -> list[list[list[int]]]:
+    """Each prompt's samples' tokens from the in-process `reference` engine."""
+    streams = reference.submit_many(prompts, params)
+    return [[o.generated_token_ids for o in s.result(WAIT_S)] for s in streams]
+
+
 def random_prompts(count: int, low: int, high: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, VOCAB) for _ in range(rng.randint(low, high))] for _ in range(count)]

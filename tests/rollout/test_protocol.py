@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from inference.errors import ContextOverflowError, EngineStateError, MaxSequenceLengthOverflowError
 from inference.request import FinishReason, RequestOutput
-from inference.sampling_params import LogprobsMode, SamplingParams
+from inference.sampling_params import MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE, LogprobsMode, SamplingParams
 from rollout.messages import MAX_LEASE_SECONDS, MAX_REQUEST_ID_LENGTH, MAX_SAMPLES
 from rollout.protocol import (
     PROTOCOL_VERSION,
@@ -155,7 +155,8 @@ def test_sampling_mirrors_sampling_params_field_for_field():
 
 
 @settings(max_examples=200, deadline=None)
-@given(n=st.integers(1, MAX_SAMPLES), temperature=st.floats(0, 10), top_k=st.sampled_from([-1, 0, 1, 50]),
+@given(n=st.integers(1, MAX_SAMPLES), temperature=st.just(0.0) | st.floats(MIN_TEMPERATURE, 10),
+       top_k=st.sampled_from([-1, 0, 1, 50]),
        top_p=st.floats(0, 1, exclude_min=True), min_p=st.floats(0, 1, exclude_max=True),
        seed=st.none() | st.integers(0, 2**64 - 1), max_tokens=st.integers(1, 2**31),
        stop=st.lists(st.integers(0, 2**31), max_size=4), ignore_eos=st.booleans(),
@@ -174,6 +175,10 @@ def test_engine_validation_refusal_is_invalid_request_naming_the_field():
     with pytest.raises(ProtocolError) as info:
         sampling_params_from_wire(Sampling(top_p=2.0))  # constructed, never decoded: msgspec did not check it
     assert info.value.code is ErrorCode.INVALID_REQUEST and info.value.message.startswith("sampling.top_p")
+    tiny = decode(encode(Generate(request_id="t", prompt_token_ids=[1], sampling=Sampling(temperature=1e-40))))
+    with pytest.raises(ProtocolError) as info:  # in range for the schema, not for the sampler (found by fuzzing)
+        sampling_params_from_wire(tiny.sampling)
+    assert info.value.code is ErrorCode.INVALID_REQUEST and info.value.message.startswith("sampling.temperature")
 
 
 def test_request_output_round_trips_to_a_rollout():
@@ -216,6 +221,7 @@ def test_errors_cross_the_wire_typed():
 NAN, INF = math.nan, math.inf
 SAMPLING_CASES = [
     ("temperature", -0.5), ("temperature", NAN), ("temperature", INF), ("temperature", -INF),
+    ("temperature", MAX_TEMPERATURE * 2), ("top_k", MAX_TOP_K + 1), ("top_k", 2**64 - 1),
     ("top_p", 0.0), ("top_p", 1.5), ("top_p", NAN), ("top_p", INF),
     ("min_p", -0.1), ("min_p", 1.0), ("min_p", NAN), ("min_p", INF),
     ("top_k", -2), ("top_k", 1.5), ("n", 0), ("n", MAX_SAMPLES + 1), ("max_tokens", 0), ("seed", -1), ("seed", 1.0),

@@ -1,7 +1,7 @@
 """The rollout service end to end: a real `rollout serve` process on loopback, real clients.
 
-One server process for the module (the tiny model, `rollout serve` with test hooks); every test
-leaves it running, unpaused and on its original weights.
+The server process is shared by the service tests (`server` in conftest: the tiny model,
+`rollout serve` with test hooks); every test leaves it running, unpaused, on its original weights.
 """
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ from collections import Counter
 import pytest
 import torch
 
-from inference import DynamicInferenceEngine, FinishReason, MaxSequenceLengthOverflowError, SamplingParams
-from rollout import AsyncRolloutClient, RolloutBackend, RolloutClient, RolloutEngine, ServerProcess, TokenChunk
+from inference import FinishReason, MaxSequenceLengthOverflowError, SamplingParams
+from rollout import AsyncRolloutClient, RolloutBackend, RolloutClient, RolloutEngine, TokenChunk
 from rollout.metrics import SERVICE_KEYS
 from rollout.protocol import ErrorCode, ProtocolError
 from tests.rollout.service_util import (
     HEALTH_DEADLINE_S,
-    HOOKED_ENTRY,
-    SERVER_ARGS,
     WAIT_S,
     engine_config,
+    expected_outputs,
+    greedy,
     random_prompts,
     save_tiny_model,
 )
@@ -41,40 +41,10 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    proc = ServerProcess(model_dir, *SERVER_ARGS, entry=HOOKED_ENTRY, ready_timeout=WAIT_S)
-    try:
-        yield proc
-    finally:
-        proc.stop(grace_s=5.0)
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir):
-    """The in-process engine on the same weights and configuration."""
-    engine = DynamicInferenceEngine.from_pretrained(model_dir, engine_config())
-    return engine
-
-
 @pytest.fixture
 def client(server):
     with RolloutClient(server.address, timeout=WAIT_S) as c:
         yield c
-
-
-def greedy(max_tokens: int, n: int = 1) -> SamplingParams:
-    return SamplingParams(n=n, temperature=0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def expected_outputs(reference, prompts, params) -> list[list[list[int]]]:
-    streams = reference.submit_many(prompts, params)
-    return [[o.generated_token_ids for o in s.result(WAIT_S)] for s in streams]
 
 
 # ---- many clients, exactly once, equal to in-process ---------------------------------------------
@@ -149,7 +119,7 @@ def test_token_streaming_then_each_sample(client, reference):
     assert chunks == finals == dict(enumerate(want))
 
 
-def test_control_messages(client, reference, model_dir, tmp_path):
+def test_control_messages(client, reference, service_model_dir, tmp_path):
     prompt, long = [9, 8, 7], greedy(1500)
     # KEEP: a request admitted before the pause is frozen, then finishes after continue
     stream = client.stream([prompt], 1, long)
@@ -188,7 +158,7 @@ def test_control_messages(client, reference, model_dir, tmp_path):
     batch = client.generate([prompt], 1, greedy(6))
     assert batch[0].completion_ids == fresh.generate([prompt], 1, greedy(6))[0].completion_ids
     assert batch[0].versions == [version + 1] * 6 and batch.policy_version == version + 1
-    assert client.update_weights(model_dir) == version + 2
+    assert client.update_weights(service_model_dir) == version + 2
     client.reset_prefix_cache()
     with pytest.raises(ProtocolError) as info:
         client.update_weights(tmp_path / "missing")
@@ -198,8 +168,8 @@ def test_control_messages(client, reference, model_dir, tmp_path):
     assert stats["suspends"] >= 1 and stats["weight_updates"] >= 2
 
 
-def test_one_interface_in_process_and_remote(client, model_dir):
-    local = RolloutEngine(model_dir, engine_config())
+def test_one_interface_in_process_and_remote(client, service_model_dir):
+    local = RolloutEngine(service_model_dir, engine_config())
 
     def rl_step(backend: RolloutBackend) -> list[list[int]]:  # an RL loop's view: nothing else differs
         assert isinstance(backend, RolloutBackend)
