@@ -10,10 +10,15 @@ client's lease on the server) and reconnects:
   sample again to the new peer if it had finished (the pending keeps the first copy);
 * control requests that are safe to repeat (Abort, Stats, Health) are resent as well; any other
   in flight fails with `ConnectionResetError`, since the server may or may not have applied it.
+
+A server that refuses the client's credentials (a wrong token, an unknown CURVE key, none given)
+fails every request at once with `PermissionError`, instead of letting it time out: the socket's
+monitor reports the failed handshake.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import secrets
@@ -23,6 +28,7 @@ from collections.abc import Callable
 from typing import Any, Optional, Protocol
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from rollout.mailbox import Mailbox
 from rollout.messages import Abort, ErrorReply, Generate, Health, Heartbeat, Kind, Stats
@@ -32,6 +38,8 @@ from rollout.security import ClientSecurity, secure_client_socket
 logger = logging.getLogger(__name__)
 
 _RESENDABLE = (Generate, Abort, Stats, Health)
+_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL \
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
 
 class Pending(Protocol):
@@ -65,7 +73,10 @@ class Connection:
         self._ctx = zmq.Context()
         self._mailbox = Mailbox()
         self._pending: dict[str, tuple[Any, bytes, Pending]] = {}  # I/O thread only: id -> (msg, frame, pending)
+        self._backlog: collections.deque[bytes] = collections.deque()  # frames the socket did not take yet
         self._closing = False
+        self.auth_error: Optional[PermissionError] = None
+        self._monitor: Optional[zmq.Socket] = None
         self._socket = self._new_socket()  # NOTE: created here, used only by the I/O thread from now on
         self._thread = threading.Thread(target=self._run, name=f"rollout-client-{self.session}", daemon=True)
         self._thread.start()
@@ -82,6 +93,8 @@ class Connection:
             frame = encode(msg, max_frame_bytes=self.max_frame_bytes)
         if self._closing:
             raise ConnectionError("the client is closed")
+        if self.auth_error is not None:
+            raise self.auth_error
         self._mailbox.put(("send", msg, frame, pending))
 
     def forget(self, request_ids: list[str]) -> None:
@@ -98,6 +111,9 @@ class Connection:
         self._mailbox.put(("close",))
         self._thread.join(timeout)
         self._mailbox.close()
+        if self._thread.is_alive():  # NOTE: never block the caller on a stuck thread; let the sockets go
+            logger.error("the client's I/O thread did not stop within %.1f s", timeout)
+            return
         self._ctx.term()
 
     # ---- the I/O thread ------------------------------------------------------------------------
@@ -111,12 +127,14 @@ class Connection:
         if "[" in self.address:
             sock.ipv6 = True
         secure_client_socket(sock, self.security)
+        self._monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
         sock.connect(self.address)
         return sock
 
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._mailbox.fileno(), zmq.POLLIN)
         now = time.monotonic()
         self._last_heard = self._last_connect = now
@@ -128,6 +146,8 @@ class Connection:
                 events = dict(poller.poll(int(wait * 1000) + 1))
                 if self._socket in events:
                     self._read()
+                if self._monitor in events:
+                    self._handshake_failed()
                 for command in self._mailbox.drain():
                     if command[0] == "close":
                         return
@@ -135,6 +155,7 @@ class Connection:
                         poller = self._replace_socket(poller)
                     else:
                         self._command(command)
+                self._flush()
                 now = time.monotonic()
                 if now >= self._next_heartbeat:
                     self._heartbeat(now)
@@ -143,7 +164,7 @@ class Connection:
                     logger.warning("no word from %s for %.1f s: reconnecting", self.address, now - self._last_heard)
                     poller = self._replace_socket(poller)
         finally:
-            self._socket.close(linger=0)
+            self._close_socket()
             for _, _, pending in self._pending.values():
                 if pending is not None:
                     pending.on_failure(ConnectionError("the client was closed"))
@@ -152,17 +173,55 @@ class Connection:
     def _command(self, command: tuple) -> None:
         if command[0] == "send":
             _, msg, frame, pending = command
+            if self.auth_error is not None:  # queued before the handshake failed, taken after
+                if pending is not None:
+                    pending.on_failure(self.auth_error)
+                return
             if pending is not None:
                 self._pending[msg.request_id] = (msg, frame, pending)
-            self._socket.send(frame, copy=len(frame) < 65536)
+            self._send(frame)
         elif command[0] == "forget":
             for rid in command[1]:
                 self._pending.pop(rid, None)
 
+    def _close_socket(self) -> None:
+        self._socket.disable_monitor()
+        self._monitor.close(linger=0)
+        self._socket.close(linger=0)
+
+    def _handshake_failed(self) -> None:
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)
+            what = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "refused our credentials",
+                    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "speaks another security mechanism (token / CURVE / none)"}
+            self.auth_error = PermissionError(f"{self.address} {what.get(event['event'], 'failed the handshake')}")
+        pending, self._pending = self._pending, {}
+        for _, _, p in pending.values():
+            if p is not None:
+                p.on_failure(self.auth_error)
+
+    def _send(self, frame: bytes) -> None:
+        """Never blocks (a DEALER with no peer would): what the socket does not take waits, in order."""
+        if not self._backlog:
+            try:
+                self._socket.send(frame, zmq.NOBLOCK, copy=len(frame) < 65536)
+                return
+            except zmq.Again:
+                pass
+        self._backlog.append(frame)
+
+    def _flush(self) -> None:
+        while self._backlog:
+            try:
+                self._socket.send(self._backlog[0], zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._backlog.popleft()
+
     def _heartbeat(self, now: float) -> None:
         self._next_heartbeat = now + self.heartbeat_s
-        beat = Heartbeat(request_id=self.next_id("hb"), lease_s=self.lease_s)
-        self._socket.send(encode(beat))
+        if not self._backlog:  # NOTE: heartbeats do not pile up behind a connection that takes nothing
+            self._send(encode(Heartbeat(request_id=self.next_id("hb"), lease_s=self.lease_s)))
 
     def _read(self) -> None:
         while True:
@@ -187,16 +246,20 @@ class Connection:
     def _replace_socket(self, poller: zmq.Poller) -> zmq.Poller:
         """A fresh socket (a new peer for the server); resubmit what is owed, fail what cannot be."""
         self.reconnects += 1
+        self.auth_error = None
         poller.unregister(self._socket)
-        self._socket.close(linger=0)
+        poller.unregister(self._monitor)
+        self._close_socket()
         self._socket = self._new_socket()
         poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         now = time.monotonic()
         self._last_connect = self._last_heard = now
+        self._backlog.clear()  # NOTE: what is owed is resent below; the rest was fire-and-forget
         self._heartbeat(now)
         for rid, (msg, frame, pending) in list(self._pending.items()):
             if isinstance(msg, _RESENDABLE):
-                self._socket.send(frame)
+                self._send(frame)
             else:
                 del self._pending[rid]
                 pending.on_failure(ConnectionResetError(

@@ -137,10 +137,11 @@ def test_control_messages(client, reference, service_model_dir, tmp_path):
     aborted = stream.result(WAIT_S)
     assert all(r.finish_reason is FinishReason.ABORT and len(r.completion_ids) < 1500 for r in aborted)
     client.continue_()
-    stream = client.stream([prompt], 1, greedy(200))
+    stream = client.stream([prompt], 1, long)
+    _wait_for(lambda: client.stats()["engine/active_request_count"] >= 1)  # admitted, so WAIT lets it finish
     client.pause("wait")
     assert client.stats()["requests_in_flight"] == 0
-    assert len(stream.result(1.0)[0].completion_ids) == 200
+    assert len(stream.result(1.0)[0].completion_ids) == 1500
     client.continue_()
     # suspend refuses new work, resume serves again
     report = client.suspend()
