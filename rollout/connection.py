@@ -31,7 +31,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from rollout.mailbox import Mailbox
-from rollout.messages import Abort, ErrorReply, Generate, Health, Heartbeat, Kind, Stats
+from rollout.messages import MAX_LEASE_SECONDS, Abort, ErrorReply, Generate, Health, Heartbeat, Kind, Stats
 from rollout.protocol import DEFAULT_MAX_FRAME_BYTES, ProtocolError, decode_reply, encode, error_from_reply
 from rollout.security import ClientSecurity, secure_client_socket
 
@@ -59,8 +59,8 @@ class Connection:
     def __init__(self, address: str, *, security: Optional[ClientSecurity] = None, lease_s: float = 10.0,
                  heartbeat_s: Optional[float] = None, reconnect_after_s: Optional[float] = None,
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
-        if not lease_s > 0:
-            raise ValueError(f"lease_s must be > 0, got {lease_s!r}")
+        if not 0 < lease_s <= MAX_LEASE_SECONDS:
+            raise ValueError(f"lease_s must be in (0, {MAX_LEASE_SECONDS:g}], got {lease_s!r}")
         self.address = address
         self.security = security
         self.lease_s = lease_s

@@ -53,9 +53,10 @@ class Submitted:
 
 @dataclass(slots=True)
 class Done:
-    """A control request finished: `value` is what its engine call returned, or `error`."""
+    """A control request finished: `value` is what its engine call returned, or `error`; `peer`
+    None for the server's own requests (a lease's abort), which nobody is waiting for."""
 
-    peer: bytes
+    peer: Optional[bytes]
     msg: RequestMessage
     value: Any = None
     error: Optional[BaseException] = None
@@ -72,7 +73,7 @@ class _Generate:
 
 @dataclass(slots=True)
 class _Control:
-    peer: bytes
+    peer: Optional[bytes]
     msg: RequestMessage
     targets: list[Record]  # an Abort's records (the lane reads their streams)
 
@@ -100,11 +101,15 @@ class EngineLane:
                  callback: Callable[[Any], None]) -> None:
         self._queue.put(_Generate(record, prompt, params, record.request.stream_tokens, callback))
 
-    def control(self, peer: bytes, msg: RequestMessage, targets: Optional[list[Record]] = None) -> None:
+    def control(self, peer: Optional[bytes], msg: RequestMessage, targets: Optional[list[Record]] = None) -> None:
         self._queue.put(_Control(peer, msg, targets or []))
 
     def depth(self) -> int:
         return self._queue.qsize()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._queue.put(_STOP)

@@ -28,16 +28,17 @@ _ROOT = Path(__file__).resolve().parents[1]
 
 
 class ServerProcess:
-    """A `rollout serve --model MODEL --port 0 [extra args]` child (see module docstring)."""
+    """A `rollout serve --model MODEL --port PORT [extra args]` child (see module docstring); port 0
+    lets the OS choose, and `address` says which."""
 
-    def __init__(self, model: os.PathLike | str, *args: str, host: str = "127.0.0.1",
+    def __init__(self, model: os.PathLike | str, *args: str, host: str = "127.0.0.1", port: int = 0,
                  ready_timeout: float = 120.0, env: Optional[dict[str, str]] = None,
                  entry: Sequence[str] = ("-m", "rollout.cli", "serve")) -> None:
         """`entry`: what the child runs before its arguments (tests run `rollout serve` with hooks)."""
         child_env = dict(os.environ if env is None else env)
         child_env["PYTHONPATH"] = os.pathsep.join([str(_ROOT)] + [p for p in [child_env.get("PYTHONPATH")] if p])
         child_env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        self.command = [sys.executable, *entry, "--model", str(model), "--host", host, "--port", "0", *args]
+        self.command = [sys.executable, *entry, "--model", str(model), "--host", host, "--port", str(port), *args]
         self.output: collections.deque[str] = collections.deque(maxlen=200)
         self._ready = threading.Event()
         self.address: Optional[str] = None

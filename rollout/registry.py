@@ -18,7 +18,6 @@ handle (`Record.stream`) is written by the engine lane, which runs the record's 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -34,7 +33,6 @@ class Record:
     owner: bytes
     n: int
     frames: dict[int, bytes] = field(default_factory=dict)  # sample index -> encoded SampleOutput
-    next_token: dict[int, int] = field(default_factory=dict)  # sample index -> tokens streamed so far
     stream: Any = None  # the engine's RequestStream; written by the engine lane only
     finished_at: Optional[float] = None
 
@@ -98,11 +96,6 @@ class RequestRegistry:
     def live_of(self, owner: bytes) -> list[Record]:
         """The unfinished records `owner` is waiting for."""
         return [self._records[rid] for rid in self._live.get(owner, ())]
-
-    def live(self) -> Iterator[Record]:
-        for ids in self._live.values():
-            for rid in ids:
-                yield self._records[rid]
 
     @property
     def num_live(self) -> int:

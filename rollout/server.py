@@ -258,12 +258,9 @@ class RolloutServer:
         """From the loop's last tick; never waits for the engine (a wedged loop must show)."""
         since = self.engine.seconds_since_loop_tick()
         since = float("inf") if since is None else since
-        healthy = since <= self.config.health_deadline_s and self._lane_alive()
+        healthy = since <= self.config.health_deadline_s and self._lane.alive
         return HealthInfo(healthy=healthy, seconds_since_loop_tick=min(since, 1e9), state=self.engine.state.value,
                           policy_version=self.engine.policy_version)
-
-    def _lane_alive(self) -> bool:
-        return self._lane._thread.is_alive()
 
     # ---- from the engine and the lane ----------------------------------------------------------
 
@@ -288,7 +285,6 @@ class RolloutServer:
             delta = TokenDelta(request_id=record.request_id, sample_index=events[0].sample_index,
                                start=events[0].index, token_ids=[e.token_id for e in events],
                                logprobs=[e.logprob for e in events], versions=[e.version for e in events])
-            record.next_token[delta.sample_index] = events[-1].index + 1
             self._send(record.owner, delta)
         tokens.clear()
 
