@@ -161,10 +161,14 @@ class RolloutServer:
             while not self._stopping.is_set():
                 events = dict(poller.poll(100))
                 now = time.monotonic()
-                if self._router in events:
-                    self._read_router(now)
-                self._drain_mailbox(now)
-                self._housekeeping(now)
+                try:
+                    if self._router in events:
+                        self._read_router(now)
+                    self._drain_mailbox(now)
+                    self._housekeeping(now)
+                except Exception:  # NOTE: a bug of ours; the server must outlive it (it is logged and counted)
+                    logger.exception("the server's socket loop failed a round; serving on")
+                    self.metrics.error(ErrorCode.INTERNAL)
         finally:
             self.close()
 
@@ -267,17 +271,21 @@ class RolloutServer:
     def _drain_mailbox(self, now: float) -> None:
         tokens: dict[tuple[int, int], tuple[Record, list[TokenEvent]]] = {}
         for item in self._mailbox.drain():
-            if type(item) is tuple:
-                record, out = item
-                if isinstance(out, TokenEvent):
-                    tokens.setdefault((id(record), out.sample_index), (record, []))[1].append(out)
-                    continue
-                self._flush_tokens(tokens)
-                self._sample_finished(record, out, now)
-            elif isinstance(item, Submitted):
-                self._submitted(item)
-            elif isinstance(item, Done):
-                self._done(item)
+            try:
+                if type(item) is tuple:
+                    record, out = item
+                    if isinstance(out, TokenEvent):
+                        tokens.setdefault((id(record), out.sample_index), (record, []))[1].append(out)
+                        continue
+                    self._flush_tokens(tokens)
+                    self._sample_finished(record, out, now)
+                elif isinstance(item, Submitted):
+                    self._submitted(item)
+                elif isinstance(item, Done):
+                    self._done(item)
+            except Exception:  # NOTE: one item's failure must not lose the others drained with it
+                logger.exception("handling %s failed", type(item).__name__)
+                self.metrics.error(ErrorCode.INTERNAL)
         self._flush_tokens(tokens)
 
     def _flush_tokens(self, tokens: dict[tuple[int, int], tuple[Record, list[TokenEvent]]]) -> None:

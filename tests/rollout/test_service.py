@@ -7,6 +7,7 @@ The server process is shared by the service tests (`server` in conftest: the tin
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from inference import FinishReason, MaxSequenceLengthOverflowError, SamplingPara
 from rollout import AsyncRolloutClient, RolloutBackend, RolloutClient, RolloutEngine, TokenChunk
 from rollout.metrics import SERVICE_KEYS
 from rollout.protocol import ErrorCode, ProtocolError
+from rollout.tracking import ServiceLogger, monitor_service
 from tests.rollout.service_util import (
     HEALTH_DEADLINE_S,
     WAIT_S,
@@ -120,7 +122,7 @@ def test_token_streaming_then_each_sample(client, reference):
 
 
 def test_control_messages(client, reference, service_model_dir, tmp_path):
-    prompt, long = [9, 8, 7], greedy(1500)
+    prompt, long = [9, 8, 7], greedy(600)
     # KEEP: a request admitted before the pause is frozen, then finishes after continue
     stream = client.stream([prompt], 1, long)
     _wait_for(lambda: client.stats()["engine/active_request_count"] >= 1)
@@ -129,19 +131,19 @@ def test_control_messages(client, reference, service_model_dir, tmp_path):
     time.sleep(0.2)
     assert client.stats()["engine/generated_tokens"] == frozen and client.stats()["pauses"] >= 1
     client.continue_()
-    assert len(stream.result(WAIT_S)[0].completion_ids) == 1500
+    assert len(stream.result(WAIT_S)[0].completion_ids) == 600
     # ABORT finishes what runs with its partial tokens; WAIT returns once drained
     stream = client.stream([prompt], 2, long)
     _wait_for(lambda: client.stats()["engine/active_request_count"] >= 1)
     client.pause("abort")
     aborted = stream.result(WAIT_S)
-    assert all(r.finish_reason is FinishReason.ABORT and len(r.completion_ids) < 1500 for r in aborted)
+    assert all(r.finish_reason is FinishReason.ABORT and len(r.completion_ids) < 600 for r in aborted)
     client.continue_()
     stream = client.stream([prompt], 1, long)
     _wait_for(lambda: client.stats()["engine/active_request_count"] >= 1)  # admitted, so WAIT lets it finish
     client.pause("wait")
     assert client.stats()["requests_in_flight"] == 0
-    assert len(stream.result(1.0)[0].completion_ids) == 1500
+    assert len(stream.result(1.0)[0].completion_ids) == 600
     client.continue_()
     # suspend refuses new work, resume serves again
     report = client.suspend()
@@ -222,6 +224,18 @@ def test_reconnect_resubmits_and_each_sample_arrives_once(client, reference):
     assert after["resubmits"] - before.get("resubmits", 0) >= 1
 
 
+def test_abort_and_per_call_timeouts(client):
+    stream = client.stream([[5, 6, 7], [8, 9]], n=2, sampling=greedy(1500))
+    _wait_for(lambda: client.stats()["engine/active_request_count"] >= 1)
+    client.abort(stream)  # the running samples finish now, with their partial tokens
+    rollouts = stream.result(WAIT_S)
+    assert [(r.group, r.sample_index) for r in rollouts] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(r.finish_reason is FinishReason.ABORT and len(r.completion_ids) < 1500 for r in rollouts)
+    with pytest.raises(TimeoutError, match="aborted"):
+        client.generate([[5, 6, 7]], 1, greedy(1500), timeout=0.05)  # past its deadline: aborted on the server
+    _wait_for(lambda: client.stats()["requests_in_flight"] == 0)
+
+
 def test_bad_requests_are_refused_by_name_and_others_go_on(client, reference):
     stream = client.stream([[5, 5, 5]], 1, greedy(300))
     with pytest.raises(ProtocolError, match="outside the vocabulary") as info:
@@ -232,6 +246,14 @@ def test_bad_requests_are_refused_by_name_and_others_go_on(client, reference):
     with pytest.raises(ValueError, match="top_p"):
         client.generate([[5, 6]], 1, SamplingParams(top_p=float("nan")))  # refused before the wire
     assert stream.result(WAIT_S)[0].completion_ids == expected_outputs(reference, [[5, 5, 5]], [greedy(300)])[0][0]
+
+
+def test_monitor_logs_the_service_figures(server, tmp_path, capsys):
+    assert monitor_service(server.address, every_s=0.05, count=2, use_wandb=False, out_dir=str(tmp_path)) == 0
+    rows = [json.loads(line) for line in (tmp_path / "stats.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(set(SERVICE_KEYS) <= set(r) for r in rows)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == ServiceLogger.header() and "v0:" in out[1]
 
 
 # ---- faults ------------------------------------------------------------------------------------
