@@ -10,6 +10,7 @@ copy). Nemotron-H's MoE layers ("E") and MTP heads are not supported (NotImpleme
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -64,7 +65,14 @@ def _mamba_dims(cfg: dict, *, heads: int, head_dim: int, state: int, groups: int
                 dt_limit: tuple[float, float], eps: float, **extra: Any) -> Mamba2Dims:
     return Mamba2Dims(hidden_size=cfg["hidden_size"], num_heads=heads, head_dim=head_dim, state_size=state,
                       n_groups=groups, conv_kernel=kernel, chunk_size=min(chunk, _SCAN_CHUNK_CAP),
-                      dt_min=float(dt_limit[0]), dt_max=float(dt_limit[1]), norm_eps=eps, **extra)
+                      dt_min=_as_float(dt_limit[0]), dt_max=_as_float(dt_limit[1]), norm_eps=eps, **extra)
+
+
+def _as_float(value: Any) -> float:
+    """A config float; transformers writes infinity to `config.json` as `{"__float__": "Infinity"}`."""
+    if isinstance(value, Mapping) and "__float__" in value:
+        value = value["__float__"]
+    return float(value)
 
 
 def _check_act(cfg: dict, key: str, expected: str) -> None:
@@ -199,11 +207,36 @@ def load_hybrid_from_dir(path: str | Path, config: dict, *, dtype: torch.dtype |
                          extra_eos: tuple[int, ...], backend: AttentionBackend | None = None) -> HybridDecoder:
     from inference.models.loading import read_safetensors  # NOTE: loading imports this module
 
+    root = Path(path)
     spec = hybrid_spec_from_config(config, dtype=dtype, extra_eos_token_ids=extra_eos)
-    tensors = read_safetensors(Path(path), set(spec.weight_shapes()), device=device)
+    # NOTE: Nemotron-H checkpoints keep NVIDIA's `backbone.` prefix, which HF renames to `model.` on load
+    renamed = {_on_disk(n, root): n for n in spec.weight_shapes()}
+    tensors = {renamed[n]: t for n, t in read_safetensors(root, set(renamed), device=device).items()}
     if spec.tie_word_embeddings:
         tensors.pop(LM_HEAD, None)
     return HybridDecoder(spec, {n: t.to(spec.dtype) for n, t in tensors.items()}, backend=backend)
+
+
+def _on_disk(name: str, root: Path) -> str:
+    """The checkpoint's name for the engine's (HF module) tensor name."""
+    if _uses_backbone_prefix(root) and name.startswith("model."):
+        return "backbone." + name[len("model."):]
+    return name
+
+
+def _uses_backbone_prefix(root: Path) -> bool:
+    from safetensors import safe_open
+
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        keys = json.loads(index.read_text())["weight_map"]
+    else:
+        files = sorted(root.glob("*.safetensors"))
+        if not files:
+            return False
+        with safe_open(str(files[0]), framework="pt") as f:
+            keys = list(f.keys())
+    return any(k.startswith("backbone.") for k in keys)
 
 
 def load_hybrid_from_module(model: torch.nn.Module, *, share_weights: bool, dtype: torch.dtype,

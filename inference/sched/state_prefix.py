@@ -1,0 +1,109 @@
+"""Prefix caching for models with per-request state (hybrid Mamba): what a request may take from
+the cache, where its prefill chunks end, and which of its states are kept.
+
+A KV prefix is worth something to a hybrid only with the recurrent state after exactly that
+prefix. So:
+* a prefill chunk ends on a KV block boundary when it can (the end of the known tokens aside),
+  and at the last block boundary before the last token (the longest prefix the same prompt can
+  match again), so the state there exists at the end of some forward pass;
+* after the forward, each prefill chunk that ended on a boundary whose block hash the KV cache
+  serves leaves a snapshot of the request's state under that hash (`StateSnapshots`);
+* a new request takes the longest cached KV prefix that ends at a cached snapshot: the
+  registry's `find_mamba_backoff` gives the farthest snapshot within its cached KV, the KV
+  blocks past it are given up (and recomputed), and the snapshot is copied into its state rows.
+A prompt shorter than one block (plus its last token) has no full block to match, as with KV.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from inference.cache.snapshots import StateSnapshots
+from inference.cache.state_pool import StatePool
+from inference.kv_cache.allocator import KVBlockAllocator
+
+if TYPE_CHECKING:
+    from inference.sched.context import DynamicInferenceContext
+
+
+class StatePrefixCache:
+    """The state side of admission, chunking and registration (see module docstring).
+
+    Counters: `lookups` admissions with at least one full block to match, `hits` those that
+    restored a snapshot, `backoffs` those whose cached KV reached past their farthest snapshot
+    (`backoff_blocks` cached blocks given up), `too_short` admissions without a full block.
+    """
+
+    def __init__(self, snapshots: StateSnapshots, states: StatePool, allocator: KVBlockAllocator,
+                 block_size: int) -> None:
+        self.snapshots = snapshots
+        self.states = states
+        self.allocator = allocator
+        self.block_size = block_size
+        self.lookups = 0
+        self.hits = 0
+        self.backoffs = 0
+        self.backoff_blocks = 0
+        self.too_short = 0
+
+    def usable(self, hashes: list[int]) -> tuple[list[int], int]:
+        """(the leading `hashes` a request may take: cached KV ending at a cached state, how many
+        blocks the KV cache has beyond them)."""
+        cached = len(self.allocator.cached_prefix(hashes))
+        usable = self.allocator.registry.find_mamba_backoff(hashes, cached)
+        return hashes[:usable], cached - usable
+
+    def admitted(self, hashes: list[int], num_matched: int, given_up: int, state_slot: int) -> None:
+        """A request entered `state_slot` with `num_matched` cached blocks of its `hashes`: its state
+        is the snapshot at their end (the slot was zeroed; with no match it starts from zeros)."""
+        if not hashes:
+            self.too_short += 1
+            return
+        self.lookups += 1
+        if given_up:
+            self.backoffs += 1
+            self.backoff_blocks += given_up
+        if num_matched:
+            if not self.snapshots.restore(hashes[num_matched - 1], self.states, state_slot):
+                raise RuntimeError("a matched KV prefix lost its state snapshot during admission")  # a bug
+            self.hits += 1
+
+    def chunk(self, kv_len: int, chunk: int, num_tokens: int) -> int:
+        """`chunk` cut to end on a block boundary: the last one before the last token if it falls
+        inside, else the last one it reaches (unless it reaches the end of the tokens)."""
+        bs = self.block_size
+        end = kv_len + chunk
+        last_full = (num_tokens - 1) // bs * bs
+        if kv_len < last_full < end:
+            return last_full - kv_len
+        if end < num_tokens and end // bs * bs > kv_len:
+            return end // bs * bs - kv_len
+        return chunk
+
+    def snapshot(self, ctx: DynamicInferenceContext, slots: list[int]) -> int:
+        """After a forward: keep the state of each prefill slot whose chunk ended on a block boundary
+        the KV cache serves. Returns how many snapshots were taken."""
+        bs, taken = self.block_size, 0
+        serving = self.allocator.registry.kv_hash_to_block_id
+        for slot in slots:
+            kv = int(ctx.kv_len[slot])
+            if kv % bs or kv == 0 or not ctx.state_cacheable[slot]:
+                continue
+            index = kv // bs - 1
+            chain = ctx.hashes[slot]
+            if index < len(chain):
+                block_hash = chain[index]
+            else:
+                hashes = ctx.matchable_hashes(ctx.requests[slot])
+                if index >= len(hashes):
+                    continue
+                block_hash = hashes[index]
+            block = serving.get(block_hash)
+            if block is not None:
+                taken += self.snapshots.save(self.states, int(ctx.state_slot[slot]), block, block_hash)
+        return taken
+
+    def stats(self) -> dict:
+        return {"state_prefix_lookups": self.lookups, "state_prefix_hits": self.hits,
+                "state_prefix_backoffs": self.backoffs, "state_prefix_backoff_blocks": self.backoff_blocks,
+                "prompts_shorter_than_a_block": self.too_short}
