@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -204,14 +204,14 @@ def _rope(cfg: dict, partial: float | None = None):
 
 
 def load_hybrid_from_dir(path: str | Path, config: dict, *, dtype: torch.dtype | None, device: torch.device,
-                         extra_eos: tuple[int, ...], backend: AttentionBackend | None = None) -> HybridDecoder:
-    from inference.models.loading import read_safetensors  # NOTE: loading imports this module
-
+                         extra_eos: tuple[int, ...], read: Callable[..., dict[str, torch.Tensor]],
+                         backend: AttentionBackend | None = None) -> HybridDecoder:
+    """`read(root, names, device=)` reads tensors by name (`loading.read_safetensors`)."""
     root = Path(path)
     spec = hybrid_spec_from_config(config, dtype=dtype, extra_eos_token_ids=extra_eos)
     # NOTE: Nemotron-H checkpoints keep NVIDIA's `backbone.` prefix, which HF renames to `model.` on load
     renamed = {_on_disk(n, root): n for n in spec.weight_shapes()}
-    tensors = {renamed[n]: t for n, t in read_safetensors(root, set(renamed), device=device).items()}
+    tensors = {renamed[n]: t for n, t in read(root, set(renamed), device=device).items()}
     if spec.tie_word_embeddings:
         tensors.pop(LM_HEAD, None)
     return HybridDecoder(spec, {n: t.to(spec.dtype) for n, t in tensors.items()}, backend=backend)

@@ -45,7 +45,7 @@ def load_from_hf_dir(
     config = json.loads((root / "config.json").read_text())
     if is_hybrid_config(config):
         return load_hybrid_from_dir(root, config, dtype=dtype, device=_normalize_device(device),
-                                    extra_eos=_generation_eos(root), backend=backend)
+                                    extra_eos=_generation_eos(root), read=read_safetensors, backend=backend)
     spec = ModelSpec.from_hf_config(config, dtype=dtype, extra_eos_token_ids=_generation_eos(root))
     device = _normalize_device(device)
     tensors = read_safetensors(root, set(spec.weight_shapes()), device=device)

@@ -486,7 +486,8 @@ class DynamicInferenceContext:
         """After a forward (and `register_full_blocks`): keep the state of the prefill `slots` whose
         chunk ended on a cached block boundary."""
         if self.state_prefix is not None and slots.size:
-            self.state_prefix.snapshot(self, slots.tolist())
+            self.state_prefix.snapshot(slots.tolist(), self.kv_len, self.state_cacheable, self.state_slot,
+                                       lambda s: self.hashes[s], lambda s: self.matchable_hashes(self.requests[s]))
 
     def matchable_hashes(self, req: Request) -> list[int]:
         """Hashes of the full blocks before the last token (at least one token is computed)."""

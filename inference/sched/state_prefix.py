@@ -16,14 +16,13 @@ A prompt shorter than one block (plus its last token) has no full block to match
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+
+import numpy as np
 
 from inference.cache.snapshots import StateSnapshots
 from inference.cache.state_pool import StatePool
 from inference.kv_cache.allocator import KVBlockAllocator
-
-if TYPE_CHECKING:
-    from inference.sched.context import DynamicInferenceContext
 
 
 class StatePrefixCache:
@@ -80,27 +79,27 @@ class StatePrefixCache:
             return end // bs * bs - kv_len
         return chunk
 
-    def snapshot(self, ctx: DynamicInferenceContext, slots: list[int]) -> int:
+    def snapshot(self, slots: list[int], kv_len: np.ndarray, cacheable: np.ndarray, state_slot: np.ndarray,
+                 chain_of: Callable[[int], list[int]], hashes_of: Callable[[int], list[int]]) -> int:
         """After a forward: keep the state of each prefill slot whose chunk ended on a block boundary
-        the KV cache serves. Returns how many snapshots were taken."""
+        the KV cache serves. A boundary's hash is the slot's registered chain's, else its
+        matchable hashes' (a chain stops where the cache refused a block another one serves).
+        Returns how many snapshots were taken."""
         bs, taken = self.block_size, 0
         serving = self.allocator.registry.kv_hash_to_block_id
         for slot in slots:
-            kv = int(ctx.kv_len[slot])
-            if kv % bs or kv == 0 or not ctx.state_cacheable[slot]:
+            kv = int(kv_len[slot])
+            if kv % bs or kv == 0 or not cacheable[slot]:
                 continue
             index = kv // bs - 1
-            chain = ctx.hashes[slot]
-            if index < len(chain):
-                block_hash = chain[index]
-            else:
-                hashes = ctx.matchable_hashes(ctx.requests[slot])
+            hashes = chain_of(slot)
+            if index >= len(hashes):
+                hashes = hashes_of(slot)
                 if index >= len(hashes):
                     continue
-                block_hash = hashes[index]
-            block = serving.get(block_hash)
+            block = serving.get(hashes[index])
             if block is not None:
-                taken += self.snapshots.save(self.states, int(ctx.state_slot[slot]), block, block_hash)
+                taken += self.snapshots.save(self.states, int(state_slot[slot]), block, hashes[index])
         return taken
 
     def stats(self) -> dict:
