@@ -70,6 +70,8 @@ class DynamicInferenceContext:
         self.state_slot = np.full(n, -1, dtype=np.int64)  # the request's row in the state pool
         # the slot's state was computed by the current weights from its tokens alone: it may be snapshotted
         self.state_cacheable = np.zeros(n, dtype=bool)
+        # where the slot's cached KV ended beyond its farthest state snapshot: a chunk ends there (0: none)
+        self.state_branch = np.zeros(n, dtype=np.int64)
         # models with state: a KV prefix is served only with the state at its end (see state_prefix)
         self.state_prefix = (StatePrefixCache(snapshots, states, allocator, config.block_size)
                              if snapshots is not None and states is not None else None)
@@ -170,8 +172,9 @@ class DynamicInferenceContext:
             matched = []
         kv_len = len(matched) * self.block_size
         chunk = min(prefill_chunk_length, len(tokens) - kv_len)
+        branch = (len(matched) + given_up) * self.block_size if given_up else 0
         if self.state_prefix is not None:
-            chunk = self.state_prefix.chunk(kv_len, chunk, len(tokens))
+            chunk = self.state_prefix.chunk(kv_len, chunk, len(tokens), branch)
         try:
             fresh = self.allocator.allocate(max(0, -(-(kv_len + chunk) // self.block_size) - len(matched)))
         except BlockOverflowError:
@@ -187,6 +190,7 @@ class DynamicInferenceContext:
         if self.state_prefix is not None:  # NOTE: copies the snapshot at the matched prefix's end
             self.state_prefix.admitted(self.matchable_hashes(req), len(matched), given_up, int(self.state_slot[slot]))
         self.state_cacheable[slot] = True
+        self.state_branch[slot] = branch
         n = len(tokens)
         self.tokens[slot, :n] = tokens
         self.token_logprobs[slot, len(req.prompt_token_ids) : n] = req.logprobs
@@ -480,7 +484,8 @@ class DynamicInferenceContext:
         snapshotted (models with state; see StatePrefixCache.chunk)."""
         if self.state_prefix is None:
             return chunk
-        return self.state_prefix.chunk(int(self.kv_len[slot]), chunk, int(self.seq_len[slot]))
+        return self.state_prefix.chunk(int(self.kv_len[slot]), chunk, int(self.seq_len[slot]),
+                                       int(self.state_branch[slot]))
 
     def snapshot_states(self, slots: np.ndarray) -> None:
         """After a forward (and `register_full_blocks`): keep the state of the prefill `slots` whose
@@ -533,11 +538,32 @@ class DynamicInferenceContext:
             ids = self.block_table[slot, done:full].tolist()
             registered = self.allocator.register(ids, chain[done:full], parent, prompt_logprobs=cached_scores)
             self.block_version[ids[:registered]] = self.policy_version
+            if registered < full - done and scores is None and self.state_prefix is not None:
+                registered = self._adopt_served_blocks(slot, chain, done + registered, full) - done
             if registered < full - done:
                 self.cache_broken[slot] = True
                 if scores is not None:  # NOTE: typically its hash is served by a block cached without scores
                     self.offers_scores[slot] = True
                     self._offer_scores(slot, chain[done + registered : full], cached_scores[registered:])
+
+    def _adopt_served_blocks(self, slot: int, chain: list[int], pos: int, full: int) -> int:
+        """Blocks `pos..full-1` of `slot` were refused because other blocks serve their hashes (it
+        recomputed a cached prefix past its farthest state snapshot): hold those instead and go on
+        registering its own, so its chain stays in the cache. Returns how far the chain got."""
+        registered = self.allocator.registry.kv_hash_to_block_id
+        if pos and registered.get(chain[pos - 1]) != int(self.block_table[slot, pos - 1]):
+            return pos  # NOTE: refused for another reason (its parent is not in the cache)
+        while pos < full:
+            served = self.allocator.adopt(chain[pos], int(self.block_table[slot, pos]))
+            if served is None:
+                return pos
+            self.block_table[slot, pos] = served
+            pos += 1
+            ids = self.block_table[slot, pos:full].tolist()
+            count = self.allocator.register(ids, chain[pos:full], served)
+            self.block_version[ids[:count]] = self.policy_version
+            pos += count
+        return pos
 
     def _offer_scores(self, slot: int, hashes: list[int], cached_scores: list) -> None:
         """Cache the slot's prompt scores with the registered blocks that serve its hashes, until

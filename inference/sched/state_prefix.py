@@ -4,8 +4,10 @@ the cache, where its prefill chunks end, and which of its states are kept.
 A KV prefix is worth something to a hybrid only with the recurrent state after exactly that
 prefix. So:
 * a prefill chunk ends on a KV block boundary when it can (the end of the known tokens aside),
-  and at the last block boundary before the last token (the longest prefix the same prompt can
-  match again), so the state there exists at the end of some forward pass;
+  at the last block boundary before the last token (the longest prefix the same prompt can
+  match again), and where the request's cached KV ended but no state snapshot did (the branch
+  point of the cached prefixes: the next request that shares this much finds the state there),
+  so the state at these boundaries exists at the end of some forward pass;
 * after the forward, each prefill chunk that ended on a boundary whose block hash the KV cache
   serves leaves a snapshot of the request's state under that hash (`StateSnapshots`);
 * a new request takes the longest cached KV prefix that ends at a cached snapshot: the
@@ -67,14 +69,14 @@ class StatePrefixCache:
                 raise RuntimeError("a matched KV prefix lost its state snapshot during admission")  # a bug
             self.hits += 1
 
-    def chunk(self, kv_len: int, chunk: int, num_tokens: int) -> int:
-        """`chunk` cut to end on a block boundary: the last one before the last token if it falls
-        inside, else the last one it reaches (unless it reaches the end of the tokens)."""
+    def chunk(self, kv_len: int, chunk: int, num_tokens: int, branch: int = 0) -> int:
+        """`chunk` cut to end on a block boundary: the `branch` point or the last one before the last
+        token if one falls inside, else the last one it reaches (unless it reaches the end)."""
         bs = self.block_size
         end = kv_len + chunk
-        last_full = (num_tokens - 1) // bs * bs
-        if kv_len < last_full < end:
-            return last_full - kv_len
+        for point in (branch, (num_tokens - 1) // bs * bs):
+            if kv_len < point < end:
+                return point - kv_len
         if end < num_tokens and end // bs * bs > kv_len:
             return end // bs * bs - kv_len
         return chunk

@@ -141,6 +141,11 @@ def test_cached_kv_past_the_farthest_snapshot_backs_off(hf):
     assert stats["state_prefix_backoffs"] == 1 and stats["state_prefix_backoff_blocks"] == 1
     assert stats["state_prefix_hits"] == 1 and stats["prefix_cached_tokens"] == 8
     assert outs == [hf_greedy(hf, p, 10) for p in (first, second)]
+    # the second recomputed block 2 (cached by the first), held the first's copy instead and went on
+    # registering its own blocks, with a snapshot at the branch point (12) and its last full block (16)
+    again = engine.generate([second], GREEDY)[0].generated_token_ids
+    stats = engine.stats()
+    assert again == outs[1] and stats["prefix_cached_tokens"] == 8 + 16 and stats["state_prefix_hits"] == 2
 
 
 def test_a_small_snapshot_budget_evicts_least_recently_used(hf, prompts, uninterrupted):
