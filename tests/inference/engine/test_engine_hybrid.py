@@ -175,6 +175,17 @@ def test_a_prompt_shorter_than_a_block_cannot_hit_and_the_stats_say_so(hf):
     assert stats["prefix_hit_blocks"] == 0
 
 
+def test_copied_weight_updates_equal_a_fresh_engine(hf, prompts):
+    target = tiny_hybrid("bamba", seed=8)
+    engine = DynamicInferenceEngine.from_pretrained(hf, config())  # the engine's own copies
+    engine.generate(prompts[:3], GREEDY)
+    assert engine.update_weights(dict(target.named_parameters())) == 1
+    fresh = DynamicInferenceEngine.from_pretrained(target, config())
+    assert [o.generated_token_ids for o in engine.generate(prompts[:3], GREEDY)] == [
+        o.generated_token_ids for o in fresh.generate(prompts[:3], GREEDY)]
+    assert engine.stats()["state_prefix_hits"] == 0  # nothing computed by the old weights is served
+
+
 def test_the_engine_aliases_the_trainers_parameters(hf):
     """Aliasing: the engine's tensors are the trainer's parameters (no copy of any)."""
     engine = DynamicInferenceEngine.from_pretrained(hf, config(), share_weights=True)
