@@ -178,16 +178,46 @@ class DynamicInferenceEngine:
 
         def add_all() -> list[RequestStream]:
             checked = [self.core.check_request(p, sp) for p, sp in zip(prompts, params_list)]
-            streams = []
-            for prompt, params in checked:
-                ids = self.core.add_checked(prompt, params, stream_tokens=stream_tokens)
-                stream = RequestStream(self, ids, callback)
-                for rid in ids:
-                    self._channels[rid] = stream
-                streams.append(stream)
-            return streams
+            return [self._add_stream(prompt, params, stream_tokens, callback) for prompt, params in checked]
 
         return self._call(add_all)
+
+    def _add_stream(self, prompt: list[int], params: SamplingParams, stream_tokens: bool,
+                    callback: Optional[Callback]) -> RequestStream:
+        ids = self.core.add_checked(prompt, params, stream_tokens=stream_tokens)
+        stream = RequestStream(self, ids, callback)
+        for rid in ids:
+            self._channels[rid] = stream
+        return stream
+
+    def submit_each(self, prompts: Sequence[Prompt], sampling_params: ParamsArg = None, *,
+                    stream_tokens: Union[bool, Sequence[bool]] = False,
+                    callbacks: Optional[Sequence[Optional[Callback]]] = None) -> list[Union[RequestStream, Exception]]:
+        """`submit` for many prompts in one command, each accepted or refused on its own: for each
+        prompt its stream, or the exception that refused it (nothing else is touched).
+
+        A server hands every request that arrived meanwhile to the loop at once: one loop round
+        for all of them, where `submit` per request would wait a round (a step) each.
+        """
+        params_list = self._params_per_prompt(prompts, sampling_params)
+        tokens = [stream_tokens] * len(prompts) if isinstance(stream_tokens, bool) else list(stream_tokens)
+        callbacks = [None] * len(prompts) if callbacks is None else list(callbacks)
+        if not len(tokens) == len(callbacks) == len(prompts):
+            raise ValueError(f"submit_each: {len(prompts)} prompts, {len(tokens)} stream_tokens, "
+                             f"{len(callbacks)} callbacks")
+
+        def add_each() -> list[Union[RequestStream, Exception]]:
+            out: list[Union[RequestStream, Exception]] = []
+            for prompt, params, stream_tokens_, callback in zip(prompts, params_list, tokens, callbacks):
+                try:
+                    checked_prompt, checked_params = self.core.check_request(prompt, params)
+                except Exception as exc:  # noqa: BLE001 (this prompt's refusal, returned to its caller)
+                    out.append(exc)
+                    continue
+                out.append(self._add_stream(checked_prompt, checked_params, stream_tokens_, callback))
+            return out
+
+        return self._call(add_each)
 
     @staticmethod
     def _params_per_prompt(prompts: Sequence[Prompt], sampling_params: ParamsArg) -> list[Optional[SamplingParams]]:
@@ -295,13 +325,20 @@ class DynamicInferenceEngine:
 
     # ---- pause / suspend ---------------------------------------------------------------------
 
-    def pause(self, mode: PauseMode = PauseMode.KEEP, *, timeout: Optional[float] = None) -> None:
+    def pause(self, mode: PauseMode = PauseMode.KEEP, *, timeout: Optional[float] = None,
+              wait: bool = True) -> None:
         """Stop generating (see `PauseMode`); requests added meanwhile queue. With WAIT it returns
-        once what was admitted has finished (stepping itself if no loop runs)."""
+        once what was admitted has finished (stepping itself if no loop runs); with `wait=False`
+        at once, and `wait_drained()` waits."""
         mode = PauseMode(mode)
         self._call(self.core.pause, mode)
-        if mode is PauseMode.WAIT:
-            self._wait_until(self.core.drained, timeout)
+        if mode is PauseMode.WAIT and wait:
+            self.wait_drained(timeout)
+
+    def wait_drained(self, timeout: Optional[float] = None) -> None:
+        """Return once nothing admitted is still in flight (what a WAIT pause waits for);
+        `TimeoutError` after `timeout` seconds."""
+        self._wait_until(self.core.drained, timeout)
 
     def continue_(self) -> None:
         """Generate again after `pause()`."""

@@ -27,9 +27,9 @@ import torch
 from torch import Tensor
 
 from inference.sampling_params import LogprobsMode, SamplingParams
+from inference.sampling_truncation import truncate
 
 _CHUNK = 256  # tokens per first-level bucket of the inverse-CDF draw
-_TOP_P_WINDOW = 128  # first top-k window searched for a row's nucleus; regrown while too small
 _PROMPT_ROWS = 256  # rows per pass in compute_prompt_logprobs, bounding its float32 temporaries
 _NEG_INF = float("-inf")
 
@@ -208,7 +208,7 @@ def sample(logits: Tensor, batch: SamplingBatch, workspace: Tensor | None = None
     raw_log_norm = None  # log sum exp(x - max x), for RAW log-probs
     if batch.need_raw and batch.unit_temperature and truncating:
         raw_log_norm = w.sum(-1).log()  # w is still exp(x - m): reuse it before it is cut
-    thr = _truncate(x, w, m, inv_t, batch) if truncating else None
+    thr = truncate(x, w, m, inv_t, batch) if truncating else None
     chunk_sums = w_full.view(rows, n_chunks, chunk).sum(-1).double()
     cdf = chunk_sums.cumsum(-1)
     total = cdf[:, -1]
@@ -281,72 +281,6 @@ def _select(batch: SamplingBatch, raw, processed) -> Tensor:
     proc, raw_ = processed(), raw()
     mask = batch.logprobs_mode
     return torch.where(mask.view(-1, *([1] * (proc.dim() - 1))), proc, raw_)
-
-
-def _truncate(x: Tensor, w: Tensor, m: Tensor, inv_t: Tensor, batch: SamplingBatch) -> Tensor:
-    """Zero the weights of tokens cut by top-k / top-p / min-p; return the per-row threshold."""
-    thr = torch.full_like(m, _NEG_INF)
-    if batch.use_top_k or batch.use_top_p:
-        thr = _top_k_top_p_threshold(x, w, m, inv_t, batch)
-    if batch.use_min_p:
-        # p_i >= min_p * p_max  <=>  (x_i - m) / T >= log(min_p); min_p = 0 gives -inf (off).
-        thr = torch.maximum(thr, m + batch.min_p.log() / inv_t)
-    w.masked_fill_(x < thr[:, None], 0.0)
-    return thr
-
-
-def _top_k_top_p_threshold(x: Tensor, w: Tensor, m: Tensor, inv_t: Tensor, batch: SamplingBatch) -> Tensor:
-    """Per-row logit threshold of top-k then top-p, without a full sort when avoidable.
-
-    The nucleus is searched in the row's top-`window` logits; a row whose nucleus may extend past
-    the window is retried with a larger one (a full sort at worst), so the result is exact.
-    """
-    rows, vocab = x.shape
-    top_k, top_p = batch.top_k, batch.top_p
-    k_eff = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
-    kth = torch.full_like(m, _NEG_INF)
-    vals = None
-    window = 0
-    if batch.use_top_k:
-        window = int(k_eff[top_k > 0].max())
-        if batch.use_top_p:
-            window = min(vocab, max(window, _TOP_P_WINDOW))
-        vals = x.topk(window, dim=-1).values
-        kth = torch.where(top_k > 0, vals.gather(1, (k_eff.clamp(max=window) - 1)[:, None])[:, 0], kth)
-        if not batch.use_top_p:
-            return kth
-        w.masked_fill_(x < kth[:, None], 0.0)  # top-p renormalises over the top-k survivors
-    norm = w.sum(-1)
-    thr_p = torch.full_like(m, _NEG_INF)
-    pending = (top_p < 1).nonzero()[:, 0]
-    window = min(vocab, max(window, _TOP_P_WINDOW))
-    while pending.numel():
-        if vals is not None and vals.shape[1] == window:
-            v = vals[pending]
-        else:
-            xs = x if pending.numel() == rows else x[pending]
-            v = (xs.sort(dim=-1, descending=True) if window == vocab else xs.topk(window, dim=-1)).values
-        kth_p = kth[pending, None]
-        probs = ((v - m[pending, None]) * inv_t[pending, None]).exp_() / norm[pending, None]
-        probs.masked_fill_(v < kth_p, 0.0)
-        cum = probs.cumsum(-1)
-        mass_above = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)
-        # Both conditions hold on a prefix of v (sorted descending), so `count` marks the cut.
-        count = ((mass_above < top_p[pending, None]) & (v >= kth_p)).sum(-1)
-        done = (count < window) | (count >= k_eff[pending]) | (window == vocab)
-        thr_p[pending[done]] = v[done].gather(1, (count[done] - 1)[:, None])[:, 0]
-        rest = ~done
-        if not bool(rest.any()):
-            break
-        # Tokens past the window are no likelier than its last one, so the nucleus needs at least
-        # (p - mass so far) / p_last more of them; jump there (8x at least), and sort outright
-        # when that is a large part of the vocabulary (a wide top-k costs about as much).
-        short = (top_p[pending[rest]] - cum[rest, -1]) / probs[rest, -1]
-        need = window + float(torch.nan_to_num(short, posinf=vocab).clamp(max=vocab).max())
-        window = min(max(window * 8, int(need) + 1), int(k_eff[pending[rest]].max()))
-        window = vocab if window > vocab // 4 else window
-        pending = pending[rest]
-    return torch.maximum(kth, thr_p)
 
 
 def _uniforms(rows: int, generators: Sequence[torch.Generator | None], device: torch.device) -> Tensor:

@@ -12,6 +12,12 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 100  # the largest top-n a request may ask for (sampled or prompt log-probs)
+# NOTE: the sampler keeps temperatures in float32 and takes 1 / T: below MIN_TEMPERATURE 1 / T
+# overflows (0 * inf = NaN at the max logit), above MAX_TEMPERATURE sampling is uniform anyway;
+# top_k lives in an int64 tensor and is cut to the vocabulary, so anything above int32 is a bug.
+MIN_TEMPERATURE = 1e-6
+MAX_TEMPERATURE = 1e6
+MAX_TOP_K = 2**31 - 1
 
 
 class LogprobsMode(enum.IntEnum):
@@ -46,8 +52,8 @@ class SamplingParams:
     """How to sample one request's completions.
 
     Invariants (checked in `__post_init__`):
-      n >= 1 samples per prompt; temperature finite and >= 0 (0 = greedy argmax);
-      top_k is 0 or -1 (off) or >= 1; 0 < top_p <= 1 (1 = off); 0 <= min_p < 1 (0 = off);
+      n >= 1 samples per prompt; temperature 0 (greedy argmax) or in [MIN_TEMPERATURE,
+      MAX_TEMPERATURE]; top_k is 0 or -1 (off) or in [1, MAX_TOP_K]; 0 < top_p <= 1 (1 = off); 0 <= min_p < 1 (0 = off);
       seed is None or an int in [0, 2**64); max_tokens >= 1; stop_token_ids ints >= 0;
       logprobs / prompt_logprobs are None (not returned) or a top-n count in [0, 100]
       (0 = only the sampled / target token's log-prob).
@@ -70,10 +76,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not (_is_int(self.n) and self.n >= 1):
             raise ValueError(f"n must be an int >= 1, got {self.n!r}")
-        if not (_is_real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not (_is_int(self.top_k) and (self.top_k >= 1 or self.top_k in (0, -1))):
-            raise ValueError(f"top_k must be 0 or -1 (off) or an int >= 1, got {self.top_k!r}")
+        if not (_is_real(self.temperature) and math.isfinite(self.temperature)
+                and (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE)):
+            raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], "
+                             f"got {self.temperature!r}")
+        if not (_is_int(self.top_k) and (1 <= self.top_k <= MAX_TOP_K or self.top_k in (0, -1))):
+            raise ValueError(f"top_k must be 0 or -1 (off) or an int in [1, {MAX_TOP_K}], got {self.top_k!r}")
         if not (_is_real(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not (_is_real(self.min_p) and 0.0 <= self.min_p < 1.0):

@@ -1,13 +1,21 @@
-"""What an RL loop talks to: rollouts as plain data, a colocated engine wrapper, GRPO pieces."""
+"""What an RL loop talks to: rollouts as plain data, one backend interface (in process or over
+ZMQ), GRPO pieces."""
 
+from rollout.aclient import AsyncRolloutClient
+from rollout.backend import RolloutBackend, SampleStream
+from rollout.client import RolloutClient
 from rollout.colocated import GRPOConfig, ModelKind, RunSummary, run_grpo
 from rollout.engine import RolloutEngine
 from rollout.grpo import TrainStats, gather_logprobs, group_advantages, grpo_loss, grpo_step, token_logprobs
+from rollout.launch import ServerProcess
+from rollout.security import ClientSecurity, ServerSecurity
 from rollout.tasks import ArithmeticTask, CountingTask, DigitVocab, Problem, Task
-from rollout.types import FinishReason, GenerationStats, PaddedBatch, Rollout, RolloutBatch
+from rollout.types import FinishReason, GenerationStats, PaddedBatch, Rollout, RolloutBatch, TokenChunk
 
 __all__ = [
     "ArithmeticTask",
+    "AsyncRolloutClient",
+    "ClientSecurity",
     "CountingTask",
     "DigitVocab",
     "FinishReason",
@@ -17,10 +25,16 @@ __all__ = [
     "PaddedBatch",
     "Problem",
     "Rollout",
+    "RolloutBackend",
     "RolloutBatch",
+    "RolloutClient",
     "RolloutEngine",
     "RunSummary",
+    "SampleStream",
+    "ServerProcess",
+    "ServerSecurity",
     "Task",
+    "TokenChunk",
     "TrainStats",
     "gather_logprobs",
     "group_advantages",

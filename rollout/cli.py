@@ -3,12 +3,15 @@
     rollout grpo                      # the colocated GRPO demo (tiny Llama, counting task)
     rollout grpo --model smollm2      # SmolLM2-135M-Instruct on arithmetic (slow on CPU)
     rollout grpo --steps 50 --no-wandb
+    rollout serve --model smollm2 --port 5555            # an engine behind ZMQ
+    rollout monitor --connect tcp://127.0.0.1:5555       # its metrics to W&B (offline) and the console
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Optional
 
@@ -55,12 +58,38 @@ def grpo_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve_main(args: argparse.Namespace) -> int:
+    from rollout.serve import serve_main as run
+
+    return run(args)
+
+
+def monitor_main(args: argparse.Namespace) -> int:
+    from rollout.tracking import monitor_service
+
+    return monitor_service(args.connect, every_s=args.every, count=args.count, use_wandb=args.wandb,
+                           out_dir=args.out_dir, token=args.token)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from rollout.serve import add_serve_arguments
+
     parser = argparse.ArgumentParser(prog="rollout", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     grpo = sub.add_parser("grpo", help="colocated GRPO: trainer and engine in one process, sharing weights")
     _add_grpo_arguments(grpo)
     grpo.set_defaults(func=grpo_main)
+    serve = sub.add_parser("serve", help="serve one engine over ZMQ (see rollout.serve)")
+    add_serve_arguments(serve)
+    serve.set_defaults(func=serve_main)
+    monitor = sub.add_parser("monitor", help="poll a server's stats into W&B (offline by default) and the console")
+    monitor.add_argument("--connect", required=True, help="the server's address, e.g. tcp://127.0.0.1:5555")
+    monitor.add_argument("--every", type=float, default=10.0, help="seconds between polls")
+    monitor.add_argument("--count", type=int, help="stop after this many polls (default: until interrupted)")
+    monitor.add_argument("--token", default=os.environ.get("ROLLOUT_TOKEN"), help="the server's shared secret")
+    monitor.add_argument("--out-dir", default="runs/monitor", help="where the W&B run and stats.jsonl go")
+    monitor.add_argument("--no-wandb", dest="wandb", action="store_false", help="console only")
+    monitor.set_defaults(func=monitor_main)
     return parser
 
 

@@ -1,30 +1,116 @@
-"""RolloutEngine: what a colocated RL loop talks to.
+"""RolloutEngine: what a colocated RL loop talks to (the in-process `RolloutBackend`).
 
 It wraps one `DynamicInferenceEngine` and speaks in token lists and `RolloutBatch`es: n samples per
 prompt, each with its per-token log-probs and policy versions. Trainer coupling (suspend / resume,
 weight aliasing, version bumps) is passed through to the engine, which owns the state machine.
+`rollout.RolloutClient` is the same interface to an engine in another process.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
+import os
+import queue
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 
-from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams
-from rollout.types import GenerationStats, Rollout, RolloutBatch
+from inference import (
+    DynamicInferenceEngine,
+    InferenceConfig,
+    PauseMode,
+    RequestOutput,
+    SamplingParams,
+    SuspendPolicy,
+    SuspendReport,
+    TokenEvent,
+    UpdatePolicy,
+)
+from inference.models.loading import read_safetensors
+from rollout.backend import Prompts, WeightSource, params_per_prompt, sort_rollouts
+from rollout.types import GenerationStats, Rollout, RolloutBatch, TokenChunk
 
 logger = logging.getLogger(__name__)
+
+class LocalSampleStream:
+    """The samples of one `RolloutEngine.stream` call (see `rollout.backend.SampleStream`).
+
+    Without a background loop, the thread that iterates steps the engine (other callers' requests
+    progress too). Past its deadline the running samples are aborted and `TimeoutError` raised.
+    """
+
+    def __init__(self, engine: DynamicInferenceEngine, prompts: Prompts, params: list[SamplingParams],
+                 tokens: bool, timeout: Optional[float]) -> None:
+        self._engine = engine
+        self._items: queue.SimpleQueue = queue.SimpleQueue()
+        streams = engine.submit_many(prompts, params, stream_tokens=tokens, callback=self._items.put)
+        self._group = {rid: g for g, s in enumerate(streams) for rid in s.request_ids}
+        self.request_ids = [rid for s in streams for rid in s.request_ids]
+        self._finished: set[int] = set()
+        self.timeout = timeout
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+
+    def __iter__(self) -> Iterator[Union[Rollout, TokenChunk]]:
+        return self
+
+    def __next__(self) -> Union[Rollout, TokenChunk]:
+        while True:
+            if len(self._finished) == len(self.request_ids):
+                raise StopIteration
+            try:
+                item = self._items.get(timeout=0.05) if self._engine.loop_running else self._items.get_nowait()
+            except queue.Empty:
+                self._wait()
+                continue
+            group = self._group[item.request_id]
+            if isinstance(item, TokenEvent):
+                return TokenChunk(group, item.sample_index, item.index, [item.token_id], [item.logprob],
+                                  [item.version])
+            self._finished.add(item.request_id)
+            return _rollout(item, group)
+
+    def _wait(self) -> None:
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            self.abort()
+            self._finished.update(self.request_ids)
+            raise TimeoutError(f"stream of {len(self._group)} samples not done within {self.timeout} s; "
+                               "its running samples were aborted")
+        if not self._engine.loop_running:
+            self._engine.step_for_waiter()
+
+    def result(self, timeout: Optional[float] = None) -> list[Rollout]:
+        if timeout is not None:
+            deadline = time.monotonic() + timeout
+            self.deadline = deadline if self.deadline is None else min(self.deadline, deadline)
+            self.timeout = timeout if self.timeout is None else min(self.timeout, timeout)
+        return sort_rollouts(item for item in self if isinstance(item, Rollout))
+
+    def abort(self) -> None:
+        pending = [rid for rid in self.request_ids if rid not in self._finished]
+        if pending:
+            self._engine.abort_many(pending)
+
+
+def _rollout(out: RequestOutput, group: int) -> Rollout:
+    return Rollout(
+        prompt_ids=list(out.prompt_token_ids),
+        completion_ids=list(out.generated_token_ids),
+        logprobs=list(out.logprobs),
+        versions=list(out.token_versions),
+        finish_reason=out.finish_reason,
+        group=group,
+        sample_index=out.sample_index,
+    )
+
 
 class RolloutEngine:
     """n samples per prompt from one engine replica that shares the trainer's process and memory.
 
-    Safe to call from several threads at once: each `generate` receives exactly its own samples.
+    Implements `rollout.RolloutBackend`. Safe to call from several threads at once: each
+    `generate` receives exactly its own samples.
     """
 
     def __init__(
@@ -39,9 +125,8 @@ class RolloutEngine:
 
     # ---- generation --------------------------------------------------------------------------
 
-    def generate(
-        self, prompts: Sequence[Sequence[int]], n: int = 1, sampling: Optional[SamplingParams] = None
-    ) -> RolloutBatch:
+    def generate(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
+                 timeout: Optional[float] = None) -> RolloutBatch:
         """Sample `n` completions of every prompt; returns them grouped by prompt, in prompt order.
 
         `sampling.n` is replaced by `n`. A seeded `sampling` gives prompt i the seed `seed + i` (the
@@ -50,31 +135,16 @@ class RolloutEngine:
         Log-probs are the engine's RAW ones (log-softmax of the logits) unless `sampling` says
         otherwise: what a trainer recomputes for importance ratios.
         """
-        base = sampling or SamplingParams()
-        params = [
-            dataclasses.replace(base, n=n, seed=None if base.seed is None else (base.seed + i) % 2**64)
-            for i in range(len(prompts))
-        ]
+        params = params_per_prompt(len(prompts), n, sampling)
         eng = self.engine
         version = eng.policy_version
         pool_before, steps_before = eng.allocator.stats(), eng.num_steps
         start = time.perf_counter()
-        outputs = eng.generate(prompts, params)
+        outputs = eng.generate(prompts, params, timeout=timeout)
         seconds = time.perf_counter() - start
         pool_after = eng.allocator.stats()
         first_group = outputs[0].group_id if outputs else 0
-        rollouts = [
-            Rollout(
-                prompt_ids=list(o.prompt_token_ids),
-                completion_ids=list(o.generated_token_ids),
-                logprobs=list(o.logprobs),
-                versions=list(o.token_versions),
-                finish_reason=o.finish_reason,
-                group=o.group_id - first_group,
-                sample_index=o.sample_index,
-            )
-            for o in outputs
-        ]
+        rollouts = [_rollout(o, o.group_id - first_group) for o in outputs]
         hits = pool_after.hit_blocks - pool_before.hit_blocks
         stats = GenerationStats(
             seconds=seconds,
@@ -87,11 +157,30 @@ class RolloutEngine:
         )
         return RolloutBatch(rollouts, group_size=n, policy_version=version, stats=stats)
 
+    def stream(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
+               tokens: bool = False, timeout: Optional[float] = None) -> LocalSampleStream:
+        """The samples of `generate(prompts, n, sampling)`, each as it finishes (tokens as sampled)."""
+        return LocalSampleStream(self.engine, prompts, params_per_prompt(len(prompts), n, sampling), tokens, timeout)
+
+    def abort(self, stream: LocalSampleStream) -> None:
+        stream.abort()
+
+    # ---- control -----------------------------------------------------------------------------
+
+    def pause(self, mode: Union[PauseMode, str] = PauseMode.KEEP, *, timeout: Optional[float] = None) -> None:
+        self.engine.pause(PauseMode(mode), timeout=timeout)
+
+    def continue_(self) -> None:
+        self.engine.continue_()
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
+
     # ---- trainer coupling (the engine owns the state machine) --------------------------------
 
-    def suspend(self, **kwargs: Any) -> Any:
+    def suspend(self, policy: Optional[SuspendPolicy] = None, *, offload_weights: bool = False) -> SuspendReport:
         """Free the KV buffer for the trainer; returns the engine's `SuspendReport`."""
-        return self.engine.suspend(**kwargs)
+        return self.engine.suspend(None if policy is None else SuspendPolicy(policy), offload_weights=offload_weights)
 
     def resume(self) -> None:
         self.engine.resume()
@@ -104,12 +193,14 @@ class RolloutEngine:
         """The aliased parameters changed in place: bump the version, drop the prefix cache."""
         return self.engine.on_weights_updated()
 
-    def update_weights(
-        self, named_tensors: Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]],
-        version: Optional[int] = None, **kwargs: Any,
-    ) -> int:
-        """Copy weights in (not aliased); returns the new policy version."""
-        return self.engine.update_weights(named_tensors, version, **kwargs)
+    def update_weights(self, source: WeightSource, version: Optional[int] = None, *,
+                       policy: Optional[UpdatePolicy] = None, **kwargs: Any) -> int:
+        """Copy weights in (not aliased): a safetensors directory, or named tensors; returns the
+        new policy version."""
+        if isinstance(source, (str, os.PathLike)):
+            source = read_safetensors(Path(source), None)
+        return self.engine.update_weights(source, version, policy=None if policy is None else UpdatePolicy(policy),
+                                          **kwargs)
 
     @property
     def policy_version(self) -> int:
@@ -122,3 +213,6 @@ class RolloutEngine:
     def stats(self) -> dict:
         return self.engine.stats()
 
+    def close(self) -> None:
+        """Stop the engine's background loop if one runs (the engine itself stays usable)."""
+        self.engine.stop()

@@ -18,10 +18,10 @@ import numpy as np
 from msgspec import Meta
 
 from inference.request import FinishReason
-from inference.sampling_params import MAX_LOGPROBS, LogprobsMode
+from inference.sampling_params import MAX_LOGPROBS, MAX_TEMPERATURE, MAX_TOP_K, LogprobsMode
 from rollout.packing import as_float32, as_int32, check_non_negative, check_same_length
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: UpdateWeights.policy
 MAX_REQUEST_ID_LENGTH = 256
 MAX_SAMPLES = 1024  # n per Generate
 MAX_STOP_TOKENS = 1024
@@ -80,11 +80,19 @@ class PauseMode(str, enum.Enum):
 
 
 class SuspendPolicy(str, enum.Enum):
-    """Requests in flight at `Suspend`; the values are `inference.InFlightPolicy`'s."""
+    """Requests in flight at `Suspend`; the values are `inference.SuspendPolicy`'s."""
 
     ABORT = "abort"
     RECOMPUTE = "recompute"
     OFFLOAD = "offload"
+
+
+class UpdatePolicy(str, enum.Enum):
+    """Requests in flight at `UpdateWeights`; the values are `inference.UpdatePolicy`'s."""
+
+    ABORT = "abort"
+    RECOMPUTE = "recompute"
+    KEEP = "keep"
 
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID_LENGTH)]
@@ -115,6 +123,11 @@ class _Message(msgspec.Struct, tag_field="kind", forbid_unknown_fields=True, kw_
             return NotImplemented
         return all(_field_eq(getattr(self, f), getattr(other, f)) for f in self.__struct_fields__)
 
+    # NOTE: msgspec.Struct's own `!=` does not invert the `__eq__` above: define it too
+    def __ne__(self, other: object) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
     __hash__ = None  # type: ignore[assignment]
 
 
@@ -129,13 +142,13 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """`inference.SamplingParams` on the wire: the same fields, names and ranges.
 
     msgspec refuses NaN against every range below (`ge`, `gt`, ... compare false) and the
-    msgpack format bounds `seed` below 2**64; `temperature` has no upper bound, so infinity is
-    refused here.
+    msgpack format bounds `seed` below 2**64. What a range cannot say (a temperature between 0
+    and `MIN_TEMPERATURE`) the engine's own validation refuses (`sampling_params_from_wire`).
     """
 
     n: Annotated[int, Meta(ge=1, le=MAX_SAMPLES)] = 1
-    temperature: Annotated[float, Meta(ge=0)] = 1.0
-    top_k: Annotated[int, Meta(ge=-1)] = 0
+    temperature: Annotated[float, Meta(ge=0, le=MAX_TEMPERATURE)] = 1.0
+    top_k: Annotated[int, Meta(ge=-1, le=MAX_TOP_K)] = 0
     top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
     min_p: Annotated[float, Meta(ge=0, lt=1)] = 0.0
     seed: Optional[NonNegInt] = None
@@ -205,10 +218,12 @@ WeightSource = SafetensorsDir
 
 
 class UpdateWeights(_Request, tag=Kind.UPDATE_WEIGHTS.value):
-    """Load new weights and commit them atomically under `target_version` (default: current + 1)."""
+    """Load new weights and commit them atomically under `target_version` (default: current + 1);
+    `policy` says what happens to requests in flight (None: the engine's configured default)."""
 
     source: WeightSource
     target_version: Optional[NonNegInt] = None
+    policy: Optional[UpdatePolicy] = None
 
 
 class ResetPrefixCache(_Request, tag=Kind.RESET_PREFIX_CACHE.value):

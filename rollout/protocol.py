@@ -70,6 +70,7 @@ from rollout.messages import (
     Suspend,
     SuspendPolicy,
     TokenDelta,
+    UpdatePolicy,
     UpdateWeights,
     WeightSource,
     _Message,
@@ -81,8 +82,8 @@ __all__ = [
     "DEFAULT_MAX_FRAME_BYTES", "PROTOCOL_VERSION", "Abort", "Continue", "ErrorCode", "ErrorReply", "Generate",
     "Health", "HealthInfo", "Heartbeat", "Kind", "Message", "Pause", "PauseMode", "ProtocolError", "ReplyMessage",
     "RequestMessage", "ResetPrefixCache", "Result", "Resume", "SafetensorsDir", "SampleOutput", "Sampling",
-    "Stats", "Suspend", "SuspendPolicy", "TokenDelta", "UpdateWeights", "WeightSource", "decode", "decode_reply",
-    "decode_request", "encode", "error_from_reply", "error_reply", "output_from_wire", "output_to_wire",
+    "Stats", "Suspend", "SuspendPolicy", "TokenDelta", "UpdatePolicy", "UpdateWeights", "WeightSource", "decode",
+    "decode_reply", "decode_request", "encode", "error_from_reply", "error_reply", "output_from_wire", "output_to_wire",
     "sampling_params_from_wire", "sampling_params_to_wire",
 ]
 

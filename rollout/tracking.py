@@ -8,6 +8,10 @@ Console: the bar and the table share one stream (stdout by default) and every ta
 every log record meanwhile, is written through the bar (cleared, row, redrawn), so no row is
 glued to it. A stream that is not a terminal (a log file, a pipe) gets no bar: the rows are the
 progress there, with nothing but rows on their lines.
+
+`ServiceLogger` does the same for a rollout server's `stats()` (tokens/s, queue depth, KV use,
+prefix hit rate, pauses, evictions, tokens per version): one console line and one W&B row per
+poll; `monitor_service` (`rollout monitor`) polls a server with it.
 """
 
 from __future__ import annotations
@@ -114,20 +118,10 @@ class Tracker:
         self._header_printed = False
 
     def _init_wandb(self) -> Any:
-        os.environ.setdefault("WANDB_MODE", "offline")  # NOTE: online only when the caller asks for it
-        os.environ.setdefault("WANDB_SILENT", "true")
-        try:
-            import wandb
-
-            run = wandb.init(
-                project=self.project, name=self.run_name, config=self.config, dir=str(self.out_dir),
-                reinit="finish_previous",
-            )
-        except Exception as exc:  # NOTE: tracking must never stop training; say so and go on
-            logger.warning("W&B disabled: wandb.init failed (%s: %s)", type(exc).__name__, exc)
-            return None
-        self.paths.wandb_dir = Path(run.dir).parent if run.dir else None
-        self.paths.wandb_url = getattr(run, "url", None) or None
+        run = init_wandb(self.project, self.run_name, self.config, self.out_dir)
+        if run is not None:
+            self.paths.wandb_dir = Path(run.dir).parent if run.dir else None
+            self.paths.wandb_url = getattr(run, "url", None) or None
         return run
 
     # ---- per step ----------------------------------------------------------------------------
@@ -200,6 +194,104 @@ def _is_terminal(stream: Any) -> bool:
         return bool(stream.isatty())
     except (AttributeError, ValueError):  # no isatty, or a closed stream
         return False
+
+
+def init_wandb(project: str, name: Optional[str], config: dict[str, Any], out_dir: Path) -> Any:
+    """A W&B run (offline unless WANDB_MODE says otherwise), or None if wandb cannot start."""
+    os.environ.setdefault("WANDB_MODE", "offline")  # NOTE: online only when the caller asks for it
+    os.environ.setdefault("WANDB_SILENT", "true")
+    try:
+        import wandb
+
+        return wandb.init(project=project, name=name, config=config, dir=str(out_dir), reinit="finish_previous")
+    except Exception as exc:  # NOTE: tracking must never stop training; say so and go on
+        logger.warning("W&B disabled: wandb.init failed (%s: %s)", type(exc).__name__, exc)
+        return None
+
+
+# (stats key, column header, width, format): the console line of `ServiceLogger`
+SERVICE_COLUMNS: tuple[tuple[str, str, int, str], ...] = (
+    ("tokens_per_s", "tok/s", 8, ".0f"),
+    ("queue_depth", "queue", 6, "d"),
+    ("requests_in_flight", "flight", 6, "d"),
+    ("kv_utilization", "kv %", 5, ".0%"),
+    ("prefix_hit_rate", "hit %", 5, ".0%"),
+    ("pauses", "pauses", 6, "d"),
+    ("evictions", "evict", 6, "d"),
+    ("policy_version", "ver", 4, "d"),
+)
+
+
+class ServiceLogger:
+    """A rollout server's stats, one poll at a time, to W&B (offline by default), a JSON-lines file
+    and the console. Tokens per version go to W&B as `service/tokens_v<k>`."""
+
+    def __init__(self, out_dir: Path, *, use_wandb: bool = True, run_name: Optional[str] = None,
+                 project: str = "rollout-engine", config: Optional[dict[str, Any]] = None, echo: bool = True) -> None:
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.echo = echo
+        self.history: list[dict[str, Any]] = []
+        self._file = (self.out_dir / "stats.jsonl").open("a")
+        self._wandb = init_wandb(project, run_name, config or {}, self.out_dir) if use_wandb else None
+        self._lines = 0
+
+    def log(self, stats: dict[str, Any], step: Optional[int] = None) -> str:
+        """Record one poll; returns (and prints, if `echo`) its console line."""
+        step = len(self.history) if step is None else step
+        self.history.append({"step": step, **stats})
+        self._file.write(json.dumps({"step": step, **stats}, default=str) + "\n")
+        self._file.flush()
+        if self._wandb is not None:
+            self._wandb.log({f"service/{k}": v for k, v in stats.items() if isinstance(v, (int, float))}, step=step)
+        line = self.format_line(stats)
+        if self.echo:
+            if self._lines % 20 == 0:
+                print(self.header(), flush=True)
+            print(line, flush=True)
+        self._lines += 1
+        return line
+
+    @staticmethod
+    def header() -> str:
+        return " ".join(f"{title:>{width}}" for _, title, width, _ in SERVICE_COLUMNS) + "  tokens per version"
+
+    @staticmethod
+    def format_line(stats: dict[str, Any]) -> str:
+        cells = []
+        for key, _, width, fmt in SERVICE_COLUMNS:
+            value = stats.get(key)
+            cells.append(f"{'-':>{width}}" if value is None else f"{value:>{width}{fmt}}")
+        versions = {k[len("tokens_v"):]: v for k, v in stats.items() if k.startswith("tokens_v")}
+        return " ".join(cells) + "  " + (" ".join(f"v{k}:{v}" for k, v in versions.items()) or "-")
+
+    def finish(self) -> None:
+        self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def monitor_service(address: str, *, every_s: float = 10.0, count: Optional[int] = None, use_wandb: bool = True,
+                    out_dir: str = "runs/monitor", token: Optional[str] = None) -> int:
+    """Poll a server's `stats()` every `every_s` seconds into a `ServiceLogger` (`rollout monitor`)."""
+    from rollout.client import RolloutClient
+    from rollout.security import ClientSecurity
+
+    security = ClientSecurity(token=token) if token else None
+    log = ServiceLogger(Path(out_dir), use_wandb=use_wandb, config={"address": address})
+    polls = 0
+    try:
+        with RolloutClient(address, timeout=max(5.0, every_s), security=security) as client:
+            while count is None or polls < count:
+                if polls:
+                    time.sleep(every_s)
+                log.log(client.stats())
+                polls += 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        log.finish()
+    return 0
 
 
 def plot_history(history: Sequence[dict[str, Any]], path: Path, max_reward: float = 1.0) -> Optional[Path]:

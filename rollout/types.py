@@ -15,7 +15,7 @@ import torch
 
 from inference.request import FinishReason
 
-__all__ = ["FinishReason", "GenerationStats", "PaddedBatch", "Rollout", "RolloutBatch"]
+__all__ = ["FinishReason", "GenerationStats", "PaddedBatch", "Rollout", "RolloutBatch", "TokenChunk"]
 
 
 @dataclass(slots=True)
@@ -46,6 +46,22 @@ class Rollout:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
+
+
+@dataclass(slots=True)
+class TokenChunk:
+    """Tokens one sample generated since its previous chunk, while it runs (token streaming).
+
+    `start` indexes the first of them in the sample's completion; the sample's final `Rollout`
+    holds every token again, so a consumer may skip chunks.
+    """
+
+    group: int
+    sample_index: int
+    start: int
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
 
 
 @dataclass(slots=True)

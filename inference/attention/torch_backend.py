@@ -2,7 +2,9 @@
 
 Two groups per step, each one SDPA call per layer, no per-request python loop:
 
-* decode (requests with one query row): one `index_select` gathers every decode request's blocks
+* decode (requests with one query row): on CPU, the native kernel (`cpu_kernels.paged_decode`)
+  attends straight from the pages, with no gather and no padding to the longest request.
+  Otherwise (and as the reference) one `index_select` gathers every decode request's blocks
   from the paged buffer into `[Bd, S, Hkv, D]`; the G query heads that share a KV head are folded
   into SDPA's query-length axis (`[Bd, Hkv, G, D]`), so GQA needs no K/V repeat; a key-padding
   mask hides positions past each request's `seq_len`.
@@ -21,6 +23,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from inference.attention import cpu_kernels
 from inference.attention.base import AttentionBackend, AttentionBackendKind
 from inference.attention.metadata import AttentionMetadata, BatchSplit, split_decode_prefill
 from inference.kv_cache.buffers import KVCacheBuffer
@@ -29,9 +32,9 @@ from inference.kv_cache.buffers import KVCacheBuffer
 class _Group:
     """One group's per-step tensors. `tokens` None means the group is the whole batch."""
 
-    __slots__ = ("tokens", "block_ids", "mask", "batch", "kv_len", "q_len", "scatter")
+    __slots__ = ("tokens", "block_ids", "mask", "batch", "kv_len", "q_len", "scatter", "tables", "seq_lens")
 
-    def __init__(self, tokens, block_ids, mask, batch, kv_len, q_len=1, scatter=None):
+    def __init__(self, tokens, block_ids, mask, batch, kv_len, q_len=1, scatter=None, tables=None, seq_lens=None):
         self.tokens = tokens
         self.block_ids = block_ids
         self.mask = mask
@@ -39,6 +42,8 @@ class _Group:
         self.kv_len = kv_len
         self.q_len = q_len
         self.scatter = scatter  # prefill: padded-grid row of each of the group's tokens
+        self.tables = tables  # decode with the native kernel: int32 block tables and seq_lens
+        self.seq_lens = seq_lens
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -46,8 +51,10 @@ class TorchAttentionBackend(AttentionBackend):
 
     kind = AttentionBackendKind.TORCH
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, native_decode: bool | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        supported = cpu_kernels.supports(self.dtype, self.device, self.num_heads, self.head_dim)
+        self.native_decode = supported if native_decode is None else (native_decode and supported)
         self._slot_mapping: torch.Tensor | None = None
         self._num_tokens = 0
         self._decode: _Group | None = None
@@ -83,6 +90,11 @@ class TorchAttentionBackend(AttentionBackend):
     def _plan_decode(self, split: BatchSplit, meta: AttentionMetadata, tables, bs: int) -> _Group:
         whole = split.decode_only
         reqs = None if whole else split.decode_reqs
+        if self.native_decode:
+            rows = meta.block_tables if whole else meta.block_tables.index_select(0, reqs)
+            seq_lens = meta.seq_lens if whole else meta.seq_lens.index_select(0, reqs)
+            return _Group(None if whole else split.decode_tokens, None, None, seq_lens.shape[0], 0,
+                          tables=rows if rows.stride(1) == 1 else rows.contiguous(), seq_lens=seq_lens.contiguous())
         block_ids, kv_len = self._gather_ids(tables, reqs, int(split.decode_seq_lens_cpu.max()), bs)
         seq_lens = meta.seq_lens if whole else meta.seq_lens.index_select(0, reqs)
         keep = torch.arange(kv_len, device=seq_lens.device)[None, :] < seq_lens[:, None]
@@ -133,6 +145,14 @@ class TorchAttentionBackend(AttentionBackend):
         out.index_copy_(0, pf.tokens, self._attend_prefill(q.index_select(0, pf.tokens), kv, pf))
         return out
 
+    def _native_out(self, batch: int) -> torch.Tensor:
+        """A float32 `[batch, Hq, D]` view of a reusable buffer for the native kernel's output."""
+        size = batch * self.num_heads * self.head_dim
+        buf = self._gather_buffers.get("native_out")
+        if buf is None or buf.numel() < size:
+            buf = self._gather_buffers["native_out"] = torch.empty(size + size // 4, dtype=torch.float32)
+        return buf[:size].view(batch, self.num_heads, self.head_dim)
+
     def _gather_kv(self, kv: torch.Tensor, g: _Group, group: str):
         # one gather for K and V of all the group's blocks: [2, B * n_blocks, bs, Hkv, D]
         shape = (2, g.block_ids.numel(), *kv.shape[2:])
@@ -146,6 +166,11 @@ class TorchAttentionBackend(AttentionBackend):
         return blocks[0], blocks[1]  # [B, Hkv, S, D] each
 
     def _attend_decode(self, q: torch.Tensor, kv: torch.Tensor, g: _Group) -> torch.Tensor:
+        if g.tables is not None:
+            out = self._native_out(g.batch)
+            cpu_kernels.paged_decode(q.contiguous().view(g.batch, self.num_heads, self.head_dim), kv[0], kv[1],
+                                     g.tables, g.seq_lens, self.scale, out)
+            return out.view(g.batch, self.num_heads * self.head_dim).to(q.dtype)
         k, v = self._gather_kv(kv, g, "decode")
         q = q.view(g.batch, self.num_kv_heads, self.group_size, self.head_dim)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=self.scale)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -55,10 +55,15 @@ def load_from_hf_dir(
     return DenseDecoder(spec, tensors, backend=backend)
 
 
-def read_safetensors(root: Path, names: set[str], *, device: torch.device) -> dict[str, torch.Tensor]:
-    """Read `names` from the directory's safetensors files (others are skipped, not loaded)."""
+def read_safetensors(root: Path, names: Optional[set[str]], *, device: torch.device | str = "cpu"
+                     ) -> dict[str, torch.Tensor]:
+    """Read `names` (None: every tensor) from the directory's safetensors files (others are
+    skipped, not loaded); sharded checkpoints are read through their index."""
     from safetensors import safe_open  # lazy: only this path needs the package
 
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root} is not a directory")
     index = root / _INDEX_FILE
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -70,8 +75,10 @@ def read_safetensors(root: Path, names: set[str], *, device: torch.device) -> di
     for file in files:
         with safe_open(str(root / file), framework="pt", device=str(device)) as f:
             for key in f.keys():
-                if key in names:
+                if names is None or key in names:
                     out[key] = f.get_tensor(key)
+    if names is None:
+        return out
     missing = names - set(out) - {LM_HEAD}
     if missing:
         raise KeyError(f"{root}: checkpoint lacks {sorted(missing)[:8]}")

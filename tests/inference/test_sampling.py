@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from inference import sampling
+from inference import sampling, sampling_truncation
 from inference.sampling import Sampler, SamplingBatch, compute_prompt_logprobs, make_generator, sample
 from inference.sampling_params import LogprobsMode, SamplingParams
 
@@ -60,16 +60,19 @@ row_params = st.builds(
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(params=st.lists(row_params, min_size=1, max_size=5), vocab=st.integers(1, 300),
-       scale=st.sampled_from([0.5, 2.0, 6.0]), ties=st.booleans(), window=st.sampled_from([1, 3, 256]),
-       seed=st.integers(0, 2**31))
-def test_truncation_and_processed_logprobs_match_direct_computation(params, vocab, scale, ties, window, seed):
+       scale=st.sampled_from([0.5, 2.0, 6.0]), ties=st.booleans(),
+       histogram=st.sampled_from([(1024, 32.0, 16), (4, 1.0, 1), (2, 0.25, 2)]), seed=st.integers(0, 2**31))
+def test_truncation_and_processed_logprobs_match_direct_computation(params, vocab, scale, ties, histogram, seed):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(len(params), vocab, generator=g) * scale
     if ties:  # a coarse grid puts many tokens on the top-k / top-p boundaries
         logits = (logits * 2).round() / 2
     batch = batch_of([SamplingParams(**{**_fields(p), "logprobs_mode": PROCESSED}) for p in params])
     batch.num_top_logprobs = vocab  # every token, so the kept set is the finite entries
-    with mock.patch.object(sampling, "_TOP_P_WINDOW", window):  # small windows exercise the regrowth
+    # coarse top-p histograms put many tokens in the crossing bin, a short span most of the row in
+    # the overflow bin, one or two rows per pass exercise the chunking
+    bins, span, rows = histogram
+    with mock.patch.multiple(sampling_truncation, _HIST_BINS=bins, _HIST_SPAN=span, _HIST_ROWS=rows):
         out = sample(logits, batch)
     for r, p in enumerate(params):
         keep, logq, ambiguous = reference(logits[r], p)
@@ -283,3 +286,19 @@ def test_from_params_flags_and_top_n():
     assert b.unit_temperature and b.any_greedy and not b.all_greedy
     assert b.need_raw and b.need_processed and b.num_top_logprobs == 4
     assert b.logprobs_mode.tolist() == [False, True]
+
+
+@pytest.mark.parametrize("scale", [0.1, 1.0, 4.0])  # nuclei of ~18,000, ~thousands and a few tokens
+def test_top_p_is_exact_on_wide_nuclei(scale):
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 20_000, generator=g) * scale
+    params = [SamplingParams(top_p=p, logprobs_mode=PROCESSED) for p in (0.5, 0.9, 0.95, 0.99)]
+    batch = batch_of(params)
+    batch.num_top_logprobs = 20_000
+    out = sample(logits, batch)
+    for r, p in enumerate(params):
+        keep, _, ambiguous = reference(logits[r], p)
+        got = torch.zeros(20_000, dtype=torch.bool)
+        got[out.top_token_ids[r][out.top_logprobs[r].isfinite()]] = True
+        assert torch.equal(got, keep) or ambiguous
+        assert keep.sum() > (1000 if scale < 4 else 0)

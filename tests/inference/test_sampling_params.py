@@ -46,7 +46,8 @@ def test_stop_token_ids_tuple_becomes_list():
     [
         ("n", 0), ("n", 1.0), ("n", True),
         ("temperature", -0.1), ("temperature", math.inf), ("temperature", math.nan), ("temperature", "1"),
-        ("top_k", -2), ("top_k", 2.0), ("top_k", True),
+        ("temperature", 1e-40), ("temperature", 1e308),  # 1 / T overflows float32; T overflows it
+        ("top_k", -2), ("top_k", 2.0), ("top_k", True), ("top_k", 2**63),
         ("top_p", 0.0), ("top_p", 1.01), ("top_p", math.nan), ("top_p", None),
         ("min_p", -0.01), ("min_p", 1.0), ("min_p", math.nan),
         ("seed", -1), ("seed", 2**64), ("seed", 1.5),

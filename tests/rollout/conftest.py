@@ -1,4 +1,5 @@
-"""A tiny Llama over the counting task's 16-token vocabulary, and engines around it."""
+"""A tiny Llama over the counting task's 16-token vocabulary, and engines around it; the service
+tests' server process (started once, when a test first asks for it, and always stopped)."""
 
 from __future__ import annotations
 
@@ -34,3 +35,30 @@ def policy() -> LlamaForCausalLM:
 def no_plot(monkeypatch):
     """The PNG takes longer than a short run: for tests that read the summary or the console only."""
     monkeypatch.setattr("rollout.tracking.plot_history", lambda *args, **kwargs: None)
+@pytest.fixture(scope="session")
+def service_model_dir(tmp_path_factory):
+    from tests.rollout.service_util import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("service-model"))
+
+
+@pytest.fixture(scope="session")
+def server(service_model_dir):
+    """A `rollout serve` process with test hooks on an ephemeral loopback port."""
+    from rollout import ServerProcess
+    from tests.rollout.service_util import HOOKED_ENTRY, SERVER_ARGS, WAIT_S
+
+    proc = ServerProcess(service_model_dir, *SERVER_ARGS, entry=HOOKED_ENTRY, ready_timeout=WAIT_S)
+    try:
+        yield proc
+    finally:
+        proc.stop(grace_s=5.0)
+
+
+@pytest.fixture(scope="session")
+def reference(service_model_dir):
+    """The in-process engine on the server's weights and configuration."""
+    from inference import DynamicInferenceEngine
+    from tests.rollout.service_util import engine_config
+
+    return DynamicInferenceEngine.from_pretrained(service_model_dir, engine_config())

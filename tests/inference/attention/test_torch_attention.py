@@ -14,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from inference.attention import cpu_kernels
 from inference.attention.metadata import AttentionMetadata
 from inference.attention.torch_backend import TorchAttentionBackend
 from inference.kv_cache.buffers import KVCacheBuffer
@@ -31,7 +32,7 @@ def naive_attention(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def run_case(contexts, new_lens, block_size, num_kv_heads, group, head_dim=8, seed=0, layer=1):
+def run_case(contexts, new_lens, block_size, num_kv_heads, group, head_dim=8, seed=0, layer=1, native=True):
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     num_heads = num_kv_heads * group
@@ -64,7 +65,8 @@ def run_case(contexts, new_lens, block_size, num_kv_heads, group, head_dim=8, se
     q = torch.cat([queries[r] for r in order])
     k = torch.cat([full_k[r][contexts[r] :] for r in order])
     v = torch.cat([full_v[r][contexts[r] :] for r in order])
-    backend = TorchAttentionBackend(num_heads, num_kv_heads, head_dim)
+    backend = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, native_decode=native)
+    assert backend.native_decode == (native and cpu_kernels.available())
     backend.plan(meta, cache)
     out = backend.forward(layer, q, k, v, cache).view(-1, num_heads, head_dim)
     start = 0
@@ -85,14 +87,17 @@ requests = st.lists(st.tuples(st.integers(0, 40), st.integers(1, 12)), min_size=
     kv_heads=st.integers(1, 3),
     group=st.sampled_from([1, 2, 4]),
     seed=st.integers(0, 2**16),
+    native=st.booleans(),
 )
-def test_matches_naive_attention(reqs, block_size, kv_heads, group, seed):
-    run_case([c for c, _ in reqs], [n for _, n in reqs], block_size, kv_heads, group, seed=seed)
+def test_matches_naive_attention(reqs, block_size, kv_heads, group, seed, native):
+    # native: decode rows through the C kernel (when it builds here); else the gather + SDPA path
+    run_case([c for c, _ in reqs], [n for _, n in reqs], block_size, kv_heads, group, seed=seed, native=native)
 
 
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("new_lens", [[1, 1, 1], [5, 3], [1, 7, 1, 2]])
-def test_decode_only_prefill_only_and_mixed(new_lens):
-    run_case([10, 0, 33, 4][: len(new_lens)], new_lens, block_size=4, num_kv_heads=2, group=2)
+def test_decode_only_prefill_only_and_mixed(new_lens, native):
+    run_case([10, 0, 33, 4][: len(new_lens)], new_lens, block_size=4, num_kv_heads=2, group=2, native=native)
 
 
 def test_writes_kv_at_slot_mapping():

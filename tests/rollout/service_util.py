@@ -1,0 +1,87 @@
+"""Shared by the service tests: a tiny Llama saved to disk, the server's arguments, the matching
+in-process engine, and a `rollout serve` with test hooks (run as `python -m tests.rollout.service_util`):
+SIGUSR1 wedges the engine loop through its `hold` test hook, SIGUSR2 releases it."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import signal
+import sys
+import threading
+from pathlib import Path
+
+VOCAB = 384
+FRAME_LIMIT = 64 * 1024  # the test server's max_frame_bytes: oversized fuzz frames stay cheap
+HEALTH_DEADLINE_S = 1.0
+SERVER_ARGS = ("--threads", "1", "--block-size", "4", "--num-blocks", "4096", "--max-requests", "128",
+               "--max-batch-tokens", "1024", "--max-seq-len", "2048", "--max-frame-bytes", str(FRAME_LIMIT),
+               "--health-deadline-s", str(HEALTH_DEADLINE_S))
+HOOKED_ENTRY = ("-m", "tests.rollout.service_util")
+WAIT_S = 60.0  # every wait in the service tests is bounded
+
+
+def save_tiny_model(directory: Path, seed: int = 0) -> Path:
+    """A 1-layer, hidden-32 Llama (vocab 384) saved with save_pretrained; returns the directory."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    LlamaForCausalLM(cfg).eval().save_pretrained(directory)
+    return Path(directory)
+
+
+def engine_config():
+    """The in-process twin of SERVER_ARGS."""
+    from inference import InferenceConfig
+
+    return InferenceConfig(block_size=4, num_blocks=4096, max_requests=128, max_batch_tokens=1024,
+                           max_sequence_length=2048)
+
+
+def greedy(max_tokens: int, n: int = 1):
+    from inference import SamplingParams
+
+    return SamplingParams(n=n, temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def expected_outputs(reference, prompts, params) -> list[list[list[int]]]:
+    """Each prompt's samples' tokens from the in-process `reference` engine."""
+    streams = reference.submit_many(prompts, params)
+    return [[o.generated_token_ids for o in s.result(WAIT_S)] for s in streams]
+
+
+def random_prompts(count: int, low: int, high: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+def _main() -> int:
+    from rollout.serve import add_serve_arguments, serve_main
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args()
+
+    def install_hooks(server) -> None:
+        hold = threading.Event()
+
+        def wedge(*_):
+            hold.clear()
+            server.engine._loop.hold = hold
+
+        def release(*_):
+            server.engine._loop.hold = None
+            hold.set()
+
+        signal.signal(signal.SIGUSR1, wedge)
+        signal.signal(signal.SIGUSR2, release)
+
+    return serve_main(args, on_ready=install_hooks)
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
