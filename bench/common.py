@@ -1,4 +1,5 @@
-"""Helpers shared by the engine benchmarks: thread set-up, the machine line, models, medians.
+"""Helpers shared by the engine benchmarks: thread set-up, the machine line, models, medians,
+the engine's config under either name of its step-token field, and the `RESULT {json}` line.
 
 NOTE: the benchmark scripts set `OMP_WAIT_POLICY=PASSIVE` (unless the environment sets it) before
 torch is imported. On a shared 2-core machine, OpenMP's default spin-waiting makes a 2-thread
@@ -8,13 +9,16 @@ core; passive waiting removes that cliff for every engine alike. `machine_line()
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
 
 import torch
+
+from inference import InferenceConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TINY_LLAMA = dict(
@@ -72,6 +76,29 @@ def hf_model(choice: ModelChoice, dtype: torch.dtype, seed: int = 0):
     from inference.models.smollm2 import smollm2_dir
 
     return LlamaForCausalLM.from_pretrained(smollm2_dir(), dtype=dtype, attn_implementation="sdpa").eval()
+
+
+def engine_config(**kwargs) -> InferenceConfig:
+    """`InferenceConfig(**kwargs)`, where `max_batch_tokens` (tokens per engine step) is passed
+    under whichever name the installed `InferenceConfig` has for it.
+
+    NOTE: `InferenceConfig.max_tokens` is being renamed `max_batch_tokens`; every bench that sets
+    the step budget goes through here, so the merge is a one-line change.
+    """
+    names = {f.name for f in fields(InferenceConfig)}
+    if "max_batch_tokens" in kwargs and "max_batch_tokens" not in names:
+        kwargs["max_tokens"] = kwargs.pop("max_batch_tokens")
+    return InferenceConfig(**kwargs)
+
+
+RESULT_PREFIX = "RESULT "
+
+
+def print_result(bench: str, figures: Mapping[str, float], **context: object) -> None:
+    """One machine-readable line, `RESULT {"bench": ..., "figures": {...}, ...}`, for
+    `bench/compare_commits.py`: figure names are the ones it compares across commits."""
+    payload = {"bench": bench, "figures": {k: float(v) for k, v in figures.items()}, **context}
+    print(RESULT_PREFIX + json.dumps(payload, sort_keys=True), flush=True)
 
 
 def median(values: Sequence[float]) -> float:

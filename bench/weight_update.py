@@ -19,8 +19,9 @@ import statistics
 import time
 
 import torch
+from common import engine_config
 
-from inference import DynamicInferenceEngine, InferenceConfig
+from inference import DynamicInferenceEngine
 from inference.models.decoder import DenseDecoder
 from inference.models.spec import ModelFamily, ModelSpec
 
@@ -57,8 +58,8 @@ def bench_size(name: str, dtype: torch.dtype, repeats: int, kv_bytes: int) -> di
     spec = spec_for(name, dtype)
     trainer = random_tensors(spec, seed=0)
     params = sum(t.numel() for t in trainer.values())
-    config = InferenceConfig(block_size=16, kv_memory_bytes=kv_bytes, max_requests=8, max_tokens=64,
-                             max_sequence_length=256, dtype=dtype)
+    config = engine_config(block_size=16, kv_memory_bytes=kv_bytes, max_requests=8, max_batch_tokens=64,
+                           max_sequence_length=256, dtype=dtype)
 
     aliased = DynamicInferenceEngine(DenseDecoder(spec, trainer), config)  # holds the trainer's tensors
     alias_s = median_time(aliased.on_weights_updated, repeats)
