@@ -19,9 +19,10 @@ tokens/s = useful tokens / wall time, useful = the targets summed. What each sid
   is ours). Its set-up and warm-up are untimed (printed).
 
 Each run builds a fresh engine (no prefix cache carries over) and serves a few short requests
-untimed first. `--repeats` (default 3) interleave every configuration. The headline is the
-median over repeats of engine tok/s / the best peer configuration's tok/s, the best being the
-configuration with the highest median tok/s; every configuration is printed.
+untimed first. `--repeats` (default 3) interleave every configuration; after the first, peer
+configurations under `--prune` (0.6) x the best of their family in it are printed from that one
+run and not rerun. The headline is the median over repeats of engine tok/s / the best peer
+configuration's tok/s, the best being the one with the highest median tok/s.
 
 Usage: `python bench/rollout_throughput.py [--model tiny|smollm2|both] [--prompts 64] [--n 8]
 [--quick] [--repeats 3] [--hf-batch 1,8] [--cb-pages 16,256] [--threads 2]`. Prints one
@@ -158,9 +159,10 @@ def bench_model(choice: ModelChoice, args: argparse.Namespace) -> list[RunResult
     runners = _runners(model, work, budget, args)
     runs: dict[str, list[RunResult]] = {r.key: [] for r in runners}
     skipped: dict[str, str] = {}
+    pruned: set[str] = set()
     for repeat in range(args.repeats):  # NOTE: repeats interleave the runners, so load drifts hit all alike
         for runner in runners:
-            if runner.key in skipped:
+            if runner.key in skipped or runner.key in pruned:
                 continue
             try:
                 result = runner.run()
@@ -176,10 +178,27 @@ def bench_model(choice: ModelChoice, args: argparse.Namespace) -> list[RunResult
                 f"load {result.load:.2f}{'' if result.ok else '  TOKEN COUNTS WRONG'}",
                 flush=True,
             )
+        if repeat == 0 and args.repeats > 1 and args.prune > 0:
+            pruned = _prune(runs, args.prune)
+            if pruned:
+                print(f"  pruned after repeat 1 (< {args.prune:g}x the best of their family): {', '.join(pruned)}")
     for key in skipped:  # NOTE: a configuration that failed in a later repeat has unequal runs: drop it
         runs[key] = []
     _report(choice, runs, skipped, args.repeats)
     return [r for rs in runs.values() for r in rs]
+
+
+def _prune(runs: dict[str, list[RunResult]], factor: float) -> set[str]:
+    """Peer configurations whose first run was under `factor` x the best first run of their family.
+
+    NOTE: the sweep's slowest corners (1 prompt per `generate` call) take many times the best's
+    wall time; they cannot win, and rerunning them would triple the run for nothing.
+    """
+    firsts = [rs[0] for rs in runs.values() if rs and rs[0].family != "engine"]
+    best = {}
+    for r in firsts:
+        best[r.family] = max(best.get(r.family, 0.0), r.tokens_per_s)
+    return {r.key for r in firsts if r.tokens_per_s < factor * best[r.family]}
 
 
 def _report(choice: ModelChoice, runs: dict[str, list[RunResult]], skipped: dict[str, str], repeats: int) -> None:
@@ -201,13 +220,15 @@ def _report(choice: ModelChoice, runs: dict[str, list[RunResult]], skipped: dict
         first = rs[0]
         prefill = f"{first.prefill_tokens:,}" if first.prefill_tokens >= 0 else "n/a"
         flag = "" if all(r.ok for r in rs) else " [TOKEN COUNTS WRONG]"
+        flag += "" if len(rs) == len(runs["engine"]) else f" [{len(rs)} run: pruned]"
         print(
             f"{key:<28} {first.useful_tokens:>10,} {prefill:>11} {first.sampled_tokens:>11,} "
             f"{median([r.wall_s for r in rs]):>7.1f} {med[key]:>8.1f} {engine / med[key]:>10.2f}x  {first.note}{flag}"
         )
     for key, reason in skipped.items():
         print(f"{key:<28} skipped: {reason}")
-    peers = {key: tok_s for key, tok_s in med.items() if runs[key][0].family != "engine"}
+    complete = len(runs["engine"])  # NOTE: pruned configurations ran once and cannot be the best
+    peers = {k: tok_s for k, tok_s in med.items() if runs[k][0].family != "engine" and len(runs[k]) == complete}
     if not peers:
         print_result("rollout_throughput", {f"engine_tok_s[{choice.name}]": engine}, model=choice.name)
         return
@@ -286,6 +307,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-requests", type=int, default=256, help="requests in flight, continuous batchers")
     parser.add_argument("--engine-fork", action="store_true", help="also run the engine with n samples per request")
     parser.add_argument("--no-hf-continuous", action="store_true", help="skip HF continuous batching")
+    parser.add_argument("--prune", type=float, default=0.6, help="after repeat 1, drop peer configurations under "
+                        "this x the best of their family (0: keep all)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.quick:
