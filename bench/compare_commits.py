@@ -16,7 +16,7 @@ from before `RESULT` existed (fef436a) compare too:
   column of the "engine (n=1 per sample)" row of the table after "== MODEL:": `ENGINE_ROW`.
 
 Usage: `python bench/compare_commits.py --before REV --after REV --bench step_overhead
---bench rollout_throughput [--repeats 5] [--bench-args NAME="ARGS"] [-- ARGS for every bench]`.
+--bench rollout_throughput [--repeats 5] [--quick] [--bench-args NAME="ARGS"] [-- ARGS for every bench]`.
 rollout_throughput runs with `--model tiny --repeats 1 --hf-batch 8 --no-hf-continuous` first
 (its peers are not compared here; a later argument wins). Exits 1 if a run fails.
 """
@@ -197,6 +197,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="extra arguments for one bench, after the shared ones")  # fmt: skip
     parser.add_argument("--repo", type=Path, default=Path(__file__).resolve().parent, help="a path in the git repo")
     parser.add_argument("--timeout", type=float, default=None, help="seconds allowed per bench run")
+    parser.add_argument("--quick", action="store_true", help="pass --quick to every bench (smoke run)")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
@@ -207,7 +208,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
             parser.error(f"--bench-args takes NAME=ARGS, got {item!r}")
         per_bench.setdefault(name, []).extend(shlex.split(text))
     args.per_bench = per_bench
-    return args, extra
+    return args, (["--quick"] if args.quick else []) + extra
 
 
 def _raise_on_sigterm(signum, frame):
