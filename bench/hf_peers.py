@@ -123,21 +123,31 @@ def _generate_call(model, work: Workload, groups: list[int], prefill: Prefill) -
     return prefilled, new.numel(), ok
 
 
-def run_generate(model, work: Workload, config: GenerateConfig) -> RunResult:
-    """Prompts sorted by their group's longest sample, in calls of `prompts_per_call` prompts."""
+def run_generate(model, work: Workload, config: GenerateConfig, give_up_s: float | None = None) -> RunResult:
+    """Prompts sorted by their group's longest sample, in calls of `prompts_per_call` prompts.
+
+    With `give_up_s`, calls stop once that many seconds have passed: the result is then marked
+    `stopped`, its wall time is a lower bound and its tok/s (all useful tokens / it) an upper bound.
+    """
     _generate_call(model, work, [0], config.prefill)  # warm-up
     order = sorted(range(len(work.prompts)), key=lambda g: max(work.lengths[g]), reverse=True)
     step = config.prompts_per_call
     calls = [order[i : i + step] for i in range(0, len(order), step)]
-    prefilled = sampled = 0
+    prefilled = sampled = done = 0
     ok, load = True, load_average()
     start = time.perf_counter()
     for groups in calls:
         p, s, call_ok = _generate_call(model, work, groups, config.prefill)
-        prefilled, sampled, ok = prefilled + p, sampled + s, ok and call_ok
+        prefilled, sampled, ok, done = prefilled + p, sampled + s, ok and call_ok, done + 1
+        if give_up_s is not None and done < len(calls) and time.perf_counter() - start > give_up_s:
+            break
     wall = time.perf_counter() - start
     note = f"{len(calls)} calls of {step} prompts x n={work.n} rows"
-    return RunResult(config.key, "hf-generate", work.useful_tokens, sampled, prefilled, wall, load, ok, note)
+    result = RunResult(config.key, "hf-generate", work.useful_tokens, sampled, prefilled, wall, load, ok, note)
+    if done < len(calls):
+        result.stopped = True
+        result.note += f"; STOPPED after {done} calls at {wall:.0f} s (tok/s is an upper bound, tokens partial)"
+    return result
 
 
 @torch.no_grad()

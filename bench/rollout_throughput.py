@@ -19,9 +19,11 @@ tokens/s = useful tokens / wall time, useful = the targets summed. What each sid
   is ours). Its set-up and warm-up are untimed (printed).
 
 Each run builds a fresh engine (no prefix cache carries over) and serves a few short requests
-untimed first. `--repeats` (default 3) interleave every configuration; after the first, peer
-configurations under `--prune` (0.6) x the best of their family in it are printed from that one
-run and not rerun. The headline is the median over repeats of engine tok/s / the best peer
+untimed first. `--repeats` (default 3) interleave every configuration. In the first (the sweep),
+an HF generate configuration still running after `--give-up` (2) x its family's fastest wall
+time so far is stopped (printed as bounds: wall >, tok/s <); after it, peer configurations
+stopped or under `--prune` (0.6) x the best of their family are printed from that run and not
+rerun. The headline is the median over repeats of engine tok/s / the best peer
 configuration's tok/s, the best being the one with the highest median tok/s.
 
 Usage: `python bench/rollout_throughput.py [--model tiny|smollm2|both] [--prompts 64] [--n 8]
@@ -120,21 +122,26 @@ def run_engine_fork(model, work: Workload, budget: Budget) -> RunResult:
 
 @dataclass(frozen=True, slots=True)
 class Runner:
+    """One configuration; `run(give_up_s)` may stop part-way after `give_up_s` (HF generate only)."""
+
     key: str
-    run: Callable[[], RunResult]
+    family: str
+    run: Callable[[float | None], RunResult]
 
 
 def _runners(model, work: Workload, budget: Budget, args: argparse.Namespace) -> list[Runner]:
-    runners = [Runner("engine", lambda: run_engine(model, work, budget))]
+    runners = [Runner("engine", "engine", lambda _: run_engine(model, work, budget))]
     if args.engine_fork:
-        runners.append(Runner("engine n-fork", lambda: run_engine_fork(model, work, budget)))
+        runners.append(Runner("engine n-fork", "engine", lambda _: run_engine_fork(model, work, budget)))
     per_call = args.hf_batch or _powers_of_two_and_all(len(work.prompts))
     for prefill in args.hf_prefill:
-        for size in sorted({min(s, len(work.prompts)) for s in per_call}):
+        # NOTE: largest calls first: they are likely the fastest, and set the bar for `--give-up`
+        for size in sorted({min(s, len(work.prompts)) for s in per_call}, reverse=True):
             config = GenerateConfig(size, prefill)
-            runners.append(Runner(config.key, lambda c=config: run_generate(model, work, c)))
+            runners.append(Runner(config.key, "hf-generate", lambda g, c=config: run_generate(model, work, c, g)))
     for page in args.cb_pages:
-        runners.append(Runner(f"hf-continuous page {page}", lambda p=page: run_continuous(model, work, budget, p)))
+        run = lambda _, p=page: run_continuous(model, work, budget, p)  # noqa: E731
+        runners.append(Runner(f"hf-continuous page {page}", "hf-continuous", run))
     return runners
 
 
@@ -164,8 +171,11 @@ def bench_model(choice: ModelChoice, args: argparse.Namespace) -> list[RunResult
         for runner in runners:
             if runner.key in skipped or runner.key in pruned:
                 continue
+            # NOTE: only the first repeat (the sweep) gives up on a configuration; later ones run in full
+            fastest = [rs[0].wall_s for rs in runs.values() if rs and rs[0].family == runner.family]
+            give_up = args.give_up * min(fastest) if repeat == 0 and args.give_up > 0 and fastest else None
             try:
-                result = runner.run()
+                result = runner.run(give_up)
             except Exception as error:  # a peer configuration unusable here is reported and skipped
                 if runner.key == "engine":
                     raise
@@ -173,9 +183,10 @@ def bench_model(choice: ModelChoice, args: argparse.Namespace) -> list[RunResult
                 print(f"  [{repeat + 1}] {runner.key:<28} skipped: {skipped[runner.key]}", flush=True)
                 continue
             runs[runner.key].append(result)
+            stopped = f"  STOPPED (> {args.give_up:g}x the family's fastest)" if result.stopped else ""
             print(
                 f"  [{repeat + 1}] {result.key:<28} {result.wall_s:8.1f} s {result.tokens_per_s:8.1f} tok/s  "
-                f"load {result.load:.2f}{'' if result.ok else '  TOKEN COUNTS WRONG'}",
+                f"load {result.load:.2f}{'' if result.ok else '  TOKEN COUNTS WRONG'}{stopped}",
                 flush=True,
             )
         if repeat == 0 and args.repeats > 1 and args.prune > 0:
@@ -197,8 +208,9 @@ def _prune(runs: dict[str, list[RunResult]], factor: float) -> set[str]:
     firsts = [rs[0] for rs in runs.values() if rs and rs[0].family != "engine"]
     best = {}
     for r in firsts:
-        best[r.family] = max(best.get(r.family, 0.0), r.tokens_per_s)
-    return {r.key for r in firsts if r.tokens_per_s < factor * best[r.family]}
+        if not r.stopped:
+            best[r.family] = max(best.get(r.family, 0.0), r.tokens_per_s)
+    return {r.key for r in firsts if r.stopped or r.tokens_per_s < factor * best.get(r.family, 0.0)}
 
 
 def _report(choice: ModelChoice, runs: dict[str, list[RunResult]], skipped: dict[str, str], repeats: int) -> None:
@@ -221,9 +233,11 @@ def _report(choice: ModelChoice, runs: dict[str, list[RunResult]], skipped: dict
         prefill = f"{first.prefill_tokens:,}" if first.prefill_tokens >= 0 else "n/a"
         flag = "" if all(r.ok for r in rs) else " [TOKEN COUNTS WRONG]"
         flag += "" if len(rs) == len(runs["engine"]) else f" [{len(rs)} run: pruned]"
+        more, less = (">", "<") if first.stopped else ("", "")  # NOTE: a stopped run bounds its figures
+        wall, tok_s, ratio = median([r.wall_s for r in rs]), med[key], engine / med[key]
         print(
             f"{key:<28} {first.useful_tokens:>10,} {prefill:>11} {first.sampled_tokens:>11,} "
-            f"{median([r.wall_s for r in rs]):>7.1f} {med[key]:>8.1f} {engine / med[key]:>10.2f}x  {first.note}{flag}"
+            f"{more + f'{wall:.1f}':>7} {less + f'{tok_s:.1f}':>8} {more + f'{ratio:.2f}':>10}x  {first.note}{flag}"
         )
     for key, reason in skipped.items():
         print(f"{key:<28} skipped: {reason}")
@@ -307,6 +321,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-requests", type=int, default=256, help="requests in flight, continuous batchers")
     parser.add_argument("--engine-fork", action="store_true", help="also run the engine with n samples per request")
     parser.add_argument("--no-hf-continuous", action="store_true", help="skip HF continuous batching")
+    parser.add_argument("--give-up", type=float, default=2.0, help="in repeat 1, stop an HF generate configuration "
+                        "after this x its family's fastest wall time so far (0: never)")  # fmt: skip
     parser.add_argument("--prune", type=float, default=0.6, help="after repeat 1, drop peer configurations under "
                         "this x the best of their family (0: keep all)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)

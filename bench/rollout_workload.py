@@ -70,6 +70,7 @@ class RunResult:
     load: float  # 1-minute load average when the run started
     ok: bool = True  # every sample got exactly the tokens asked for
     note: str = ""
+    stopped: bool = False  # given up part-way (see `--give-up`): wall is a lower bound
 
     @property
     def tokens_per_s(self) -> float:
