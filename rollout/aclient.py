@@ -23,6 +23,7 @@ from rollout.client import GeneratePending, build_generates, control_message, su
 from rollout.connection import Connection, ControlPending
 from rollout.protocol import encode
 from rollout.security import ClientSecurity
+from rollout.text import TextCodec, add_text, token_prompts
 from rollout.types import GenerationStats, Rollout, RolloutBatch, TokenChunk
 
 
@@ -33,6 +34,7 @@ class AsyncSampleStream:
     def __init__(self, client: AsyncRolloutClient, prompts: Prompts, requests: list[wire.Generate], n: int,
                  timeout: float) -> None:
         self._client = client
+        self._codec = client.codec
         self._prompts = [list(map(int, p)) for p in prompts]
         self.request_ids = [g.request_id for g in requests]
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -66,6 +68,9 @@ class AsyncSampleStream:
         if isinstance(payload, wire.SampleOutput):
             self._remaining -= 1
             self._left[self.request_ids[group]] -= 1
+            rollout = to_item(self._prompts, group, payload)
+            add_text([rollout], self._codec)
+            return rollout
         return to_item(self._prompts, group, payload)
 
     async def result(self) -> list[Rollout]:
@@ -97,14 +102,16 @@ class AsyncRolloutClient:
 
     def __init__(self, address: str, *, timeout: float = 300.0, lease_s: float = 10.0,
                  security: Optional[ClientSecurity] = None, reconnect_after_s: Optional[float] = None,
-                 **connection_options: Any) -> None:
+                 tokenizer: Any = None, **connection_options: Any) -> None:
         self.timeout = timeout
+        self.codec: Optional[TextCodec] = None if tokenizer is None else TextCodec.load(tokenizer)
         self.connection = Connection(address, security=security, lease_s=lease_s,
                                      reconnect_after_s=reconnect_after_s, **connection_options)
 
     async def generate(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
                        timeout: Optional[float] = None) -> RolloutBatch:
         start = time.perf_counter()
+        prompts = token_prompts(prompts, self.codec)
         rollouts = await self.stream(prompts, n, sampling, timeout=timeout).result()
         stats = GenerationStats(seconds=time.perf_counter() - start, prompt_tokens=sum(len(p) for p in prompts),
                                 completion_tokens=sum(len(r.completion_ids) for r in rollouts))
@@ -114,6 +121,7 @@ class AsyncRolloutClient:
 
     def stream(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
                tokens: bool = False, timeout: Optional[float] = None) -> AsyncSampleStream:
+        prompts = token_prompts(prompts, self.codec)
         requests = build_generates(self.connection, prompts, n, sampling, tokens)
         return AsyncSampleStream(self, prompts, requests, n, self.timeout if timeout is None else timeout)
 

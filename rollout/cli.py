@@ -4,6 +4,8 @@
     rollout grpo --model smollm2      # SmolLM2-135M-Instruct on arithmetic (slow on CPU)
     rollout grpo --steps 50 --no-wandb
     rollout serve --model smollm2 --port 5555            # an engine behind ZMQ
+    rollout serve --model smollm2 --port 5555 --http 8000   # ... and OpenAI / SGLang routes over HTTP
+    rollout http --connect tcp://127.0.0.1:5555 --model smollm2 --port 8000   # HTTP in front of any service
     rollout monitor --connect tcp://127.0.0.1:5555       # its metrics to W&B (offline) and the console
 """
 
@@ -64,6 +66,12 @@ def serve_main(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def http_main(args: argparse.Namespace) -> int:
+    from rollout.http.launch import http_main as run
+
+    return run(args)
+
+
 def monitor_main(args: argparse.Namespace) -> int:
     from rollout.tracking import monitor_service
 
@@ -72,7 +80,7 @@ def monitor_main(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from rollout.serve import add_serve_arguments
+    from rollout.serve import add_http_arguments, add_serve_arguments
 
     parser = argparse.ArgumentParser(prog="rollout", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -82,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve one engine over ZMQ (see rollout.serve)")
     add_serve_arguments(serve)
     serve.set_defaults(func=serve_main)
+    http = sub.add_parser("http", help="OpenAI / SGLang HTTP routes in front of a server or router (rollout.http)")
+    add_http_arguments(http)
+    http.set_defaults(func=http_main)
     monitor = sub.add_parser("monitor", help="poll a server's stats into W&B (offline by default) and the console")
     monitor.add_argument("--connect", required=True, help="the server's address, e.g. tcp://127.0.0.1:5555")
     monitor.add_argument("--every", type=float, default=10.0, help="seconds between polls")

@@ -28,6 +28,7 @@ from rollout.backend import Prompts, WeightSource, params_per_prompt, sort_rollo
 from rollout.connection import Connection, ControlPending
 from rollout.protocol import encode, error_from_reply, output_from_wire, sampling_params_to_wire
 from rollout.security import ClientSecurity
+from rollout.text import TextCodec, add_text, token_prompts
 from rollout.types import GenerationStats, Rollout, RolloutBatch, TokenChunk
 
 Sink = Callable[[tuple[int, Any]], None]
@@ -128,6 +129,7 @@ class RemoteSampleStream:
     def __init__(self, client: RolloutClient, prompts: Prompts, requests: list[wire.Generate], n: int,
                  timeout: float) -> None:
         self._client = client
+        self._codec = client.codec
         self._prompts = [list(map(int, p)) for p in prompts]
         self.request_ids = [g.request_id for g in requests]
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -159,6 +161,9 @@ class RemoteSampleStream:
         if isinstance(payload, wire.SampleOutput):
             self._remaining -= 1
             self._left[self.request_ids[group]] -= 1
+            rollout = to_item(self._prompts, group, payload)
+            add_text([rollout], self._codec)
+            return rollout
         return to_item(self._prompts, group, payload)
 
     def result(self, timeout: Optional[float] = None) -> list[Rollout]:
@@ -192,12 +197,15 @@ class RolloutClient:
     `lease_s`: how long the server waits after this client falls silent before it aborts its
     requests (heartbeats every `lease_s / 4` keep it alive). `timeout`: the default bound of
     every call. `security`: the server's token or CURVE keys (`rollout.security.ClientSecurity`).
+    `tokenizer` (a model directory, an HF tokenizer or a `TextCodec`): text and chat prompts are
+    encoded here, on the client, and every `Rollout` carries its decoded `text`.
     """
 
     def __init__(self, address: str, *, timeout: float = 300.0, lease_s: float = 10.0,
                  security: Optional[ClientSecurity] = None, reconnect_after_s: Optional[float] = None,
-                 **connection_options: Any) -> None:
+                 tokenizer: Any = None, **connection_options: Any) -> None:
         self.timeout = timeout
+        self.codec: Optional[TextCodec] = None if tokenizer is None else TextCodec.load(tokenizer)
         self.connection = Connection(address, security=security, lease_s=lease_s,
                                      reconnect_after_s=reconnect_after_s, **connection_options)
 
@@ -206,6 +214,7 @@ class RolloutClient:
     def generate(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
                  timeout: Optional[float] = None) -> RolloutBatch:
         start = time.perf_counter()
+        prompts = token_prompts(prompts, self.codec)
         rollouts = self.stream(prompts, n, sampling, timeout=timeout).result()
         seconds = time.perf_counter() - start
         versions = [v for r in rollouts for v in r.versions]
@@ -216,6 +225,7 @@ class RolloutClient:
 
     def stream(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
                tokens: bool = False, timeout: Optional[float] = None) -> RemoteSampleStream:
+        prompts = token_prompts(prompts, self.codec)
         requests = build_generates(self.connection, prompts, n, sampling, tokens)
         return RemoteSampleStream(self, prompts, requests, n, self.timeout if timeout is None else timeout)
 

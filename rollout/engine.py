@@ -31,6 +31,7 @@ from inference import (
 )
 from inference.models.loading import read_safetensors
 from rollout.backend import Prompts, WeightSource, params_per_prompt, sort_rollouts
+from rollout.text import TextCodec, add_text, has_tokenizer, needs_codec, token_prompts
 from rollout.types import GenerationStats, Rollout, RolloutBatch, TokenChunk
 
 logger = logging.getLogger(__name__)
@@ -43,8 +44,9 @@ class LocalSampleStream:
     """
 
     def __init__(self, engine: DynamicInferenceEngine, prompts: Prompts, params: list[SamplingParams],
-                 tokens: bool, timeout: Optional[float]) -> None:
+                 tokens: bool, timeout: Optional[float], codec: Optional[TextCodec] = None) -> None:
         self._engine = engine
+        self._codec = codec
         self._items: queue.SimpleQueue = queue.SimpleQueue()
         streams = engine.submit_many(prompts, params, stream_tokens=tokens, callback=self._items.put)
         self._group = {rid: g for g, s in enumerate(streams) for rid in s.request_ids}
@@ -70,7 +72,9 @@ class LocalSampleStream:
                 return TokenChunk(group, item.sample_index, item.index, [item.token_id], [item.logprob],
                                   [item.version])
             self._finished.add(item.request_id)
-            return _rollout(item, group)
+            rollout = _rollout(item, group)
+            add_text([rollout], self._codec)
+            return rollout
 
     def _wait(self) -> None:
         if self.deadline is not None and time.monotonic() > self.deadline:
@@ -103,6 +107,7 @@ def _rollout(out: RequestOutput, group: int) -> Rollout:
         finish_reason=out.finish_reason,
         group=group,
         sample_index=out.sample_index,
+        top_logprobs=out.top_logprobs,
     )
 
 
@@ -110,7 +115,10 @@ class RolloutEngine:
     """n samples per prompt from one engine replica that shares the trainer's process and memory.
 
     Implements `rollout.RolloutBackend`. Safe to call from several threads at once: each
-    `generate` receives exactly its own samples.
+    `generate` receives exactly its own samples. Prompts may be token ids, strings or chat message
+    lists; text needs a tokenizer: `tokenizer=` (a directory, an HF tokenizer or a `TextCodec`),
+    else the model directory's own, loaded when the first text prompt comes. Once a tokenizer is
+    there, every `Rollout` carries its `text`.
     """
 
     def __init__(
@@ -119,9 +127,22 @@ class RolloutEngine:
         config: Optional[InferenceConfig] = None,
         *,
         share_weights: bool = True,
+        tokenizer: Any = None,
     ) -> None:
         self.config = config or InferenceConfig()
         self.engine = DynamicInferenceEngine.from_pretrained(model_or_path, self.config, share_weights=share_weights)
+        self._codec = None if tokenizer is None else TextCodec.load(tokenizer)
+        self._tokenizer_dir = model_or_path if isinstance(model_or_path, (str, Path)) else None
+
+    @property
+    def codec(self) -> Optional[TextCodec]:
+        """The tokenizer (loaded from the model directory on first use); None without one."""
+        if self._codec is None and self._tokenizer_dir is not None and has_tokenizer(self._tokenizer_dir):
+            self._codec = TextCodec.load(self._tokenizer_dir)
+        return self._codec
+
+    def _token_prompts(self, prompts: Any) -> Any:
+        return token_prompts(prompts, self.codec if needs_codec(prompts) else None)
 
     # ---- generation --------------------------------------------------------------------------
 
@@ -135,6 +156,7 @@ class RolloutEngine:
         Log-probs are the engine's RAW ones (log-softmax of the logits) unless `sampling` says
         otherwise: what a trainer recomputes for importance ratios.
         """
+        prompts = self._token_prompts(prompts)
         params = params_per_prompt(len(prompts), n, sampling)
         eng = self.engine
         version = eng.policy_version
@@ -145,6 +167,7 @@ class RolloutEngine:
         pool_after = eng.allocator.stats()
         first_group = outputs[0].group_id if outputs else 0
         rollouts = [_rollout(o, o.group_id - first_group) for o in outputs]
+        add_text(rollouts, self._codec)
         hits = pool_after.hit_blocks - pool_before.hit_blocks
         stats = GenerationStats(
             seconds=seconds,
@@ -160,7 +183,9 @@ class RolloutEngine:
     def stream(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
                tokens: bool = False, timeout: Optional[float] = None) -> LocalSampleStream:
         """The samples of `generate(prompts, n, sampling)`, each as it finishes (tokens as sampled)."""
-        return LocalSampleStream(self.engine, prompts, params_per_prompt(len(prompts), n, sampling), tokens, timeout)
+        prompts = self._token_prompts(prompts)
+        return LocalSampleStream(self.engine, prompts, params_per_prompt(len(prompts), n, sampling), tokens, timeout,
+                                 self._codec)
 
     def abort(self, stream: LocalSampleStream) -> None:
         stream.abort()

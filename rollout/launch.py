@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
-from rollout.serve import READY_PREFIX
+from rollout.serve import HTTP_READY_PREFIX, READY_PREFIX
 
 _ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,6 +42,7 @@ class ServerProcess:
         self.output: collections.deque[str] = collections.deque(maxlen=200)
         self._ready = threading.Event()
         self.address: Optional[str] = None
+        self.http_url: Optional[str] = None  # with `--http PORT`: the HTTP front's base URL
         self.proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=child_env, bufsize=1)
         self._reader = threading.Thread(target=self._read, name="rollout-serve-output", daemon=True)
@@ -60,6 +61,8 @@ class ServerProcess:
         for line in self.proc.stdout:
             line = line.rstrip("\n")
             self.output.append(line)
+            if line.startswith(HTTP_READY_PREFIX) and self.http_url is None:
+                self.http_url = line[len(HTTP_READY_PREFIX):].split()[0]
             if line.startswith(READY_PREFIX) and not self._ready.is_set():
                 self.address = re.match(rf"{re.escape(READY_PREFIX)}(\S+)", line).group(1)
                 self._ready.set()

@@ -286,4 +286,5 @@ def output_from_wire(msg: SampleOutput, prompt_ids: Sequence[int], group: int) -
         finish_reason=msg.finish_reason,
         group=group,
         sample_index=msg.sample_index,
+        top_logprobs=None if msg.top_logprobs is None else [dict(d) for d in msg.top_logprobs],
     )

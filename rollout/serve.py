@@ -2,11 +2,14 @@
 
     rollout serve --model smollm2 --port 5555
     rollout serve --model /ckpt/hf-dir --host 0.0.0.0 --port 5555 --token "$SECRET"
+    rollout serve --model smollm2 --port 5555 --http 8000    # + OpenAI / SGLang routes over HTTP
 
 Credentials are checked before the model loads: a non-loopback address without a token or CURVE
 keys exits at once with status 2. Once listening, the process prints one line,
 `rollout serve: listening on tcp://HOST:PORT ...` (with `--port 0` the port the OS chose), and
-serves until SIGTERM or SIGINT.
+serves until SIGTERM or SIGINT. With `--http PORT` it first prints
+`rollout http: listening on http://HOST:PORT ...`: the HTTP front (`rollout.http`) runs in the same
+process, a client of the server over loopback.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from rollout.security import InsecureBindError, ServerSecurity, check_bind
 logger = logging.getLogger(__name__)
 
 READY_PREFIX = "rollout serve: listening on "
+HTTP_READY_PREFIX = "rollout http: listening on "
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +48,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     srv.add_argument("--retain-s", type=float, default=120.0,
                      help="keep finished requests this long for clients that resubmit after a reconnect")
     srv.add_argument("--max-frame-bytes", type=int, default=64 * 2**20, help="largest frame accepted or sent")
+    web = parser.add_argument_group("HTTP front (OpenAI and SGLang routes; see rollout.http)")
+    web.add_argument("--http", type=int, metavar="PORT", help="also serve HTTP on this port (0: one the OS chooses)")
+    web.add_argument("--http-host", help="address for HTTP (default --host; beyond loopback needs --api-key)")
+    web.add_argument("--api-key", default=os.environ.get("ROLLOUT_API_KEY"),
+                     help="HTTP clients must send `Authorization: Bearer KEY` (default $ROLLOUT_API_KEY)")
+    web.add_argument("--served-model-name", help="the `model` HTTP clients name (default: --model's name)")
     eng = parser.add_argument_group("engine")
     eng.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     eng.add_argument("--block-size", type=int, default=16)
@@ -52,6 +62,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--max-batch-tokens", type=int, default=2048)
     eng.add_argument("--max-seq-len", type=int, default=4096)
     eng.add_argument("--threads", type=int, help="torch threads (default: torch's; 1 for tiny models)")
+
+
+def add_http_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--connect", required=True, help="the rollout service: a `rollout serve` or `rollout route` "
+                        "address, e.g. tcp://127.0.0.1:5555")
+    parser.add_argument("--model", required=True, help="the model directory whose tokenizer and chat template to "
+                        "use, or `smollm2`")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP address (beyond loopback needs --api-key)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: one the OS chooses, printed)")
+    parser.add_argument("--served-model-name", help="the `model` clients name (default: --model's name)")
+    parser.add_argument("--max-model-len", type=int, help="longest prompt + completion (default: the model's)")
+    parser.add_argument("--api-key", default=os.environ.get("ROLLOUT_API_KEY"), help="required bearer key")
+    parser.add_argument("--token", default=os.environ.get("ROLLOUT_TOKEN"), help="the service's shared secret")
+    parser.add_argument("--timeout", type=float, default=600.0, help="bound of every engine call, seconds")
 
 
 def security_from_args(args: argparse.Namespace) -> ServerSecurity:
@@ -102,6 +126,19 @@ def serve_main(args: argparse.Namespace, on_ready=None) -> int:
     server = build_server(args)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
+    front = None
+    if args.http is not None:
+        from rollout.http.launch import start_front
+
+        try:
+            front = start_front(server.address, model_path(args.model, args.dtype), host=args.http_host or args.host,
+                                port=args.http, served_model_name=args.served_model_name or Path(args.model).name,
+                                max_model_len=args.max_seq_len, api_key=args.api_key, token=args.token)
+        except (OSError, ValueError) as exc:
+            print(f"rollout serve: HTTP front: {exc}", file=sys.stderr, flush=True)
+            server.close()
+            return 2
+        print(f"{HTTP_READY_PREFIX}{front.url} (model {front.front.config.model_name})", flush=True)
     if on_ready is not None:
         on_ready(server)
     from rollout.messages import PROTOCOL_VERSION
@@ -109,7 +146,11 @@ def serve_main(args: argparse.Namespace, on_ready=None) -> int:
     auth = "token" if security.token else "curve" if security.curve_keys else "none (loopback)"
     print(f"{READY_PREFIX}{server.address} (protocol v{PROTOCOL_VERSION}, auth {auth}, model {args.model}, "
           f"pid {os.getpid()})", flush=True)
-    server.serve_forever()
+    try:
+        server.serve_forever()
+    finally:
+        if front is not None:
+            front.stop()
     print("rollout serve: stopped", flush=True)
     return 0
 

@@ -25,6 +25,8 @@ class Rollout:
     Invariants: `completion_ids`, `logprobs` and `versions` have one entry per generated token;
     `logprobs[i]` is the engine's log-prob (raw, temperature 1) of `completion_ids[i]` and
     `versions[i]` the policy version that sampled it; `group` indexes the prompt in its batch.
+    `top_logprobs` (when asked for) holds one {token id: log-prob} per token; `text` is the
+    completion decoded from `completion_ids` when the backend has a tokenizer.
     """
 
     prompt_ids: list[int]
@@ -34,6 +36,8 @@ class Rollout:
     finish_reason: FinishReason
     group: int
     sample_index: int = 0
+    top_logprobs: Optional[list[dict[int, float]]] = None
+    text: Optional[str] = None
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)

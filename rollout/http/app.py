@@ -1,0 +1,90 @@
+"""The ASGI app (FastAPI) of the HTTP front, and `HttpServer`, which runs it with uvicorn.
+
+    front = HttpFront(AsyncRolloutClient(address), TextCodec.load(model_dir), FrontConfig("smollm2", 4096))
+    server = HttpServer(build_app(front), host="127.0.0.1", port=0).start()   # server.url
+
+The server binds its socket before uvicorn starts (port 0: one the OS chooses, in `url`) and
+refuses an address beyond loopback without an API key (clients then send
+`Authorization: Bearer KEY`, as OpenAI's client does). It runs on a thread of its own with its
+own event loop, so it can share a process with an engine server (`rollout serve --http`).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import socket
+import threading
+import time
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+
+from rollout.http import errors
+from rollout.http.errors import APIError
+from rollout.http.front import HttpFront
+from rollout.http.openai_routes import router as openai_router
+from rollout.http.sglang_routes import router as sglang_router
+from rollout.security import is_loopback
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(front: HttpFront) -> FastAPI:
+    app = FastAPI(title="rollout-engine", docs_url=None, redoc_url=None)
+    app.state.front = front
+    errors.install(app)
+    key = front.config.api_key
+    if key:
+        @app.middleware("http")
+        async def check_key(request: Request, call_next: Any) -> Any:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                return errors.error_response(request, APIError(401, "Incorrect API key provided.",
+                                                               code="invalid_api_key"))
+            return await call_next(request)
+    app.include_router(openai_router)
+    app.include_router(sglang_router)
+    return app
+
+
+class HttpServer:
+    """uvicorn serving `app` on `host:port` from a background thread (see module docstring)."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, *, api_key: Optional[str] = None,
+                 log_level: str = "warning") -> None:
+        import uvicorn
+
+        if not is_loopback(host) and not api_key:
+            raise ValueError(f"HTTP on {host} (beyond loopback) needs an API key (--api-key)")
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._socket = socket.socket(family, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, port))
+        self.host, self.port = host, self._socket.getsockname()[1]
+        config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(config)
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> HttpServer:
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
+                                        name="rollout-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the HTTP server on {self.url} did not start within {timeout} s")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._socket.close()

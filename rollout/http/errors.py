@@ -1,0 +1,125 @@
+"""Error replies as the clients expect them: OpenAI's body under `/v1`, SGLang's elsewhere.
+
+OpenAI (and vLLM, which copies it): status 400 / 404 / 401 / 500 with
+`{"error": {"message", "type", "param", "code"}}`; e.g. an unknown field is
+"Unrecognized request argument supplied: X", an unknown model is 404 with code `model_not_found`,
+a prompt past the context is 400 with code `context_length_exceeded`.
+SGLang's native routes: a request its schema refuses is 400 with
+`{"object": "error", "message", "type": "Bad Request", "param": null, "code": 400}` (its handler
+of FastAPI's validation errors); a request its handler refuses is 400 with `{"error": {"message"}}`.
+Every handler here answers and the server goes on serving.
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+from typing import Any, Optional
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from inference.errors import ContextOverflowError, EngineStateError
+from rollout.protocol import ErrorCode, ProtocolError
+
+logger = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    """A refusal with an HTTP status and OpenAI's error fields (`type`, `param`, `code`)."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = int(status), message, type, param, code
+
+
+def is_openai_path(path: str) -> bool:
+    return path.startswith("/v1/") or path == "/v1"
+
+
+def error_response(request: Request, err: APIError) -> JSONResponse:
+    if is_openai_path(request.url.path):
+        body: dict[str, Any] = {"error": {"message": err.message, "type": err.type, "param": err.param,
+                                          "code": err.code}}
+    else:
+        body = {"error": {"message": err.message}}
+    return JSONResponse(body, status_code=err.status)
+
+
+def from_exception(exc: BaseException) -> APIError:
+    """What an exception from the engine side means to an HTTP client."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ContextOverflowError):
+        return APIError(400, str(exc), param="messages", code="context_length_exceeded")
+    if isinstance(exc, ProtocolError):
+        if exc.code is ErrorCode.ENGINE_STATE:
+            return APIError(503, str(exc), type="server_error", code="engine_unavailable")
+        if exc.code in (ErrorCode.INVALID_REQUEST, ErrorCode.BAD_SCHEMA):
+            return APIError(400, str(exc))
+        return APIError(500, str(exc), type="server_error")
+    if isinstance(exc, EngineStateError):
+        return APIError(503, str(exc), type="server_error", code="engine_unavailable")
+    if isinstance(exc, TimeoutError):
+        return APIError(504, f"the engine did not answer in time: {exc}", type="server_error", code="timeout")
+    if isinstance(exc, (ValueError, TypeError)):
+        return APIError(400, str(exc))
+    return APIError(500, f"{type(exc).__name__}: {exc}", type="server_error")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
+    """OpenAI's wording for the first problem: the message and the offending field."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    kind = first.get("type", "")
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if kind in ("json_invalid", "json_type") or (kind == "missing" and not loc):
+        return ("We could not parse the JSON body of your request. The API expects a JSON object as the "
+                "request body; what was sent was not valid JSON.", None)
+    if kind == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {param}", param
+    if kind == "missing":
+        return f"Missing required parameter: '{param}'.", param
+    got = first.get("input")
+    shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
+    return f"Invalid value for '{param}': {first.get('msg', 'invalid')} (got {shown}).", param
+
+
+async def validation_handler(request: Request, exc: RequestValidationError) -> JSONResponse:
+    message, param = _validation_message(exc)
+    if is_openai_path(request.url.path):
+        return error_response(request, APIError(400, message, param=param))
+    return JSONResponse({"object": "error", "message": message, "type": HTTPStatus.BAD_REQUEST.phrase,
+                         "param": None, "code": 400}, status_code=400)
+
+
+async def api_error_handler(request: Request, exc: APIError) -> JSONResponse:
+    return error_response(request, exc)
+
+
+async def http_error_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if exc.status_code == 404:
+        message = f"Invalid URL ({request.method} {request.url.path})"
+    elif exc.status_code == 405:
+        message = f"Method not allowed ({request.method} {request.url.path})"
+    else:
+        message = str(exc.detail)
+    return error_response(request, APIError(exc.status_code, message, code=None))
+
+
+async def internal_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("%s %s failed", request.method, request.url.path)
+    return error_response(request, APIError(500, f"{type(exc).__name__}: {exc}", type="server_error"))
+
+
+def install(app: Any) -> None:
+    app.add_exception_handler(RequestValidationError, validation_handler)
+    app.add_exception_handler(APIError, api_error_handler)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    app.add_exception_handler(Exception, internal_error_handler)

@@ -1,0 +1,121 @@
+"""HttpFront: what the HTTP routes share: the async client, the tokenizer, sessions, checks.
+
+One front talks to one ZMQ address through `AsyncRolloutClient`: a `rollout serve` engine
+server or a `rollout route` router, the same protocol. Its event loop never waits on an engine:
+the client's I/O thread owns the socket and posts replies into the loop; tokenizing and rendering
+a chat prompt (which grows with the conversation) run on a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from inference import SamplingParams
+from rollout.aclient import AsyncRolloutClient
+from rollout.http.errors import APIError
+from rollout.http.generation import Generation, GenSpec
+from rollout.http.sessions import SessionStore
+from rollout.text import TextCodec
+
+
+@dataclass(slots=True)
+class FrontConfig:
+    """`model_name`: the name clients must send as `model`; `max_model_len`: the longest prompt +
+    completion the engine takes; `timeout`: the bound of every engine call, in seconds."""
+
+    model_name: str
+    max_model_len: int
+    model_path: str = ""
+    timeout: float = 600.0
+    max_sessions: int = 4096
+    session_ttl_s: float = 3600.0
+    api_key: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if not self.model_name:
+            raise ValueError("FrontConfig.model_name must not be empty")
+        if self.max_model_len < 2:
+            raise ValueError(f"FrontConfig.max_model_len must be >= 2, got {self.max_model_len}")
+        if self.timeout <= 0:
+            raise ValueError(f"FrontConfig.timeout must be > 0, got {self.timeout}")
+
+
+class HttpFront:
+    """State of the HTTP front (see module docstring). `inflight`: rid -> running `Generation`."""
+
+    def __init__(self, client: AsyncRolloutClient, codec: TextCodec, config: FrontConfig) -> None:
+        self.client, self.codec, self.config = client, codec, config
+        self.sessions = SessionStore(config.max_sessions, config.session_ttl_s)
+        self.inflight: dict[str, Generation] = {}
+        self.created = int(time.time())
+
+    @property
+    def timeout(self) -> float:
+        return self.config.timeout
+
+    # ---- checks --------------------------------------------------------------------------------
+
+    def check_model(self, model: str) -> None:
+        if model != self.config.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    def check_ids(self, prompts: list[list[int]], param: str = "prompt") -> None:
+        vocab = self.codec.vocab_size
+        for prompt in prompts:
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(400, f"Token id {bad} is out of vocabulary (size {vocab}).", param=param)
+
+    def completion_budget(self, prompts: list[list[int]], max_tokens: Optional[int], param: str) -> int:
+        """`max_tokens`, or all the context left; refused (OpenAI's 400) past the context."""
+        longest = max(len(p) for p in prompts)
+        limit = self.config.max_model_len
+        if max_tokens is None:
+            max_tokens = limit - longest
+        if longest + max_tokens > limit or max_tokens < 1:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                f"{longest + max_tokens} tokens ({longest} in the {param}, {max_tokens} in the "
+                                "completion). Please reduce the length of the prompt or completion.",
+                           param=param, code="context_length_exceeded")
+        return max_tokens
+
+    # ---- building blocks -----------------------------------------------------------------------
+
+    @staticmethod
+    def sampling(*, n: int, max_tokens: int, temperature: Optional[float], top_p: Optional[float],
+                 top_k: Optional[int], min_p: Optional[float], seed: Optional[int],
+                 stop_token_ids: Optional[list[int]], ignore_eos: bool, logprobs: Optional[int]) -> SamplingParams:
+        try:
+            return SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0 if temperature is None else temperature,
+                                  top_p=1.0 if top_p is None else top_p, top_k=top_k or 0,
+                                  min_p=0.0 if min_p is None else min_p, seed=seed,
+                                  stop_token_ids=list(stop_token_ids or []), ignore_eos=ignore_eos,
+                                  logprobs=logprobs or None)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+
+    def generation(self, spec: GenSpec) -> Generation:
+        return Generation(self, spec)
+
+    async def encode(self, text: str) -> list[int]:
+        return await asyncio.to_thread(self.codec.encode, text)
+
+    async def chat_prompt(self, session_id: Optional[str], messages: list[dict], tools: Optional[list[dict]]
+                          ) -> tuple[list[int], bool]:
+        return await asyncio.to_thread(self.sessions.prompt_ids, self.codec, session_id, messages, tools)
+
+    def token_text(self, token_id: int, as_ids: bool) -> str:
+        return f"token_id:{token_id}" if as_ids else self.codec.token_texts([token_id])[0]
+
+    async def policy_version(self) -> int:
+        return await self.client.policy_version()
+
+
+def top_entries(top: Optional[dict[int, float]], k: int) -> list[tuple[int, float]]:
+    """The `k` most likely (token id, log-prob) of one position, most likely first."""
+    if not top or k <= 0:
+        return []
+    return sorted(top.items(), key=lambda kv: -kv[1])[:k]

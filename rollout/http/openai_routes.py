@@ -1,0 +1,271 @@
+"""OpenAI-compatible routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
+
+Responses follow OpenAI's shapes; each choice also carries the exact ids under vLLM's names for
+`return_token_ids` (vLLM >= 0.10.2): `prompt_token_ids` and `token_ids` on every completion
+choice; `prompt_token_ids` on a chat response (and on each of its choices) and `token_ids` on each
+chat choice. Streaming is Server-Sent Events (`data: {chunk}` ... `data: [DONE]`); the first chunk
+of a choice carries its `prompt_token_ids`, every chunk the `token_ids` it adds. Log-probs are the
+engine's raw ones (log-softmax of the logits at temperature 1), what a trainer recomputes.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Optional
+
+import msgspec
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
+
+from rollout.http.errors import APIError, from_exception
+from rollout.http.front import HttpFront, top_entries
+from rollout.http.generation import Delta, Generation, GenSpec, Sample
+from rollout.http.schemas import ChatCompletionRequest, CompletionRequest
+from rollout.http.sessions import Reply
+
+router = APIRouter()
+SESSION_HEADER = "X-Session-ID"
+
+
+def json_response(body: Any, status: int = 200, headers: Optional[dict[str, str]] = None) -> Response:
+    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json", headers=headers)
+
+
+def sse(chunk: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+
+
+def front_of(request: Request) -> HttpFront:
+    return request.app.state.front
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    front = front_of(request)
+    card = {"id": front.config.model_name, "object": "model", "created": front.created, "owned_by": "rollout-engine",
+            "root": front.config.model_path or front.config.model_name, "max_model_len": front.config.max_model_len}
+    return json_response({"object": "list", "data": [card]})
+
+
+@router.get("/v1/models/{model:path}")
+async def get_model(model: str, request: Request) -> Response:
+    front = front_of(request)
+    front.check_model(model)
+    return json_response({"id": model, "object": "model", "created": front.created, "owned_by": "rollout-engine"})
+
+
+# ---- completions ---------------------------------------------------------------------------------
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    front = front_of(request)
+    front.check_model(body.model)
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        prompts = [await front.encode(prompt)]
+    elif isinstance(prompt[0], str):
+        prompts = [await front.encode(p) for p in prompt]
+    elif isinstance(prompt[0], int):
+        prompts = [list(prompt)]
+    else:
+        prompts = [list(p) for p in prompt]
+    if not all(prompts):
+        raise APIError(400, "The prompt must not be empty (it tokenized to no tokens).", param="prompt")
+    front.check_ids(prompts)
+    max_tokens = front.completion_budget(prompts, body.max_tokens, "prompt")
+    spec = _spec(front, body, prompts, max_tokens, body.logprobs)
+    gen = front.generation(spec)
+    rid = f"cmpl-{spec.rid}"
+    if body.stream:
+        return _stream(gen, _completion_chunks(front, body, gen, rid))
+    samples = await _run(gen)
+    choices = []
+    for i, s in enumerate(samples):
+        choice = {"index": i, "text": s.text, "logprobs": _completion_logprobs(front, body, s, 0, s.ids),
+                  "finish_reason": s.finish_reason, "stop_reason": _stop_reason(s)}
+        if body.return_token_ids is not False:
+            choice["prompt_token_ids"] = prompts[s.group]
+            choice["token_ids"] = s.ids
+        choices.append(choice)
+    return json_response({"id": rid, "object": "text_completion", "created": int(time.time()), "model": body.model,
+                          "choices": choices, "usage": _usage(prompts, samples)})
+
+
+async def _completion_chunks(front: HttpFront, body: CompletionRequest, gen: Generation, rid: str
+                             ) -> AsyncIterator[bytes]:
+    created, first = int(time.time()), set()
+    async for d in gen.deltas():
+        s = d.sample
+        choice = {"index": _index(gen, s), "text": d.text,
+                  "logprobs": _completion_logprobs(front, body, s, d.start, d.ids),
+                  "finish_reason": d.finish_reason}
+        if body.return_token_ids is not False:
+            if choice["index"] not in first:
+                first.add(choice["index"])
+                choice["prompt_token_ids"] = gen.spec.prompts[s.group]
+            choice["token_ids"] = d.ids
+        yield sse({"id": rid, "object": "text_completion", "created": created, "model": body.model,
+                   "choices": [choice]})
+    if body.stream_options is not None and body.stream_options.include_usage:
+        yield sse({"id": rid, "object": "text_completion", "created": created, "model": body.model, "choices": [],
+                   "usage": _usage(gen.spec.prompts, gen.samples)})
+
+
+def _completion_logprobs(front: HttpFront, body: CompletionRequest, s: Sample, start: int, ids: list[int]
+                         ) -> Optional[dict]:
+    if body.logprobs is None:
+        return None
+    as_ids = body.return_tokens_as_token_ids
+    tokens = [front.token_text(t, as_ids) for t in ids]
+    tops = None
+    if s.top_logprobs is not None:
+        tops = [{front.token_text(t, as_ids): lp for t, lp in top_entries(s.top_logprobs[start + j], body.logprobs)}
+                for j in range(len(ids))]
+    offsets, at = [], len(front.codec.decode(s.ids[:start])) if start else 0
+    for tok in tokens:
+        offsets.append(at)
+        at += len(tok)
+    return {"tokens": tokens, "token_logprobs": s.logprobs[start:start + len(ids)], "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+# ---- chat completions ----------------------------------------------------------------------------
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    front = front_of(request)
+    front.check_model(body.model)
+    session_id = body.session_id or request.headers.get(SESSION_HEADER) or None
+    messages = [m.as_template_dict() for m in body.messages]
+    prompt, _ = await front.chat_prompt(session_id, messages, body.tools)
+    front.check_ids([prompt], "messages")
+    max_tokens = front.completion_budget([prompt], body.completion_limit(), "messages")
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    spec = _spec(front, body, [prompt], max_tokens, top, session_id)
+    gen = front.generation(spec)
+    rid = f"chatcmpl-{spec.rid}"
+    headers = {SESSION_HEADER: session_id} if session_id else None
+
+    def remember() -> None:
+        if session_id:
+            front.sessions.record(session_id, messages, body.tools, prompt,
+                                  [Reply(s.text, list(s.ids)) for s in gen.samples])
+
+    if body.stream:
+        return _stream(gen, _chat_chunks(front, body, gen, rid, remember), headers)
+    samples = await _run(gen)
+    remember()
+    choices = []
+    for i, s in enumerate(samples):
+        choice = {"index": i, "message": {"role": "assistant", "content": s.text},
+                  "logprobs": _chat_logprobs(front, body, s, 0, s.ids), "finish_reason": s.finish_reason,
+                  "stop_reason": _stop_reason(s)}
+        if body.return_token_ids is not False:
+            choice["token_ids"] = s.ids
+            choice["prompt_token_ids"] = prompt
+        choices.append(choice)
+    out = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": body.model,
+           "choices": choices, "usage": _usage([prompt], samples)}
+    if body.return_token_ids is not False:
+        out["prompt_token_ids"] = prompt
+    return json_response(out, headers=headers)
+
+
+async def _chat_chunks(front: HttpFront, body: ChatCompletionRequest, gen: Generation, rid: str,
+                       done: Any) -> AsyncIterator[bytes]:
+    created, first = int(time.time()), set()
+    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model}
+    async for d in gen.deltas():
+        s = d.sample
+        index = _index(gen, s)
+        delta: dict[str, Any] = {"content": d.text}
+        chunk = dict(head)
+        if index not in first:
+            first.add(index)
+            delta["role"] = "assistant"
+            if body.return_token_ids is not False:
+                chunk["prompt_token_ids"] = gen.spec.prompts[0]
+        choice = {"index": index, "delta": delta, "logprobs": _chat_logprobs(front, body, s, d.start, d.ids),
+                  "finish_reason": d.finish_reason}
+        if body.return_token_ids is not False:
+            choice["token_ids"] = d.ids
+        chunk["choices"] = [choice]
+        yield sse(chunk)
+    done()
+    if body.stream_options is not None and body.stream_options.include_usage:
+        yield sse({**head, "choices": [], "usage": _usage(gen.spec.prompts, gen.samples)})
+
+
+def _chat_logprobs(front: HttpFront, body: ChatCompletionRequest, s: Sample, start: int, ids: list[int]
+                   ) -> Optional[dict]:
+    if not body.logprobs:
+        return None
+    as_ids = body.return_tokens_as_token_ids
+    content = []
+    for j, t in enumerate(ids):
+        token = front.token_text(t, as_ids)
+        tops = []
+        if s.top_logprobs is not None and body.top_logprobs:
+            for alt, lp in top_entries(s.top_logprobs[start + j], body.top_logprobs):
+                alt_text = front.token_text(alt, as_ids)
+                tops.append({"token": alt_text, "logprob": lp, "bytes": list(alt_text.encode())})
+        content.append({"token": token, "logprob": s.logprobs[start + j], "bytes": list(token.encode()),
+                        "top_logprobs": tops})
+    return {"content": content}
+
+
+# ---- shared --------------------------------------------------------------------------------------
+
+
+def _spec(front: HttpFront, body: Any, prompts: list[list[int]], max_tokens: int, logprobs: Optional[int],
+          session_id: Optional[str] = None) -> GenSpec:
+    sampling = front.sampling(n=body.n, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                              top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop_token_ids=body.stop_token_ids,
+                              ignore_eos=body.ignore_eos, logprobs=logprobs)
+    return GenSpec(prompts, body.n, sampling, stops=body.stop_strings(), include_stop=body.include_stop_str_in_output,
+                   skip_special_tokens=body.skip_special_tokens, stream=body.stream, session_id=session_id,
+                   rid=uuid.uuid4().hex)
+
+
+async def _run(gen: Generation) -> list[Sample]:
+    try:
+        return await gen.run()
+    except APIError:
+        raise
+    except Exception as exc:  # noqa: BLE001 (the engine's refusal, as the HTTP error it means)
+        raise from_exception(exc) from exc
+
+
+def _stream(gen: Generation, chunks: AsyncIterator[bytes], headers: Optional[dict[str, str]] = None
+            ) -> StreamingResponse:
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except Exception as exc:  # noqa: BLE001 (headers are sent: the error goes into the stream)
+            err = from_exception(exc)
+            yield sse({"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}})
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+
+def _index(gen: Generation, s: Sample) -> int:
+    return s.group * gen.spec.n + s.index
+
+
+def _stop_reason(s: Sample) -> Any:
+    return s.matched if isinstance(s.matched, str) else None
+
+
+def _usage(prompts: list[list[int]], samples: list[Sample]) -> dict[str, int]:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion = sum(len(s.ids) for s in samples)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
+__all__ = ["Delta", "router"]

@@ -1,0 +1,228 @@
+"""Request bodies of the HTTP routes, validated by pydantic (FastAPI answers a refusal with 400).
+
+OpenAI's requests forbid unknown fields ("Unrecognized request argument supplied"); the extra
+fields accepted are vLLM's names for the same things (`top_k`, `min_p`, `stop_token_ids`,
+`ignore_eos`, `return_token_ids`, `return_tokens_as_token_ids`, `skip_special_tokens`,
+`include_stop_str_in_output`) plus `session_id`. Fields OpenAI has that this engine cannot honour
+are accepted only at their neutral value (penalties 0, no `logit_bias`, ...), so a request is
+never silently answered differently from what it asked.
+
+SGLang's `/generate` and control bodies use SGLang's names (see `rollout.http.sglang_routes`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_N = 128
+MAX_STOP = 4  # OpenAI's limit on stop sequences
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit (chat); vLLM's default max_logprobs
+Prob = Annotated[float, Field(ge=0, le=1)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(Strict):
+    """What completions and chat completions share."""
+
+    model: str
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    temperature: Optional[Annotated[float, Field(ge=0, le=2)]] = None
+    top_p: Optional[Annotated[float, Field(gt=0, le=1)]] = None
+    stop: Optional[Union[str, Annotated[list[str], Field(max_length=MAX_STOP)]]] = None
+    seed: Optional[Annotated[int, Field(ge=0, lt=2**63)]] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    presence_penalty: Optional[Annotated[float, Field(ge=0, le=0)]] = None
+    frequency_penalty: Optional[Annotated[float, Field(ge=0, le=0)]] = None
+    logit_bias: Optional[Annotated[dict[str, float], Field(max_length=0)]] = None
+    user: Optional[str] = None
+    # vLLM's extra sampling fields
+    top_k: Optional[Annotated[int, Field(ge=-1)]] = None
+    min_p: Optional[Annotated[float, Field(ge=0, lt=1)]] = None
+    stop_token_ids: Optional[list[Annotated[int, Field(ge=0)]]] = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    return_token_ids: Optional[bool] = None  # None: returned (RL clients need them); False: left out
+    return_tokens_as_token_ids: bool = False
+    session_id: Optional[Annotated[str, Field(min_length=1, max_length=256)]] = None
+
+    def stop_strings(self) -> tuple[str, ...]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return tuple(s for s in stops if s)
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, Annotated[list[str], Field(min_length=1)], Annotated[list[int], Field(min_length=1)],
+                  Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]]
+    max_tokens: Optional[Annotated[int, Field(ge=1)]] = 16
+    logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]] = None
+    echo: Literal[False] = False
+    best_of: Optional[int] = None
+    suffix: Optional[Literal[""]] = None
+
+    @model_validator(mode="after")
+    def _best_of(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of must equal n (samples are not ranked here)")
+        return self
+
+
+class ChatMessage(BaseModel):
+    """One message; unknown fields pass through to the chat template (harnesses add their own)."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: Optional[Union[str, list[dict[str, Any]]]] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_call_id: Optional[str] = None
+
+    def as_template_dict(self) -> dict[str, Any]:
+        """The message for the chat template: content as one string, absent fields left out."""
+        out = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            out["content"] = "".join(str(p.get("text", "")) for p in self.content if p.get("type", "text") == "text")
+        out.setdefault("content", "")
+        return out
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Optional[Annotated[int, Field(ge=1)]] = None
+    max_completion_tokens: Optional[Annotated[int, Field(ge=1)]] = None
+    logprobs: bool = False
+    top_logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[Literal["none", "auto"], dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    response_format: Optional[dict[str, Literal["text"]]] = None
+
+    @model_validator(mode="after")
+    def _logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
+
+    def completion_limit(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# ---- SGLang's native routes ------------------------------------------------------------------------
+
+
+class SGLangSampling(Strict):
+    """SGLang's `sampling_params` (its SamplingParams names); neutral values only for the rest."""
+
+    max_new_tokens: Annotated[int, Field(ge=1)] = 128
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[Annotated[int, Field(ge=0)]]] = None
+    temperature: Annotated[float, Field(ge=0)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = -1
+    min_p: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    sampling_seed: Optional[Annotated[int, Field(ge=0, lt=2**63)]] = None
+    frequency_penalty: Annotated[float, Field(ge=0, le=0)] = 0.0
+    presence_penalty: Annotated[float, Field(ge=0, le=0)] = 0.0
+    repetition_penalty: Annotated[float, Field(ge=1, le=1)] = 1.0
+    min_new_tokens: Annotated[int, Field(ge=0, le=0)] = 0
+    json_schema: Optional[Literal[None]] = None
+    regex: Optional[Literal[None]] = None
+    ebnf: Optional[Literal[None]] = None
+
+    def stop_strings(self) -> tuple[str, ...]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return tuple(s for s in stops if s)
+
+
+class GenerateReqInput(Strict):
+    """SGLang's `GenerateReqInput`: one prompt or a batch (`text` or `input_ids`, not both)."""
+
+    text: Optional[Union[str, Annotated[list[str], Field(min_length=1)]]] = None
+    input_ids: Optional[Union[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)],
+                              Annotated[list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]],
+                                        Field(min_length=1)]]] = None
+    sampling_params: Optional[Union[SGLangSampling, list[SGLangSampling]]] = None
+    rid: Optional[Union[str, list[str]]] = None
+    return_logprob: Optional[Union[bool, list[bool]]] = None
+    logprob_start_len: Optional[Union[int, list[int]]] = None
+    top_logprobs_num: Optional[Union[Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)], list[int]]] = None
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> GenerateReqInput:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("Either text or input_ids should be provided, not both")
+        return self
+
+
+class AbortReq(Strict):
+    rid: str = ""
+    abort_all: bool = False
+
+
+class PauseGenerationReqInput(Strict):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class MemoryOccupationReqInput(Strict):
+    tags: Optional[list[Literal["kv_cache", "weights"]]] = None
+
+
+class UpdateWeightFromDiskReqInput(Strict):
+    model_path: str
+    load_format: Optional[Literal["safetensors", "auto"]] = None
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = None
+    is_async: bool = False
+    torch_empty_cache: bool = False
+    keep_pause: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int = 0
+    flush_cache: bool = True
+
+
+class InitWeightsUpdateGroupReqInput(Strict):
+    master_address: str
+    master_port: Annotated[int, Field(ge=1, le=65535)]
+    rank_offset: Annotated[int, Field(ge=0)]
+    world_size: Annotated[int, Field(ge=1)]
+    group_name: str = "weight_update_group"
+    backend: Literal["nccl", "gloo"] = "nccl"
+
+
+class UpdateWeightsFromDistributedReqInput(Strict):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = None
+    load_format: Optional[Literal["flattened_bucket"]] = None
+
+    @model_validator(mode="after")
+    def _aligned(self) -> UpdateWeightsFromDistributedReqInput:
+        if not (len(self.names) == len(self.dtypes) == len(self.shapes)):
+            raise ValueError("names, dtypes and shapes must have one entry per tensor")
+        return self
+
+
+class DestroyWeightsUpdateGroupReqInput(Strict):
+    group_name: str = "weight_update_group"

@@ -1,0 +1,104 @@
+"""Chat sessions without drift: the HTTP front keeps each session's token ids.
+
+A session (an id from the `X-Session-ID` header or the `session_id` field) remembers its last
+turn: the messages, the prompt ids, and each choice's reply text with the ids sampled for it.
+When the next request repeats those messages, then one of those replies as an assistant message,
+then new messages, its prompt is `TextCodec.continuation_ids`: the previous prompt ids + the
+reply's sampled ids verbatim + the tokens of only what the chat template adds after them. The
+earlier turns are never re-tokenized, so the ids a trainer sees for turn k are exactly those
+sampled, and the engine's prefix cache finds the whole previous turn.
+
+Anything else (a different history, an edited reply, other tools, an unknown or expired id) starts
+the session over from the messages, tokenized as a fresh conversation; `SessionStore.restarts`
+counts those. The store is bounded (least recently used sessions are dropped first) and a session
+idle for `ttl_s` is forgotten.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from rollout.text import TextCodec, message_text
+
+
+@dataclass(slots=True)
+class Reply:
+    text: str
+    ids: list[int]
+
+
+@dataclass(slots=True)
+class Session:
+    messages: list[dict[str, Any]]
+    tools: Optional[list[dict]]
+    prompt_ids: list[int]
+    replies: list[Reply]
+    used: float
+
+
+class SessionStore:
+    """Session id -> the session's last turn (see module docstring). Thread-safe."""
+
+    def __init__(self, max_sessions: int = 4096, ttl_s: float = 3600.0) -> None:
+        if max_sessions < 1 or ttl_s <= 0:
+            raise ValueError(f"SessionStore: max_sessions >= 1 and ttl_s > 0, got {max_sessions}, {ttl_s}")
+        self.max_sessions, self.ttl_s = max_sessions, ttl_s
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._lock = threading.Lock()
+        self.continued = 0
+        self.restarts = 0
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def get(self, session_id: str) -> Optional[Session]:
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None:
+                return None
+            if time.monotonic() - session.used > self.ttl_s:
+                del self._sessions[session_id]
+                return None
+            self._sessions.move_to_end(session_id)
+            return session
+
+    def prompt_ids(self, codec: TextCodec, session_id: Optional[str], messages: list[dict[str, Any]],
+                   tools: Optional[list[dict]]) -> tuple[list[int], bool]:
+        """The prompt of `messages` in `session_id`, and whether it continued the session's ids."""
+        session = self.get(session_id) if session_id else None
+        if session is not None:
+            ids = _continue(codec, session, messages, tools)
+            if ids is not None:
+                self.continued += 1
+                return ids, True
+            self.restarts += 1
+        return codec.chat_ids(messages, tools=tools), False
+
+    def record(self, session_id: str, messages: list[dict[str, Any]], tools: Optional[list[dict]],
+               prompt_ids: list[int], replies: list[Reply]) -> None:
+        session = Session(messages, tools, list(prompt_ids), replies, time.monotonic())
+        with self._lock:
+            self._sessions[session_id] = session
+            self._sessions.move_to_end(session_id)
+            while len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
+
+
+def _continue(codec: TextCodec, session: Session, messages: list[dict[str, Any]],
+              tools: Optional[list[dict]]) -> Optional[list[int]]:
+    n = len(session.messages)
+    if tools != session.tools or len(messages) < n + 2 or messages[:n] != session.messages:
+        return None
+    reply = messages[n]
+    if reply.get("role") != "assistant" or reply.get("tool_calls"):
+        return None
+    text = message_text(reply)
+    chosen = next((r for r in session.replies if r.text == text), None)
+    if chosen is None:
+        return None
+    return codec.continuation_ids(session.messages, session.prompt_ids, chosen.ids, reply, messages[n + 1:],
+                                  tools=tools)

@@ -1,0 +1,302 @@
+"""SGLang-compatible native routes, with the request and response names of SGLang's documentation.
+
+Pinned to SGLang's docs as of v0.5.6 and later (`pause_generation` takes a `mode` from 0.5.6 on):
+docs/basic_usage/native_api, docs/basic_usage/sampling_params (`/generate`), and
+docs/advanced_features/sglang_for_rl (pause / continue, memory occupation, weight updates).
+`SGLANG_API_VERSION` records it; the tests pin the shapes.
+
+* `/generate`: `text` or `input_ids` (one prompt or a batch), `sampling_params` (SGLang's names),
+  `rid`, `return_logprob`, `top_logprobs_num`, `return_text_in_logprobs`, `stream`. Answer:
+  `{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
+  "completion_tokens", "weight_version", "e2e_latency", "output_token_logprobs"
+  ([logprob, token id, text or None] per token), "output_top_logprobs"}}`; a list for a batch or
+  `n > 1` (prompt-major). Streaming sends the cumulative answer per event, then `data: [DONE]`.
+* `/pause_generation` modes map to ours: `abort` -> ABORT, `retract` -> RETRACT (KV freed,
+  requests requeued: `flush_cache` succeeds), `in_place` -> KEEP (requests keep their KV:
+  `flush_cache` is refused while they hold it, as in SGLang).
+* `weight_version` is our policy version as a string; `update_weights_*` may set it with a
+  decimal `weight_version`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Optional
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
+
+from inference import PauseMode, SamplingParams, SuspendPolicy, UpdatePolicy
+from rollout.http.errors import APIError, from_exception
+from rollout.http.front import HttpFront, top_entries
+from rollout.http.generation import GenSpec, Sample
+from rollout.http.openai_routes import front_of, json_response, sse
+from rollout.http.schemas import (
+    AbortReq,
+    GenerateReqInput,
+    MemoryOccupationReqInput,
+    PauseGenerationReqInput,
+    SGLangSampling,
+    UpdateWeightFromDiskReqInput,
+)
+
+SGLANG_API_VERSION = "0.5.6"
+router = APIRouter()
+PAUSE_MODES = {"abort": PauseMode.ABORT, "retract": PauseMode.RETRACT, "in_place": PauseMode.KEEP}
+FLUSH_MESSAGE = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
+                 "requests, the operation will not be performed.)\n")
+
+
+# ---- /generate -----------------------------------------------------------------------------------
+
+
+@router.api_route("/generate", methods=["POST", "PUT"])
+async def generate(body: GenerateReqInput, request: Request) -> Response:
+    front = front_of(request)
+    batched = isinstance(body.text, list) or (body.input_ids is not None and isinstance(body.input_ids[0], list))
+    if body.text is not None:
+        texts = body.text if isinstance(body.text, list) else [body.text]
+        prompts = [await front.encode(t) for t in texts]
+    else:
+        prompts = [list(p) for p in body.input_ids] if batched else [list(body.input_ids)]
+    if not all(prompts):
+        raise APIError(400, "The input must not be empty.")
+    front.check_ids(prompts, "input_ids")
+    sampling = _per_prompt(body.sampling_params, len(prompts), "sampling_params") or [SGLangSampling()] * len(prompts)
+    rids = _rids(body.rid, len(prompts))
+    for name in ("return_logprob", "top_logprobs_num", "logprob_start_len"):
+        _per_prompt(getattr(body, name), len(prompts), name)
+    if body.logprob_start_len not in (None, -1):
+        raise APIError(400, "logprob_start_len: only -1 (output tokens only) is supported")
+    specs = []
+    for i, (prompt, sp) in enumerate(zip(prompts, sampling)):
+        top = _at(body.top_logprobs_num, i) or 0
+        max_tokens = front.completion_budget([prompt], sp.max_new_tokens, "input")
+        params = _sampling(sp, max_tokens, top)
+        specs.append(GenSpec([prompt], sp.n, params, stops=sp.stop_strings(), include_stop=sp.no_stop_trim,
+                             skip_special_tokens=sp.skip_special_tokens, stream=body.stream, rid=rids[i]))
+    logprob = [bool(_at(body.return_logprob, i)) for i in range(len(prompts))]
+    if body.stream:
+        return StreamingResponse(_events(front, body, specs, logprob), media_type="text/event-stream")
+    gens = [front.generation(spec) for spec in specs]
+    results = await asyncio.gather(*(_collect(g) for g in gens))  # the batch's prompts run together
+    version = await _version(front, [s for samples in results for s in samples])
+    outputs = [_answer(front, body, gen.spec, s, gen.seconds, want, version)
+               for gen, samples, want in zip(gens, results, logprob) for s in samples]
+    return json_response(outputs if batched or len(outputs) > 1 else outputs[0])
+
+
+async def _collect(gen: Any) -> list[Sample]:
+    try:
+        return await gen.run()
+    except APIError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise from_exception(exc) from exc
+
+
+async def _events(front: HttpFront, body: GenerateReqInput, specs: list[GenSpec], logprob: list[bool]
+                  ) -> AsyncIterator[bytes]:
+    try:  # NOTE: a streamed batch runs prompt after prompt (SGLang interleaves them; the data is the same)
+        for k, (spec, want) in enumerate(zip(specs, logprob)):
+            gen = front.generation(spec)
+            async for d in gen.deltas():
+                s = d.sample
+                version = str(max(s.versions)) if s.versions else None
+                out = _answer(front, body, spec, s, time.perf_counter() - gen.started, want, version,
+                              final=d.finish_reason is not None, upto=d.start + len(d.ids))
+                out["index"] = k * spec.n + s.index
+                yield sse(out)
+    except Exception as exc:  # noqa: BLE001 (headers are sent: the error goes into the stream)
+        yield sse({"error": {"message": from_exception(exc).message}})
+    yield b"data: [DONE]\n\n"
+
+
+def _answer(front: HttpFront, body: GenerateReqInput, spec: GenSpec, s: Sample, seconds: float, logprob: bool,
+            version: Optional[str], *, final: bool = True, upto: Optional[int] = None) -> dict[str, Any]:
+    ids = s.ids if upto is None else s.ids[:upto]
+    text = s.text if final else front.codec.decode(ids, skip_special_tokens=spec.skip_special_tokens)
+    meta: dict[str, Any] = {"id": spec.rid if spec.n == 1 else f"{spec.rid}-{s.index}",
+                            "finish_reason": _finish_reason(s, spec) if final else None,
+                            "prompt_tokens": len(spec.prompts[0]), "completion_tokens": len(ids),
+                            "weight_version": version, "e2e_latency": seconds}
+    if logprob:
+        with_text = body.return_text_in_logprobs
+        meta["output_token_logprobs"] = [
+            [lp, t, front.token_text(t, False) if with_text else None] for lp, t in zip(s.logprobs, ids)]
+        if spec.top_logprobs:
+            meta["output_top_logprobs"] = [
+                [[lp, t, front.token_text(t, False) if with_text else None]
+                 for t, lp in top_entries(s.top_logprobs[j] if s.top_logprobs else None, spec.top_logprobs)]
+                for j in range(len(ids))]
+    return {"text": text, "output_ids": ids, "meta_info": meta}
+
+
+def _finish_reason(s: Sample, spec: GenSpec) -> Optional[dict[str, Any]]:
+    if s.finish_reason == "length":
+        return {"type": "length", "length": spec.sampling.max_tokens}
+    if s.finish_reason == "stop":
+        return {"type": "stop", "matched": s.matched}
+    if s.finish_reason == "abort":
+        return {"type": "abort", "message": "aborted"}
+    return None
+
+
+async def _version(front: HttpFront, samples: list[Sample]) -> str:
+    versions = [v for s in samples for v in s.versions]
+    return str(max(versions)) if versions else str(await front.policy_version())
+
+
+def _sampling(sp: SGLangSampling, max_tokens: int, top: int) -> SamplingParams:
+    return HttpFront.sampling(n=sp.n, max_tokens=max_tokens, temperature=sp.temperature, top_p=sp.top_p,
+                              top_k=sp.top_k, min_p=sp.min_p, seed=sp.sampling_seed, stop_token_ids=sp.stop_token_ids,
+                              ignore_eos=sp.ignore_eos, logprobs=top)
+
+
+def _per_prompt(value: Any, count: int, name: str) -> Optional[list]:
+    if isinstance(value, list):
+        if len(value) != count:
+            raise APIError(400, f"{name}: a list must have one entry per prompt ({count}), got {len(value)}")
+        return value
+    return None if value is None else [value] * count
+
+
+def _at(value: Any, i: int) -> Any:
+    return value[i] if isinstance(value, list) else value
+
+
+def _rids(rid: Any, count: int) -> list[str]:
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(count)]
+    rids = _per_prompt(rid, count, "rid")
+    if count > 1 and not isinstance(rid, list):
+        rids = [f"{rid}-{i}" for i in range(count)]
+    return rids
+
+
+# ---- control -------------------------------------------------------------------------------------
+
+
+@router.post("/abort_request")
+async def abort_request(body: AbortReq, request: Request) -> Response:
+    front = front_of(request)
+    for rid, gen in list(front.inflight.items()):
+        if body.abort_all or rid == body.rid or rid.startswith(f"{body.rid}-"):
+            gen.abort()
+    return Response(status_code=200)
+
+
+@router.post("/pause_generation")
+async def pause_generation(request: Request) -> Response:
+    body = await _optional(request, PauseGenerationReqInput)
+    await _call(front_of(request).client.pause(PAUSE_MODES[body.mode]))
+    return json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+
+@router.post("/continue_generation")
+async def continue_generation(request: Request) -> Response:
+    await _call(front_of(request).client.continue_())
+    return json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request) -> Response:
+    """Refused (400) while requests hold KV blocks (running, or paused in place), as SGLang does."""
+    client = front_of(request).client
+    stats = await _call(client.stats())
+    if float(stats.get("kv_utilization", 0.0) or 0.0) > 0.0:
+        return Response(FLUSH_MESSAGE, status_code=400, media_type="text/plain")
+    await _call(client.reset_prefix_cache())
+    return Response(FLUSH_MESSAGE, status_code=200, media_type="text/plain")
+
+
+@router.api_route("/release_memory_occupation", methods=["GET", "POST"])
+async def release_memory_occupation(request: Request) -> Response:
+    body = await _optional(request, MemoryOccupationReqInput)
+    weights = body.tags is None or "weights" in body.tags
+    await _call(front_of(request).client.suspend(SuspendPolicy.RECOMPUTE, offload_weights=weights))
+    return Response(status_code=200)
+
+
+@router.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+async def resume_memory_occupation(request: Request) -> Response:
+    await _optional(request, MemoryOccupationReqInput)
+    await _call(front_of(request).client.resume())
+    return Response(status_code=200)
+
+
+@router.get("/get_weight_version")
+async def get_weight_version(request: Request) -> Response:
+    return json_response({"weight_version": str(await _call(front_of(request).policy_version()))})
+
+
+@router.get("/get_model_info")
+async def get_model_info(request: Request) -> Response:
+    front = front_of(request)
+    return json_response({"model_path": front.config.model_path or front.config.model_name,
+                          "tokenizer_path": front.config.model_path or front.config.model_name,
+                          "is_generation": True, "preferred_sampling_params": None,
+                          "weight_version": str(await _call(front.policy_version())),
+                          "has_image_understanding": False, "has_audio_understanding": False})
+
+
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(body: UpdateWeightFromDiskReqInput, request: Request) -> Response:
+    front = front_of(request)
+    try:
+        version = weight_version(body.weight_version)
+        policy = UpdatePolicy.ABORT if body.abort_all_requests else None
+        new = await front.client.update_weights(body.model_path, version, policy=policy, timeout=front.timeout)
+    except Exception as exc:  # noqa: BLE001 (SGLang answers a failed update with success false)
+        return json_response({"success": False, "message": f"Failed to update weights: {exc}",
+                              "num_paused_requests": 0}, status=400)
+    return json_response({"success": True, "message": f"Succeeded to update model weights. Weight version is {new}.",
+                          "num_paused_requests": 0})
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    try:
+        info = await front_of(request).client.health(timeout=20.0)
+    except Exception:  # noqa: BLE001 (no answer is unhealthy)
+        return Response(status_code=503)
+    return Response(status_code=200 if info.healthy else 503)
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    """Healthy when one token comes back within 20 s (SGLang's HEALTH_CHECK_TIMEOUT)."""
+    front = front_of(request)
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    try:
+        await front.client.generate([[0]], 1, params, timeout=20.0)
+    except Exception:  # noqa: BLE001
+        return Response(status_code=503)
+    return Response(status_code=200)
+
+
+def weight_version(label: Optional[str]) -> Optional[int]:
+    """SGLang's `weight_version` label as our integer policy version (decimal labels only)."""
+    if label is None:
+        return None
+    if not label.isdecimal():
+        raise ValueError(f"weight_version must be a decimal policy version here, got {label!r}")
+    return int(label)
+
+
+async def _call(awaitable: Any) -> Any:
+    try:
+        return await awaitable
+    except Exception as exc:  # noqa: BLE001
+        raise from_exception(exc) from exc
+
+
+async def _optional(request: Request, model: Any) -> Any:
+    raw = await request.body()
+    try:
+        return model.model_validate_json(raw) if raw.strip() else model()
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from exc

@@ -1,0 +1,159 @@
+"""TextCodec: a model directory's HF tokenizer and chat template, for the text front ends.
+
+The engine is token-in, token-out; text lives here, outside it. Three rules keep RL honest:
+
+* a completion's text is decoded from the ids that were sampled, never the other way round: the
+  ids are what a trainer trains on, the text is only what a reader sees;
+* a chat prompt is the template rendered to text, then encoded without added special tokens (the
+  template writes its own), as `apply_chat_template(..., tokenize=True)` does;
+* a conversation that goes on (`continuation_ids`) is extended, never re-tokenized: turn k+1's
+  prompt is turn k's prompt ids + the ids sampled in turn k + the tokens of only what the
+  template adds after them (the closing of the assistant message, the new messages, the
+  generation prompt). Re-tokenizing the whole history would turn sampled ids into different ids
+  whenever the text they spell tokenizes another way (" hel" + "lo" -> " hello").
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Optional, Union
+
+Message = Mapping[str, Any]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+class ChatTemplateError(ValueError):
+    """The messages cannot be rendered (no template, a bad role, a template error)."""
+
+
+class TextCodec:
+    """Encode, decode and render chat for one model. Thread-safe for reads (HF fast tokenizers)."""
+
+    def __init__(self, tokenizer: Any, name: str = "") -> None:
+        self.tokenizer = tokenizer
+        self.name = name
+        eos = tokenizer.eos_token_id
+        self.eos_token_ids = frozenset([] if eos is None else [int(eos)])
+        self.eos_text = tokenizer.eos_token or ""
+        self.vocab_size = len(tokenizer)
+
+    @classmethod
+    def load(cls, source: Union[str, os.PathLike, TextCodec, Any]) -> TextCodec:
+        """A codec from a model directory, a codec (returned as is), or an HF tokenizer object."""
+        if isinstance(source, TextCodec):
+            return source
+        if isinstance(source, (str, os.PathLike)):
+            from transformers import AutoTokenizer
+
+            path = Path(source)
+            if not has_tokenizer(path):
+                raise FileNotFoundError(f"{path}: no tokenizer files ({', '.join(TOKENIZER_FILES)})")
+            return cls(AutoTokenizer.from_pretrained(path), name=path.name)
+        if hasattr(source, "encode") and hasattr(source, "decode"):
+            return cls(source, name=getattr(source, "name_or_path", ""))
+        raise TypeError(f"a tokenizer source is a model directory, a TextCodec or an HF tokenizer, "
+                        f"got {type(source).__name__}")
+
+    # ---- text ----------------------------------------------------------------------------------
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        """Each token's own text (special tokens included), as OpenAI's log-probs show them."""
+        return [self.tokenizer.decode([int(t)], skip_special_tokens=False) for t in ids]
+
+    # ---- chat ----------------------------------------------------------------------------------
+
+    def render(self, messages: Sequence[Message], *, add_generation_prompt: bool = True,
+               tools: Optional[list[dict]] = None) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ChatTemplateError(f"the tokenizer of {self.name or 'this model'} has no chat template")
+        try:
+            return self.tokenizer.apply_chat_template([dict(m) for m in messages], tools=tools, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # noqa: BLE001 (jinja raises anything: the messages are at fault)
+            raise ChatTemplateError(f"the chat template refused the messages: {exc}") from exc
+
+    def chat_ids(self, messages: Sequence[Message], *, tools: Optional[list[dict]] = None) -> list[int]:
+        """The prompt ids of a conversation, ending with the generation prompt."""
+        return self.encode(self.render(messages, tools=tools), add_special_tokens=False)
+
+    def continuation_ids(self, history: Sequence[Message], prompt_ids: Sequence[int], sampled_ids: Sequence[int],
+                         reply: Message, new: Sequence[Message], *,
+                         tools: Optional[list[dict]] = None) -> Optional[list[int]]:
+        """Turn k+1's prompt: `prompt_ids` (turn k's, for `history`) + `sampled_ids` (the reply's
+        ids, verbatim) + the tokens of the template's text after the reply. None when the
+        template is not incremental (rendering the longer conversation changes earlier text),
+        so the caller must start over from `chat_ids`.
+        """
+        before = self.render(history, tools=tools)
+        with_reply = self.render([*history, reply], add_generation_prompt=False, tools=tools)
+        full = self.render([*history, reply, *new], tools=tools)
+        content = message_text(reply)
+        if not with_reply.startswith(before + content) or not full.startswith(with_reply):
+            return None
+        closing = with_reply[len(before) + len(content):]
+        # NOTE: a reply that ended on EOS already holds the template's end-of-turn token
+        if sampled_ids and int(sampled_ids[-1]) in self.eos_token_ids and self.eos_text \
+                and closing.startswith(self.eos_text):
+            closing = closing[len(self.eos_text):]
+        suffix = closing + full[len(with_reply):]
+        return [*map(int, prompt_ids), *map(int, sampled_ids), *self.encode(suffix, add_special_tokens=False)]
+
+
+def has_tokenizer(path: Union[str, os.PathLike]) -> bool:
+    path = Path(path)
+    return path.is_dir() and any((path / f).is_file() for f in TOKENIZER_FILES)
+
+
+def message_text(message: Message) -> str:
+    """A message's content as one string (OpenAI allows a list of text parts, or None)."""
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if isinstance(part, Mapping))
+
+
+def is_chat(prompt: Any) -> bool:
+    return isinstance(prompt, Sequence) and not isinstance(prompt, str) and len(prompt) > 0 \
+        and all(isinstance(m, Mapping) for m in prompt)
+
+
+def prompt_ids(prompt: Any, codec: Optional[TextCodec]) -> list[int]:
+    """One prompt as token ids: ids as given, a string encoded, a chat rendered and encoded."""
+    if isinstance(prompt, str) or is_chat(prompt):
+        if codec is None:
+            raise ValueError("a text or chat prompt needs a tokenizer (pass tokenizer=... : a model directory "
+                             "or an HF tokenizer)")
+        return codec.encode(prompt) if isinstance(prompt, str) else codec.chat_ids(prompt)
+    return list(prompt)
+
+
+def needs_codec(prompts: Any) -> bool:
+    """Whether any of `prompts` is text or chat (a sequence of prompts is checked, not its type)."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise ValueError(f"prompts must be a sequence of prompts (token ids, strings or chat message lists), "
+                         f"got {type(prompts).__name__}")
+    return any(isinstance(p, str) or is_chat(p) for p in prompts)
+
+
+def token_prompts(prompts: Any, codec: Optional[TextCodec]) -> Any:
+    """`prompts` as token-id prompts (returned as they are when none is text or chat)."""
+    if not needs_codec(prompts):
+        return prompts
+    return [prompt_ids(p, codec) for p in prompts]
+
+
+def add_text(rollouts: Sequence[Any], codec: Optional[TextCodec]) -> None:
+    """Set each rollout's `text` from its completion ids (nothing without a codec)."""
+    if codec is not None:
+        for r in rollouts:
+            r.text = codec.decode(r.completion_ids)
