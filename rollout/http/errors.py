@@ -79,6 +79,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
     kind = first.get("type", "")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
+    if kind == "model_attributes_type" and not loc and isinstance(first.get("input"), (bytes, str)):
+        return "The request body must be JSON, sent with `Content-Type: application/json`.", None
     if kind in ("json_invalid", "json_type") or (kind == "missing" and not loc):
         return ("We could not parse the JSON body of your request. The API expects a JSON object as the "
                 "request body; what was sent was not valid JSON.", None)

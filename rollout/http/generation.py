@@ -156,9 +156,10 @@ class Generation:
             pass
         return self.samples
 
-    def abort(self) -> None:
+    async def abort(self) -> None:
+        """Abort the running samples; they still come back (reason `abort`, with their tokens)."""
         if self._stream is not None and self._stream.unfinished():
-            self._stream._give_up()
+            await self._abort_running(self._stream)
 
     # ---- per sample ------------------------------------------------------------------------------
 

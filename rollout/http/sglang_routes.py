@@ -183,9 +183,9 @@ def _rids(rid: Any, count: int) -> list[str]:
 @router.post("/abort_request")
 async def abort_request(body: AbortReq, request: Request) -> Response:
     front = front_of(request)
-    for rid, gen in list(front.inflight.items()):
-        if body.abort_all or rid == body.rid or rid.startswith(f"{body.rid}-"):
-            gen.abort()
+    chosen = [gen for rid, gen in list(front.inflight.items())
+              if body.abort_all or rid == body.rid or rid.startswith(f"{body.rid}-")]
+    await asyncio.gather(*(gen.abort() for gen in chosen))
     return Response(status_code=200)
 
 
@@ -241,6 +241,18 @@ async def get_model_info(request: Request) -> Response:
                           "is_generation": True, "preferred_sampling_params": None,
                           "weight_version": str(await _call(front.policy_version())),
                           "has_image_understanding": False, "has_audio_understanding": False})
+
+
+@router.get("/get_server_info")
+async def get_server_info(request: Request) -> Response:
+    """The engine server's stats (SGLang's `internal_states`) and this front's session counters."""
+    front = front_of(request)
+    stats = await _call(front.client.stats())
+    sessions = front.sessions
+    return json_response({"internal_states": [stats], "sglang_api_version": SGLANG_API_VERSION,
+                          "max_model_len": front.config.max_model_len, "served_model_name": front.config.model_name,
+                          "sessions": {"open": len(sessions), "continued": sessions.continued,
+                                       "restarted": sessions.restarts}})
 
 
 @router.post("/update_weights_from_disk")

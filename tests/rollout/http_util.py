@@ -1,0 +1,49 @@
+"""Shared by the HTTP tests: a tiny random Llama that speaks SmolLM2's tokenizer and chat template
+(never a toy tokenizer), and the `rollout serve --http` arguments that go with it."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+MAX_LEN = 512
+HTTP_SERVER_ARGS = ("--threads", "1", "--block-size", "4", "--num-blocks", "2048", "--max-requests", "64",
+                    "--max-batch-tokens", "1024", "--max-seq-len", str(MAX_LEN), "--http", "0",
+                    "--served-model-name", "tiny-chat")
+MODEL = "tiny-chat"
+WAIT_S = 60.0
+
+
+def smollm2_tokenizer_dir() -> Path:
+    import torch
+
+    from inference.models.smollm2 import smollm2_dir
+
+    return smollm2_dir(torch.float32)
+
+
+def save_tiny_chat_model(directory: Path, seed: int = 0) -> Path:
+    """A 1-layer, hidden-32 Llama over SmolLM2's 49,152-token vocabulary (its BOS / EOS / pad ids),
+    saved with save_pretrained next to SmolLM2's tokenizer files."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    source = smollm2_tokenizer_dir()
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_LEN,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).eval().save_pretrained(directory)
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy(source / name, Path(directory) / name)
+    return Path(directory)
+
+
+def engine_config():
+    """The in-process twin of HTTP_SERVER_ARGS."""
+    from inference import InferenceConfig
+
+    return InferenceConfig(block_size=4, num_blocks=2048, max_requests=64, max_batch_tokens=1024,
+                           max_sequence_length=MAX_LEN)

@@ -1,0 +1,310 @@
+"""The HTTP front end to end: a real `rollout serve --http` process on loopback (a tiny random Llama
+with SmolLM2's tokenizer and chat template), driven by the official `openai` client and by httpx
+with the JSON shapes of SGLang's documentation (`rollout.http.sglang_routes.SGLANG_API_VERSION`).
+
+The server is shared by this module; every test leaves it unpaused. The weight-update cycle runs
+last and puts the original weights back.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from inference import DynamicInferenceEngine, SamplingParams
+from rollout.http.sglang_routes import SGLANG_API_VERSION
+from rollout.text import TextCodec
+from tests.rollout.http_util import HTTP_SERVER_ARGS, MAX_LEN, MODEL, WAIT_S, engine_config, save_tiny_chat_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+
+
+@pytest.fixture(scope="module")
+def http_server(model_dir):
+    from rollout import ServerProcess
+
+    proc = ServerProcess(model_dir, *HTTP_SERVER_ARGS, ready_timeout=WAIT_S)
+    try:
+        assert proc.http_url is not None, "\n".join(proc.output)
+        yield proc
+    finally:
+        proc.stop(grace_s=5.0)
+
+
+@pytest.fixture(scope="module")
+def codec(model_dir):
+    return TextCodec.load(model_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return DynamicInferenceEngine.from_pretrained(model_dir, engine_config())
+
+
+@pytest.fixture
+def oai(http_server):
+    with openai.OpenAI(base_url=f"{http_server.http_url}/v1", api_key="unused", timeout=WAIT_S, max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture
+def web(http_server):
+    with httpx.Client(base_url=http_server.http_url, timeout=WAIT_S) as c:
+        yield c
+
+
+def greedy_ids(engine, prompt: list[int], max_tokens: int) -> list[int]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return engine.generate([prompt], [params], timeout=WAIT_S)[0].generated_token_ids
+
+
+# ---- the official openai client --------------------------------------------------------------------
+
+
+def test_models_and_completion_equal_the_in_process_engine(oai, codec, reference):
+    assert [m.id for m in oai.models.list().data] == [MODEL]
+    out = oai.completions.create(model=MODEL, prompt="The weather today is", max_tokens=6, temperature=0,
+                                 extra_body={"ignore_eos": True})
+    choice = out.choices[0]
+    prompt = codec.encode("The weather today is")
+    assert choice.prompt_token_ids == prompt  # vLLM's return_token_ids names, on every choice
+    assert choice.token_ids == greedy_ids(reference, prompt, 6)
+    assert choice.text == codec.decode(choice.token_ids)
+    assert choice.finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(prompt), 6)
+
+
+def test_token_in_completions_n_and_logprobs(oai, reference):
+    prompts = [[1, 400, 500, 600], [7, 8, 9]]
+    out = oai.completions.create(model=MODEL, prompt=prompts, max_tokens=4, n=3, temperature=1.0, seed=5,
+                                 logprobs=2, extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == list(range(6))
+    for c in out.choices:
+        assert c.prompt_token_ids == prompts[c.index // 3]
+        assert len(c.token_ids) == 4 and len(c.logprobs.token_logprobs) == 4
+        assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
+        assert all(len(top) == 2 for top in c.logprobs.top_logprobs)
+    again = oai.completions.create(model=MODEL, prompt=prompts, max_tokens=4, n=3, temperature=1.0, seed=5,
+                                   extra_body={"ignore_eos": True})
+    assert [c.token_ids for c in again.choices] == [c.token_ids for c in out.choices]  # seeded: reproducible
+    assert out.usage.prompt_tokens == 7 and out.usage.completion_tokens == 24
+
+
+def test_chat_completion_with_logprobs_and_n(oai, codec, reference):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    out = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0, n=2,
+                                      logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    prompt = codec.chat_ids(messages)
+    assert out.model_extra["prompt_token_ids"] == prompt
+    want = greedy_ids(reference, prompt, 5)
+    for c in out.choices:
+        assert c.model_extra["token_ids"] == want and c.message.role == "assistant"
+        assert c.message.content == codec.decode(want)
+        content = c.logprobs.content
+        assert [t.token for t in content] == codec.token_texts(want)
+        assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob >= t.logprob - 1e-6 for t in content)
+
+
+def test_streaming_chat_and_completion(oai, codec, reference):
+    messages = [{"role": "user", "content": "Count to three."}]
+    stream = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True,
+                                         stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    text, ids, finish, usage, chunks = "", [], None, None, 0
+    for chunk in stream:
+        chunks += 1
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            ids += c.model_extra["token_ids"]
+            finish = c.finish_reason or finish
+    want = greedy_ids(reference, codec.chat_ids(messages), 12)
+    assert ids == want and text == codec.decode(want) and finish == "length"
+    assert chunks >= 4 and usage.completion_tokens == 12  # token by token, then the usage chunk
+    parts = list(oai.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=5, temperature=0, stream=True,
+                                        extra_body={"ignore_eos": True}))
+    assert sum((p.choices[0].model_extra["token_ids"] for p in parts), []) == greedy_ids(reference, [5, 6, 7], 5)
+
+
+def test_stop_strings_cut_text_and_ids(oai, codec, reference):
+    prompt = [1, 2000, 3000]
+    full = greedy_ids(reference, prompt, 12)
+    text = codec.decode(full)
+    stop = text[len(text) // 2:len(text) // 2 + 2]  # two characters from the middle
+    for stream in (False, True):
+        out = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[stop],
+                                     stream=stream, extra_body={"ignore_eos": True})
+        chunks = list(out) if stream else [out]
+        got = "".join(c.choices[0].text for c in chunks)
+        ids = sum((c.choices[0].model_extra["token_ids"] for c in chunks), [])
+        assert got == text[:text.index(stop)]
+        assert ids == full[:len(ids)] and stop in codec.decode(ids) and stop not in codec.decode(ids[:-1])
+        assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+# ---- bad input: OpenAI's status codes and error bodies; the server keeps serving -------------------
+
+
+def test_bad_requests_are_answered_like_openai(oai, web):
+    with pytest.raises(openai.NotFoundError) as err:
+        oai.completions.create(model="gpt-nope", prompt="x", max_tokens=1)
+    assert err.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"frobnicate": 1})
+    assert err.value.body["message"] == "Unrecognized request argument supplied: frobnicate"
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], temperature=3.5)
+    assert err.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.completions.create(model=MODEL, prompt=[7] * (MAX_LEN - 2), max_tokens=10)
+    assert err.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        oai.completions.create(model=MODEL, prompt=[10**6], max_tokens=1)  # outside the vocabulary
+    for raw in (b'{"model": "tiny-chat", "prompt": ', b"[1, 2]", b"\xff\xfe"):
+        r = web.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = web.post("/v1/nope", json={})
+    assert r.status_code == 404 and "error" in r.json()
+    r = web.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 2, "bogus": 1}})
+    assert r.status_code == 400 and r.json()["object"] == "error" and r.json()["code"] == 400
+    r = web.post("/generate", json={"text": "x", "input_ids": [1]})
+    assert r.status_code == 400
+    ok = oai.completions.create(model=MODEL, prompt=[5, 6], max_tokens=2)
+    assert len(ok.choices[0].token_ids) >= 1  # still serving
+
+
+# ---- SGLang's native routes ----------------------------------------------------------------------
+
+
+def test_sglang_generate_shapes(web, codec, reference):
+    """`/generate` as SGLang documents it (pinned to SGLang's docs, SGLANG_API_VERSION)."""
+    assert SGLANG_API_VERSION == "0.5.6"
+    r = web.post("/generate", json={"text": "The capital of France is",
+                                    "sampling_params": {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True},
+                                    "return_logprob": True, "top_logprobs_num": 2, "rid": "req-1"})
+    assert r.status_code == 200
+    out = r.json()
+    assert set(out) == {"text", "output_ids", "meta_info"}
+    meta = out["meta_info"]
+    want = greedy_ids(reference, codec.encode("The capital of France is"), 5)
+    assert out["output_ids"] == want and out["text"] == codec.decode(want)
+    assert meta["id"] == "req-1" and meta["finish_reason"] == {"type": "length", "length": 5}
+    assert meta["prompt_tokens"] == len(codec.encode("The capital of France is")) and meta["completion_tokens"] == 5
+    assert meta["weight_version"] == web.get("/get_weight_version").json()["weight_version"]
+    assert [(t[1], t[2]) for t in meta["output_token_logprobs"]] == [(t, None) for t in want]
+    assert all(len(top) == 2 and len(top[0]) == 3 for top in meta["output_top_logprobs"])
+    batch = web.post("/generate", json={"input_ids": [[1, 2, 3], [4, 5]],
+                                        "sampling_params": {"temperature": 0, "max_new_tokens": 3, "n": 2,
+                                                            "ignore_eos": True}}).json()
+    assert [o["output_ids"] for o in batch] == [greedy_ids(reference, [1, 2, 3], 3)] * 2 + \
+        [greedy_ids(reference, [4, 5], 3)] * 2
+    events = []
+    with web.stream("POST", "/generate", json={"input_ids": [9, 10, 11], "stream": True,
+                                               "sampling_params": {"temperature": 0, "max_new_tokens": 4,
+                                                                   "ignore_eos": True}}) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: "):])
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["output_ids"] == greedy_ids(reference, [9, 10, 11], 4) and last["meta_info"]["finish_reason"]
+    assert all(json.loads(e)["meta_info"]["finish_reason"] is None for e in events[:-2])
+
+
+def test_sglang_health_and_info(web):
+    assert web.get("/health").status_code == 200
+    assert web.get("/health_generate").status_code == 200
+    info = web.get("/get_model_info").json()
+    assert info["is_generation"] is True and set(info) >= {"model_path", "tokenizer_path", "weight_version"}
+
+
+def test_in_place_pause_keeps_kv_so_flush_cache_is_refused(web, http_server):
+    body = {"input_ids": [3, 4, 5], "stream": True, "rid": "long",
+            "sampling_params": {"max_new_tokens": MAX_LEN - 8, "ignore_eos": True}}
+    with httpx.Client(base_url=http_server.http_url, timeout=WAIT_S) as other:
+        with other.stream("POST", "/generate", json=body) as s:
+            lines = s.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[len("data: "):])["meta_info"]["finish_reason"] is None  # it runs: it holds KV
+            try:
+                assert web.post("/pause_generation", json={"mode": "in_place"}).json() == {
+                    "message": "Generation paused successfully.", "status": "ok"}
+                assert web.post("/flush_cache").status_code == 400  # SGLang refuses it too
+                assert web.post("/abort_request", json={"rid": "long"}).status_code == 200
+                events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+            finally:
+                web.post("/continue_generation")
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["meta_info"]["finish_reason"]["type"] == "abort"
+    assert web.post("/flush_cache").status_code == 200  # nothing holds KV now
+
+
+def test_three_turn_agent_session_keeps_sampled_ids(oai, web, codec):
+    """Turn k+1's prompt ids start with turn k's prompt ids + sampled ids, verbatim, and turns 2 and
+    3 are served from the prefix cache; re-tokenizing the text would have changed the ids."""
+    session = {"X-Session-ID": "agent-7"}
+    messages = [{"role": "system", "content": "You are a weather agent. Call tools as <tool_call>{json}</tool_call>."},
+                {"role": "user", "content": "What is the weather in Paris?"}]
+    later = [[{"role": "tool", "content": '{"name": "get_weather", "content": {"city": "Paris", "temp_c": 21}}'}],
+             [{"role": "user", "content": '<tool_call>{"name": "get_time", "arguments": {"tz": "CET"}}</tool_call>'}]]
+    turns, cached = [], []
+    for k in range(3):
+        before = web.get("/get_server_info").json()["internal_states"][0]["engine/prefix_cached_tokens"]
+        out = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=1.0, seed=11 + k,
+                                          extra_headers=session, extra_body={"ignore_eos": True})
+        after = web.get("/get_server_info").json()["internal_states"][0]["engine/prefix_cached_tokens"]
+        prompt, sampled = out.model_extra["prompt_token_ids"], out.choices[0].model_extra["token_ids"]
+        turns.append((prompt, sampled, out.choices[0].message.content))
+        cached.append(after - before)
+        if k < 2:
+            messages = messages + [{"role": "assistant", "content": out.choices[0].message.content}] + later[k]
+    for (p0, s0, _), (p1, _, _) in zip(turns, turns[1:]):
+        assert p1[:len(p0) + len(s0)] == p0 + s0
+        assert len(p1) > len(p0) + len(s0)
+    # a sampled completion whose text tokenizes to other ids: re-tokenizing the history would drift
+    assert any(codec.encode(text, add_special_tokens=False) != sampled for _, sampled, text in turns[:2])
+    assert codec.chat_ids(messages) != turns[2][0]
+    for k in (1, 2):  # the whole previous turn, but its last partial block, comes from the cache
+        assert cached[k] >= len(turns[k - 1][0]) + len(turns[k - 1][1]) - 4, cached
+    sessions = web.get("/get_server_info").json()["sessions"]
+    assert sessions["continued"] >= 2
+
+
+def test_rl_cycle_pause_update_flush_continue(web, http_server, model_dir, tmp_path, reference):
+    """pause (retract) -> update weights from disk -> flush cache -> continue: the new weight version
+    is reported and greedy outputs equal a fresh engine's on the new weights."""
+    new_dir = save_tiny_chat_model(tmp_path / "new", seed=1)
+    prompts = [[1, 2, 3, 4], [50, 60, 70]]
+    before = [web.post("/generate", json={"input_ids": p, "sampling_params": {"temperature": 0,
+                                          "max_new_tokens": 6, "ignore_eos": True}}).json() for p in prompts]
+    version = int(web.get("/get_weight_version").json()["weight_version"])
+    try:
+        assert web.post("/pause_generation", json={"mode": "retract"}).status_code == 200
+        r = web.post("/update_weights_from_disk", json={"model_path": str(new_dir), "weight_version": str(version + 1)})
+        assert r.status_code == 200 and r.json()["success"] is True and r.json()["num_paused_requests"] == 0
+        assert web.post("/flush_cache").status_code == 200
+        assert web.post("/continue_generation").json()["status"] == "ok"
+        assert web.get("/get_weight_version").json() == {"weight_version": str(version + 1)}
+        fresh = DynamicInferenceEngine.from_pretrained(new_dir, engine_config())
+        for p, old in zip(prompts, before):
+            out = web.post("/generate", json={"input_ids": p, "sampling_params": {"temperature": 0,
+                                              "max_new_tokens": 6, "ignore_eos": True}}).json()
+            assert out["output_ids"] == greedy_ids(fresh, p, 6) != old["output_ids"]
+            assert out["meta_info"]["weight_version"] == str(version + 1)
+        bad = web.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "missing")})
+        assert bad.status_code == 400 and bad.json()["success"] is False
+    finally:
+        web.post("/continue_generation")
+        restore = web.post("/update_weights_from_disk", json={"model_path": str(model_dir)})
+        assert restore.json()["success"] is True
+    out = web.post("/generate", json={"input_ids": prompts[0], "sampling_params": {"temperature": 0,
+                                      "max_new_tokens": 6, "ignore_eos": True}}).json()
+    assert out["output_ids"] == greedy_ids(reference, prompts[0], 6)
