@@ -144,6 +144,8 @@ class ReplicaSet:
                 reason = link.verdict(now)
                 if reason is not None:
                     self.take_out(link, reason, now)
+                elif link.state is ReplicaState.UP and not self._updating and link.version != self.fleet.version:
+                    self._version_moved(link, now)
             elif not self._updating and now >= link.retry_at and link.looks_healthy(now):
                 self._sync(link, now)
         if self.held and self.candidates():
@@ -174,6 +176,19 @@ class ReplicaSet:
             self._retire(attempt)
             self.metrics.count("failovers")
             self.dispatch(attempt.record, attempt.owed(), now)
+
+    def _version_moved(self, link: ReplicaLink, now: float) -> None:
+        """A replica changed version outside the router's broadcasts (a trainer pushed weights to
+        it, another router updated it): a newer version becomes the fleet's (the others are taken
+        out until an update reaches them), an older one is taken out and synced."""
+        fleet = self.fleet
+        if link.version is not None and (fleet.version is None or link.version > fleet.version):
+            logger.warning("replica %s moved to policy version %s outside the router: the fleet follows",
+                           link.name, link.version)
+            fleet.version, fleet.last_update = link.version, None  # NOTE: the last update no longer leads there
+            self.metrics.count("versions_adopted")
+        else:
+            self.take_out(link, f"at policy version {link.version}, the fleet at {fleet.version}", now)
 
     def _sync(self, link: ReplicaLink, now: float) -> None:
         """Bring a healthy replica in step with the fleet (`FleetState.sync_plan`), then route to it."""

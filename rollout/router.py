@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import msgspec
+import numpy as np
 import zmq
 
 from rollout.broadcast import Fanout, merge_stats
@@ -164,6 +165,31 @@ class RolloutRouter:
         """The replicas a client's request was sent to, in order (for tests and debugging)."""
         return self._ask(lambda: list(r.stream.replicas) if (r := self.registry.get(request_id)) else [])
 
+    def set_staleness(self, max_staleness: Optional[int], policy: Optional[StalePolicy] = None) -> None:
+        """Change `RouterConfig.max_staleness` (and `stale_policy`) from now on (the next update)."""
+        if max_staleness is not None and (not isinstance(max_staleness, int) or max_staleness < 0):
+            raise ValueError(f"max_staleness must be None or an int >= 0, got {max_staleness!r}")
+
+        def apply() -> None:
+            self.replica_set.max_staleness = self.config.max_staleness = max_staleness
+            if policy is not None:
+                self.replica_set.stale_policy = self.config.stale_policy = StalePolicy(policy)
+
+        self._ask(apply)
+
+    def prefix_matches(self, prompt: Sequence[int]) -> dict[str, int]:
+        """How many leading KV blocks of `prompt` each replica is believed to hold (as placement sees it)."""
+        def matches() -> dict[str, int]:
+            replicas, route = self.replica_set, Route()
+            out = {}
+            for name, link in replicas.links.items():
+                hashes = route.prompt_hashes(np.asarray(prompt), link.block_size, replicas.fleet.version or 0) \
+                    if link.block_size else []
+                out[name] = replicas.placement.match(name, hashes)
+            return out
+
+        return self._ask(matches)
+
     def _ask(self, fn: Callable[[], Any], timeout: float = 30.0) -> Any:
         thread = self._thread
         if thread is None or not thread.is_alive() or thread is threading.current_thread():
@@ -176,6 +202,13 @@ class RolloutRouter:
         self._thread = threading.Thread(target=self.serve_forever, name="rollout-router", daemon=True)
         self._thread.start()
         return self
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Wait for the loop started by `start()` to end; True once it has."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+        return thread is None or not thread.is_alive()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Ask the loop to end (safe from any thread, and from a signal handler)."""
