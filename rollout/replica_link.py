@@ -95,6 +95,7 @@ class ReplicaLink:
         self.socket.sndhwm = 0
         self.socket.rcvhwm = 0
         self.socket.maxmsgsize = 2 * max_frame_bytes
+        self.socket.immediate = True  # NOTE: nothing queues inside ZMQ for a replica that is not connected
         if "[" in address:
             self.socket.ipv6 = True
         secure_client_socket(self.socket, security)
@@ -102,16 +103,18 @@ class ReplicaLink:
 
     # ---- sending -------------------------------------------------------------------------------
 
-    def send(self, frame: bytes) -> None:
+    def send(self, frame: bytes, droppable: bool = False) -> None:
         """Never blocks (a DEALER whose peer is gone would): what the socket does not take waits,
-        in order, and is dropped if the replica is taken out."""
+        in order, and is dropped if the replica is taken out; a `droppable` frame (a poll) is
+        dropped at once instead, so polls do not pile up for a replica that is gone."""
         if not self._backlog:
             try:
                 self.socket.send(frame, zmq.NOBLOCK, copy=len(frame) < 65536)
                 return
             except zmq.Again:
                 pass
-        self._backlog.append(frame)
+        if not droppable:
+            self._backlog.append(frame)
 
     def flush(self) -> None:
         while self._backlog:

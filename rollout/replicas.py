@@ -121,6 +121,11 @@ class ReplicaSet:
         for link in self.links.values():
             link.close()
 
+    @property
+    def updating(self) -> bool:
+        """A weight-update broadcast is in flight (new requests wait)."""
+        return self._updating > 0
+
     def candidates(self) -> list[str]:
         """Replicas a request may start on: up, on the fleet's policy version, no update in flight."""
         if self._updating:
@@ -136,10 +141,12 @@ class ReplicaSet:
             link.flush()
             if now >= link.next_health:
                 link.next_health = now + cfg.every_s
-                link.send(encode(Health(request_id=f"{self._session}-h-{link.name}")))
-            if link.state is not ReplicaState.DOWN and not link.kv_waiting and now >= link.next_kv:
-                link.kv_waiting, link.next_kv = True, now + cfg.kv_every_s
-                link.send(encode(KvEvents(request_id=f"{self._session}-k-{link.name}", since=link.kv_cursor)))
+                link.send(encode(Health(request_id=f"{self._session}-h-{link.name}")), droppable=True)
+            if link.state is not ReplicaState.DOWN and (now >= link.next_kv and not link.kv_waiting
+                                                         or now >= link.next_kv + cfg.dead_after_s):
+                link.kv_waiting, link.next_kv = True, now + cfg.kv_every_s  # NOTE: a lost poll is sent again
+                link.send(encode(KvEvents(request_id=f"{self._session}-k-{link.name}", since=link.kv_cursor)),
+                          droppable=True)
             if link.state in (ReplicaState.UP, ReplicaState.SYNCING):
                 reason = link.verdict(now)
                 if reason is not None:
@@ -308,7 +315,8 @@ class ReplicaSet:
             versions = [v for r in fan.succeeded if (v := fan.replies[r].policy_version) is not None]
             self.fleet.applied(fan.msg, max(versions) if kind is Kind.UPDATE_WEIGHTS and versions else None)
             for name in fan.failed:
-                self.take_out(self.links[name], f"{kind.name} failed: {fan.replies[name].message}", now)
+                if name in self.links:
+                    self.take_out(self.links[name], f"{kind.name} failed: {fan.replies[name].message}", now)
             for name in fan.succeeded:
                 link = self.links.get(name)
                 if link is not None and link.version != self.fleet.version:

@@ -301,7 +301,7 @@ class RolloutRouter:
             self._generate(peer, msg, now)
         elif isinstance(msg, (Health, Heartbeat)):
             version = replicas.fleet.version or 0
-            health = HealthInfo(healthy=bool(replicas.candidates()) or bool(replicas._updating),
+            health = HealthInfo(healthy=bool(replicas.candidates()) or replicas.updating,
                                 seconds_since_loop_tick=max(0.0, now - self._last_round),
                                 state=replicas.fleet.engine_state, policy_version=version)
             self.front.send(peer, Result(request_id=msg.request_id, request_kind=KINDS[type(msg)],
@@ -381,6 +381,9 @@ class RolloutRouter:
         fleet = self.replica_set.fleet
         if kind is Kind.STATS:
             reply = self._stats_reply(fan)
+        elif kind is Kind.ABORT and not fan.parts:  # nothing of theirs was running anywhere
+            reply = Result(request_id=fan.msg.request_id, request_kind=kind, policy_version=fleet.version or 0,
+                           stats={"aborted": 0})
         else:
             reply = fan.outcome(kind, fleet.version)
             if kind in (Kind.PAUSE, Kind.SUSPEND, Kind.RESUME, Kind.UPDATE_WEIGHTS):
