@@ -5,9 +5,10 @@
 
 With `--replicas` it routes to servers started elsewhere (taken out while down, back once
 healthy); with `--spawn N --model M` it starts N `rollout serve` children itself (arguments after
-`--` go to each) and replaces one that dies. Clients connect to it as to a server. Once
-listening it prints one line, `rollout route: listening on tcp://HOST:PORT ...`, and routes until
-SIGTERM or SIGINT.
+`--` go to each) and replaces one that dies. Clients connect to it as to a server. Once its
+replicas are up (or `--ready-timeout-s` passed: requests wait for one) it prints one line,
+`rollout route: listening on tcp://HOST:PORT (K of N replicas up ...)`, and routes until SIGTERM
+or SIGINT.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
                     "(default: no bound)")
     rt.add_argument("--stale-policy", choices=["recompute", "abort"], default="recompute",
                     help="what happens to a sample past --max-staleness")
+    rt.add_argument("--ready-timeout-s", type=float, default=60.0,
+                    help="wait this long for the replicas to answer healthy before saying it listens")
     parser.add_argument("serve_args", nargs=argparse.REMAINDER,
                         help="after `--`: arguments for each spawned `rollout serve`")
 
@@ -107,8 +110,9 @@ def route_main(args: argparse.Namespace) -> int:
                 serve_args += ["--token", args.token]
             spawned = SpawnedReplicas(router, args.model, args.spawn, serve_args).start()
         count = len(addresses) or args.spawn
-        print(f"{READY_PREFIX}{router.address} ({count} replicas{' spawned' if spawned else ''}, pid {os.getpid()})",
-              flush=True)
+        up = router.wait_ready(count, args.ready_timeout_s)
+        print(f"{READY_PREFIX}{router.address} ({up} of {count} replicas up{', spawned' if spawned else ''}, "
+              f"pid {os.getpid()})", flush=True)
         while not router.wait(0.5):
             pass
     finally:

@@ -161,6 +161,15 @@ class RolloutRouter:
     def replicas(self) -> dict[str, ReplicaInfo]:
         return self._ask(self._infos)
 
+    def wait_ready(self, count: int, timeout: float = 60.0) -> int:
+        """Wait until `count` replicas are up (routable), at most `timeout` s; how many are."""
+        deadline = time.monotonic() + timeout
+        while True:
+            up = sum(info.state is ReplicaState.UP for info in self.replicas().values())
+            if up >= count or time.monotonic() >= deadline:
+                return up
+            time.sleep(0.02)
+
     def placements(self, request_id: str) -> list[str]:
         """The replicas a client's request was sent to, in order (for tests and debugging)."""
         return self._ask(lambda: list(r.stream.replicas) if (r := self.registry.get(request_id)) else [])

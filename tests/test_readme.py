@@ -9,7 +9,7 @@ import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-EXCERPTS = ("gpt_model",)  # fragments that need a trainer from elsewhere (megatron): read, not run
+EXCERPTS = ("gpt_model", "RayReplicas")  # need a trainer from elsewhere (megatron) or a Ray cluster: read, not run
 SLOW = ("grpo_step",)
 
 
