@@ -30,7 +30,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+# NOTE: never -ffast-math / -funsafe-math-optimizations: linking a shared library with them pulls
+# in crtfastmath, which turns on flush-to-zero for the whole process when the library loads. The
+# flags below allow the vectorised reductions without that.
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+          "-fno-signed-zeros", "-freciprocal-math", "-fopenmp", "-shared", "-fPIC"]
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 _ARGTYPES = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int]

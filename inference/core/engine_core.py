@@ -69,7 +69,7 @@ class EngineCore:
         self.kv_cache = self.caches.kv
         self.allocator = self.caches.allocator
         self.context = DynamicInferenceContext(config, self.allocator, lambda: self.weights.policy_version,
-                                               self.caches.states)
+                                               self.caches.states, self.caches.snapshots)
         self.scheduler = Scheduler(self.context)
         self.runner = ModelRunner(model, self.caches, config)
         self.state = EngineState.RUNNING
@@ -200,6 +200,7 @@ class EngineCore:
         self.caches.copy_for_forks(forks.kv_copies, forks.state_copies)
         # NOTE: forked samples have nothing to register: their full blocks are the parent's
         ctx.register_full_blocks(plan.slots)
+        ctx.snapshot_states(plan.slots[plan.num_decode :])  # models with state: the Mamba side of the cache
         self.allocator.events.publish_pending()
         slots = forks.slots
         if slots.size:  # NOTE: a step of mid-prompt chunks only samples nothing
@@ -317,7 +318,7 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> None:
         """Nothing cached so far can be matched again, even blocks requests still hold."""
-        self.allocator.reset_prefix_cache()
+        self.caches.reset_prefix_cache()  # KV blocks and state snapshots
         self.context.break_hash_chains()
 
     def bind_trainer_model(self, module: Any) -> Any:
@@ -411,4 +412,5 @@ class EngineCore:
             "preemptions": self.scheduler.num_preemptions,
             **self.context.get_kvcache_utilization_stats(),
             **self.caches.stats(),
+            **(self.context.state_prefix.stats() if self.context.state_prefix is not None else {}),
         }

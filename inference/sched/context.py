@@ -19,6 +19,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from inference.cache.snapshots import StateSnapshots
 from inference.cache.state_pool import StatePool
 from inference.config import InferenceConfig
 from inference.errors import BlockOverflowError
@@ -27,6 +28,7 @@ from inference.kv_cache.hashing import block_hashes
 from inference.request import FinishReason, Request, RequestStatus
 from inference.sampling_params import LogprobsMode
 from inference.sched.prompt_logprobs import PromptScores, servable_prefix
+from inference.sched.state_prefix import StatePrefixCache
 
 
 class DynamicInferenceContext:
@@ -43,6 +45,7 @@ class DynamicInferenceContext:
         allocator: KVBlockAllocator,
         version_of: Callable[[], int] = lambda: 0,
         states: StatePool | None = None,
+        snapshots: StateSnapshots | None = None,
     ) -> None:
         self.config = config
         self.allocator = allocator
@@ -65,6 +68,13 @@ class DynamicInferenceContext:
         # prompt scores can still be cached with that block (see register_full_blocks)
         self.offers_scores = np.zeros(n, dtype=bool)
         self.state_slot = np.full(n, -1, dtype=np.int64)  # the request's row in the state pool
+        # the slot's state was computed by the current weights from its tokens alone: it may be snapshotted
+        self.state_cacheable = np.zeros(n, dtype=bool)
+        # where the slot's cached KV ended beyond its farthest state snapshot: a chunk ends there (0: none)
+        self.state_branch = np.zeros(n, dtype=np.int64)
+        # models with state: a KV prefix is served only with the state at its end (see state_prefix)
+        self.state_prefix = (StatePrefixCache(snapshots, states, allocator, config.block_size)
+                             if snapshots is not None and states is not None else None)
         self.hashes: list[list[int]] = [[] for _ in range(n)]
         self.requests: list[Request | None] = [None] * n
         # per-slot sampling parameters, gathered into the sampler's row tensors each step
@@ -153,13 +163,18 @@ class DynamicInferenceContext:
         `BlockOverflowError` with nothing changed when the chunk's blocks cannot be had.
         """
         tokens = req.all_token_ids
+        given_up = 0
         if self.uses_prefix_cache(req):
-            matched = self.allocator.match_prefix(self.prefix_to_match(req), len(self.matchable_hashes(req)))
+            to_match, given_up = self._prefix_to_match(req)
+            matched = self.allocator.match_prefix(to_match, len(self.matchable_hashes(req)))
             self.cross_version_hits += int((self.block_version[matched] != self.policy_version).sum())
         else:
             matched = []
         kv_len = len(matched) * self.block_size
         chunk = min(prefill_chunk_length, len(tokens) - kv_len)
+        branch = (len(matched) + given_up) * self.block_size if given_up else 0
+        if self.state_prefix is not None:
+            chunk = self.state_prefix.chunk(kv_len, chunk, len(tokens), branch)
         try:
             fresh = self.allocator.allocate(max(0, -(-(kv_len + chunk) // self.block_size) - len(matched)))
         except BlockOverflowError:
@@ -172,6 +187,10 @@ class DynamicInferenceContext:
             self.prompt_logprobs_cached += int(req.prompt_scores.known.sum())
         slot = self.free_slots.pop()
         self._take_state_slot(slot)
+        if self.state_prefix is not None:  # NOTE: copies the snapshot at the matched prefix's end
+            self.state_prefix.admitted(self.matchable_hashes(req), len(matched), given_up, int(self.state_slot[slot]))
+        self.state_cacheable[slot] = True
+        self.state_branch[slot] = branch
         n = len(tokens)
         self.tokens[slot, :n] = tokens
         self.token_logprobs[slot, len(req.prompt_token_ids) : n] = req.logprobs
@@ -217,6 +236,7 @@ class DynamicInferenceContext:
             getattr(self, name)[slot] = getattr(self, name)[parent_slot]
         self.block_table[slot, :full] = shared
         self.block_table[slot, full:total] = fresh
+        self.state_cacheable[slot] = self.state_cacheable[parent_slot]
         self.num_blocks[slot] = total
         self.num_registered[slot] = full
         self.cache_broken[slot] = False
@@ -429,6 +449,7 @@ class DynamicInferenceContext:
             self.allocator.retain(extra.tolist())
         self.cache_broken[slots] = True
         self.offers_scores[slots] = False
+        self.state_cacheable[slots] = False
         return fresh, rows
 
     # ---- prefix cache ------------------------------------------------------------------------
@@ -437,18 +458,41 @@ class DynamicInferenceContext:
         """After a prefix-cache reset: blocks in flight may not register under the new version."""
         self.cache_broken[:] = True
         self.offers_scores[:] = False
+        self.state_cacheable[:] = False
 
     def uses_prefix_cache(self, req: Request) -> bool:
         return self.allocator.enable_prefix_caching
 
     def prefix_to_match(self, req: Request) -> list[int]:
         """Hashes of the leading blocks `req` may take from the cache: its matchable ones, cut
-        before the first cached block that lacks prompt scores it asks for (see PromptScores)."""
+        before the first cached block that lacks prompt scores it asks for (see PromptScores) and,
+        for a model with state, back to the farthest state snapshot (see StatePrefixCache)."""
+        return self._prefix_to_match(req)[0]
+
+    def _prefix_to_match(self, req: Request) -> tuple[list[int], int]:
+        """(`prefix_to_match`, cached blocks past it given up for want of a state snapshot)."""
         hashes = self.matchable_hashes(req)
         top_n = req.params.prompt_logprobs
-        if top_n is None or not hashes:
-            return hashes
-        return servable_prefix(self.allocator, hashes, req.prompt_token_ids, top_n)
+        if top_n is not None and hashes:
+            hashes = servable_prefix(self.allocator, hashes, req.prompt_token_ids, top_n)
+        if self.state_prefix is None or not hashes:
+            return hashes, 0
+        return self.state_prefix.usable(hashes)
+
+    def cut_chunk(self, slot: int, chunk: int) -> int:
+        """The slot's next prefill chunk of up to `chunk` tokens, cut where its state can be
+        snapshotted (models with state; see StatePrefixCache.chunk)."""
+        if self.state_prefix is None:
+            return chunk
+        return self.state_prefix.chunk(int(self.kv_len[slot]), chunk, int(self.seq_len[slot]),
+                                       int(self.state_branch[slot]))
+
+    def snapshot_states(self, slots: np.ndarray) -> None:
+        """After a forward (and `register_full_blocks`): keep the state of the prefill `slots` whose
+        chunk ended on a cached block boundary."""
+        if self.state_prefix is not None and slots.size:
+            self.state_prefix.snapshot(slots.tolist(), self.kv_len, self.state_cacheable, self.state_slot,
+                                       lambda s: self.hashes[s], lambda s: self.matchable_hashes(self.requests[s]))
 
     def matchable_hashes(self, req: Request) -> list[int]:
         """Hashes of the full blocks before the last token (at least one token is computed)."""
@@ -494,11 +538,32 @@ class DynamicInferenceContext:
             ids = self.block_table[slot, done:full].tolist()
             registered = self.allocator.register(ids, chain[done:full], parent, prompt_logprobs=cached_scores)
             self.block_version[ids[:registered]] = self.policy_version
+            if registered < full - done and scores is None and self.state_prefix is not None:
+                registered = self._adopt_served_blocks(slot, chain, done + registered, full) - done
             if registered < full - done:
                 self.cache_broken[slot] = True
                 if scores is not None:  # NOTE: typically its hash is served by a block cached without scores
                     self.offers_scores[slot] = True
                     self._offer_scores(slot, chain[done + registered : full], cached_scores[registered:])
+
+    def _adopt_served_blocks(self, slot: int, chain: list[int], pos: int, full: int) -> int:
+        """Blocks `pos..full-1` of `slot` were refused because other blocks serve their hashes (it
+        recomputed a cached prefix past its farthest state snapshot): hold those instead and go on
+        registering its own, so its chain stays in the cache. Returns how far the chain got."""
+        registered = self.allocator.registry.kv_hash_to_block_id
+        if pos and registered.get(chain[pos - 1]) != int(self.block_table[slot, pos - 1]):
+            return pos  # NOTE: refused for another reason (its parent is not in the cache)
+        while pos < full:
+            served = self.allocator.adopt(chain[pos], int(self.block_table[slot, pos]))
+            if served is None:
+                return pos
+            self.block_table[slot, pos] = served
+            pos += 1
+            ids = self.block_table[slot, pos:full].tolist()
+            count = self.allocator.register(ids, chain[pos:full], served)
+            self.block_version[ids[:count]] = self.policy_version
+            pos += count
+        return pos
 
     def _offer_scores(self, slot: int, hashes: list[int], cached_scores: list) -> None:
         """Cache the slot's prompt scores with the registered blocks that serve its hashes, until

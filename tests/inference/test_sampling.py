@@ -288,17 +288,17 @@ def test_from_params_flags_and_top_n():
     assert b.logprobs_mode.tolist() == [False, True]
 
 
-@pytest.mark.parametrize("scale", [0.1, 1.0, 4.0])  # nuclei of ~18,000, ~thousands and a few tokens
+@pytest.mark.parametrize("scale", [0.1, 1.0, 4.0])  # nuclei of ~7,000, ~thousands and a few tokens
 def test_top_p_is_exact_on_wide_nuclei(scale):
     g = torch.Generator().manual_seed(3)
-    logits = torch.randn(4, 20_000, generator=g) * scale
+    logits = torch.randn(4, 8_000, generator=g) * scale
     params = [SamplingParams(top_p=p, logprobs_mode=PROCESSED) for p in (0.5, 0.9, 0.95, 0.99)]
     batch = batch_of(params)
-    batch.num_top_logprobs = 20_000
+    batch.num_top_logprobs = 8_000
     out = sample(logits, batch)
     for r, p in enumerate(params):
         keep, _, ambiguous = reference(logits[r], p)
-        got = torch.zeros(20_000, dtype=torch.bool)
+        got = torch.zeros(8_000, dtype=torch.bool)
         got[out.top_token_ids[r][out.top_logprobs[r].isfinite()]] = True
         assert torch.equal(got, keep) or ambiguous
-        assert keep.sum() > (1000 if scale < 4 else 0)
+        assert keep.sum() > (500 if scale < 4 else 0)

@@ -64,3 +64,11 @@ def test_the_kernel_is_cached_per_machine(tmp_path, monkeypatch):
     built = cpu_kernels._build(cpu_kernels.shutil.which("cc") or "gcc")
     assert built.exists() and tmp_path in built.parents
     assert cpu_kernels._build(cpu_kernels.shutil.which("cc") or "gcc") == built  # the second call reuses it
+
+
+@needs_kernel
+def test_loading_the_kernel_keeps_ieee_subnormals():
+    # a library linked with -ffast-math would turn on flush-to-zero for the whole process
+    assert cpu_kernels.available()
+    tiny = torch.tensor(torch.finfo(torch.float32).tiny)
+    assert (tiny / 4).item() > 0.0
