@@ -54,6 +54,7 @@ class Fanout:
     replies: dict[str, Reply] = field(default_factory=dict)
     absent: set[str] = field(default_factory=set)  # taken out before answering
     on_done: Optional[Callable[[Fanout], None]] = None  # called once done, before the client's reply
+    broadcast: bool = False  # a control request for the whole fleet (not a sync step, not an abort)
 
     def add(self, replica: str, request_id: str) -> None:
         self.parts[replica] = request_id

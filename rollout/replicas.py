@@ -294,6 +294,7 @@ class ReplicaSet:
 
     def broadcast(self, fan: Fanout, now: float) -> None:
         """Send `fan.msg` to every replica that is up; `Sink.control_done` once all answered."""
+        fan.broadcast = True
         if KINDS[type(fan.msg)] is Kind.UPDATE_WEIGHTS:
             self._updating += 1
             fan.on_done = self._update_done
@@ -311,7 +312,7 @@ class ReplicaSet:
 
     def _fanout_done(self, fan: Fanout, now: float) -> None:
         kind = KINDS[type(fan.msg)]
-        if kind in _STATEFUL and fan.succeeded:
+        if fan.broadcast and kind in _STATEFUL and fan.succeeded:
             versions = [v for r in fan.succeeded if (v := fan.replies[r].policy_version) is not None]
             self.fleet.applied(fan.msg, max(versions) if kind is Kind.UPDATE_WEIGHTS and versions else None)
             for name in fan.failed:

@@ -7,6 +7,7 @@ unpaused, on the original weights (the kill test, last, replaces the one it kill
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -15,8 +16,9 @@ from collections import Counter
 
 import pytest
 
-from inference import DynamicInferenceEngine
-from rollout import RolloutClient, RolloutRouter, RouterConfig, RouterProcess
+from inference import DynamicInferenceEngine, FinishReason, SamplingParams
+from rollout import AsyncRolloutClient, RolloutClient, RolloutRouter, RouterConfig, RouterProcess, TokenChunk
+from rollout.protocol import ProtocolError
 from rollout.replica_link import ReplicaState
 from tests.rollout.router_util import (
     HEALTH,
@@ -79,6 +81,35 @@ def test_four_clients_thousand_requests_through_two_replicas(router, replica_pro
 def test_four_clients_five_thousand_requests_through_two_replicas(router, reference):
     seconds = run_concurrent_clients(router, reference, total=5000, seed=7)
     print(f"\n5000 requests through a router over 2 replicas, 4 clients, in {seconds:.1f} s")
+
+
+def test_a_client_cannot_tell_it_from_a_server(router, client, reference):
+    prompt = [5, 6, 7, 8]
+    (want,) = expected_outputs(reference, [prompt], [greedy(12, n=2)])
+    chunks: dict[int, list[int]] = {0: [], 1: []}
+    finals = {}
+    for item in client.stream([prompt], n=2, sampling=greedy(12), tokens=True):  # tokens as sampled, then each sample
+        if isinstance(item, TokenChunk):
+            assert item.start == len(chunks[item.sample_index]) and item.sample_index not in finals
+            chunks[item.sample_index] += item.token_ids
+        else:
+            finals[item.sample_index] = item.completion_ids
+    assert chunks == finals == dict(enumerate(want))
+
+    async def main():
+        async with AsyncRolloutClient(router.address, timeout=WAIT_S) as c:
+            return await asyncio.gather(c.generate([prompt], n=2, sampling=greedy(12)), c.health())
+
+    batch, health = asyncio.run(main())
+    assert [r.completion_ids for r in batch] == want and health.healthy
+    stream = client.stream([[5, 6, 7], [8, 9]], n=2, sampling=greedy(1500))
+    wait_for(lambda: client.stats()["engine/active_request_count"] >= 1)
+    client.abort(stream)  # the running samples finish now, with their partial tokens
+    assert all(r.finish_reason is FinishReason.ABORT and len(r.completion_ids) < 1500 for r in stream.result(WAIT_S))
+    with pytest.raises(ProtocolError, match="outside the vocabulary"):  # a replica's refusal, forwarded
+        client.generate([[5, 999_999]], 1, greedy(2))
+    with pytest.raises(ValueError, match="top_p"):
+        client.generate([[5, 6]], 1, SamplingParams(top_p=float("nan")))
 
 
 # ---- placement ---------------------------------------------------------------------------------
