@@ -19,6 +19,7 @@ from rollout.messages import (
     Continue,
     ErrorCode,
     ErrorReply,
+    Generate,
     HealthInfo,
     Kind,
     KvEvent,
@@ -29,13 +30,18 @@ from rollout.messages import (
     Result,
     Resume,
     SafetensorsDir,
+    SampleOutput,
+    Sampling,
     Suspend,
     UpdateWeights,
 )
+from rollout.metrics import ServiceMetrics
 from rollout.placement import Placement, PlacementConfig, Reason
 from rollout.protocol import ProtocolError
+from rollout.registry import Record
 from rollout.replica_link import HealthConfig, ReplicaLink
-from rollout.routes import Route, too_stale
+from rollout.replicas import ReplicaSet
+from rollout.routes import Attempt, Route, too_stale
 from rollout.server import RolloutServer
 from tests.rollout.conftest import small_engine_config, tiny_policy
 from tests.rollout.service_util import greedy
@@ -267,3 +273,47 @@ def test_router_config_names_the_field():
         HealthConfig(every_s=1.0, dead_after_s=0.5)
     with pytest.raises(ValueError, match="load_imbalance"):
         PlacementConfig(load_imbalance=0.5)
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.delivered: list = []
+
+    def deliver(self, record, out, now) -> None:
+        self.delivered.append(out)
+
+    def forward_tokens(self, record, delta) -> None: ...
+
+    def refused(self, record, reply) -> None: ...
+
+    def control_done(self, fan) -> None: ...
+
+
+@pytest.mark.parametrize("policy", ["recompute", "abort"])
+def test_a_finished_sample_spanning_too_many_versions(policy):
+    ctx = zmq.Context()
+    sink = _Sink()
+    replicas = ReplicaSet(ctx, zmq.Poller(), sink, ServiceMetrics(), Placement(), HealthConfig(), max_staleness=0,
+                          stale_policy=policy)
+    record = Record("c-1", Generate(request_id="c-1", prompt_token_ids=[1, 2, 3], sampling=Sampling(n=2)), b"p", 2)
+    record.stream = Route()
+    replicas.placement.add("r0")
+    attempt = Attempt("a-1", record, "r0", [0, 1], version=0, prompt_cost=3, sample_cost=16)
+    replicas.attempts[attempt.id] = record.stream.attempts[attempt.id] = attempt
+
+    def sample(index: int, versions: list[int]) -> SampleOutput:
+        return SampleOutput(request_id="a-1", sample_index=index, n=2, prompt_len=3, token_ids=[4] * len(versions),
+                            logprobs=[0.0] * len(versions), versions=versions, finish_reason=FinishReason.LENGTH)
+
+    try:
+        replicas._attempt_reply(attempt, sample(0, [0, 0, 1]), now=0.0)  # spans two versions: too stale for 0
+        replicas._attempt_reply(attempt, sample(1, [1, 1]), now=0.0)
+    finally:
+        ctx.term()
+    if policy == "recompute":  # sampled again under the current version (held here: no replica up)
+        assert [(o.sample_index, o.finish_reason) for o in sink.delivered] == [(1, FinishReason.LENGTH)]
+        assert [(r.request_id, indices) for r, indices in replicas.held] == [("c-1", [0])]
+    else:  # finished now as aborted, with the tokens it has
+        assert [(o.sample_index, o.finish_reason, o.versions.tolist()) for o in sink.delivered] == [
+            (0, FinishReason.ABORT, [0, 0, 1]), (1, FinishReason.LENGTH, [1, 1])]
+    assert replicas.placement.load["r0"] == 0 and not replicas.attempts  # its load went with it
