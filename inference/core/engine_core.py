@@ -39,6 +39,8 @@ from inference.request import Request, RequestOutput
 from inference.runner.model_runner import ModelRunner
 from inference.sampling import make_generator, sample_seed
 from inference.sampling_params import SamplingParams
+from inference.sched import offload
+from inference.sched.block_registration import register_full_blocks
 from inference.sched.context import DynamicInferenceContext
 from inference.sched.scheduler import Scheduler
 from inference.weights import NamedTensors, Staging, WeightManager
@@ -199,7 +201,7 @@ class EngineCore:
         forks = self.scheduler.fork_groups(batch.sample_slots)
         self.caches.copy_for_forks(forks.kv_copies, forks.state_copies)
         # NOTE: forked samples have nothing to register: their full blocks are the parent's
-        ctx.register_full_blocks(plan.slots)
+        register_full_blocks(ctx, plan.slots)
         ctx.snapshot_states(plan.slots[plan.num_decode :])  # models with state: the Mamba side of the cache
         self.allocator.events.publish_pending()
         slots = forks.slots
@@ -298,16 +300,16 @@ class EngineCore:
     def _offload_in_slot_requests(self) -> int:
         """Copy what every request in a slot holds (KV blocks, state) to host; slots stay as they are."""
         ctx = self.context
-        held = ctx.held_block_ids()
+        held = offload.held_block_ids(ctx)
         if held.size:
             self._offloaded = self.caches.offload(held, ctx.held_state_slots())
-            ctx.detach_blocks()  # NOTE: the pool reset that follows takes their references
+            offload.detach_blocks(ctx)  # NOTE: the pool reset that follows takes their references
         return len(ctx.active) + len(ctx.paused)
 
     def _restore_offloaded_requests(self) -> None:
         saved, self._offloaded = self._offloaded, None
         if saved is not None:
-            fresh, rows = self.context.reattach_blocks(saved.block_ids)
+            fresh, rows = offload.reattach_blocks(self.context, saved.block_ids)
             self.caches.restore(saved, fresh, rows)
 
     # ---- weights -----------------------------------------------------------------------------

@@ -98,7 +98,7 @@ class DynamicInferenceContext:
         self.prefill_tokens = 0  # tokens whose K/V was computed by a prefill (not served by cache)
         self.prefix_cached_tokens = 0  # tokens whose K/V a request took from the prefix cache
         self.prompt_logprobs_cached = 0  # prompt positions whose scores came with cached blocks
-        self._blocks_detached = False  # see detach_blocks
+        self.blocks_detached = False  # see detach_blocks
 
     # ---- queries -----------------------------------------------------------------------------
 
@@ -341,7 +341,7 @@ class DynamicInferenceContext:
         released = []
         for slot in [int(s) for s in slots]:
             req = self.sync_request(slot)
-            if not self._blocks_detached:
+            if not self.blocks_detached:
                 self.allocator.release(self.block_table[slot, : self.num_blocks[slot]].tolist())
             self.num_blocks[slot] = 0
             if self.states is not None:
@@ -407,51 +407,6 @@ class DynamicInferenceContext:
         self.free_slots = list(range(self.config.max_requests - 1, -1, -1))
         self.active, self.paused = [], []
 
-    # ---- suspend with offload ----------------------------------------------------------------
-
-    def held_block_ids(self) -> np.ndarray:
-        """Distinct blocks held by the requests in slots (sorted), e.g. to copy them to host."""
-        slots = self.active + self.paused
-        if not slots:
-            return np.empty(0, dtype=np.int64)
-        return np.unique(np.concatenate([self.block_table[s, : self.num_blocks[s]] for s in slots])).astype(np.int64)
-
-    def detach_blocks(self) -> None:
-        """The pool was reset under the slots (suspend OFFLOAD): their tables now name blocks
-        they hold no reference on. Until `reattach_blocks`, releasing a slot frees nothing."""
-        self._blocks_detached = True
-
-    def reattach_blocks(self, offloaded: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Give the slots fresh blocks for the detached ones they still hold (resume).
-
-        `offloaded` lists the (sorted) detached block ids whose contents were saved; requests
-        released meanwhile (aborted) no longer hold theirs. Every slot's table is rewritten to the
-        fresh ids, and each fresh block gets one reference per slot holding it (a group's shared
-        prompt blocks stay shared). Their hash chains left the registry with the reset, so they
-        stay private. Returns `(fresh, rows)`: block `offloaded[rows[i]]` moves to `fresh[i]`.
-        """
-        self._blocks_detached = False
-        held = self.held_block_ids()
-        rows = np.searchsorted(offloaded, held)
-        fresh = np.array(self.allocator.allocate(held.size), dtype=np.int64)
-        if held.size == 0:
-            return fresh, rows
-        new_id = np.full(self.allocator.total, -1, dtype=np.int64)
-        new_id[held] = fresh
-        slots = self.active + self.paused
-        for slot in slots:
-            n = int(self.num_blocks[slot])
-            self.block_table[slot, :n] = new_id[self.block_table[slot, :n]]
-        counts = np.bincount(np.concatenate([self.block_table[s, : self.num_blocks[s]] for s in slots]),
-                             minlength=self.allocator.total)
-        extra = np.repeat(np.arange(counts.size), np.maximum(counts - 1, 0))
-        if extra.size:
-            self.allocator.retain(extra.tolist())
-        self.cache_broken[slots] = True
-        self.offers_scores[slots] = False
-        self.state_cacheable[slots] = False
-        return fresh, rows
-
     # ---- prefix cache ------------------------------------------------------------------------
 
     def break_hash_chains(self) -> None:
@@ -503,70 +458,3 @@ class DynamicInferenceContext:
             req.hash_cache = block_hashes(tokens[:usable], self.block_size, extra_key=self.policy_version)
             req.hash_cache_key = key
         return req.hash_cache
-
-    def register_full_blocks(self, slots: np.ndarray) -> None:
-        """Register the blocks of `slots` whose K/V became complete in the last forward pass.
-
-        A slot's hash chain is extended lazily from its tokens (a forked sample computes the
-        shared prompt part once, when its first own block fills). Once the allocator refuses a
-        block (parent unregistered after a reset, or the hash already served by another block),
-        the rest of that request's blocks stay private.
-        """
-        if not self.allocator.enable_prefix_caching:
-            return
-        bs = self.block_size
-        crossed = slots[self.kv_len[slots] // bs > self.num_registered[slots]]  # few: ~1 in bs per step
-        for slot in crossed.tolist():
-            full = int(self.kv_len[slot]) // bs
-            done = int(self.num_registered[slot])
-            self.num_registered[slot] = full
-            if self.cache_broken[slot] and not self.offers_scores[slot]:
-                continue
-            chain = self.hashes[slot]
-            parent_hash = chain[-1] if chain else 0
-            new_tokens = self.tokens[slot, len(chain) * bs : full * bs].tolist()
-            chain.extend(block_hashes(new_tokens, bs, parent_hash, self.policy_version))
-            req = self.requests[slot]
-            scores = req.prompt_scores
-            # NOTE: the scores of these blocks were recorded from the same forward pass, just before
-            cached_scores = None if scores is None else [
-                scores.to_block(index, bs, req.prompt_token_ids) for index in range(done, full)]
-            if self.offers_scores[slot]:
-                self._offer_scores(slot, chain[done:full], cached_scores)
-                continue
-            parent = int(self.block_table[slot, done - 1]) if done else -1
-            ids = self.block_table[slot, done:full].tolist()
-            registered = self.allocator.register(ids, chain[done:full], parent, prompt_logprobs=cached_scores)
-            self.block_version[ids[:registered]] = self.policy_version
-            if registered < full - done and scores is None and self.state_prefix is not None:
-                registered = self._adopt_served_blocks(slot, chain, done + registered, full) - done
-            if registered < full - done:
-                self.cache_broken[slot] = True
-                if scores is not None:  # NOTE: typically its hash is served by a block cached without scores
-                    self.offers_scores[slot] = True
-                    self._offer_scores(slot, chain[done + registered : full], cached_scores[registered:])
-
-    def _adopt_served_blocks(self, slot: int, chain: list[int], pos: int, full: int) -> int:
-        """Blocks `pos..full-1` of `slot` were refused because other blocks serve their hashes (it
-        recomputed a cached prefix past its farthest state snapshot): hold those instead and go on
-        registering its own, so its chain stays in the cache. Returns how far the chain got."""
-        registered = self.allocator.registry.kv_hash_to_block_id
-        if pos and registered.get(chain[pos - 1]) != int(self.block_table[slot, pos - 1]):
-            return pos  # NOTE: refused for another reason (its parent is not in the cache)
-        while pos < full:
-            served = self.allocator.adopt(chain[pos], int(self.block_table[slot, pos]))
-            if served is None:
-                return pos
-            self.block_table[slot, pos] = served
-            pos += 1
-            ids = self.block_table[slot, pos:full].tolist()
-            count = self.allocator.register(ids, chain[pos:full], served)
-            self.block_version[ids[:count]] = self.policy_version
-            pos += count
-        return pos
-
-    def _offer_scores(self, slot: int, hashes: list[int], cached_scores: list) -> None:
-        """Cache the slot's prompt scores with the registered blocks that serve its hashes, until
-        its chain leaves the cache."""
-        if self.allocator.offer_prompt_logprobs(hashes, cached_scores) < len(hashes):
-            self.offers_scores[slot] = False
