@@ -23,9 +23,10 @@ in flight (rounds of that many submitted together), through `RolloutBackend.stre
 sides (`RolloutEngine` in process, `RolloutClient` remote); each request's latency runs from the
 call to its sample's arrival. Added latency = remote - in-process, at p50 and p99.
 
-Runs alternate between the two sides (`--repeats`), so load drifts on a shared machine hit both;
+Runs alternate between the sides (`--repeats`), so load drifts on a shared machine hit both;
 medians are reported with the load average. `--quick`: 8 prompts x n=4, outputs 8-32, fewer
-latency rounds. Exits 1 if a side returned other token counts than asked.
+latency rounds. The throughput figures end in a `RESULT {json}` line (`bench/compare_commits.py`).
+Exits 1 if a side returned other token counts than asked.
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
-from common import TINY, hf_model, load_average, machine_line, median  # noqa: E402
-from rollout_throughput import BLOCK_SIZE, FIRST_TOKEN, Budget, Workload, make_workload  # noqa: E402
+from common import TINY, hf_model, load_average, machine_line, median, print_result  # noqa: E402
+from rollout_throughput import BLOCK_SIZE  # noqa: E402
+from rollout_workload import FIRST_TOKEN, Budget, Workload, make_workload  # noqa: E402
 
 from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams  # noqa: E402
 from rollout import RolloutClient, RolloutEngine, RouterProcess, ServerProcess  # noqa: E402
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"service overhead: rollout serve + RolloutClient vs the in-process engine; {machine_line()}")
     model = hf_model(TINY, torch.float32)
     work = make_workload(prompts, n, prompt_len, output_len, model.config.vocab_size, args.seed)
-    budget = Budget.for_model(model, kv_gib, 2048, 256)
+    budget = Budget.for_workload(model, work, kv_gib, 2048, 256)
     print(f"workload: {work.describe()}; KV {budget.kv_tokens:,} tokens, {budget.step_tokens} tokens/step, "
           f"{budget.max_requests} requests, {args.threads} torch threads each side")
     ok = True
@@ -197,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
                                           1e3 * pct(remote_ms, 0.5), 1e3 * pct(remote_ms, 0.99))
                 print(f"{concurrency:>9} {len(local_ms):>8} {lp50:>10.2f} {lp99:>10.2f} {rp50:>11.2f} {rp99:>11.2f} "
                       f"{rp50 - lp50:>+10.2f} {rp99 - lp99:>+10.2f} {rp50 / lp50:>8.2f}x")
+            figures = {f"tok_s[{side}]": value for side, value in tps.items()}
+            figures.update({f"ratio[{side} / in-process]": value / tps["in-process"]
+                            for side, value in tps.items() if side != "in-process"})
+            print_result("service_overhead", figures, repeats=args.repeats, threads=args.threads,
+                         workload=work.describe())
             stats = client.stats()
             print(f"server: {stats['requests_run']} requests run, {stats['tokens_sent']:,} tokens sent, "
                   f"{stats['engine/steps']:,} engine steps, errors {stats.get('errors/INTERNAL', 0)} internal")
