@@ -210,7 +210,8 @@ class RolloutClient:
                  timeout: Optional[float] = None, session_id: Optional[str] = None,
                  group_id: Optional[str] = None) -> RolloutBatch:
         """As `RolloutBackend.generate`; behind a router, `session_id` keeps a multi-turn agent's
-        turns on one replica and `group_id` the prompts of this call (and of later calls with it)."""
+        turns on one replica and `group_id` the prompts of this call (and of later calls with it);
+        a server ignores both."""
         start = time.perf_counter()
         rollouts = self.stream(prompts, n, sampling, timeout=timeout, session_id=session_id,
                                group_id=group_id).result()
