@@ -45,7 +45,7 @@ from rollout.placement import Placement
 from rollout.protocol import ProtocolError, decode_reply, encode
 from rollout.registry import Record
 from rollout.replica_link import HealthConfig, ReplicaLink, ReplicaState
-from rollout.routes import Attempt, Route, StalePolicy, aborted_sample, attempt_request, too_stale
+from rollout.routes import Attempt, Route, StalePolicy, aborted_sample, attempt_request, sent_indices, too_stale
 from rollout.security import ClientSecurity
 
 logger = logging.getLogger(__name__)
@@ -252,9 +252,10 @@ class ReplicaSet:
         hashes = route.prompt_hashes(msg.prompt_token_ids, block_size, self.fleet.version) if block_size else []
         name, reason = self.placement.choose(candidates, hashes, session_id=msg.session_id, group_id=msg.group_id)
         link = self.links[name]
-        attempt = Attempt(self.next_id("g"), record, name, indices, link.version, len(msg.prompt_token_ids),
-                          msg.sampling.max_tokens)
-        link.send(encode(attempt_request(record, attempt.id, len(indices)), max_frame_bytes=self.max_frame_bytes))
+        sent, wanted = sent_indices(record, indices)
+        attempt = Attempt(self.next_id("g"), record, name, sent, link.version, len(msg.prompt_token_ids),
+                          msg.sampling.max_tokens, wanted=None if wanted is None else {sent.index(i) for i in wanted})
+        link.send(encode(attempt_request(record, attempt.id, len(sent)), max_frame_bytes=self.max_frame_bytes))
         self.attempts[attempt.id] = attempt
         link.attempts.add(attempt.id)
         route.attempts[attempt.id] = attempt
@@ -404,6 +405,8 @@ class ReplicaSet:
             self.placement.release(attempt.replica, before - attempt.cost)
             if not attempt.left:
                 self._retire(attempt)
+                if attempt.runs_extra:  # NOTE: nobody waits for the rest of it: free the replica
+                    self.links[attempt.replica].send(encode(Abort(request_id=self.next_id("x"), targets=[attempt.id])))
             index = attempt.indices[j]
             if index in record.frames:
                 return
@@ -418,6 +421,8 @@ class ReplicaSet:
             self._sink.deliver(record, msgspec.structs.replace(msg, request_id=record.request_id, sample_index=index,
                                                                n=record.n, finish_reason=reason), now)
         elif isinstance(msg, TokenDelta):
+            if msg.sample_index not in attempt.left:  # a sample it runs for nobody (`sent_indices`)
+                return
             index = attempt.indices[msg.sample_index]
             self._sink.forward_tokens(record, msgspec.structs.replace(msg, sample_index=index))
         elif isinstance(msg, ErrorReply):  # the replica refused the request itself: the client hears why

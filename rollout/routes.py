@@ -8,7 +8,8 @@ held until one can take it); replies of an attempt that was given up are dropped
 gets each sample once, from the attempt that covers it.
 
 Invariant (kept by the router): every sample index of a live record that has not been sent to
-the client is covered by exactly one live attempt or one held entry.
+the client is owed by exactly one live attempt (in its `left`) or one held entry. (An attempt
+for part of a seeded request runs all of it and owes only part: `sent_indices`.)
 
 Staleness (partial rollouts across weight updates): with `max_staleness = k`, a sample may
 carry tokens of at most k + 1 consecutive policy versions. What would exceed it is handled per
@@ -42,7 +43,8 @@ class StalePolicy(str, enum.Enum):
 class Attempt:
     """Sample indices `indices` of `record`, running on `replica` under the router's id `id`
     since the replica was at `version`. `left` holds this attempt's own indices (0..k-1) not yet
-    back; `aborting`: asked to stop, its samples come back as they are."""
+    back and owed by it (`wanted`, all of them by default); `aborting`: asked to stop, its samples
+    come back as they are."""
 
     id: str
     record: Record
@@ -51,11 +53,17 @@ class Attempt:
     version: int
     prompt_cost: int
     sample_cost: int
+    wanted: Optional[set[int]] = None
     left: set[int] = field(default_factory=set)
     aborting: bool = False
 
     def __post_init__(self) -> None:
-        self.left = set(range(len(self.indices)))
+        self.left = set(range(len(self.indices))) if self.wanted is None else set(self.wanted)
+
+    @property
+    def runs_extra(self) -> bool:
+        """The replica runs samples of it that nobody waits for (see `sent_indices`)."""
+        return self.wanted is not None and len(self.wanted) < len(self.indices)
 
     @property
     def cost(self) -> int:
@@ -85,6 +93,18 @@ class Route:
             usable = (len(prompt) - 1) // block_size * block_size
             self._hashes = (key, block_hashes(prompt[:usable].tolist(), block_size, extra_key=version))
         return self._hashes[1]
+
+
+def sent_indices(record: Record, owed: list[int]) -> tuple[list[int], Optional[set[int]]]:
+    """The record's sample indices to send a replica for `owed` ones, and which of the sent are
+    owed (None: all). A seeded sample's random stream is keyed by its index in its Generate
+    (`inference.sampling.sample_seed(seed, index)`): sent alone as a smaller n, owed samples 2 and 3
+    of a seeded request would replay samples 0 and 1. So a seeded request is sent whole and the
+    copies of the samples not owed are dropped (failover and recompute only: rare, and correct
+    beats cheap)."""
+    if record.request.sampling.seed is None or len(owed) == record.n:
+        return owed, None
+    return list(range(record.n)), set(owed)
 
 
 def too_stale(versions: np.ndarray, max_staleness: Optional[int]) -> bool:

@@ -16,6 +16,7 @@ from rollout import RolloutClient, RolloutRouter, RouterConfig
 from rollout.broadcast import Fanout, FleetState, merge_stats, sum_stats
 from rollout.kv_log import KvEventLog
 from rollout.messages import (
+    Abort,
     Continue,
     ErrorCode,
     ErrorReply,
@@ -33,13 +34,14 @@ from rollout.messages import (
     SampleOutput,
     Sampling,
     Suspend,
+    TokenDelta,
     UpdateWeights,
 )
 from rollout.metrics import ServiceMetrics
 from rollout.placement import Placement, PlacementConfig, Reason
-from rollout.protocol import ProtocolError
+from rollout.protocol import ProtocolError, decode_request
 from rollout.registry import Record
-from rollout.replica_link import HealthConfig, ReplicaLink
+from rollout.replica_link import HealthConfig, ReplicaLink, ReplicaState
 from rollout.replicas import ReplicaSet
 from rollout.routes import Attempt, Route, too_stale
 from rollout.server import RolloutServer
@@ -278,11 +280,13 @@ def test_router_config_names_the_field():
 class _Sink:
     def __init__(self) -> None:
         self.delivered: list = []
+        self.tokens: list = []
 
     def deliver(self, record, out, now) -> None:
         self.delivered.append(out)
 
-    def forward_tokens(self, record, delta) -> None: ...
+    def forward_tokens(self, record, delta) -> None:
+        self.tokens.append((delta.sample_index, delta.token_ids.tolist()))
 
     def refused(self, record, reply) -> None: ...
 
@@ -317,3 +321,51 @@ def test_a_finished_sample_spanning_too_many_versions(policy):
         assert [(o.sample_index, o.finish_reason, o.versions.tolist()) for o in sink.delivered] == [
             (0, FinishReason.ABORT, [0, 0, 1]), (1, FinishReason.LENGTH, [1, 1])]
     assert replicas.placement.load["r0"] == 0 and not replicas.attempts  # its load went with it
+
+
+def _take_frames(link: ReplicaLink) -> list:
+    frames = [decode_request(f) for f in link._backlog]  # NOTE: what it was sent, held (nothing listens)
+    link._backlog.clear()
+    return frames
+
+
+@pytest.mark.parametrize("seed", [None, 1234])
+def test_owed_samples_of_a_seeded_request_keep_their_indices(seed):
+    """Failover / recompute of samples 2 and 3 of n=4: a seeded request must not send them as a
+    Generate of n=2 (its samples would replay the streams of 0 and 1), so it is sent whole and
+    the copies of 0 and 1 are dropped (and stopped once 2 and 3 are back); an unseeded one sends
+    just what is owed."""
+    ctx = zmq.Context()
+    sink = _Sink()
+    replicas = ReplicaSet(ctx, zmq.Poller(), sink, ServiceMetrics(), Placement(), HealthConfig())
+    record = Record("c-1", Generate(request_id="c-1", prompt_token_ids=[1, 2, 3],
+                                    sampling=Sampling(n=4, seed=seed)), b"p", 4)
+    record.stream = Route()
+    name = replicas.add("tcp://127.0.0.1:9")  # nothing listens there: what it is sent stays in its backlog
+    link = replicas.links[name]
+    link.state, link.version, link.block_size, replicas.fleet.version = ReplicaState.UP, 0, 4, 0
+
+    def sample(attempt_id: str, index: int, n: int) -> SampleOutput:
+        return SampleOutput(request_id=attempt_id, sample_index=index, n=n, prompt_len=3, token_ids=[4 + index],
+                            logprobs=[0.0], versions=[0], finish_reason=FinishReason.LENGTH)
+
+    try:
+        replicas.dispatch(record, [2, 3], now=0.0)
+        (sent,) = _take_frames(link)
+        (attempt,) = replicas.attempts.values()
+        assert isinstance(sent, Generate) and sent.request_id == attempt.id and sent.sampling.seed == seed
+        owed_here = [0, 1] if seed is None else [2, 3]  # the attempt's own indices of samples 2 and 3
+        assert sent.sampling.n == (2 if seed is None else 4)
+        replicas._attempt_reply(attempt, TokenDelta(request_id=attempt.id, sample_index=0, start=0, token_ids=[9],
+                                                    logprobs=[0.0], versions=[0]), now=0.0)
+        for j in owed_here:
+            replicas._attempt_reply(attempt, sample(attempt.id, j, sent.sampling.n), now=0.0)
+        assert [o.sample_index for o in sink.delivered] == [2, 3]  # each once, under its own index
+        assert [o.token_ids.tolist() for o in sink.delivered] == [[4 + j] for j in owed_here]
+        assert sink.tokens == ([(2, [9])] if seed is None else [])  # a sample run for nobody streams nothing
+        assert not replicas.attempts and replicas.placement.load[name] == 0
+        stopped = _take_frames(link)  # the samples nobody waits for are stopped
+        assert stopped == ([] if seed is None else [Abort(request_id=stopped[0].request_id, targets=[attempt.id])])
+    finally:
+        link.close()
+        ctx.term()
