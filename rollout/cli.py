@@ -6,6 +6,8 @@
     rollout serve --model smollm2 --port 5555            # an engine behind ZMQ
     rollout serve --model smollm2 --port 5555 --http 8000   # ... and OpenAI / SGLang routes over HTTP
     rollout http --connect tcp://127.0.0.1:5555 --model smollm2 --port 8000   # HTTP in front of any service
+    rollout route --replicas tcp://127.0.0.1:5555,tcp://127.0.0.1:5556   # one endpoint over replicas
+    rollout route --spawn 2 --model /ckpt/hf-dir -- --threads 1           # ... that it starts itself
     rollout monitor --connect tcp://127.0.0.1:5555       # its metrics to W&B (offline) and the console
 """
 
@@ -72,6 +74,12 @@ def http_main(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def route_main(args: argparse.Namespace) -> int:
+    from rollout.route import route_main as run
+
+    return run(args)
+
+
 def monitor_main(args: argparse.Namespace) -> int:
     from rollout.tracking import monitor_service
 
@@ -80,6 +88,7 @@ def monitor_main(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from rollout.route import add_route_arguments
     from rollout.serve import add_http_arguments, add_serve_arguments
 
     parser = argparse.ArgumentParser(prog="rollout", description=__doc__.split("\n")[0])
@@ -93,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     http = sub.add_parser("http", help="OpenAI / SGLang HTTP routes in front of a server or router (rollout.http)")
     add_http_arguments(http)
     http.set_defaults(func=http_main)
+    route = sub.add_parser("route", help="one endpoint over engine replicas: placement, failover (see rollout.route)")
+    add_route_arguments(route)
+    route.set_defaults(func=route_main)
     monitor = sub.add_parser("monitor", help="poll a server's stats into W&B (offline by default) and the console")
     monitor.add_argument("--connect", required=True, help="the server's address, e.g. tcp://127.0.0.1:5555")
     monitor.add_argument("--every", type=float, default=10.0, help="seconds between polls")
