@@ -1,0 +1,66 @@
+"""The HTTP front in front of a router (`rollout route --spawn 2`): a chat session's turns stay on one
+replica (the router's sticky sessions), keep their sampled ids, and hit that replica's prefix cache."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from rollout.http.launch import start_front
+from tests.rollout.http_util import MAX_LEN, MODEL, WAIT_S, save_tiny_chat_model
+
+REPLICA_ARGS = ("--threads", "1", "--block-size", "4", "--num-blocks", "1024", "--max-requests", "32",
+                "--max-seq-len", str(MAX_LEN))
+
+
+@pytest.fixture(scope="module")
+def routed_front(tmp_path_factory):
+    from rollout.route import RouterProcess
+
+    model = save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat-routed"))
+    router = RouterProcess("--spawn", "2", "--model", str(model), "--", *REPLICA_ARGS, ready_timeout=2 * WAIT_S)
+    try:
+        front = start_front(router.address, model, served_model_name=MODEL, max_model_len=MAX_LEN, timeout=WAIT_S)
+        try:
+            yield front
+        finally:
+            front.stop()
+    finally:
+        router.stop(grace_s=10.0)
+
+
+def test_session_sticks_to_one_replica_and_hits_its_cache(routed_front, one_torch_thread):
+    import asyncio
+
+    stats = lambda: asyncio.run(_stats(routed_front.front.client.connection.address))  # noqa: E731
+    client = openai.OpenAI(base_url=f"{routed_front.url}/v1", api_key="unused", timeout=WAIT_S, max_retries=0)
+    messages = [{"role": "system", "content": "You plan trips. Use tools."},
+                {"role": "user", "content": "Book a train to Lyon."}]
+    added = [{"role": "tool", "content": '{"train": "TGV 6601", "seats": 3}'}, {"role": "user", "content": "Go."}]
+    turns, cached = [], []
+    for k in range(3):
+        before = stats()["engine/prefix_cached_tokens"]
+        out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=1.0,
+                                             seed=k, extra_body={"session_id": "trip-1", "ignore_eos": True})
+        cached.append(stats()["engine/prefix_cached_tokens"] - before)
+        turns.append((out.model_extra["prompt_token_ids"], out.choices[0].model_extra["token_ids"]))
+        messages = messages + [{"role": "assistant", "content": out.choices[0].message.content}, added[k % 2]]
+    for (p0, s0), (p1, _) in zip(turns, turns[1:]):
+        assert p1[:len(p0) + len(s0)] == p0 + s0
+    for k in (1, 2):
+        assert cached[k] >= len(turns[k - 1][0]) + len(turns[k - 1][1]) - 4, cached
+    figures = stats()
+    routed = {key.split("/")[1]: 0 for key in figures if key.startswith("replica/")}
+    for key, value in figures.items():
+        if key.startswith("replica/") and "/routed_" in key:
+            routed[key.split("/")[1]] += int(value)
+    session = sum(int(v) for k, v in figures.items() if k.endswith("/routed_session"))
+    assert session == 2 and sorted(routed.values()) == [0, 3], figures  # every turn on one replica
+    client.close()
+
+
+async def _stats(address: str) -> dict:
+    from rollout import AsyncRolloutClient
+
+    async with AsyncRolloutClient(address, timeout=WAIT_S) as c:
+        return await c.stats()
