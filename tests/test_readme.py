@@ -11,11 +11,12 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 EXCERPTS = ("gpt_model",)  # needs a trainer from elsewhere (megatron): read, not run
 SLOW = ("grpo_step",)
+HTTP = ("http_url",)  # SmolLM2 behind `rollout serve --http` (~10 s, more on a busy machine): slow, as SmolLM2 tests
 RAY = ("RayReplicas",)  # starts a local Ray instance (~15 s on 2 cores): run by `make stress`
 
 
 def runnable(block: str) -> bool:
-    return not any(word in block for word in EXCERPTS + RAY)
+    return not any(word in block for word in EXCERPTS + RAY + HTTP)
 
 
 def test_readme_has_snippets():
@@ -35,6 +36,14 @@ def test_colocated_rl_snippet_runs(capsys):
     exec(compile(block, str(README), "exec"), {})
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert float(last.split("reward")[1].split()[0]) >= 0.9
+
+
+@pytest.mark.slow
+def test_http_snippet_runs():
+    namespace: dict = {}
+    exec("from rollout import ServerProcess", namespace)
+    (block,) = [b for b in BLOCKS if any(word in b for word in HTTP)]
+    exec(compile(block, str(README), "exec"), namespace)
 
 
 @pytest.mark.stress

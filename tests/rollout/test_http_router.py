@@ -1,5 +1,8 @@
 """The HTTP front in front of a router (`rollout route --spawn 2`): a chat session's turns stay on one
-replica (the router's sticky sessions), keep their sampled ids, and hit that replica's prefix cache."""
+replica (the router's sticky sessions), keep their sampled ids, and hit that replica's prefix cache.
+
+`slow`: a router and two replica processes (~20 s on 2 cores); the front's own session test runs
+against one server in `test_http.py`."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import pytest
 from rollout.http.launch import start_front
 from tests.rollout.http_util import MAX_LEN, MODEL, WAIT_S, save_tiny_chat_model
 
+pytestmark = pytest.mark.slow
 REPLICA_ARGS = ("--threads", "1", "--block-size", "4", "--num-blocks", "1024", "--max-requests", "32",
                 "--max-seq-len", str(MAX_LEN))
 
