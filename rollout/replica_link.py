@@ -167,6 +167,7 @@ class ReplicaLink:
         self.down_since = now
         self.health = None  # NOTE: only a reply after this may bring it back
         self.kv_waiting = False
+        self.kv_cursor = 0  # NOTE: its cache view was dropped; a restarted process numbers its events anew
         self.takeouts += 1
         self.drop_backlog()
 
