@@ -44,6 +44,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     srv.add_argument("--retain-s", type=float, default=120.0,
                      help="keep finished requests this long for clients that resubmit after a reconnect")
     srv.add_argument("--max-frame-bytes", type=int, default=64 * 2**20, help="largest frame accepted or sent")
+    srv.add_argument("--weight-staging", choices=["double", "in_place"], default="double",
+                     help="weight updates: double (old weights serve until the commit; a second copy kept for "
+                     "the next update) or in_place (no second copy; no generation until a complete update)")
+    srv.add_argument("--weight-sync-timeout-s", type=float, default=60.0,
+                     help="bound of every wait of a weight update (a dead trainer, a missing bucket)")
     eng = parser.add_argument_group("engine")
     eng.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     eng.add_argument("--block-size", type=int, default=16)
@@ -87,7 +92,8 @@ def build_server(args: argparse.Namespace):
     engine.command_timeout = 120.0
     server_config = ServerConfig(host=args.host, port=args.port, lease_s=args.lease_s,
                                  health_deadline_s=args.health_deadline_s, retain_s=args.retain_s,
-                                 max_frame_bytes=args.max_frame_bytes, security=security_from_args(args))
+                                 max_frame_bytes=args.max_frame_bytes, security=security_from_args(args),
+                                 weight_staging=args.weight_staging, weight_sync_timeout_s=args.weight_sync_timeout_s)
     return RolloutServer(engine, server_config)
 
 

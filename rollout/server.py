@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import zmq
 
-from inference import DynamicInferenceEngine, RequestOutput, TokenEvent
+from inference import DynamicInferenceEngine, RequestOutput, Staging, TokenEvent
 from rollout.lane import Done, EngineLane, Submitted
 from rollout.lease import Leases
 from rollout.mailbox import Mailbox
@@ -36,6 +36,7 @@ from rollout.messages import (
     ErrorCode,
     ErrorReply,
     Generate,
+    GetWeightVersion,
     Health,
     HealthInfo,
     Heartbeat,
@@ -61,6 +62,7 @@ from rollout.protocol import (
 )
 from rollout.registry import Record, RequestRegistry
 from rollout.security import ServerSecurity, check_bind, secure_server_socket
+from weight_sync import WeightReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +76,9 @@ class ServerConfig:
     `lease_s`: how long a client may stay silent before its requests are aborted (a Heartbeat
     may set its own). `health_deadline_s`: a loop quiet for longer is reported unhealthy (keep it
     above the longest step). `retain_s`: how long a finished request's samples are kept for a
-    client that resubmits it after a reconnect.
+    client that resubmits it after a reconnect. `weight_staging`: how weight updates that do not
+    choose are staged (`double`: the old weights serve until the commit; `in_place`: no second
+    copy, no generation until a complete update); `weight_sync_timeout_s` bounds their waits.
     """
 
     host: str = "127.0.0.1"
@@ -84,9 +88,12 @@ class ServerConfig:
     retain_s: float = 120.0
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     security: ServerSecurity = field(default_factory=ServerSecurity)
+    weight_staging: Staging = Staging.DOUBLE
+    weight_sync_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        for name in ("lease_s", "health_deadline_s", "retain_s"):
+        self.weight_staging = Staging(self.weight_staging)
+        for name in ("lease_s", "health_deadline_s", "retain_s", "weight_sync_timeout_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(f"ServerConfig.{name} must be > 0, got {value!r}")
@@ -131,7 +138,8 @@ class RolloutServer:
         self._owns_loop = not engine.loop_running
         if self._owns_loop:
             engine.start()
-        self._lane = EngineLane(engine, self._mailbox.put)
+        self.receiver = WeightReceiver(engine, staging=config.weight_staging, timeout_s=config.weight_sync_timeout_s)
+        self._lane = EngineLane(engine, self._mailbox.put, receiver=self.receiver)
         self._stopping = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._closed = False
@@ -177,6 +185,7 @@ class RolloutServer:
             return
         self._closed = True
         self._lane.stop()
+        self.receiver.close()
         if self._owns_loop:
             try:
                 self.engine.stop()
@@ -227,8 +236,8 @@ class RolloutServer:
         elif isinstance(msg, Health):
             self._send(peer, Result(request_id=msg.request_id, request_kind=Kind.HEALTH,
                                     policy_version=self.engine.policy_version, health=self.health()))
-        elif isinstance(msg, Heartbeat):
-            self._send(peer, Result(request_id=msg.request_id, request_kind=Kind.HEARTBEAT,
+        elif isinstance(msg, (Heartbeat, GetWeightVersion)):
+            self._send(peer, Result(request_id=msg.request_id, request_kind=_KINDS[type(msg)],
                                     policy_version=self.engine.policy_version))
         elif isinstance(msg, Abort):
             known = [r for r in map(self.registry.get, msg.targets) if r is not None]
