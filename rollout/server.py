@@ -339,7 +339,7 @@ class RolloutServer:
         if isinstance(msg, Stats):
             result.stats = self.metrics.snapshot(item.value, lane_depth=self._lane.depth(),
                                                  requests_in_flight=self.registry.num_live,
-                                                 clients=len(self.leases))
+                                                 clients=len(self.leases), extra=self.receiver.stats.wire())
         elif isinstance(item.value, dict):
             result.stats = _wire_values(item.value)
         self._send(item.peer, result)

@@ -82,7 +82,7 @@ def align(n: int, to: int = ALIGN) -> int:
     return -(-n // to) * to
 
 
-_VERSION = re.compile(r"(?:[A-Za-z_\-]*?[_\-]?)?(\d{1,18})")
+_VERSION = re.compile(r"(?:[A-Za-z][A-Za-z_]*?[_\-]?)?(\d{1,18})")
 
 
 def parse_weight_version(value: Union[str, int, None]) -> Optional[int]:

@@ -71,6 +71,10 @@ class ReceiverStats:
     last_update_seconds: float = 0.0
     last_error: str = ""
 
+    def wire(self) -> dict[str, Any]:
+        """As `weight_sync/<name>` stats entries."""
+        return {f"weight_sync/{name}": getattr(self, name) for name in self.__dataclass_fields__}
+
 
 class WeightReceiver:
     """Weight updates into `engine` (a `DynamicInferenceEngine`), see module docstring.
