@@ -119,7 +119,8 @@ def test_kinds_have_fixed_numbers_requests_low_replies_high():
     assert {k.name: k.value for k in Kind} == {
         "GENERATE": 1, "ABORT": 2, "PAUSE": 3, "CONTINUE": 4, "SUSPEND": 5, "RESUME": 6, "UPDATE_WEIGHTS": 7,
         "RESET_PREFIX_CACHE": 8, "STATS": 9, "HEALTH": 10, "HEARTBEAT": 11, "INIT_WEIGHTS_UPDATE_GROUP": 13,
-        "DESTROY_WEIGHTS_UPDATE_GROUP": 14, "GET_WEIGHT_VERSION": 15, "SAMPLE_OUTPUT": 64, "TOKEN_DELTA": 65, "RESULT": 66, "ERROR": 67,
+        "DESTROY_WEIGHTS_UPDATE_GROUP": 14, "GET_WEIGHT_VERSION": 15,
+        "SAMPLE_OUTPUT": 64, "TOKEN_DELTA": 65, "RESULT": 66, "ERROR": 67,
     }
     assert sorted(raw(m)["kind"] for m in EXAMPLES) == sorted(k.value for k in Kind)
 
