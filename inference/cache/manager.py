@@ -1,7 +1,8 @@
 """CacheManager: the caches a model declares, built, sized, released and restored as one.
 
 From the model's `cache_specs()`: a paged KV buffer with its block allocator and prefix cache
-(for the attention layers), and a `StatePool` of per-request slots (for recurrent layers). The
+(for the attention layers), a `StatePool` of per-request slots (for recurrent layers) and, with
+prefix caching, `StateSnapshots` of that state at cached block boundaries. The
 scheduler's context hands out blocks and state slots through the allocator and the pool; the
 manager owns the memory behind them: what suspend releases and resume re-acquires, what a fork
 copies, what OFFLOAD saves to host, and how many bytes all of it takes.
@@ -17,6 +18,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from inference.cache.snapshots import StateSnapshots
 from inference.cache.specs import CacheSpec, KVCacheSpec, StateSpec
 from inference.cache.state_pool import StatePool
 from inference.config import InferenceConfig
@@ -40,9 +42,12 @@ class OffloadedCaches:
 class CacheManager:
     """Owns the cache memory of one engine (see module docstring).
 
-    Invariants: `kv` and `states` are allocated together or released together; when the model
-    declares a state pool, KV prefix matching is off (a KV hit would skip the state of the
-    prefix), and `prefix_caching_disabled_reason` says so.
+    Invariants: `kv`, `states` and `snapshots` are allocated together or released together. When
+    the model declares a state pool, a KV prefix is only served together with a state snapshot
+    at its end (`snapshots`, see `StateSnapshots`); with a snapshot budget of 0, KV prefix
+    matching is off and `prefix_caching_disabled_reason` says so. A prefix-cache reset or release
+    drops the snapshots with the blocks (the registry's reset fires no callback: this class
+    clears them itself).
     """
 
     def __init__(self, specs: Sequence[CacheSpec], config: InferenceConfig, device: torch.device, *,
@@ -61,21 +66,29 @@ class CacheManager:
                                 s.head_dim, s.dtype, device)
         self.prefix_caching_disabled_reason: Optional[str] = None
         enable_prefix = config.enable_prefix_caching
+        snapshot_slots = 0
         if state_specs and enable_prefix:
-            enable_prefix = False
-            self.prefix_caching_disabled_reason = (
-                "the model keeps per-request state, which a KV prefix hit would skip")
-            logger.info("prefix caching off: %s", self.prefix_caching_disabled_reason)
+            snapshot_slots = config.resolve_state_snapshot_slots(sum(s.bytes_per_slot for s in state_specs))
+            if snapshot_slots == 0:
+                enable_prefix = False
+                self.prefix_caching_disabled_reason = (
+                    "the model keeps per-request state and the state-snapshot budget is 0: a KV prefix hit "
+                    "would skip the state of the prefix")
+                logger.info("prefix caching off: %s", self.prefix_caching_disabled_reason)
         self.allocator = KVBlockAllocator(num_blocks, config.block_size, config.eviction_policy, enable_prefix,
                                           KVEventHub(record=config.record_kv_events))
         self.states = StatePool(state_specs, config.max_requests, device) if state_specs else None
+        # the Mamba side of the prefix cache: the state at cached block boundaries
+        self.snapshots = (StateSnapshots(state_specs, snapshot_slots, device, self.allocator.registry)
+                          if state_specs and enable_prefix else None)
 
     # ---- memory ------------------------------------------------------------------------------
 
     @property
     def nbytes(self) -> int:
         """Bytes of all cache buffers when allocated."""
-        return self.kv.nbytes + (self.states.nbytes if self.states is not None else 0)
+        return (self.kv.nbytes + (self.states.nbytes if self.states is not None else 0)
+                + (self.snapshots.nbytes if self.snapshots is not None else 0))
 
     @property
     def is_allocated(self) -> bool:
@@ -88,6 +101,8 @@ class CacheManager:
         self.kv.deallocate()
         if self.states is not None:
             self.states.deallocate()
+        if self.snapshots is not None:
+            self.snapshots.deallocate()
         if self.kv.device.type == "cuda":
             torch.cuda.empty_cache()
         return freed
@@ -98,11 +113,21 @@ class CacheManager:
             self.kv.allocate()
             if self.states is not None:
                 self.states.allocate()
+            if self.snapshots is not None:
+                self.snapshots.allocate()
         except BaseException:
             self.kv.deallocate()
             if self.states is not None:
                 self.states.deallocate()
+            if self.snapshots is not None:
+                self.snapshots.deallocate()
             raise
+
+    def reset_prefix_cache(self) -> None:
+        """Nothing cached so far can be matched again: KV blocks and state snapshots."""
+        self.allocator.reset_prefix_cache()
+        if self.snapshots is not None:
+            self.snapshots.clear()
 
     # ---- in-flight requests ------------------------------------------------------------------
 
@@ -133,6 +158,8 @@ class CacheManager:
         out = {"kv_cache_bytes": self.kv.nbytes, "prefix_caching": self.allocator.enable_prefix_caching}
         if self.states is not None:
             out.update(state_pool_bytes=self.states.nbytes, state_slots_held=self.states.held)
+        if self.snapshots is not None:
+            out.update(self.snapshots.stats())
         if self.prefix_caching_disabled_reason:
             out["prefix_caching_off_because"] = self.prefix_caching_disabled_reason
         return out

@@ -52,12 +52,13 @@ class StatePool:
     def held(self) -> int:
         return self.num_slots - len(self._free)
 
-    def allocate_slot(self) -> int | None:
-        """A zeroed slot, or None when every slot is held."""
+    def allocate_slot(self, *, zero: bool = True) -> int | None:
+        """A zeroed slot (`zero=False`: as it was, for a caller that overwrites it), or None when
+        every slot is held."""
         if not self._free:
             return None
         slot = self._free.pop()
-        if self._tensors is not None:
+        if zero and self._tensors is not None:
             for t in self._tensors.values():
                 t[slot].zero_()
         return slot

@@ -39,6 +39,8 @@ from inference.request import Request, RequestOutput
 from inference.runner.model_runner import ModelRunner
 from inference.sampling import make_generator, sample_seed
 from inference.sampling_params import SamplingParams
+from inference.sched import offload
+from inference.sched.block_registration import register_full_blocks
 from inference.sched.context import DynamicInferenceContext
 from inference.sched.scheduler import Scheduler
 from inference.weights import NamedTensors, Staging, WeightManager
@@ -69,7 +71,7 @@ class EngineCore:
         self.kv_cache = self.caches.kv
         self.allocator = self.caches.allocator
         self.context = DynamicInferenceContext(config, self.allocator, lambda: self.weights.policy_version,
-                                               self.caches.states)
+                                               self.caches.states, self.caches.snapshots)
         self.scheduler = Scheduler(self.context)
         self.runner = ModelRunner(model, self.caches, config)
         self.state = EngineState.RUNNING
@@ -199,7 +201,8 @@ class EngineCore:
         forks = self.scheduler.fork_groups(batch.sample_slots)
         self.caches.copy_for_forks(forks.kv_copies, forks.state_copies)
         # NOTE: forked samples have nothing to register: their full blocks are the parent's
-        ctx.register_full_blocks(plan.slots)
+        register_full_blocks(ctx, plan.slots)
+        ctx.snapshot_states(plan.slots[plan.num_decode :])  # models with state: the Mamba side of the cache
         self.allocator.events.publish_pending()
         slots = forks.slots
         if slots.size:  # NOTE: a step of mid-prompt chunks only samples nothing
@@ -298,16 +301,16 @@ class EngineCore:
     def _offload_in_slot_requests(self) -> int:
         """Copy what every request in a slot holds (KV blocks, state) to host; slots stay as they are."""
         ctx = self.context
-        held = ctx.held_block_ids()
+        held = offload.held_block_ids(ctx)
         if held.size:
             self._offloaded = self.caches.offload(held, ctx.held_state_slots())
-            ctx.detach_blocks()  # NOTE: the pool reset that follows takes their references
+            offload.detach_blocks(ctx)  # NOTE: the pool reset that follows takes their references
         return len(ctx.active) + len(ctx.paused)
 
     def _restore_offloaded_requests(self) -> None:
         saved, self._offloaded = self._offloaded, None
         if saved is not None:
-            fresh, rows = self.context.reattach_blocks(saved.block_ids)
+            fresh, rows = offload.reattach_blocks(self.context, saved.block_ids)
             self.caches.restore(saved, fresh, rows)
 
     # ---- weights -----------------------------------------------------------------------------
@@ -318,7 +321,7 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> None:
         """Nothing cached so far can be matched again, even blocks requests still hold."""
-        self.allocator.reset_prefix_cache()
+        self.caches.reset_prefix_cache()  # KV blocks and state snapshots
         self.context.break_hash_chains()
 
     def bind_trainer_model(self, module: Any) -> Any:
@@ -413,4 +416,5 @@ class EngineCore:
             "preemptions": self.scheduler.num_preemptions,
             **self.context.get_kvcache_utilization_stats(),
             **self.caches.stats(),
+            **(self.context.state_prefix.stats() if self.context.state_prefix is not None else {}),
         }

@@ -243,6 +243,19 @@ class KVBlockAllocator:
         self.events.queue_stored(BlockStored(tuple(new_hashes), parent_hash, tuple(new_ids), self.block_size))
         return count
 
+    def adopt(self, block_hash: int, own_block: int) -> int | None:
+        """The caller computed `own_block` (unregistered) for a hash another block serves: it holds
+        the serving block instead (one more reference) and drops its own. Returns the serving
+        block, or None (nothing changed). The caller's blocks before it must be the hash chain's
+        registered ancestors, so that it still holds a prefix-closed chain."""
+        served = self.registry.kv_hash_to_block_id.get(block_hash) if self.enable_prefix_caching else None
+        if served is None or served == own_block or self.state.hash_of(own_block) != UNSET_HASH:
+            return None
+        self.lru_clock += 1
+        self.state.retain([served], self.lru_clock)
+        self.release([own_block])
+        return served
+
     def offer_prompt_logprobs(self, hashes: list[int], blocks: Sequence[PromptLogprobsBlock | None]) -> int:
         """Scores computed for blocks whose hashes another block already serves (a request that
         recomputed cached KV to get its prompt log-probs): cache each with the registered block

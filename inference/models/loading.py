@@ -23,6 +23,8 @@ import torch
 
 from inference.attention.base import AttentionBackend
 from inference.models.decoder import EMBED, LM_HEAD, BindReport, DenseDecoder, alias_or_copy, warn_if_copied
+from inference.models.hybrid import HybridDecoder
+from inference.models.hybrid_loading import is_hybrid_config, load_hybrid_from_dir, load_hybrid_from_module
 from inference.models.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -36,10 +38,14 @@ def load_from_hf_dir(
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     backend: AttentionBackend | None = None,
-) -> DenseDecoder:
-    """Load a decoder saved by `save_pretrained` (dtype defaults to the config's, else fp32)."""
+) -> DenseDecoder | HybridDecoder:
+    """Load a decoder saved by `save_pretrained` (dtype defaults to the config's, else fp32); a
+    hybrid family's config (Bamba, Nemotron-H, Falcon-H1) gives a `HybridDecoder`."""
     root = Path(path)
     config = json.loads((root / "config.json").read_text())
+    if is_hybrid_config(config):
+        return load_hybrid_from_dir(root, config, dtype=dtype, device=_normalize_device(device),
+                                    extra_eos=_generation_eos(root), read=read_safetensors, backend=backend)
     spec = ModelSpec.from_hf_config(config, dtype=dtype, extra_eos_token_ids=_generation_eos(root))
     device = _normalize_device(device)
     tensors = read_safetensors(root, set(spec.weight_shapes()), device=device)
@@ -86,7 +92,7 @@ def load_from_hf_model(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     backend: AttentionBackend | None = None,
-) -> DenseDecoder:
+) -> DenseDecoder | HybridDecoder:
     """Build from a transformers `*ForCausalLM`; dtype/device default to the model's own.
 
     With `share_weights`, every tensor that can be aliased is (see module docstring); the
@@ -96,8 +102,13 @@ def load_from_hf_model(
     if config is None:
         raise TypeError(f"expected a transformers PreTrainedModel, got {type(model).__name__}")
     params = dict(model.named_parameters(remove_duplicate=False))
-    if EMBED not in params:
+    if EMBED not in params and not is_hybrid_config(config):
         raise TypeError(f"{type(model).__name__} has no {EMBED}: pass the *ForCausalLM model")
+    if is_hybrid_config(config):
+        first = next(iter(params.values()))
+        return load_hybrid_from_module(model, share_weights=share_weights, dtype=dtype or first.dtype,
+                                       device=_normalize_device(device if device is not None else first.device),
+                                       extra_eos=_module_generation_eos(model), backend=backend)
     first = params[EMBED]
     dtype = dtype or first.dtype
     device = _normalize_device(device if device is not None else first.device)

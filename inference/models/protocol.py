@@ -24,11 +24,14 @@ from inference.kv_cache.buffers import KVCacheBuffer
 class StateBatch:
     """Per-request state for one step: the pool's tensors (`name -> [slots + 1, *shape]`), the
     row of each request of the batch (`slots [B]`), and whether it starts from zero (`fresh [B]`,
-    its first chunk). A recurrent layer reads its rows, runs the request's tokens, writes back."""
+    its first chunk). A recurrent layer reads its rows, runs the request's tokens, writes back.
+    The first `num_decode` requests are decode steps (one sampled token each, state carried); the
+    others are prefill chunks (Mamba2 clamps its step size in prefill only, as its reference does)."""
 
     tensors: Mapping[str, torch.Tensor]
     slots: torch.Tensor
     fresh: torch.Tensor
+    num_decode: int = 0
 
 
 @runtime_checkable

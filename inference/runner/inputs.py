@@ -54,6 +54,7 @@ class StepInputs:
     prompt_tokens: int  # prompt tokens whose K/V this step computes
     num_tokens: int  # real tokens (padding excluded)
     num_padding: int  # padding tokens (= padding requests) after the real ones
+    num_decode: int = 0  # the first requests that decode one token (the plan's decodes)
 
 
 class InputBuffers:
@@ -203,4 +204,5 @@ def fill_inputs(buf: InputBuffers, ctx: DynamicInferenceContext, plan: StepPlan,
         prompt_tokens=prompt_tokens,
         num_tokens=num_tokens,
         num_padding=pad,
+        num_decode=plan.num_decode,
     )

@@ -46,7 +46,7 @@ class ModelRunner:
         """Logits for `inputs.logits_indices` (padding rows, if any, come last)."""
         states = None
         if inputs.state_slots is not None:
-            states = StateBatch(self.caches.states.tensors, inputs.state_slots, inputs.state_fresh)
+            states = StateBatch(self.caches.states.tensors, inputs.state_slots, inputs.state_fresh, inputs.num_decode)
         kwargs = {} if states is None else {"states": states}
         return self.model.forward(inputs.input_ids, inputs.positions, self.caches.kv, inputs.meta,
                                   inputs.logits_indices, **kwargs)

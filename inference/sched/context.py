@@ -19,6 +19,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from inference.cache.snapshots import StateSnapshots
 from inference.cache.state_pool import StatePool
 from inference.config import InferenceConfig
 from inference.errors import BlockOverflowError
@@ -27,6 +28,7 @@ from inference.kv_cache.hashing import block_hashes
 from inference.request import FinishReason, Request, RequestStatus
 from inference.sampling_params import LogprobsMode
 from inference.sched.prompt_logprobs import PromptScores, servable_prefix
+from inference.sched.state_prefix import StatePrefixCache
 
 
 class DynamicInferenceContext:
@@ -43,6 +45,7 @@ class DynamicInferenceContext:
         allocator: KVBlockAllocator,
         version_of: Callable[[], int] = lambda: 0,
         states: StatePool | None = None,
+        snapshots: StateSnapshots | None = None,
     ) -> None:
         self.config = config
         self.allocator = allocator
@@ -65,6 +68,13 @@ class DynamicInferenceContext:
         # prompt scores can still be cached with that block (see register_full_blocks)
         self.offers_scores = np.zeros(n, dtype=bool)
         self.state_slot = np.full(n, -1, dtype=np.int64)  # the request's row in the state pool
+        # the slot's state was computed by the current weights from its tokens alone: it may be snapshotted
+        self.state_cacheable = np.zeros(n, dtype=bool)
+        # where the slot's cached KV ended beyond its farthest state snapshot: a chunk ends there (0: none)
+        self.state_branch = np.zeros(n, dtype=np.int64)
+        # models with state: a KV prefix is served only with the state at its end (see state_prefix)
+        self.state_prefix = (StatePrefixCache(snapshots, states, allocator, config.block_size)
+                             if snapshots is not None and states is not None else None)
         self.hashes: list[list[int]] = [[] for _ in range(n)]
         self.requests: list[Request | None] = [None] * n
         # per-slot sampling parameters, gathered into the sampler's row tensors each step
@@ -88,7 +98,7 @@ class DynamicInferenceContext:
         self.prefill_tokens = 0  # tokens whose K/V was computed by a prefill (not served by cache)
         self.prefix_cached_tokens = 0  # tokens whose K/V a request took from the prefix cache
         self.prompt_logprobs_cached = 0  # prompt positions whose scores came with cached blocks
-        self._blocks_detached = False  # see detach_blocks
+        self.blocks_detached = False  # see detach_blocks
 
     # ---- queries -----------------------------------------------------------------------------
 
@@ -153,13 +163,18 @@ class DynamicInferenceContext:
         `BlockOverflowError` with nothing changed when the chunk's blocks cannot be had.
         """
         tokens = req.all_token_ids
+        given_up = 0
         if self.uses_prefix_cache(req):
-            matched = self.allocator.match_prefix(self.prefix_to_match(req), len(self.matchable_hashes(req)))
+            to_match, given_up = self._prefix_to_match(req)
+            matched = self.allocator.match_prefix(to_match, len(self.matchable_hashes(req)))
             self.cross_version_hits += int((self.block_version[matched] != self.policy_version).sum())
         else:
             matched = []
         kv_len = len(matched) * self.block_size
         chunk = min(prefill_chunk_length, len(tokens) - kv_len)
+        branch = (len(matched) + given_up) * self.block_size if given_up else 0
+        if self.state_prefix is not None:
+            chunk = self.state_prefix.chunk(kv_len, chunk, len(tokens), branch)
         try:
             fresh = self.allocator.allocate(max(0, -(-(kv_len + chunk) // self.block_size) - len(matched)))
         except BlockOverflowError:
@@ -172,6 +187,10 @@ class DynamicInferenceContext:
             self.prompt_logprobs_cached += int(req.prompt_scores.known.sum())
         slot = self.free_slots.pop()
         self._take_state_slot(slot)
+        if self.state_prefix is not None:  # NOTE: copies the snapshot at the matched prefix's end
+            self.state_prefix.admitted(self.matchable_hashes(req), len(matched), given_up, int(self.state_slot[slot]))
+        self.state_cacheable[slot] = True
+        self.state_branch[slot] = branch
         n = len(tokens)
         self.tokens[slot, :n] = tokens
         self.token_logprobs[slot, len(req.prompt_token_ids) : n] = req.logprobs
@@ -217,6 +236,7 @@ class DynamicInferenceContext:
             getattr(self, name)[slot] = getattr(self, name)[parent_slot]
         self.block_table[slot, :full] = shared
         self.block_table[slot, full:total] = fresh
+        self.state_cacheable[slot] = self.state_cacheable[parent_slot]
         self.num_blocks[slot] = total
         self.num_registered[slot] = full
         self.cache_broken[slot] = False
@@ -321,7 +341,7 @@ class DynamicInferenceContext:
         released = []
         for slot in [int(s) for s in slots]:
             req = self.sync_request(slot)
-            if not self._blocks_detached:
+            if not self.blocks_detached:
                 self.allocator.release(self.block_table[slot, : self.num_blocks[slot]].tolist())
             self.num_blocks[slot] = 0
             if self.states is not None:
@@ -387,68 +407,47 @@ class DynamicInferenceContext:
         self.free_slots = list(range(self.config.max_requests - 1, -1, -1))
         self.active, self.paused = [], []
 
-    # ---- suspend with offload ----------------------------------------------------------------
-
-    def held_block_ids(self) -> np.ndarray:
-        """Distinct blocks held by the requests in slots (sorted), e.g. to copy them to host."""
-        slots = self.active + self.paused
-        if not slots:
-            return np.empty(0, dtype=np.int64)
-        return np.unique(np.concatenate([self.block_table[s, : self.num_blocks[s]] for s in slots])).astype(np.int64)
-
-    def detach_blocks(self) -> None:
-        """The pool was reset under the slots (suspend OFFLOAD): their tables now name blocks
-        they hold no reference on. Until `reattach_blocks`, releasing a slot frees nothing."""
-        self._blocks_detached = True
-
-    def reattach_blocks(self, offloaded: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Give the slots fresh blocks for the detached ones they still hold (resume).
-
-        `offloaded` lists the (sorted) detached block ids whose contents were saved; requests
-        released meanwhile (aborted) no longer hold theirs. Every slot's table is rewritten to the
-        fresh ids, and each fresh block gets one reference per slot holding it (a group's shared
-        prompt blocks stay shared). Their hash chains left the registry with the reset, so they
-        stay private. Returns `(fresh, rows)`: block `offloaded[rows[i]]` moves to `fresh[i]`.
-        """
-        self._blocks_detached = False
-        held = self.held_block_ids()
-        rows = np.searchsorted(offloaded, held)
-        fresh = np.array(self.allocator.allocate(held.size), dtype=np.int64)
-        if held.size == 0:
-            return fresh, rows
-        new_id = np.full(self.allocator.total, -1, dtype=np.int64)
-        new_id[held] = fresh
-        slots = self.active + self.paused
-        for slot in slots:
-            n = int(self.num_blocks[slot])
-            self.block_table[slot, :n] = new_id[self.block_table[slot, :n]]
-        counts = np.bincount(np.concatenate([self.block_table[s, : self.num_blocks[s]] for s in slots]),
-                             minlength=self.allocator.total)
-        extra = np.repeat(np.arange(counts.size), np.maximum(counts - 1, 0))
-        if extra.size:
-            self.allocator.retain(extra.tolist())
-        self.cache_broken[slots] = True
-        self.offers_scores[slots] = False
-        return fresh, rows
-
     # ---- prefix cache ------------------------------------------------------------------------
 
     def break_hash_chains(self) -> None:
         """After a prefix-cache reset: blocks in flight may not register under the new version."""
         self.cache_broken[:] = True
         self.offers_scores[:] = False
+        self.state_cacheable[:] = False
 
     def uses_prefix_cache(self, req: Request) -> bool:
         return self.allocator.enable_prefix_caching
 
     def prefix_to_match(self, req: Request) -> list[int]:
         """Hashes of the leading blocks `req` may take from the cache: its matchable ones, cut
-        before the first cached block that lacks prompt scores it asks for (see PromptScores)."""
+        before the first cached block that lacks prompt scores it asks for (see PromptScores) and,
+        for a model with state, back to the farthest state snapshot (see StatePrefixCache)."""
+        return self._prefix_to_match(req)[0]
+
+    def _prefix_to_match(self, req: Request) -> tuple[list[int], int]:
+        """(`prefix_to_match`, cached blocks past it given up for want of a state snapshot)."""
         hashes = self.matchable_hashes(req)
         top_n = req.params.prompt_logprobs
-        if top_n is None or not hashes:
-            return hashes
-        return servable_prefix(self.allocator, hashes, req.prompt_token_ids, top_n)
+        if top_n is not None and hashes:
+            hashes = servable_prefix(self.allocator, hashes, req.prompt_token_ids, top_n)
+        if self.state_prefix is None or not hashes:
+            return hashes, 0
+        return self.state_prefix.usable(hashes)
+
+    def cut_chunk(self, slot: int, chunk: int) -> int:
+        """The slot's next prefill chunk of up to `chunk` tokens, cut where its state can be
+        snapshotted (models with state; see StatePrefixCache.chunk)."""
+        if self.state_prefix is None:
+            return chunk
+        return self.state_prefix.chunk(int(self.kv_len[slot]), chunk, int(self.seq_len[slot]),
+                                       int(self.state_branch[slot]))
+
+    def snapshot_states(self, slots: np.ndarray) -> None:
+        """After a forward (and `register_full_blocks`): keep the state of the prefill `slots` whose
+        chunk ended on a cached block boundary."""
+        if self.state_prefix is not None and slots.size:
+            self.state_prefix.snapshot(slots.tolist(), self.kv_len, self.state_cacheable, self.state_slot,
+                                       lambda s: self.hashes[s], lambda s: self.matchable_hashes(self.requests[s]))
 
     def matchable_hashes(self, req: Request) -> list[int]:
         """Hashes of the full blocks before the last token (at least one token is computed)."""
@@ -459,49 +458,3 @@ class DynamicInferenceContext:
             req.hash_cache = block_hashes(tokens[:usable], self.block_size, extra_key=self.policy_version)
             req.hash_cache_key = key
         return req.hash_cache
-
-    def register_full_blocks(self, slots: np.ndarray) -> None:
-        """Register the blocks of `slots` whose K/V became complete in the last forward pass.
-
-        A slot's hash chain is extended lazily from its tokens (a forked sample computes the
-        shared prompt part once, when its first own block fills). Once the allocator refuses a
-        block (parent unregistered after a reset, or the hash already served by another block),
-        the rest of that request's blocks stay private.
-        """
-        if not self.allocator.enable_prefix_caching:
-            return
-        bs = self.block_size
-        crossed = slots[self.kv_len[slots] // bs > self.num_registered[slots]]  # few: ~1 in bs per step
-        for slot in crossed.tolist():
-            full = int(self.kv_len[slot]) // bs
-            done = int(self.num_registered[slot])
-            self.num_registered[slot] = full
-            if self.cache_broken[slot] and not self.offers_scores[slot]:
-                continue
-            chain = self.hashes[slot]
-            parent_hash = chain[-1] if chain else 0
-            new_tokens = self.tokens[slot, len(chain) * bs : full * bs].tolist()
-            chain.extend(block_hashes(new_tokens, bs, parent_hash, self.policy_version))
-            req = self.requests[slot]
-            scores = req.prompt_scores
-            # NOTE: the scores of these blocks were recorded from the same forward pass, just before
-            cached_scores = None if scores is None else [
-                scores.to_block(index, bs, req.prompt_token_ids) for index in range(done, full)]
-            if self.offers_scores[slot]:
-                self._offer_scores(slot, chain[done:full], cached_scores)
-                continue
-            parent = int(self.block_table[slot, done - 1]) if done else -1
-            ids = self.block_table[slot, done:full].tolist()
-            registered = self.allocator.register(ids, chain[done:full], parent, prompt_logprobs=cached_scores)
-            self.block_version[ids[:registered]] = self.policy_version
-            if registered < full - done:
-                self.cache_broken[slot] = True
-                if scores is not None:  # NOTE: typically its hash is served by a block cached without scores
-                    self.offers_scores[slot] = True
-                    self._offer_scores(slot, chain[done + registered : full], cached_scores[registered:])
-
-    def _offer_scores(self, slot: int, hashes: list[int], cached_scores: list) -> None:
-        """Cache the slot's prompt scores with the registered blocks that serve its hashes, until
-        its chain leaves the cache."""
-        if self.allocator.offer_prompt_logprobs(hashes, cached_scores) < len(hashes):
-            self.offers_scores[slot] = False

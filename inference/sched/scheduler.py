@@ -229,7 +229,7 @@ class Scheduler:
             if budget <= 0:
                 break
             todo = int(ctx.seq_len[slot] - ctx.kv_len[slot])
-            chunk = self._fit_chunk(slot, min(todo, chunk_cap, budget))
+            chunk = self._fit_chunk(slot, ctx.cut_chunk(slot, min(todo, chunk_cap, budget)))
             if chunk > 0:
                 slots.append(slot)
                 lens.append(chunk)
