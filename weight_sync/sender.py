@@ -16,7 +16,9 @@ first, then moves the bytes, then waits until every target answered (bounded by 
   bucket on any replica stops every replica from committing;
 * `shm`: buckets packed into a shared-memory segment (CUDA IPC buffers on GPU) that the replicas
   copy from (`transports.shm`); same host only;
-* `disk`: a safetensors directory per version under `directory` (`transports.disk`).
+* `disk`: a safetensors directory per version under `directory` (`transports.disk`); with
+  `keep_last=k` the sender deletes the directories it wrote beyond the last k, once every
+  replica committed a newer one (None keeps them all: checkpoints).
 
 `tensor_by_tensor=True` (gloo / nccl) does what several frameworks still do: one control call and
 one broadcast per tensor, no buckets, no checksums; kept as a contrast (the benchmark prints it).
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import shutil
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -120,7 +123,8 @@ class WeightSender:
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 60.0, replicas: Optional[int] = None,
                  dtype: Optional[torch.dtype] = None, master_address: str = "127.0.0.1", master_port: int = 0,
                  group_name: str = DEFAULT_GROUP, directory: Optional[str | Path] = None,
-                 tensor_by_tensor: bool = False, policy: Any = None, tp_group: Any = None) -> None:
+                 tensor_by_tensor: bool = False, policy: Any = None, tp_group: Any = None,
+                 keep_last: Optional[int] = None) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if transport == "disk" and directory is None:
@@ -129,6 +133,8 @@ class WeightSender:
             raise ValueError("tensor_by_tensor is a torch.distributed mode (gloo / nccl)")
         if not targets:
             raise ValueError("a sender needs at least one target")
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be None or >= 1, got {keep_last}")
         self.targets = list(targets)
         self.transport, self.bucket_bytes, self.timeout_s = transport, bucket_bytes, timeout_s
         self.replicas = replicas if replicas is not None else len(self.targets)
@@ -136,6 +142,8 @@ class WeightSender:
         self.master_address, self.master_port, self.group_name = master_address, master_port, group_name
         self.directory = Path(directory) if directory is not None else None
         self.tensor_by_tensor = tensor_by_tensor
+        self.keep_last = keep_last
+        self._written: list[Path] = []  # the disk transport's version directories, oldest first
         self.version: Optional[int] = None
         self.stats = SenderStats()
         self.group: Optional[WeightGroup] = None
@@ -244,6 +252,10 @@ class WeightSender:
         futures = self._each(lambda t: t.update_weights_from_disk(str(path.absolute()), weight_version=version,
                                                                   policy=policy))
         self._collect(futures, f"sync to version {version}")
+        if path not in self._written:
+            self._written.append(path)
+        while self.keep_last is not None and len(self._written) > self.keep_last:
+            shutil.rmtree(self._written.pop(0), ignore_errors=True)  # NOTE: every replica committed a newer one
         return manifest.total_bytes
 
     # ---- the group -----------------------------------------------------------------------------

@@ -65,6 +65,18 @@ def test_every_transport_equals_a_fresh_engine_both_ways(replicas, new, old, exp
     assert [r.stats.updates_committed for r in receivers] == [2, 2]
 
 
+def test_the_disk_sender_keeps_its_last_directories_only_when_asked(replicas, new, old, tmp_path):
+    receivers = replicas[1]
+    with sender_for(receivers, "disk", tmp_path, keep_last=1) as sender:
+        for version, weights in ((1, new), (2, old), (3, new)):
+            sender.sync(weights, version=version)
+            assert sorted(p.name for p in tmp_path.iterdir()) == [f"v{version:08d}"]  # the older ones are gone
+    with sender_for(receivers, "disk", tmp_path / "all") as sender:
+        sender.sync(old, version=4)
+        sender.sync(new, version=5)
+    assert sorted(p.name for p in (tmp_path / "all").iterdir()) == ["v00000004", "v00000005"]  # checkpoints stay
+
+
 def test_megatron_names_are_converted_by_the_replica(replicas, new, expected, tmp_path):
     engines, receivers = replicas
     spec = engines[0].model.spec
