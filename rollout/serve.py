@@ -51,6 +51,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                      help="bound of every wait of a weight update (a dead trainer, a missing bucket)")
     eng = parser.add_argument_group("engine")
     eng.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    eng.add_argument("--device", default="cpu", help="where the engine runs: cpu (default), cuda, cuda:1, ...")
     eng.add_argument("--block-size", type=int, default=16)
     eng.add_argument("--num-blocks", type=int, help="KV blocks (default: 256 MiB of KV)")
     eng.add_argument("--max-requests", type=int, default=256)
@@ -87,7 +88,7 @@ def build_server(args: argparse.Namespace):
         torch.set_num_threads(args.threads)
     config = InferenceConfig(block_size=args.block_size, num_blocks=args.num_blocks, max_requests=args.max_requests,
                              max_batch_tokens=args.max_batch_tokens, max_sequence_length=args.max_seq_len,
-                             dtype=args.dtype)
+                             dtype=args.dtype, device=args.device)
     engine = DynamicInferenceEngine.from_pretrained(model_path(args.model, args.dtype), config)
     engine.command_timeout = 120.0
     server_config = ServerConfig(host=args.host, port=args.port, lease_s=args.lease_s,
