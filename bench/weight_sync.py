@@ -2,6 +2,8 @@
 
     python bench/weight_sync.py                 # 100M (fp32) and 1B (bf16) random parameters
     python bench/weight_sync.py --quick         # 10M, one repeat: a smoke run
+    python bench/weight_sync.py --device cuda   # GPU: trainer tensors and replicas on CUDA; shm is CUDA
+                                                # IPC, nccl with a replica on cuda:1 when there are 2 GPUs
 
 The trainer is this process; the replicas are real `RolloutServer` processes (random-weight
 DenseDecoders of the same spec, behind ZMQ). A sync is timed from `WeightSender.sync()` until it
@@ -14,7 +16,8 @@ buffer: the steady state is what an RL loop pays each step), then `--repeats` ti
 * `tensor-by-tensor`: one control call and one gloo broadcast per tensor, no buckets, no
   checksum: what several RL frameworks still do, printed for contrast;
 * `raw copy`: `dst.copy_(src)` of the same bytes (one flat buffer, warm destination) in this
-  process: the ceiling a copy-based transport is measured against.
+  process (on the device with `--device cuda`): the ceiling a copy-based transport is measured
+  against.
 
 GB/s is model bytes / seconds until every replica committed; `xraw` is the raw copy's time over
 the sync's (1.0 = as fast as one in-process copy of the model). With R replicas a transport moves
@@ -66,15 +69,16 @@ def replica_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--dtype", required=True)
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype)
     spec = spec_for(args.model, dtype)
-    weights = {n: torch.zeros(shape, dtype=dtype) for n, shape in spec.weight_shapes().items()}
+    weights = {n: torch.zeros(shape, dtype=dtype, device=args.device) for n, shape in spec.weight_shapes().items()}
     config = InferenceConfig(block_size=16, kv_memory_bytes=8 * 2**20, max_requests=4, max_batch_tokens=64,
-                             max_sequence_length=256, dtype=dtype)
+                             max_sequence_length=256, dtype=dtype, device=args.device)
     engine = DynamicInferenceEngine(DenseDecoder(spec, weights), config, command_timeout=600)
     server = RolloutServer(engine, ServerConfig(host=args.host, port=args.port, weight_sync_timeout_s=300))
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
@@ -86,15 +90,22 @@ def replica_main(argv: list[str]) -> int:
 # ---- the trainer ----------------------------------------------------------------------------------
 
 
-def raw_copy_seconds(nbytes: int, repeats: int) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
-    dst = torch.empty(nbytes, dtype=torch.uint8).fill_(0)  # NOTE: warm: its pages are mapped
+def raw_copy_seconds(nbytes: int, repeats: int, device: str = "cpu") -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(0)  # NOTE: warm: its pages are mapped
     times = []
     for _ in range(max(3, repeats)):
+        _synchronize(device)
         start = time.perf_counter()
         dst.copy_(src)
+        _synchronize(device)
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+def _synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def time_syncs(sender, weights, repeats: int, first_version: int) -> tuple[float, float]:
@@ -117,22 +128,28 @@ def bench_size(size: str, dtype_name: str, args) -> list[dict]:
     dtype = getattr(torch, dtype_name)
     spec = spec_for(size, dtype)
     print(f"\n{size}: building {dtype_name} weights and {max(args.replicas)} replicas ...", flush=True)
-    weights = random_weights(spec, seed=0)
+    weights = {n: t.to(args.device) for n, t in random_weights(spec, seed=0).items()}
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
     params = sum(t.numel() for t in weights.values())
     entry = (str(Path(__file__).resolve()), "--replica")
-    procs = [ServerProcess(size, "--dtype", dtype_name, entry=entry, ready_timeout=600)
-             for _ in range(max(args.replicas))]
+    devices = replica_devices(args.device, max(args.replicas))
+    procs = [ServerProcess(size, "--dtype", dtype_name, "--device", d, entry=entry, ready_timeout=600)
+             for d in devices]
     rows = []
     version = 1
     try:
         clients = [RolloutClient(p.address, timeout=900) for p in procs]
-        raw = raw_copy_seconds(nbytes, args.repeats)
+        raw = raw_copy_seconds(nbytes, args.repeats, args.device)
         print(f"{size}: {params / 1e6:.0f}M parameters, {nbytes / 2**30:.2f} GiB; raw copy {raw * 1e3:.0f} ms "
-              f"({nbytes / raw / 1e9:.2f} GB/s); {machine_line()}", flush=True)
+              f"({nbytes / raw / 1e9:.2f} GB/s) on {args.device}; replicas on {', '.join(devices)}; {machine_line()}",
+              flush=True)
         for replicas in args.replicas:
             for transport in args.transports:
                 if transport == "tensor-by-tensor" and size == "1B" and not args.slow_contrast:
+                    continue
+                if transport == "nccl" and args.device in devices[:replicas]:
+                    print(f"{size:>5} R={replicas} {transport:>16}: skipped (NCCL needs the replicas on other GPUs "
+                          "than the trainer's)", flush=True)
                     continue
                 kwargs = dict(bucket_bytes=args.bucket_mib * 2**20, timeout_s=600)
                 if transport == "disk":  # NOTE: one version directory on disk at a time
@@ -165,13 +182,23 @@ def bench_size(size: str, dtype_name: str, args) -> list[dict]:
     return rows
 
 
+def replica_devices(device: str, count: int) -> list[str]:
+    """Where the replicas run: the trainer's device on CPU or with one GPU; else the other GPUs."""
+    if not device.startswith("cuda") or torch.cuda.device_count() < 2:
+        return [device] * count
+    others = [f"cuda:{i}" for i in range(torch.cuda.device_count()) if torch.device(f"cuda:{i}") != torch.device(
+        device if ":" in device else "cuda:0")]
+    return [others[i % len(others)] for i in range(count)]
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--replica":
         return replica_main(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="100M,1B")
     parser.add_argument("--replicas", default="1,2", help="replica counts to measure (comma-separated)")
-    parser.add_argument("--transports", default=",".join(TRANSPORTS))
+    parser.add_argument("--transports", help=f"comma-separated (default {','.join(TRANSPORTS)}; cuda: nccl too)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: the trainer's tensors and the replicas")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mib", type=int, default=512)
     parser.add_argument("--disk-dir", default=None, help="where the disk transport writes (default: a temp dir)")
@@ -181,6 +208,9 @@ def main() -> int:
     if args.quick:
         args.sizes, args.repeats, args.replicas = "10M", 1, "2"
     args.replicas = [int(r) for r in args.replicas.split(",")]
+    if args.transports is None:
+        args.transports = ",".join(TRANSPORTS[:2] + ("nccl",) + TRANSPORTS[2:]) if args.device != "cpu" else \
+            ",".join(TRANSPORTS)
     args.transports = args.transports.split(",")
     torch.set_num_threads(1)
     rows = []

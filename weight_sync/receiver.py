@@ -125,8 +125,10 @@ class WeightReceiver:
             self._close_group(group_name)
             if backend is None:
                 backend = "nccl" if self.engine.model.device.type == "cuda" else "gloo"
+            device = self.engine.model.device if backend == "nccl" else None
             group = WeightGroup.join(master_address, master_port, world_size=world_size, rank=rank_offset,
-                                     name=group_name, backend=backend, timeout_s=timeout_s or self.timeout_s)
+                                     name=group_name, backend=backend, timeout_s=timeout_s or self.timeout_s,
+                                     device=device)
             self._groups[group_name] = group
             if group.device.type == "cuda":
                 self._buffer = ReceiveBuffer(group.device)

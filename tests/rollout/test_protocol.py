@@ -385,7 +385,7 @@ def weight_sources() -> list:
     named = [("model.norm.weight", torch.ones(4)), ("model.embed_tokens.weight", torch.ones(3, 4).bfloat16())]
     manifest = manifest_for(named, bucket_bytes=64, version=9)
     fill_checksums(manifest, [t for _, t in named])
-    ipc = CudaIpcBuffer(0, b"h", 128, 0, b"r", 0, b"e", True)
+    ipc = CudaIpcBuffer(0, b"h", 128, 0, 0, b"r", 0, b"e", True)
     return [
         DistributedSource(manifest=manifest, group_name="wsync", finish=False, staging="in_place"),
         DistributedSource(manifest=manifest_for(named, packed=False)),

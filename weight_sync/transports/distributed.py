@@ -27,6 +27,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import Optional
 
@@ -67,29 +68,36 @@ class WeightGroup:
     ranks are in, at most `timeout_s`)."""
 
     def __init__(self, store: dist.Store, *, rank: int, world_size: int, name: str, backend: str,
-                 timeout_s: float, master_address: str) -> None:
+                 timeout_s: float, master_address: str, device: Optional[torch.device] = None) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a group of {world_size}")
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         self.store, self.rank, self.world_size, self.name = store, rank, world_size, name
         self.backend, self.timeout_s, self.master_address = backend, timeout_s, master_address
-        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        if backend == "gloo":
+            self.device = torch.device("cpu")
+        else:  # NOTE: NCCL runs where its tensors are: the engine's GPU (a replica), else the current one
+            device = torch.device(device) if device is not None else torch.device("cuda")
+            self.device = torch.device("cuda", device.index if device.index is not None else
+                                       torch.cuda.current_device())
         self.pg = None
         self.broken: Optional[str] = None
 
     @classmethod
     def host(cls, master_address: str = "127.0.0.1", master_port: int = 0, *, world_size: int,
-             name: str = DEFAULT_GROUP, backend: str = "gloo", timeout_s: float = 60.0) -> WeightGroup:
+             name: str = DEFAULT_GROUP, backend: str = "gloo", timeout_s: float = 60.0,
+             device: Optional[torch.device] = None) -> WeightGroup:
         """Rank 0's store, listening (port 0: the OS picks one, see `port`); `connect()` next."""
         store = dist.TCPStore(master_address, master_port, world_size, True, timeout=_timeout(timeout_s),
                               wait_for_workers=False)
         return cls(store, rank=0, world_size=world_size, name=name, backend=backend, timeout_s=timeout_s,
-                   master_address=master_address)
+                   master_address=master_address, device=device)
 
     @classmethod
     def join(cls, master_address: str, master_port: int, *, world_size: int, rank: Optional[int],
-             name: str = DEFAULT_GROUP, backend: str = "gloo", timeout_s: float = 60.0) -> WeightGroup:
+             name: str = DEFAULT_GROUP, backend: str = "gloo", timeout_s: float = 60.0,
+             device: Optional[torch.device] = None) -> WeightGroup:
         """A replica's rank (`rank` None: the next unclaimed one), connected to every other rank."""
         try:
             store = dist.TCPStore(master_address, master_port, world_size, False, timeout=_timeout(timeout_s))
@@ -99,7 +107,7 @@ class WeightGroup:
         if rank is None:
             rank = int(store.add(f"{name}/claimed_ranks", 1))  # NOTE: 1, 2, ... (rank 0 is the trainer)
         group = cls(store, rank=rank, world_size=world_size, name=name, backend=backend, timeout_s=timeout_s,
-                    master_address=master_address)
+                    master_address=master_address, device=device)
         group.connect()
         return group
 
@@ -119,6 +127,9 @@ class WeightGroup:
                                     else dist.ProcessGroupGloo.create_default_device()]
                 self.pg = dist.ProcessGroupGloo(prefix, self.rank, self.world_size, options)
             else:
+                # NOTE: on a failed or timed-out collective NCCL's watchdog tears the whole process
+                # down by default; a replica must outlive a dead trainer: abort the communicator only
+                os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
                 options = dist.ProcessGroupNCCL.Options()
                 options._timeout = _timeout(self.timeout_s)
                 self.pg = dist.ProcessGroupNCCL(prefix, self.rank, self.world_size, options)

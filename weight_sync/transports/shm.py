@@ -38,12 +38,15 @@ _SEGMENT = re.compile(rf"{SEGMENT_PREFIX}(\d+)-[0-9a-f]{{8,32}}")
 
 
 class CudaIpcBuffer(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
-    """One bucket's device memory, as `torch.UntypedStorage._share_cuda_()` describes it."""
+    """One bucket's device memory: what `torch.UntypedStorage._share_cuda_()` says of its storage
+    (`handle` names the allocator's whole block, `storage_offset` is where the storage starts in
+    it, in bytes), and `tensor_offset`, where the bucket starts in the storage, in bytes."""
 
     device: Annotated[int, Meta(ge=0)]
     handle: bytes
     storage_size: Annotated[int, Meta(ge=0)]
     storage_offset: Annotated[int, Meta(ge=0)]
+    tensor_offset: Annotated[int, Meta(ge=0)]
     ref_counter_handle: bytes
     ref_counter_offset: Annotated[int, Meta(ge=0)]
     event_handle: bytes
@@ -139,16 +142,20 @@ def export_cuda(buf: torch.Tensor) -> CudaIpcBuffer:
         raise ValueError("CUDA IPC shares CUDA tensors only")
     storage = buf.untyped_storage()
     device, handle, size, offset, ref_handle, ref_offset, event, sync = storage._share_cuda_()
-    offset += buf.storage_offset() * buf.element_size()
-    return CudaIpcBuffer(int(device), bytes(handle), int(size), int(offset), bytes(ref_handle), int(ref_offset),
-                         bytes(event), bool(sync))
+    return CudaIpcBuffer(int(device), bytes(handle), int(size), int(offset), buf.storage_offset() * buf.element_size(),
+                         bytes(ref_handle), int(ref_offset), bytes(event), bool(sync))
 
 
 def import_cuda(ipc: CudaIpcBuffer, nbytes: int) -> torch.Tensor:
     """The sender's bucket as a uint8 tensor on this process's view of its device (copy from it;
     drop it to release the mapping)."""
-    storage = torch.UntypedStorage._new_shared_cuda(ipc.device, ipc.handle, ipc.storage_size, 0,
+    if ipc.tensor_offset + nbytes > ipc.storage_size:
+        raise ValueError(f"CUDA IPC buffer: {nbytes} bytes at {ipc.tensor_offset} overrun its storage of "
+                         f"{ipc.storage_size}")
+    # NOTE: as torch.multiprocessing's rebuild_cuda_tensor: the storage's offset in the block goes
+    # to _new_shared_cuda, the bucket's offset in the storage is a slice
+    storage = torch.UntypedStorage._new_shared_cuda(ipc.device, ipc.handle, ipc.storage_size, ipc.storage_offset,
                                                     ipc.ref_counter_handle, ipc.ref_counter_offset,
                                                     ipc.event_handle, ipc.event_sync_required)
     whole = torch.empty(0, dtype=torch.uint8, device=f"cuda:{ipc.device}").set_(storage)
-    return whole[ipc.storage_offset : ipc.storage_offset + nbytes]
+    return whole[ipc.tensor_offset : ipc.tensor_offset + nbytes]
