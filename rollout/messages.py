@@ -45,14 +45,14 @@ class Kind(enum.IntEnum):
     STATS = 9
     HEALTH = 10
     HEARTBEAT = 11
-    # NOTE: 12 is the router's KV_EVENTS (issue 14)
-    INIT_WEIGHTS_UPDATE_GROUP = 13
-    DESTROY_WEIGHTS_UPDATE_GROUP = 14
-    GET_WEIGHT_VERSION = 15
     SAMPLE_OUTPUT = 64
     TOKEN_DELTA = 65
     RESULT = 66
     ERROR = 67
+    # weight sync (requests, kept together; 12 is the router's KV_EVENTS)
+    INIT_WEIGHTS_UPDATE_GROUP = 13
+    DESTROY_WEIGHTS_UPDATE_GROUP = 14
+    GET_WEIGHT_VERSION = 15
 
 
 class ErrorCode(enum.IntEnum):
@@ -236,22 +236,7 @@ class UpdateWeights(_Request, tag=Kind.UPDATE_WEIGHTS.value):
     policy: Optional[UpdatePolicy] = None
 
 
-class ResetPrefixCache(_Request, tag=Kind.RESET_PREFIX_CACHE.value):
-    pass
-
-
-class Stats(_Request, tag=Kind.STATS.value):
-    pass
-
-
-class Health(_Request, tag=Kind.HEALTH.value):
-    pass
-
-
-class Heartbeat(_Request, tag=Kind.HEARTBEAT.value):
-    """Renews the sender's lease for `lease_s` seconds (None: the server's default)."""
-
-    lease_s: Optional[Annotated[float, Meta(gt=0, le=MAX_LEASE_SECONDS)]] = None
+# ---- weight sync: the weight-update group (SGLang's calls; sources above) ---------------------
 
 
 class InitWeightsUpdateGroup(_Request, tag=Kind.INIT_WEIGHTS_UPDATE_GROUP.value):
@@ -275,6 +260,24 @@ class DestroyWeightsUpdateGroup(_Request, tag=Kind.DESTROY_WEIGHTS_UPDATE_GROUP.
 
 class GetWeightVersion(_Request, tag=Kind.GET_WEIGHT_VERSION.value):
     """The policy version (`Result.policy_version`; SGLang spells it as a string)."""
+
+
+class ResetPrefixCache(_Request, tag=Kind.RESET_PREFIX_CACHE.value):
+    pass
+
+
+class Stats(_Request, tag=Kind.STATS.value):
+    pass
+
+
+class Health(_Request, tag=Kind.HEALTH.value):
+    pass
+
+
+class Heartbeat(_Request, tag=Kind.HEARTBEAT.value):
+    """Renews the sender's lease for `lease_s` seconds (None: the server's default)."""
+
+    lease_s: Optional[Annotated[float, Meta(gt=0, le=MAX_LEASE_SECONDS)]] = None
 
 
 # ---- replies ---------------------------------------------------------------------------------
@@ -366,8 +369,10 @@ class ErrorReply(_Message, tag=Kind.ERROR.value):
 
 
 RequestMessage = Union[Generate, Abort, Pause, Continue, Suspend, Resume, UpdateWeights, ResetPrefixCache,
-                       Stats, Health, Heartbeat, InitWeightsUpdateGroup, DestroyWeightsUpdateGroup, GetWeightVersion]
+                       Stats, Health, Heartbeat]
 ReplyMessage = Union[SampleOutput, TokenDelta, Result, ErrorReply]
+# the weight-update group's requests (weight sync)
+RequestMessage = Union[RequestMessage, InitWeightsUpdateGroup, DestroyWeightsUpdateGroup, GetWeightVersion]
 Message = Union[RequestMessage, ReplyMessage]
 
 REQUEST_KINDS = frozenset(k for k in Kind if k < 64)

@@ -82,13 +82,14 @@ from rollout.packing import dec_hook, enc_hook
 from rollout.types import Rollout
 
 __all__ = [
-    "DEFAULT_MAX_FRAME_BYTES", "PROTOCOL_VERSION", "Abort", "Continue", "DestroyWeightsUpdateGroup", "ErrorCode",
-    "ErrorReply", "Generate", "GetWeightVersion", "Health", "HealthInfo", "Heartbeat", "InitWeightsUpdateGroup", "Kind",
-    "Message", "Pause", "PauseMode", "ProtocolError", "ReplyMessage",
+    "DEFAULT_MAX_FRAME_BYTES", "PROTOCOL_VERSION", "Abort", "Continue", "ErrorCode", "ErrorReply", "Generate",
+    "Health", "HealthInfo", "Heartbeat", "Kind", "Message", "Pause", "PauseMode", "ProtocolError", "ReplyMessage",
     "RequestMessage", "ResetPrefixCache", "Result", "Resume", "SafetensorsDir", "SampleOutput", "Sampling",
     "Stats", "Suspend", "SuspendPolicy", "TokenDelta", "UpdatePolicy", "UpdateWeights", "WeightSource", "decode",
     "decode_reply", "decode_request", "encode", "error_from_reply", "error_reply", "output_from_wire", "output_to_wire",
     "sampling_params_from_wire", "sampling_params_to_wire",
+    # weight sync
+    "DestroyWeightsUpdateGroup", "GetWeightVersion", "InitWeightsUpdateGroup",
 ]
 
 DEFAULT_MAX_FRAME_BYTES = 64 * 2**20  # a 32k-token sample with top-20 log-probs is ~6 MiB

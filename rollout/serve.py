@@ -44,11 +44,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     srv.add_argument("--retain-s", type=float, default=120.0,
                      help="keep finished requests this long for clients that resubmit after a reconnect")
     srv.add_argument("--max-frame-bytes", type=int, default=64 * 2**20, help="largest frame accepted or sent")
-    srv.add_argument("--weight-staging", choices=["double", "in_place"], default="double",
-                     help="weight updates: double (old weights serve until the commit; a second copy kept for "
-                     "the next update) or in_place (no second copy; no generation until a complete update)")
-    srv.add_argument("--weight-sync-timeout-s", type=float, default=60.0,
-                     help="bound of every wait of a weight update (a dead trainer, a missing bucket)")
     eng = parser.add_argument_group("engine")
     eng.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     eng.add_argument("--device", default="cpu", help="where the engine runs: cpu (default), cuda, cuda:1, ...")
@@ -58,6 +53,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--max-batch-tokens", type=int, default=2048)
     eng.add_argument("--max-seq-len", type=int, default=4096)
     eng.add_argument("--threads", type=int, help="torch threads (default: torch's; 1 for tiny models)")
+    sync = parser.add_argument_group("weight sync (weight_sync; the calls: rollout.weight_calls)")
+    sync.add_argument("--weight-staging", choices=["double", "in_place"], default="double",
+                      help="weight updates: double (old weights serve until the commit; a second copy kept for "
+                      "the next update) or in_place (no second copy; no generation until a complete update)")
+    sync.add_argument("--weight-sync-timeout-s", type=float, default=60.0,
+                      help="bound of every wait of a weight update (a dead trainer, a missing bucket)")
 
 
 def security_from_args(args: argparse.Namespace) -> ServerSecurity:

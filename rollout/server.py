@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import zmq
 
-from inference import DynamicInferenceEngine, RequestOutput, Staging, TokenEvent
+from inference import DynamicInferenceEngine, RequestOutput, TokenEvent
 from rollout.lane import Done, EngineLane, Submitted
 from rollout.lease import Leases
 from rollout.mailbox import Mailbox
@@ -62,7 +62,7 @@ from rollout.protocol import (
 )
 from rollout.registry import Record, RequestRegistry
 from rollout.security import ServerSecurity, check_bind, secure_server_socket
-from weight_sync import WeightReceiver
+from weight_sync import Staging, WeightReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -233,11 +233,14 @@ class RolloutServer:
     def _dispatch(self, peer: bytes, msg: RequestMessage, now: float) -> None:
         if isinstance(msg, Generate):
             self._generate(peer, msg)
+        elif isinstance(msg, GetWeightVersion):  # NOTE: answered without the engine, as Health
+            self._send(peer, Result(request_id=msg.request_id, request_kind=Kind.GET_WEIGHT_VERSION,
+                                    policy_version=self.engine.policy_version))
         elif isinstance(msg, Health):
             self._send(peer, Result(request_id=msg.request_id, request_kind=Kind.HEALTH,
                                     policy_version=self.engine.policy_version, health=self.health()))
-        elif isinstance(msg, (Heartbeat, GetWeightVersion)):
-            self._send(peer, Result(request_id=msg.request_id, request_kind=_KINDS[type(msg)],
+        elif isinstance(msg, Heartbeat):
+            self._send(peer, Result(request_id=msg.request_id, request_kind=Kind.HEARTBEAT,
                                     policy_version=self.engine.policy_version))
         elif isinstance(msg, Abort):
             known = [r for r in map(self.registry.get, msg.targets) if r is not None]

@@ -87,14 +87,20 @@ def examples() -> list:
         ErrorReply(code=ErrorCode.CONTEXT_OVERFLOW, message="too long", request_id="g-1",
                    context_error={"type": "BlockOverflowError", "request_id": None, "message": "m",
                                   "is_transient": True}),
-        InitWeightsUpdateGroup(request_id="c-11", master_address="127.0.0.1", master_port=29500, world_size=3,
-                               rank_offset=1, group_name="wsync", backend="gloo", timeout_s=5.0),
-        DestroyWeightsUpdateGroup(request_id="c-12", group_name="wsync"),
-        GetWeightVersion(request_id="c-13"),
     ]
 
 
-EXAMPLES = examples()
+def weight_sync_examples() -> list:
+    """The weight-update group's kinds, optional fields filled in."""
+    return [
+        InitWeightsUpdateGroup(request_id="c-21", master_address="127.0.0.1", master_port=29500, world_size=3,
+                               rank_offset=1, group_name="wsync", backend="gloo", timeout_s=5.0),
+        DestroyWeightsUpdateGroup(request_id="c-22", group_name="wsync"),
+        GetWeightVersion(request_id="c-23"),
+    ]
+
+
+EXAMPLES = examples() + weight_sync_examples()
 FRAMES = [encode(m) for m in EXAMPLES]
 RAW = [msgspec.msgpack.decode(f) for f in FRAMES]
 
@@ -118,10 +124,9 @@ def refused(obj, code: ErrorCode = ErrorCode.BAD_SCHEMA, **kwargs) -> ProtocolEr
 def test_kinds_have_fixed_numbers_requests_low_replies_high():
     assert {k.name: k.value for k in Kind} == {
         "GENERATE": 1, "ABORT": 2, "PAUSE": 3, "CONTINUE": 4, "SUSPEND": 5, "RESUME": 6, "UPDATE_WEIGHTS": 7,
-        "RESET_PREFIX_CACHE": 8, "STATS": 9, "HEALTH": 10, "HEARTBEAT": 11, "INIT_WEIGHTS_UPDATE_GROUP": 13,
-        "DESTROY_WEIGHTS_UPDATE_GROUP": 14, "GET_WEIGHT_VERSION": 15,
+        "RESET_PREFIX_CACHE": 8, "STATS": 9, "HEALTH": 10, "HEARTBEAT": 11,
         "SAMPLE_OUTPUT": 64, "TOKEN_DELTA": 65, "RESULT": 66, "ERROR": 67,
-    }
+    } | {"INIT_WEIGHTS_UPDATE_GROUP": 13, "DESTROY_WEIGHTS_UPDATE_GROUP": 14, "GET_WEIGHT_VERSION": 15}
     assert sorted(raw(m)["kind"] for m in EXAMPLES) == sorted(k.value for k in Kind)
 
 
