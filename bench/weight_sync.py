@@ -20,8 +20,10 @@ buffer: the steady state is what an RL loop pays each step), then `--repeats` ti
   against.
 
 GB/s is model bytes / seconds until every replica committed; `xraw` is the raw copy's time over
-the sync's (1.0 = as fast as one in-process copy of the model). With R replicas a transport moves
-R x the model's bytes; `deliv` shows that aggregate (R x model bytes / seconds) for reference.
+the sync's (1.0 = as fast as one in-process copy of the model). The raw copy is measured again
+right before each row (fastest of 3), so a row and its baseline share the machine's load. With R
+replicas a transport moves R x the model's bytes; `deliv` shows that aggregate (R x model bytes /
+seconds) for reference.
 Targets (2 replicas, `xraw`): shm >= 0.5, gloo >= 0.25.
 """
 
@@ -139,10 +141,8 @@ def bench_size(size: str, dtype_name: str, args) -> list[dict]:
     version = 1
     try:
         clients = [RolloutClient(p.address, timeout=900) for p in procs]
-        raw = raw_copy_seconds(nbytes, args.repeats, args.device)
-        print(f"{size}: {params / 1e6:.0f}M parameters, {nbytes / 2**30:.2f} GiB; raw copy {raw * 1e3:.0f} ms "
-              f"({nbytes / raw / 1e9:.2f} GB/s) on {args.device}; replicas on {', '.join(devices)}; {machine_line()}",
-              flush=True)
+        print(f"{size}: {params / 1e6:.0f}M parameters, {nbytes / 2**30:.2f} GiB; trainer on {args.device}, replicas "
+              f"on {', '.join(devices)}; {machine_line()}", flush=True)
         for replicas in args.replicas:
             for transport in args.transports:
                 if transport == "tensor-by-tensor" and size == "1B" and not args.slow_contrast:
@@ -155,6 +155,7 @@ def bench_size(size: str, dtype_name: str, args) -> list[dict]:
                 if transport == "disk":  # NOTE: one version directory on disk at a time
                     kwargs.update(directory=tempfile.mkdtemp(dir=args.disk_dir, prefix="bench-wsync-"), keep_last=1)
                 name = "gloo" if transport == "tensor-by-tensor" else transport
+                raw = raw_copy_seconds(nbytes, args.repeats, args.device)
                 try:
                     with WeightSender(clients[:replicas], name, tensor_by_tensor=transport == "tensor-by-tensor",
                                       **kwargs) as sender:
@@ -164,7 +165,7 @@ def bench_size(size: str, dtype_name: str, args) -> list[dict]:
                 finally:
                     if "directory" in kwargs:
                         shutil.rmtree(kwargs["directory"], ignore_errors=True)
-                row = dict(size=size, replicas=replicas, transport=transport, seconds=seconds, first=first,
+                row = dict(size=size, replicas=replicas, transport=transport, seconds=seconds, first=first, raw=raw,
                            gbps=nbytes / seconds / 1e9, xraw=raw / seconds, deliv=replicas * nbytes / seconds / 1e9,
                            load=load)
                 rows.append(row)
@@ -172,8 +173,8 @@ def bench_size(size: str, dtype_name: str, args) -> list[dict]:
                 print_result("weight_sync", {f"gbps{key}": row["gbps"], f"xraw{key}": row["xraw"]},
                              dtype=dtype_name, raw_copy_s=raw, load=load)
                 print(f"{size:>5} R={replicas} {transport:>16} {seconds * 1e3:>9.0f} ms  {row['gbps']:>6.2f} GB/s  "
-                      f"xraw {row['xraw']:>5.2f}  deliv {row['deliv']:>6.2f} GB/s  (first sync {first * 1e3:.0f} ms, "
-                      f"load {load:.1f})", flush=True)
+                      f"xraw {row['xraw']:>5.2f} (raw copy {raw * 1e3:.0f} ms)  deliv {row['deliv']:>6.2f} GB/s  "
+                      f"(first sync {first * 1e3:.0f} ms, load {load:.1f})", flush=True)
         for c in clients:
             c.close()
     finally:

@@ -194,11 +194,12 @@ def run_disaggregated_grpo(cfg: GRPOConfig, dcfg: Optional[DisaggregatedConfig] 
                       table_every=cfg.table_every, max_reward=task.max_reward, show_progress=cfg.progress)
     work = Path(tempfile.mkdtemp(prefix="rollout-disagg-"))
     replicas: Optional[Replicas] = None
+    loop: Optional[_Loop] = None
     try:
         if dcfg.connect:
             replicas = Replicas.connect(dcfg.connect)
         else:
-            _save_model(policy, work / "initial")  # NOTE: the replicas' architecture
+            save_model(policy, work / "initial")  # NOTE: the replicas' architecture
             replicas = Replicas.spawn(work / "initial", dcfg.replicas, serve_args(cfg, dcfg, task))
         loop = _Loop(cfg, dcfg, policy, task, pad_id, tracker, replicas, work)
         first = loop.start()
@@ -209,6 +210,8 @@ def run_disaggregated_grpo(cfg: GRPOConfig, dcfg: Optional[DisaggregatedConfig] 
         tracker.finish()
         raise
     finally:
+        if loop is not None:
+            loop.close()
         if replicas is not None:
             replicas.close()
         shutil.rmtree(work, ignore_errors=True)
@@ -225,7 +228,7 @@ def run_disaggregated_grpo(cfg: GRPOConfig, dcfg: Optional[DisaggregatedConfig] 
         startup_seconds=startup, max_staleness=loop.max_staleness, replicas_match_trainer=matches)
 
 
-def _save_model(policy: torch.nn.Module, directory: Path) -> None:
+def save_model(policy: torch.nn.Module, directory: Path) -> None:
     """The trainer's model as an HF directory the replicas start from (their version 0)."""
     from safetensors.torch import save_file
 
@@ -318,7 +321,6 @@ class _Loop:
                 problems = next_problems
         finally:
             self.ahead.shutdown(wait=False, cancel_futures=True)
-            self.sender.close()
 
     def _evaluate(self, problems: list[Problem]) -> tuple[dict[str, float], list[RolloutBatch]]:
         """Mean reward on prompts never trained on: greedy, and sampled as in training (fixed seed)."""
@@ -331,6 +333,10 @@ class _Loop:
             return sum(self.task.reward(problems[r.group], r.completion_ids) for r in batch) / len(batch)
 
         return {"heldout/greedy": mean_reward(greedy), "heldout/sampled": mean_reward(sampled)}, [greedy, sampled]
+
+    def close(self) -> None:
+        self.ahead.shutdown(wait=False, cancel_futures=True)
+        self.sender.close()
 
     def replicas_match_trainer(self) -> bool:
         """Every replica's greedy outputs on the held-out prompts == a fresh engine of the trainer's weights."""
@@ -360,4 +366,4 @@ def format_disaggregated(s: DisaggregatedSummary) -> str:
 
 
 __all__ = ["DisaggregatedConfig", "DisaggregatedSummary", "Replicas", "Transport", "format_disaggregated",
-           "run_disaggregated_grpo"]
+           "run_disaggregated_grpo", "save_model", "serve_args"]

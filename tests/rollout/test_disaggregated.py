@@ -11,7 +11,7 @@ import pytest
 
 from rollout.cli import main
 from rollout.colocated import GRPOConfig, build_policy
-from rollout.disaggregated import DisaggregatedConfig, Replicas, _save_model, run_disaggregated_grpo, serve_args
+from rollout.disaggregated import DisaggregatedConfig, Replicas, run_disaggregated_grpo, save_model, serve_args
 
 SMALL = dict(prompts_per_step=8, samples_per_prompt=4, wandb=False, progress=False, table_every=100, eval_every=3)
 
@@ -21,7 +21,7 @@ def replicas(tmp_path_factory):
     cfg, dcfg = GRPOConfig(**SMALL), DisaggregatedConfig(replicas=2, sync_timeout_s=30.0)
     policy, task, _ = build_policy(cfg)
     model_dir = tmp_path_factory.mktemp("disaggregated") / "initial"
-    _save_model(policy, model_dir)
+    save_model(policy, model_dir)
     fleet = Replicas.spawn(model_dir, 2, serve_args(cfg, dcfg, task))
     yield [p.address for p in fleet.procs]
     fleet.close()
