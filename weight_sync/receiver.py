@@ -10,7 +10,8 @@ refuses to generate, with a clear error, until the next complete update. Nothing
 update's timeout.
 
 A sequence of SGLang-style calls is one staged update: a `DistributedSource` with `finish` False
-keeps it open for the next call, True commits it, None commits it once the model is complete. An
+keeps it open for the next call, True commits it, None commits it once the model is complete (a
+first call with part of the model and no `finish`, as SGLang's callers send, opens one). An
 update left open longer than the timeout is aborted.
 
 One update (or group change) runs at a time; a second one meanwhile is refused at once. The
@@ -164,6 +165,8 @@ class WeightReceiver:
                                        "init_weights_update_group first")
             opened = self._open
             sequence = opened is not None or source.finish is False
+            if not sequence and source.finish is None and not _whole_model(manifest, self.spec):
+                sequence = True  # NOTE: SGLang's callers send part of the model per call, and no `finish`
             try:
                 version = _merge_version(version, manifest, opened)
                 check_against_model(manifest, self.spec, complete=not sequence)
@@ -351,3 +354,11 @@ def _verify(view: torch.Tensor, manifest: Manifest, index: int) -> None:
 
 
 __all__ = ["ReceiverStats", "WeightReceiver"]
+
+
+def _whole_model(manifest: Any, spec: Any) -> bool:
+    try:
+        check_against_model(manifest, spec, complete=True)
+    except (ManifestError, KeyError, ValueError):
+        return False
+    return True

@@ -18,6 +18,7 @@ from rollout.aclient import AsyncRolloutClient
 from rollout.http.errors import APIError
 from rollout.http.generation import Generation, GenSpec
 from rollout.http.sessions import SessionStore
+from rollout.http.weights import WeightCalls
 from rollout.text import TextCodec
 
 
@@ -49,6 +50,7 @@ class HttpFront:
     def __init__(self, client: AsyncRolloutClient, codec: TextCodec, config: FrontConfig) -> None:
         self.client, self.codec, self.config = client, codec, config
         self.sessions = SessionStore(config.max_sessions, config.session_ttl_s)
+        self.weights = WeightCalls(client.connection, config.timeout)
         self.inflight: dict[str, Generation] = {}
         self.created = int(time.time())
 

@@ -187,7 +187,7 @@ class MemoryOccupationReqInput(Strict):
 
 class UpdateWeightFromDiskReqInput(Strict):
     model_path: str
-    load_format: Optional[Literal["safetensors", "auto"]] = None
+    load_format: Optional[Literal["auto"]] = None
     abort_all_requests: bool = False
     weight_version: Optional[str] = None
     is_async: bool = False
@@ -199,12 +199,15 @@ class UpdateWeightFromDiskReqInput(Strict):
 
 
 class InitWeightsUpdateGroupReqInput(Strict):
-    master_address: str
+    """SGLang's fields; `backend` None (not SGLang's "nccl") lets the engine pick gloo on CPU, nccl
+    on GPU; `rank_offset` is this replica's rank (the trainer is rank 0)."""
+
+    master_address: Annotated[str, Field(min_length=1, max_length=255)]
     master_port: Annotated[int, Field(ge=1, le=65535)]
-    rank_offset: Annotated[int, Field(ge=0)]
-    world_size: Annotated[int, Field(ge=1)]
+    rank_offset: Annotated[int, Field(ge=1)]
+    world_size: Annotated[int, Field(ge=2)]
     group_name: str = "weight_update_group"
-    backend: Literal["nccl", "gloo"] = "nccl"
+    backend: Optional[Literal["nccl", "gloo"]] = None
 
 
 class UpdateWeightsFromDistributedReqInput(Strict):

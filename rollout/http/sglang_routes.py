@@ -14,8 +14,10 @@ docs/advanced_features/sglang_for_rl (pause / continue, memory occupation, weigh
 * `/pause_generation` modes map to ours: `abort` -> ABORT, `retract` -> RETRACT (KV freed,
   requests requeued: `flush_cache` succeeds), `in_place` -> KEEP (requests keep their KV:
   `flush_cache` is refused while they hold it, as in SGLang).
-* `weight_version` is our policy version as a string; `update_weights_*` may set it with a
-  decimal `weight_version`.
+* `weight_version` is our policy version as a string; `update_weights_*` may set it
+  (`"7"`, `"v7"`, `"step_7"`). The weight routes run `rollout.weight_calls` (weight sync's mapping
+  of SGLang's calls): `/init_weights_update_group`, `/update_weights_from_distributed` (one
+  broadcast per tensor, committed once the model is complete), `/destroy_weights_update_group`.
 """
 
 from __future__ import annotations
@@ -29,18 +31,21 @@ from typing import Any, Optional
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
-from inference import PauseMode, SamplingParams, SuspendPolicy, UpdatePolicy
+from inference import PauseMode, SamplingParams, SuspendPolicy
 from rollout.http.errors import APIError, from_exception
 from rollout.http.front import HttpFront, top_entries
 from rollout.http.generation import GenSpec, Sample
 from rollout.http.openai_routes import front_of, json_response, sse
 from rollout.http.schemas import (
     AbortReq,
+    DestroyWeightsUpdateGroupReqInput,
     GenerateReqInput,
+    InitWeightsUpdateGroupReqInput,
     MemoryOccupationReqInput,
     PauseGenerationReqInput,
     SGLangSampling,
     UpdateWeightFromDiskReqInput,
+    UpdateWeightsFromDistributedReqInput,
 )
 
 SGLANG_API_VERSION = "0.5.6"
@@ -257,16 +262,59 @@ async def get_server_info(request: Request) -> Response:
 
 @router.post("/update_weights_from_disk")
 async def update_weights_from_disk(body: UpdateWeightFromDiskReqInput, request: Request) -> Response:
+    """A safetensors directory the engine can read; `weight_version` sets the new version ("7", "v7")."""
     front = front_of(request)
+    return await _weights(front, "update", front.weights.update_weights_from_disk, body.model_path,
+                          body.load_format, body.abort_all_requests, body.weight_version, timeout=front.timeout)
+
+
+@router.post("/init_weights_update_group")
+async def init_weights_update_group(body: InitWeightsUpdateGroupReqInput, request: Request) -> Response:
+    """Join the trainer's group (it is rank 0 at master_address:master_port); returns once joined."""
+    front = front_of(request)
+    return await _weights(front, "init", front.weights.init_weights_update_group, body.master_address,
+                          body.master_port, body.rank_offset, body.world_size, body.group_name, body.backend,
+                          timeout=front.timeout)
+
+
+@router.post("/update_weights_from_distributed")
+async def update_weights_from_distributed(body: UpdateWeightsFromDistributedReqInput, request: Request) -> Response:
+    """Receive the named tensors the trainer broadcasts over the group, one broadcast per tensor in
+    order (SGLang's way); the update commits once the model is complete."""
+    front = front_of(request)
+    return await _weights(front, "distributed", front.weights.update_weights_from_distributed, body.names,
+                          body.dtypes, body.shapes, body.group_name, body.flush_cache, body.abort_all_requests,
+                          body.weight_version, body.load_format, timeout=front.timeout)
+
+
+@router.post("/destroy_weights_update_group")
+async def destroy_weights_update_group(body: DestroyWeightsUpdateGroupReqInput, request: Request) -> Response:
+    front = front_of(request)
+    return await _weights(front, "destroy", front.weights.destroy_weights_update_group, body.group_name,
+                          timeout=front.timeout)
+
+
+WEIGHT_MESSAGES = {"update": "Succeeded to update model weights.", "init": "Succeeded to initialize custom process "
+                   "group.", "distributed": "Succeeded to update parameter online.",
+                   "destroy": "Succeeded to destroy custom process group."}
+
+
+async def _weights(front: HttpFront, what: str, call: Any, *args: Any, **kwargs: Any) -> Response:
+    """Run a weight call on a worker thread: SGLang's `{"success", "message"}`, 200 or 400."""
     try:
-        version = weight_version(body.weight_version)
-        policy = UpdatePolicy.ABORT if body.abort_all_requests else None
-        new = await front.client.update_weights(body.model_path, version, policy=policy, timeout=front.timeout)
+        value = await asyncio.to_thread(call, *args, **kwargs)
     except Exception as exc:  # noqa: BLE001 (SGLang answers a failed update with success false)
-        return json_response({"success": False, "message": f"Failed to update weights: {exc}",
-                              "num_paused_requests": 0}, status=400)
-    return json_response({"success": True, "message": f"Succeeded to update model weights. Weight version is {new}.",
-                          "num_paused_requests": 0})
+        body: dict[str, Any] = {"success": False, "message": f"{type(exc).__name__}: {exc}"}
+        if what == "update":
+            body["num_paused_requests"] = 0
+        return json_response(body, status=400)
+    message = WEIGHT_MESSAGES[what]
+    if what in ("update", "distributed") and value is not None:
+        message += f" Weight version is {value}."
+    body = {"success": True, "message": message}
+    if what == "update":
+        body["num_paused_requests"] = 0
+    return json_response(body)
 
 
 @router.get("/health")
@@ -288,15 +336,6 @@ async def health_generate(request: Request) -> Response:
     except Exception:  # noqa: BLE001
         return Response(status_code=503)
     return Response(status_code=200)
-
-
-def weight_version(label: Optional[str]) -> Optional[int]:
-    """SGLang's `weight_version` label as our integer policy version (decimal labels only)."""
-    if label is None:
-        return None
-    if not label.isdecimal():
-        raise ValueError(f"weight_version must be a decimal policy version here, got {label!r}")
-    return int(label)
 
 
 async def _call(awaitable: Any) -> Any:

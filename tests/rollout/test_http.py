@@ -278,6 +278,71 @@ def test_three_turn_agent_session_keeps_sampled_ids(oai, web, codec):
     assert sessions["continued"] >= 2
 
 
+class HttpWeightControl:
+    """A trainer's calls on a replica through SGLang's HTTP weight routes (`weight_sync.WeightControl`),
+    with SGLang's fields only: our extensions (a bucket layout, `finish`, a timeout) are not sent."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def _post(self, route: str, body: dict) -> dict:
+        with httpx.Client(base_url=self.url, timeout=WAIT_S) as web:  # NOTE: called from the sender's threads
+            r = web.post(route, json=body)
+        if r.status_code != 200 or not r.json()["success"]:
+            raise RuntimeError(f"{route}: {r.status_code} {r.text}")
+        return r.json()
+
+    def init_weights_update_group(self, master_address, master_port, rank_offset, world_size,
+                                  group_name="weight_update_group", backend=None, *, timeout_s=None):
+        return self._post("/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend})
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group", *,
+                                        weight_version=None, layout=None, finish=None, policy=None):
+        assert layout is None  # SGLang's way: one broadcast per tensor
+        return self._post("/update_weights_from_distributed", {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+            "weight_version": None if weight_version is None else f"v{weight_version}"})
+
+    def destroy_weights_update_group(self, group_name="weight_update_group"):
+        return self._post("/destroy_weights_update_group", {"group_name": group_name})
+
+    def get_weight_version(self) -> str:
+        with httpx.Client(base_url=self.url, timeout=WAIT_S) as web:
+            return web.get("/get_weight_version").json()["weight_version"]
+
+
+def test_weights_from_distributed_over_http(web, http_server, model_dir, tmp_path, reference):
+    """A gloo trainer drives /init_weights_update_group and /update_weights_from_distributed (one
+    broadcast per tensor, as SGLang's callers do): the replica serves the new weights under their
+    version, greedy outputs equal a fresh engine's on them."""
+    from transformers import LlamaForCausalLM
+
+    from weight_sync import WeightSender
+
+    new_dir = save_tiny_chat_model(tmp_path / "trained", seed=2)
+    trained = LlamaForCausalLM.from_pretrained(new_dir)
+    version = int(web.get("/get_weight_version").json()["weight_version"]) + 1
+    try:
+        with WeightSender([HttpWeightControl(http_server.http_url)], "gloo", timeout_s=WAIT_S,
+                          tensor_by_tensor=True) as sender:
+            assert sender.sync(trained, version=version) == version
+        assert web.get("/get_weight_version").json() == {"weight_version": str(version)}
+        fresh = DynamicInferenceEngine.from_pretrained(new_dir, engine_config())
+        prompts = [[50, 60, 70], [1, 400, 500, 600]]
+        outs = web.post("/generate", json={"input_ids": prompts, "sampling_params": {
+            "temperature": 0, "max_new_tokens": 6, "ignore_eos": True}}).json()
+        assert [o["output_ids"] for o in outs] == [greedy_ids(fresh, p, 6) for p in prompts]
+        assert [o["output_ids"] for o in outs] != [greedy_ids(reference, p, 6) for p in prompts]
+        bad = web.post("/init_weights_update_group", json={"master_address": "127.0.0.1", "master_port": 1,
+                                                           "rank_offset": 0, "world_size": 2})
+        assert bad.status_code == 400  # rank 0 is the trainer's
+    finally:
+        restore = web.post("/update_weights_from_disk", json={"model_path": str(model_dir)})
+        assert restore.json()["success"] is True
+
+
 def test_rl_cycle_pause_update_flush_continue(web, http_server, model_dir, tmp_path, reference):
     """pause (retract) -> update weights from disk -> flush cache -> continue: the new weight version
     is reported and greedy outputs equal a fresh engine's on the new weights."""
