@@ -373,3 +373,18 @@ def test_rl_cycle_pause_update_flush_continue(web, http_server, model_dir, tmp_p
     out = web.post("/generate", json={"input_ids": prompts[0], "sampling_params": {"temperature": 0,
                                       "max_new_tokens": 6, "ignore_eos": True}}).json()
     assert out["output_ids"] == greedy_ids(reference, prompts[0], 6)
+
+
+def test_api_key_and_binding(model_dir):
+    from rollout.http.launch import start_front
+
+    with pytest.raises(ValueError, match="API key"):
+        start_front("tcp://127.0.0.1:9", model_dir, host="0.0.0.0")  # beyond loopback without a key
+    front = start_front("tcp://127.0.0.1:9", model_dir, api_key="s3cret", served_model_name=MODEL)
+    try:
+        with httpx.Client(base_url=front.url, timeout=WAIT_S) as c:
+            refused = c.get("/v1/models")
+            assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+            assert c.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).json()["data"][0]["id"] == MODEL
+    finally:
+        front.stop()
