@@ -93,7 +93,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
 
 def http_main(args: argparse.Namespace) -> int:
-    from rollout.http.launch import http_main as run
+    from rollout.serve import http_main as run
 
     return run(args)
 

@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -160,6 +161,30 @@ def serve_main(args: argparse.Namespace, on_ready=None) -> int:
         if front is not None:
             front.stop()
     print("rollout serve: stopped", flush=True)
+    return 0
+
+
+def http_main(args: argparse.Namespace) -> int:
+    """`rollout http`: serve until SIGTERM / SIGINT."""
+    from rollout.http.launch import start_front
+
+    try:
+        front = start_front(args.connect, model_path(args.model, "float32"), host=args.host, port=args.port,
+                            served_model_name=args.served_model_name or Path(args.model).name,
+                            max_model_len=args.max_model_len, api_key=args.api_key, token=args.token,
+                            timeout=args.timeout)
+    except (OSError, ValueError) as exc:
+        print(f"rollout http: {exc}", file=sys.stderr, flush=True)
+        return 2
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    print(f"{HTTP_READY_PREFIX}{front.url} (model {front.front.config.model_name}, service {args.connect}, "
+          f"pid {os.getpid()})", flush=True)
+    while not stop.wait(0.5):
+        pass
+    front.stop()
+    print("rollout http: stopped", flush=True)
     return 0
 
 

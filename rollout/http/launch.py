@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import signal
-import sys
-import threading
 from pathlib import Path
 from typing import Any, Optional
 
@@ -15,7 +10,6 @@ from rollout.aclient import AsyncRolloutClient
 from rollout.http.app import HttpServer, build_app
 from rollout.http.front import FrontConfig, HttpFront
 from rollout.security import ClientSecurity
-from rollout.serve import HTTP_READY_PREFIX, model_path
 from rollout.text import TextCodec
 
 
@@ -60,25 +54,3 @@ def start_front(address: str, model_dir: Path, *, host: str = "127.0.0.1", port:
         client.connection.close()
         raise
     return RunningFront(server, front)
-
-
-def http_main(args: argparse.Namespace) -> int:
-    """`rollout http`: serve until SIGTERM / SIGINT."""
-    try:
-        front = start_front(args.connect, model_path(args.model, "float32"), host=args.host, port=args.port,
-                            served_model_name=args.served_model_name or Path(args.model).name,
-                            max_model_len=args.max_model_len, api_key=args.api_key, token=args.token,
-                            timeout=args.timeout)
-    except (OSError, ValueError) as exc:
-        print(f"rollout http: {exc}", file=sys.stderr, flush=True)
-        return 2
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    print(f"{HTTP_READY_PREFIX}{front.url} (model {front.front.config.model_name}, service {args.connect}, "
-          f"pid {os.getpid()})", flush=True)
-    while not stop.wait(0.5):
-        pass
-    front.stop()
-    print("rollout http: stopped", flush=True)
-    return 0
