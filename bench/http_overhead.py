@@ -24,16 +24,20 @@ token counts than asked.
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # NOTE: before torch loads OpenMP; see common.py
+# NOTE: the repository root first: bench/ (first on sys.path when a script here runs) holds a
+# weight_sync.py that would shadow the weight_sync package
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.chdir(Path(__file__).resolve().parents[1])  # ... and so would it for the `rollout serve` child (`-m` puts cwd first)
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import shutil  # noqa: E402
-import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import httpx  # noqa: E402
 import torch  # noqa: E402

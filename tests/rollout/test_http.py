@@ -150,6 +150,18 @@ def test_stop_strings_cut_text_and_ids(oai, codec, reference):
         assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_rollout_client_takes_text_and_chat_prompts(http_server, model_dir, codec):
+    from rollout import RolloutClient
+
+    chat = [{"role": "user", "content": "Hello!"}]
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with RolloutClient(http_server.address, timeout=WAIT_S, tokenizer=model_dir) as client:
+        by_text = client.generate(["Once upon a time", chat], sampling=greedy)
+        by_ids = client.generate([codec.encode("Once upon a time"), codec.chat_ids(chat)], sampling=greedy)
+    assert [r.completion_ids for r in by_text] == [r.completion_ids for r in by_ids]
+    assert [r.text for r in by_text] == [codec.decode(r.completion_ids) for r in by_ids]
+
+
 # ---- bad input: OpenAI's status codes and error bodies; the server keeps serving -------------------
 
 
