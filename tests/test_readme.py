@@ -11,7 +11,8 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 EXCERPTS = ("gpt_model",)  # needs a trainer from elsewhere (megatron): read, not run
 SLOW = ("grpo_step",)
-HTTP = ("http_url",)  # SmolLM2 behind `rollout serve --http` (~10 s, more on a busy machine): slow, as SmolLM2 tests
+HTTP = ("http_url",)  # SmolLM2 behind `rollout serve --http` (~15 s on 2 cores): run by `make stress`; the same
+# calls run under `slow` in tests/rollout/test_http_smollm2.py
 RAY = ("RayReplicas",)  # starts a local Ray instance (~15 s on 2 cores): run by `make stress`
 
 
@@ -38,7 +39,7 @@ def test_colocated_rl_snippet_runs(capsys):
     assert float(last.split("reward")[1].split()[0]) >= 0.9
 
 
-@pytest.mark.slow
+@pytest.mark.stress
 def test_http_snippet_runs():
     namespace: dict = {}
     exec("from rollout import ServerProcess", namespace)
