@@ -15,8 +15,9 @@ temperature 1.0), one n=1 request per sample with its own `max_tokens`, every re
 The model is the bench's tiny Llama (4 layers, hidden 256) over SmolLM2's 49,152-token vocabulary
 with SmolLM2's tokenizer, so the front decodes real text. tokens/s = useful tokens / wall time;
 the figures are the ratios HTTP / ZMQ and HTTP / in-process. Latency: `--latency-prompt`-token
-prompts, `--latency-tokens` greedy tokens, 1 and 64 in flight; added latency = side - in-process
-at p50 and p99. Sides alternate (`--repeats`); medians with the load average. `--quick`: 8
+prompts, `--latency-tokens` greedy tokens, 1 and 64 in flight, through httpx (the openai client's
+transport) and through bare keep-alive sockets (the server's share alone); added latency = side -
+ZMQ (or in-process) at p50 and p99. Sides alternate (`--repeats`); medians with the load average. `--quick`: 8
 prompts x n=4, outputs 8-32. Ends in a `RESULT {json}` line. Exits 1 if a side returned other
 token counts than asked.
 """
@@ -35,6 +36,7 @@ os.chdir(Path(__file__).resolve().parents[1])  # ... and so would it for the `ro
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
+import json  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -120,6 +122,54 @@ def http_latencies(url: str, concurrency: int, rounds: int, prompt_len: int, tok
     return asyncio.run(go())
 
 
+class RawConnection:
+    """A bare HTTP/1.1 keep-alive connection (asyncio streams): the server's share of the latency,
+    without an HTTP client library's own per-request cost (httpx: ~1-3 ms in Python)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str) -> None:
+        self.reader, self.writer, self.host = reader, writer, host
+
+    @classmethod
+    async def open(cls, url: str) -> RawConnection:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        return cls(reader, writer, host)
+
+    async def post(self, path: str, body: dict) -> dict:
+        payload = json.dumps(body).encode()
+        self.writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+                          f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        await self.writer.drain()
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length"))
+        return json.loads(await self.reader.readexactly(length))
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def raw_latencies(url: str, concurrency: int, rounds: int, prompt_len: int, tokens: int) -> list[float]:
+    async def go() -> list[float]:
+        conns = [await RawConnection.open(url) for _ in range(concurrency)]
+        out = []
+        for r in range(rounds):
+            prompts = [[FIRST_TOKEN + (r * concurrency + i) % 1000] * prompt_len for i in range(concurrency)]
+            start = time.perf_counter()
+
+            async def one(conn: RawConnection, p: list[int], start: float = start) -> None:
+                await conn.post("/v1/completions", {"model": "bench", "prompt": p, "max_tokens": tokens,
+                                                    "temperature": 0, "ignore_eos": True})
+                out.append(time.perf_counter() - start)
+
+            await asyncio.gather(*(one(c, p) for c, p in zip(conns, prompts)))
+        for c in conns:
+            c.close()
+        return out
+
+    return asyncio.run(go())
+
+
 def latencies(backend, concurrency: int, rounds: int, prompt_len: int, tokens: int) -> list[float]:
     sampling = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     out = []
@@ -187,28 +237,33 @@ def main(argv: list[str] | None = None) -> int:
                   f"{tps['http'] / tps['in-process']:.3f}x, ZMQ / in-process {tps['zmq'] / tps['in-process']:.3f}x")
             print(f"-- latency, {args.latency_prompt}-token prompts, {args.latency_tokens} greedy tokens "
                   "(ms from the call to the answer)")
-            print(f"{'in flight':>9} {'requests':>8} {'local p50':>10} {'zmq p50':>8} {'http p50':>9} "
-                  f"{'local p99':>10} {'zmq p99':>8} {'http p99':>9} {'http-zmq p50':>13} {'http-local p50':>15}")
+            print("  http: httpx.AsyncClient (what the openai client uses); raw: bare keep-alive sockets, the "
+                  "server's share")
+            print(f"{'in flight':>9} {'requests':>8} {'local p50':>10} {'zmq p50':>8} {'http p50':>9} {'raw p50':>8} "
+                  f"{'local p99':>10} {'zmq p99':>8} {'http p99':>9} {'raw p99':>8} {'http-zmq':>9} {'raw-zmq':>8}")
             figures = {f"tok_s[{side}]": value for side, value in tps.items()}
             figures.update({"ratio[http / zmq]": tps["http"] / tps["zmq"],
                             "ratio[http / in-process]": tps["http"] / tps["in-process"],
                             "ratio[zmq / in-process]": tps["zmq"] / tps["in-process"]})
             for concurrency in (1, 64):
-                lat: dict[str, list[float]] = {"local": [], "zmq": [], "http": []}
+                lat: dict[str, list[float]] = {"local": [], "zmq": [], "http": [], "raw": []}
                 for _ in range(2):  # NOTE: alternate halves, so load drifts hit every side
                     half = max(1, rounds[concurrency] // 2)
                     a = (concurrency, half, args.latency_prompt, args.latency_tokens)
                     lat["local"] += latencies(local, *a)
                     lat["zmq"] += latencies(client, *a)
                     lat["http"] += http_latencies(url, *a)
+                    lat["raw"] += raw_latencies(url, *a)
                 p50 = {k: 1e3 * pct(v, 0.5) for k, v in lat.items()}
                 p99 = {k: 1e3 * pct(v, 0.99) for k, v in lat.items()}
                 print(f"{concurrency:>9} {len(lat['local']):>8} {p50['local']:>10.2f} {p50['zmq']:>8.2f} "
-                      f"{p50['http']:>9.2f} {p99['local']:>10.2f} {p99['zmq']:>8.2f} {p99['http']:>9.2f} "
-                      f"{p50['http'] - p50['zmq']:>+13.2f} {p50['http'] - p50['local']:>+15.2f}")
+                      f"{p50['http']:>9.2f} {p50['raw']:>8.2f} {p99['local']:>10.2f} {p99['zmq']:>8.2f} "
+                      f"{p99['http']:>9.2f} {p99['raw']:>8.2f} {p50['http'] - p50['zmq']:>+9.2f} "
+                      f"{p50['raw'] - p50['zmq']:>+8.2f}")
                 figures.update({
                     f"added_ms_p50[http vs in-process, {concurrency} in flight]": p50["http"] - p50["local"],
-                    f"added_ms_p50[http vs zmq, {concurrency} in flight]": p50["http"] - p50["zmq"]})
+                    f"added_ms_p50[http vs zmq, {concurrency} in flight]": p50["http"] - p50["zmq"],
+                    f"added_ms_p50[raw http vs zmq, {concurrency} in flight]": p50["raw"] - p50["zmq"]})
             print_result("http_overhead", figures, repeats=args.repeats, threads=args.threads,
                          workload=work.describe())
         local.close()
