@@ -115,7 +115,7 @@ def combine(contrib: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, dty
     """Sum each token's weighted expert outputs. `contrib [T * k, H]` holds the expert outputs in
     (token, choice) order; the sum runs in ascending expert order, in `dtype`, like HF's."""
     t, k = ids.shape
-    weighted = (contrib.view(t, k, -1) * weights[..., None]).to(dtype)
+    weighted = (contrib.view(t, k, contrib.shape[-1]) * weights[..., None]).to(dtype)
     if k == 1:
         return weighted[:, 0]
     order = ids.argsort(dim=1)
