@@ -1,4 +1,5 @@
-"""Helpers shared by the engine benchmarks: thread set-up, the machine line, models, medians.
+"""Helpers shared by the engine benchmarks: thread set-up, the machine line, models, medians,
+the engine's config under either name of its step-token field, and the `RESULT {json}` line.
 
 NOTE: the benchmark scripts set `OMP_WAIT_POLICY=PASSIVE` (unless the environment sets it) before
 torch is imported. On a shared 2-core machine, OpenMP's default spin-waiting makes a 2-thread
@@ -8,10 +9,11 @@ core; passive waiting removes that cliff for every engine alike. `machine_line()
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +74,16 @@ def hf_model(choice: ModelChoice, dtype: torch.dtype, seed: int = 0):
     from inference.models.smollm2 import smollm2_dir
 
     return LlamaForCausalLM.from_pretrained(smollm2_dir(), dtype=dtype, attn_implementation="sdpa").eval()
+
+
+RESULT_PREFIX = "RESULT "
+
+
+def print_result(bench: str, figures: Mapping[str, float], **context: object) -> None:
+    """One machine-readable line, `RESULT {"bench": ..., "figures": {...}, ...}`, for
+    `bench/compare_commits.py`: figure names are the ones it compares across commits."""
+    payload = {"bench": bench, "figures": {k: float(v) for k, v in figures.items()}, **context}
+    print(RESULT_PREFIX + json.dumps(payload, sort_keys=True), flush=True)
 
 
 def median(values: Sequence[float]) -> float:

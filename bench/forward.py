@@ -9,14 +9,19 @@ the engine aliases the HF model's parameters.
 * decode `B@ctx`: one new token for each of B requests that already hold `ctx` tokens of KV
   (ours in the paged cache, HF in its `DynamicCache`). Every timed step is the same step:
   ours rewrites the same slots, HF's cache is cropped back to `ctx` after each (outside the timer).
-  Step metadata (`AttentionMetadata`) is built once outside the timer: it is the scheduler's work;
-  ours plans the step (`backend.plan`) inside it. The context is one prefilled request copied to
-  all B (values do not change the cost). With equal lengths HF needs no attention mask (its
-  fastest path); ours masks the padded tail of the last block as always.
+  The context is one prefilled request copied to all B (values do not change the cost). With
+  equal lengths HF needs no attention mask (its fastest path); ours masks the padded tail of the
+  last block as always.
+
+Both sides are timed alike, bookkeeping included: ours builds its step metadata
+(`AttentionMetadata.build` from lengths and block tables, then `backend.plan`) inside the timer,
+as HF builds its masks and cache positions inside its forward.
 
 Calls of the two sides alternate, so load from other processes hits both; each side's median is
-printed with the ratio HF/ours (> 1: the engine is faster), and max |logits difference| as a check
-that both computed the same thing (fp32 ~1e-5; bf16 rounds, ~1).
+printed with the ratio HF/ours (> 1: the engine is faster). Parity is checked, not just printed:
+the last-token logits of both sides must agree within `TOLERANCE` of their dtype (fp32: max
+|difference| 1e-3; bf16, which rounds: relative Frobenius error 5e-2, a broken kernel gives ~1).
+The script exits 1 on any parity miss, after printing the table.
 
 Usage: `python bench/forward.py [--quick] [--threads N] [--repeats R]`. Threads default to the
 number of cores. The load average is printed before and after: when other processes keep the
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import json
 import os
 import statistics
 import sys
@@ -87,13 +93,38 @@ class Timing:
     budget_s: float = 2.0
 
 
+@dataclass(frozen=True, slots=True)
+class Tolerance:
+    max_abs: float  # bound on max |ours - HF| over the logits
+    rel: float  # bound on ||ours - HF|| / ||HF|| (Frobenius)
+
+
+TOLERANCE = {torch.float32: Tolerance(1e-3, 1e-4), torch.bfloat16: Tolerance(float("inf"), 5e-2)}
+
+
+@dataclass(frozen=True, slots=True)
+class Parity:
+    max_diff: float
+    rel_err: float
+    ok: bool
+
+
+def parity(ours: torch.Tensor, theirs: torch.Tensor) -> Parity:
+    tol = TOLERANCE[theirs.dtype]
+    a, b = ours.float(), theirs.float()
+    max_diff = (a - b).abs().max().item()
+    rel = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+    ok = ours.shape == theirs.shape and max_diff <= tol.max_abs and rel <= tol.rel
+    return Parity(max_diff, rel, ok)
+
+
 @dataclass(slots=True)
 class Row:
     model: str
     case: Case
     ours_s: float
     hf_s: float
-    max_diff: float
+    parity: Parity
 
     @property
     def ratio(self) -> float:
@@ -125,32 +156,28 @@ def time_pair(
     return statistics.median(ours_t), statistics.median(hf_t)
 
 
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.float() - b.float()).abs().max().item()
-
-
 @torch.no_grad()
-def bench_prefill(hf, engine: DenseDecoder, case: Case, timing: Timing) -> tuple[float, float, float]:
+def bench_prefill(hf, engine: DenseDecoder, case: Case, timing: Timing) -> tuple[float, float, Parity]:
     b, n = case.batch, case.length
     ids = torch.randint(0, engine.spec.vocab_size, (b, n))
     blocks = -(-n // BLOCK_SIZE)
     tables = [list(range(r * blocks, (r + 1) * blocks)) for r in range(b)]
     cache = engine.new_kv_cache(b * blocks, BLOCK_SIZE)
-    meta = AttentionMetadata.build([n] * b, [n] * b, tables, BLOCK_SIZE)
     flat, pos, last = ids.reshape(-1), torch.arange(n).repeat(b), torch.arange(b) * n + n - 1
 
     def ours():
+        meta = AttentionMetadata.build([n] * b, [n] * b, tables, BLOCK_SIZE)
         return engine(flat, pos, cache, meta, last)
 
     def theirs():
         return hf(ids, use_cache=True, logits_to_keep=1).logits[:, -1]
 
     ours_s, hf_s = time_pair(ours, theirs, timing)
-    return ours_s, hf_s, max_diff(ours(), theirs())
+    return ours_s, hf_s, parity(ours(), theirs())
 
 
 @torch.no_grad()
-def bench_decode(hf, engine: DenseDecoder, case: Case, timing: Timing) -> tuple[float, float, float]:
+def bench_decode(hf, engine: DenseDecoder, case: Case, timing: Timing) -> tuple[float, float, Parity]:
     b, ctx = case.batch, case.length
     blocks = -(-(ctx + 1) // BLOCK_SIZE)
     tables = [list(range(r * blocks, (r + 1) * blocks)) for r in range(b)]
@@ -166,10 +193,10 @@ def bench_decode(hf, engine: DenseDecoder, case: Case, timing: Timing) -> tuple[
     hf_cache.batch_repeat_interleave(b)
 
     tokens = torch.randint(0, engine.spec.vocab_size, (b,))
-    meta = AttentionMetadata.build([1] * b, [ctx + 1] * b, tables, BLOCK_SIZE)
     pos, rows = torch.full((b,), ctx), torch.arange(b)
 
     def ours():
+        meta = AttentionMetadata.build([1] * b, [ctx + 1] * b, tables, BLOCK_SIZE)
         return engine(tokens, pos, cache, meta, rows)
 
     def theirs():
@@ -179,7 +206,9 @@ def bench_decode(hf, engine: DenseDecoder, case: Case, timing: Timing) -> tuple[
         hf_cache.crop(-1)
 
     ours_s, hf_s = time_pair(ours, theirs, timing, back_to_ctx)
-    return ours_s, hf_s, max_diff(ours(), theirs())
+    result = parity(ours(), theirs())
+    back_to_ctx()
+    return ours_s, hf_s, result
 
 
 def tiny_model():
@@ -224,15 +253,18 @@ def run(args: argparse.Namespace) -> list[Row]:
         torch.manual_seed(1)
         for case in QUICK_CASES if args.quick else CASES:
             bench = bench_prefill if case.phase is Phase.PREFILL else bench_decode
-            ours_s, hf_s, diff = bench(hf, engine, case, timing)
-            rows.append(Row(name, case, ours_s, hf_s, diff))
+            ours_s, hf_s, check = bench(hf, engine, case, timing)
+            rows.append(Row(name, case, ours_s, hf_s, check))
             print(f"  {case} done", file=sys.stderr)
         del hf, engine
     return rows
 
 
 def print_table(rows: list[Row]) -> None:
-    header = f"{'model':<18} {'case':<16} {'ours ms':>9} {'HF ms':>9} {'HF/ours':>8} {'max|dlogit|':>11}"
+    header = (
+        f"{'model':<18} {'case':<16} {'ours ms':>9} {'HF ms':>9} {'HF/ours':>8} {'max|dlogit|':>11} "
+        f"{'rel err':>8} {'parity':>6}"
+    )
     print(header)
     print("-" * len(header))
     last = None
@@ -240,9 +272,19 @@ def print_table(rows: list[Row]) -> None:
         name = row.model if row.model != last else ""
         last = row.model
         print(
-            f"{name:<18} {row.case!s:<16} {row.ours_s * 1e3:>9.2f} {row.hf_s * 1e3:>9.2f} "
-            f"{row.ratio:>8.2f} {row.max_diff:>11.2g}"
+            f"{name:<18} {row.case!s:<16} {row.ours_s * 1e3:>9.2f} {row.hf_s * 1e3:>9.2f} {row.ratio:>8.2f} "
+            f"{row.parity.max_diff:>11.2g} {row.parity.rel_err:>8.1e} {'ok' if row.parity.ok else 'MISS':>6}"
         )
+    figures = {}
+    for model in dict.fromkeys(r.model for r in rows):
+        parts = []
+        for phase in Phase:
+            ratios = [r.ratio for r in rows if r.model == model and r.case.phase is phase]
+            if ratios:
+                parts.append(f"{phase.value} {statistics.median(ratios):.2f}x")
+                figures[f"hf/ours[{model} {phase.value}]"] = statistics.median(ratios)
+        print(f"HF/ours, median over cases, {model}: {', '.join(parts)} (> 1: the engine is faster)")
+    print("RESULT " + json.dumps({"bench": "forward", "figures": figures}, sort_keys=True))
 
 
 def default_threads() -> int:
@@ -265,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(args)
     print_table(rows)
     print(f"at the end: {load_note()}")
+    misses = [f"{r.model} {r.case}" for r in rows if not r.parity.ok]
+    if misses:
+        print(f"ERROR: logits parity missed ({', '.join(misses)}); tolerances: {TOLERANCE}", file=sys.stderr)
+        return 1
     return 0
 
 

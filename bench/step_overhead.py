@@ -3,7 +3,7 @@
 For each batch size B an engine on SmolLM2-135M's spec holds B requests (`--prompt-len` random
 tokens each, EOS ignored, temperature 1.0), all decoding. Two kinds of steps are timed:
 
-* stand-in model: same `spec` and `new_kv_cache`, its forward returns rows of a preallocated
+* stand-in model: the real model (spec, cache specs, backend) but a forward that returns rows of a preallocated
   `[max_requests, vocab]` logits tensor at once, so the step time is the engine's own cost
   (schedule + batch build + sampling + bookkeeping). Each phase is timed by wrapping it.
 * real model: the same engine with the real SmolLM2 decoder swapped in for the stand-in (the
@@ -12,8 +12,11 @@ tokens each, EOS ignored, temperature 1.0), all decoding. Two kinds of steps are
   of the step is the overhead measured in place.
 
 Printed per B: medians over the timed steps of each phase, the stand-in step (= overhead), the
-real forward, and overhead / forward. `--profile` prints cProfile's top functions of the
-stand-in steps at the largest B (cProfile slows Python code, so read it for shares, not times).
+real forward, and overhead / forward (the headline: the engine's own cost against its peer, the
+model forward, in the same run); beside each per-step figure, the same per active request
+(step / B, in us), which is what grows if bookkeeping is not vectorised. `--profile` prints
+cProfile's top functions of the stand-in steps at the largest B (cProfile slows Python code,
+so read it for shares, not times).
 
 Usage: `python bench/step_overhead.py [--batches 16,64,256] [--steps 40] [--real-steps 5]
 [--quick] [--threads 2] [--profile]`.
@@ -36,33 +39,40 @@ from dataclasses import dataclass  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from common import DTYPES, Stopwatch, load_average, machine_line, median  # noqa: E402
+from common import DTYPES, Stopwatch, load_average, machine_line, median, print_result  # noqa: E402
 
-import inference.engine as engine_module  # noqa: E402
+import inference.core.engine_core as core_module  # noqa: E402
+import inference.core.outputs as out_ops  # noqa: E402
 from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams  # noqa: E402
 from inference.models.loading import load_from_hf_dir  # noqa: E402
 from inference.models.smollm2 import smollm2_dir  # noqa: E402
 
 BLOCK_SIZE = 16
 MAX_REQUESTS = 256
+STEP_TOKENS = 2048  # tokens per engine step (the engine's default)
 # phases wrapped in the engine's step, in step order; "other" is the step minus all of them
+ORIGINAL_REGISTER = core_module.register_full_blocks
+ORIGINAL_SAMPLING_BATCH = out_ops.sampling_batch
 PHASES = ("schedule", "build_batch", "forward", "fork_groups", "register_blocks", "sampling_batch", "sample", "commit")
 
 
 class InstantLogits:
-    """Stand-in decoder: the real model's `spec` and KV cache, a forward that costs nothing.
+    """Stand-in decoder: the real model in every respect but a forward that costs nothing.
 
-    Invariant: returns a view of the first `len(logits_indices)` rows of one preallocated
-    `[max_rows, vocab]` tensor in the model's dtype (random values, fixed once).
+    Invariant: `forward` returns a view of the first `len(logits_indices)` rows of one
+    preallocated `[max_rows, vocab]` tensor in the model's dtype (random values, fixed once);
+    everything else (`spec`, `cache_specs`, `backend`, weights) is the real model's.
     """
 
     def __init__(self, model, max_rows: int) -> None:
-        self.spec = model.spec
-        self.new_kv_cache = model.new_kv_cache
+        self._model = model
         generator = torch.Generator().manual_seed(0)
         self._logits = torch.randn(max_rows, model.spec.vocab_size, generator=generator).to(model.spec.dtype)
 
-    def __call__(self, input_ids, positions, kv_cache, meta, logits_indices) -> torch.Tensor:
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+    def forward(self, input_ids, positions, kv_cache, meta, logits_indices, *, states=None) -> torch.Tensor:
         return self._logits[: logits_indices.shape[0]]
 
 
@@ -86,14 +96,21 @@ class BatchResult:
 
 
 def _instrument(engine: DynamicInferenceEngine, clock: Stopwatch) -> None:
-    """Wrap the step's phases so that each call adds its time to `clock`."""
-    engine.scheduler.schedule = clock.wrap("schedule", engine.scheduler.schedule)
-    engine.model = clock.wrap("forward", engine.model)
-    engine._fork_groups = clock.wrap("fork_groups", engine._fork_groups)
-    engine.context.register_full_blocks = clock.wrap("register_blocks", engine.context.register_full_blocks)
-    engine._sampling_batch = clock.wrap("sampling_batch", engine._sampling_batch)
-    engine.sampler = clock.wrap("sample", engine.sampler)
-    engine._commit_tokens = clock.wrap("commit", engine._commit_tokens)
+    """Wrap the step's phases so that each call adds its time to `clock` (undone by `_restore`)."""
+    core = engine.core
+    core.scheduler.schedule = clock.wrap("schedule", core.scheduler.schedule)
+    core.runner.prepare = clock.wrap("build_batch", core.runner.prepare)
+    core.runner.forward = clock.wrap("forward", core.runner.forward)
+    core.scheduler.fork_groups = clock.wrap("fork_groups", core.scheduler.fork_groups)
+    core_module.register_full_blocks = clock.wrap("register_blocks", ORIGINAL_REGISTER)
+    out_ops.sampling_batch = clock.wrap("sampling_batch", ORIGINAL_SAMPLING_BATCH)
+    core.runner.sample = clock.wrap("sample", core.runner.sample)
+    core._commit_tokens = clock.wrap("commit", core._commit_tokens)
+
+
+def _restore() -> None:
+    core_module.register_full_blocks = ORIGINAL_REGISTER
+    out_ops.sampling_batch = ORIGINAL_SAMPLING_BATCH
 
 
 def _decode_ready(engine: DynamicInferenceEngine, batch: int) -> bool:
@@ -119,13 +136,14 @@ def _timed_steps(engine: DynamicInferenceEngine, clock: Stopwatch, steps: int, b
 def bench_batch(real, batch: int, args: argparse.Namespace, profile: bool) -> BatchResult:
     stub = InstantLogits(real, MAX_REQUESTS)
     # NOTE: requests admitted first decode while later ones prefill: leave room for those tokens
-    prefill_steps = -(-batch * args.prompt_len // InferenceConfig().max_batch_tokens) + 1
+    prefill_steps = -(-batch * args.prompt_len // STEP_TOKENS) + 1
     max_tokens = prefill_steps + args.warmup + args.steps + 1 + args.real_steps + 4
     per_request = -(-(args.prompt_len + max_tokens) // BLOCK_SIZE)
     config = InferenceConfig(
         block_size=BLOCK_SIZE,
         num_blocks=batch * per_request + 8,
         max_requests=MAX_REQUESTS,
+        max_batch_tokens=STEP_TOKENS,
         max_sequence_length=1024,
         dtype=real.spec.dtype,
     )
@@ -139,8 +157,6 @@ def bench_batch(real, batch: int, args: argparse.Namespace, profile: bool) -> Ba
         engine.step()
     clock = Stopwatch()
     _instrument(engine, clock)
-    original_build = engine_module.build_step_batch
-    engine_module.build_step_batch = clock.wrap("build_batch", original_build)
     try:
         load = load_average()
         _timed_steps(engine, clock, args.warmup, batch)
@@ -151,14 +167,14 @@ def bench_batch(real, batch: int, args: argparse.Namespace, profile: bool) -> Ba
         if profiler is not None:
             profiler.disable()
             _print_profile(profiler, batch, args.steps)
-        # NOTE: the instrumented `engine.model` wraps the stand-in; wrap the real model the same way
-        engine.model = clock.wrap("forward", real)
+        # NOTE: the wrapped `runner.forward` calls whatever model the runner holds
+        engine.core.runner.model = real
         _timed_steps(engine, clock, 1, batch)  # warm-up of the real forward
         ctx = engine.context
         context = int(np.median(ctx.kv_len[np.array(ctx.active)])) + 1
         real_walls, real_phases = _timed_steps(engine, clock, args.real_steps, batch)
     finally:
-        engine_module.build_step_batch = original_build
+        _restore()
     stub_phases_med = {p: median([ph.get(p, 0.0) for ph in stub_phases]) for p in PHASES}
     stub_phases_med["other"] = median([w - sum(ph.values()) for w, ph in zip(stub_walls, stub_phases)])
     return BatchResult(
@@ -187,25 +203,36 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:8.2f}"
 
 
+def _us_per(seconds: float, requests: int) -> str:
+    return f"{seconds * 1e6 / requests:8.1f}"
+
+
 def print_results(results: list[BatchResult]) -> None:
-    print("\n-- stand-in model (forward ~0): engine's own time per decode step, median ms")
+    print("\n-- stand-in model (forward ~0): engine's own time per decode step, median ms; us/req = step / active")
     shown = [p for p in (*PHASES, "other") if p != "forward"]
-    header = f"{'active':>6} {'step':>8} " + " ".join(f"{p:>15}" for p in shown)
+    header = f"{'active':>6} {'step':>8} {'us/req':>8} " + " ".join(f"{p:>15}" for p in shown)
     print(header)
     print("-" * len(header))
     for r in results:
-        print(f"{r.batch:>6} {_ms(r.stub_step_s)} " + " ".join(f"{_ms(r.stub_phases[p]):>15}" for p in shown))
-    print("\n-- real SmolLM2-135M forward at the same batch, median ms; overhead = stand-in step")
+        print(
+            f"{r.batch:>6} {_ms(r.stub_step_s)} {_us_per(r.stub_step_s, r.batch)} "
+            + " ".join(f"{_ms(r.stub_phases[p]):>15}" for p in shown)
+        )
+    print(
+        "\n-- real SmolLM2-135M forward at the same batch, median ms (us/req: per active request); "
+        "overhead = stand-in step"
+    )
     header = (
-        f"{'active':>6} {'context':>7} {'forward':>8} {'real step':>9} {'overhead':>8} {'sampling':>8} "
-        f"{'rest':>8} {'overhead/fwd':>12} {'in-place ovh':>12} {'load':>5}"
+        f"{'active':>6} {'context':>7} {'forward':>8} {'fwd us/req':>10} {'real step':>9} {'overhead':>8} "
+        f"{'ovh us/req':>10} {'sampling':>8} {'rest':>8} {'overhead/fwd':>12} {'in-place ovh':>12} {'load':>5}"
     )
     print(header)
     print("-" * len(header))
     for r in results:
         sampling = r.stub_phases["sample"] + r.stub_phases["sampling_batch"]
         print(
-            f"{r.batch:>6} {r.context:>7} {_ms(r.forward_s)} {_ms(r.real_step_s):>9} {_ms(r.overhead_s)} "
+            f"{r.batch:>6} {r.context:>7} {_ms(r.forward_s)} {_us_per(r.forward_s, r.batch):>10} "
+            f"{_ms(r.real_step_s):>9} {_ms(r.overhead_s)} {_us_per(r.overhead_s, r.batch):>10} "
             f"{_ms(sampling)} {_ms(r.overhead_s - sampling)} {r.overhead_s / r.forward_s:>11.1%} "
             f"{_ms(r.in_place_overhead_s):>12} {r.load:>5.2f}"
         )
@@ -213,6 +240,18 @@ def print_results(results: list[BatchResult]) -> None:
         "sampling = sampler + building its SamplingBatch; rest = everything else of the step; in-place ovh = real "
         "step - its forward (same overhead, measured beside the real model)"
     )
+    print(
+        "engine overhead / SmolLM2 forward: "
+        + ", ".join(f"{r.overhead_s / r.forward_s:.1%} at {r.batch}" for r in results)
+        + "; per request: "
+        + ", ".join(f"{r.overhead_s * 1e6 / r.batch:.1f} us at {r.batch}" for r in results)
+    )
+    figures = {}
+    for r in results:
+        figures[f"step_ms[{r.batch}]"] = r.stub_step_s * 1e3
+        figures[f"us_per_request[{r.batch}]"] = r.stub_step_s * 1e6 / r.batch
+        figures[f"overhead/forward[{r.batch}]"] = r.overhead_s / r.forward_s
+    print_result("step_overhead", figures)
 
 
 def _batches(text: str) -> list[int]:

@@ -58,7 +58,7 @@ def bench_size(name: str, dtype: torch.dtype, repeats: int, kv_bytes: int) -> di
     trainer = random_tensors(spec, seed=0)
     params = sum(t.numel() for t in trainer.values())
     config = InferenceConfig(block_size=16, kv_memory_bytes=kv_bytes, max_requests=8, max_batch_tokens=64,
-                             max_sequence_length=256, dtype=dtype)
+                           max_sequence_length=256, dtype=dtype)
 
     aliased = DynamicInferenceEngine(DenseDecoder(spec, trainer), config)  # holds the trainer's tensors
     alias_s = median_time(aliased.on_weights_updated, repeats)
