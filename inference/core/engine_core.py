@@ -186,11 +186,15 @@ class EngineCore:
     # ---- the step ----------------------------------------------------------------------------
 
     def set_ep_communicator(self, communicator: Any, *, heartbeat_s: float = 0.01) -> None:
-        """Make this engine an expert-parallel rank: every step agrees on its batch shape with the
-        peers over `communicator` (an `EPCommunicator`), see `core/ep_step.py`."""
-        if getattr(self.model, "expert_parallel", None) is None and communicator.world_size > 1:
-            raise EngineStateError("set_ep_communicator: the model is not expert-parallel (load it with "
-                                   "expert_parallel=ExpertParallel(...))")
+        """Make this engine a rank of an expert-parallel group: every step agrees on its batch shape
+        with the peers over `communicator` (an `EPCommunicator`), see `core/ep_step.py`.
+
+        NOTE: the lockstep itself works for any model (a dense one keeps it for tests and for
+        attention-only ranks); an MoE model loaded with `expert_parallel` needs it, since its
+        exchanges hang unless every rank runs every step."""
+        if communicator.world_size > 1 and self.caches.scratch_block is None:
+            raise EngineStateError("set_ep_communicator: dummy steps need a scratch KV block; load the model "
+                                   "with expert_parallel=ExpertParallel(...) or configure batch_buckets")
         self.ep = ExpertParallelSteps(self, communicator, heartbeat_s=heartbeat_s)
 
     def step(self) -> None:
