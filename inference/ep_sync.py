@@ -11,7 +11,8 @@ element-wise MAX and answers each. Messages are msgpack lists of ints (no pickle
 
 Failure: a peer that disappears never leaves the others hanging. The hub that misses a rank's
 contribution for `timeout_s` tells the ranks that did arrive and raises `EPPeerLostError` naming
-the missing ranks; a rank whose hub stays silent for `timeout_s` raises it too. After an error the
+the missing ranks; a rank whose hub stays silent raises it too, after a grace period past
+`timeout_s` (so the hub's error, which names the lost rank, reaches it first when the hub lives). After an error the
 communicator is closed: the group is broken and must be rebuilt.
 """
 
@@ -121,14 +122,16 @@ class EPCommunicator:
         self.round += 1
         if self._sock is None:
             return values
-        deadline = time.monotonic() + self.timeout_s
+        start = time.monotonic()
+        deadline = start + self.timeout_s
         if self.rank != 0:
+            deadline += max(0.5, 0.5 * self.timeout_s)  # NOTE: the grace period (module docstring)
             self._send([_SYNC, self.round, values])
             while True:
                 got = self._recv(deadline)
                 if got is None:
                     raise self._fail(f"EP rank {self.rank}: the hub (rank 0) did not answer step round {self.round} "
-                                     f"within {self.timeout_s:.1f} s (gone?)")
+                                     f"within {deadline - start:.1f} s (gone?)")
                 payload = got[1]
                 if payload[0] == _ERROR:
                     raise self._fail(f"EP rank {self.rank}: {payload[1]}")
@@ -139,23 +142,27 @@ class EPCommunicator:
             got = self._recv(deadline)
             if got is None:
                 missing = sorted(set(range(self.world_size)) - arrived)
-                message = (f"EP ranks {missing} did not reach step round {self.round} within "
-                           f"{self.timeout_s:.1f} s (gone?)")
-                for r in sorted(arrived - {0}):
-                    self._send([_ERROR, message], self._peers[r - 1])
-                raise self._fail(f"EP hub: {message}")
+                raise self._broadcast_failure(f"EP ranks {missing} did not reach step round {self.round} within "
+                                              f"{self.timeout_s:.1f} s (gone?)", arrived)
             sender, payload = got
             if payload[0] != _SYNC:
                 continue
             rank = int(sender.decode())
             if payload[1] != self.round or len(payload[2]) != len(values):
-                raise self._fail(f"EP hub: rank {rank} sent round {payload[1]} with {len(payload[2])} values, "
-                                 f"expected round {self.round} with {len(values)} (out of step)")
+                raise self._broadcast_failure(f"rank {rank} sent round {payload[1]} with {len(payload[2])} values, "
+                                              f"expected round {self.round} with {len(values)} (out of step)",
+                                              arrived | {rank})
             arrived.add(rank)
             result = [max(a, int(b)) for a, b in zip(result, payload[2])]
         for peer in self._peers:
             self._send([_RESULT, self.round, result], peer)
         return result
+
+    def _broadcast_failure(self, message: str, told: set[int]) -> EPPeerLostError:
+        """The hub tells the ranks in `told` (those waiting for its answer) why the round failed."""
+        for r in sorted(told - {0}):
+            self._send([_ERROR, message], self._peers[r - 1])
+        return self._fail(f"EP hub: {message}")
 
     def close(self) -> None:
         if self._sock is not None and not self.closed:
