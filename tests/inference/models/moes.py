@@ -19,11 +19,12 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attent
 
 
 def tiny_moe(family: str = "qwen3_moe", seed: int = 0, *, experts: int = 8, top_k: int = 2,
-             dtype: torch.dtype = torch.float32, **overrides) -> torch.nn.Module:
+             dtype: torch.dtype = torch.float32, router_std: float | None = 0.3, **overrides) -> torch.nn.Module:
     """A random-init `*ForCausalLM` of `family`: 2 layers, hidden 64, `experts` experts, top-`top_k`.
 
-    The router weights are scaled up (HF initialises them small, which makes routing near-uniform
-    and its top-k a coin toss on rounding): tests then check routing that is meant to be stable."""
+    The router weights are drawn with std `router_std` (HF initialises them small, which makes
+    routing near-uniform and its top-k a coin toss on rounding: `router_std=None` keeps that, for
+    tests of routing flips)."""
     torch.manual_seed(seed)
     if family == "qwen3_moe":
         cfg = Qwen3MoeConfig(**{**_COMMON, **dict(
@@ -46,6 +47,6 @@ def tiny_moe(family: str = "qwen3_moe", seed: int = 0, *, experts: int = 8, top_
         raise ValueError(f"unknown MoE family {family!r}")
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.3)
+            if router_std is not None and name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, router_std)
     return model.to(dtype).eval()
