@@ -294,14 +294,15 @@ class DynamicInferenceEngine:
 
     def step_until_ep_idle(self) -> list[RequestOutput]:
         """An expert-parallel rank without a loop: step with the peers until a round finds no
-        rank with unfinished requests (all ranks return after the same round); the outputs of
-        `add_request`ed requests. A lost peer raises `EPPeerLostError` within its timeout."""
+        rank with unfinished requests (all ranks return after the same round), or the group
+        stopped; the outputs of `add_request`ed requests. A lost peer raises `EPPeerLostError`
+        within its timeout."""
         if self.core.ep is None:
             raise EngineStateError("step_until_ep_idle: not an expert-parallel rank (set_ep_communicator first)")
         outputs: list[RequestOutput] = []
         while True:
             outputs += self.step()
-            if self.core.ep.all_idle:
+            if self.core.ep.all_idle or self.core.ep.stopped:
                 return outputs
 
     def step_for_waiter(self) -> None:
@@ -326,10 +327,17 @@ class DynamicInferenceEngine:
                                     idle_wait=idle_wait)
 
     def stop(self, timeout: float = 30.0) -> None:
-        """End the background loop after the commands already queued; requests stay in flight."""
+        """End the background loop after the commands already queued; requests stay in flight.
+        An expert-parallel rank first stops its group with it (every rank's loop then idles)."""
         loop = self._loop
         if loop is None:
             return
+        ep = self.core.ep
+        if ep is not None and not ep.stopped:
+            ep.leave()
+            done = loop.wait_for(lambda: ep.stopped)
+            if done is not None:
+                done.result(timeout)
         loop.stop(timeout)
         self._loop = None
 

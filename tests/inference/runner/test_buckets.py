@@ -1,17 +1,14 @@
 """Batch buckets, padding and dummy steps on CPU: what CUDA-graph replay and expert-parallel lockstep
-rely on, run eagerly (the graphs themselves: test_cuda_graphs.py, gpu)."""
+rely on, run eagerly (the graphs themselves: test_cuda_graphs.py, gpu; engines in lockstep:
+engine/test_engine_ep_lockstep.py)."""
 
 from __future__ import annotations
-
-import socket
-import threading
 
 import numpy as np
 import pytest
 import torch
 
 from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams
-from inference.ep_sync import EPCommunicator
 from inference.runner.buckets import IDLE, BatchDims, BucketPolicy
 from tests.inference.engine.conftest import random_prompts, tiny_llama
 
@@ -91,62 +88,3 @@ def test_a_dummy_step_writes_only_the_scratch_block(hf):
     others = [b for b in range(data.shape[2]) if b != scratch]
     assert torch.equal(before[:, :, others], data[:, :, others])
     assert engine.allocator.stats() == pool
-
-
-def _lockstep(engines, work):
-    """Run each engine's `work(engine)` on its own thread; re-raise the first failure."""
-    errors = []
-
-    def run(engine):
-        try:
-            work(engine)
-        except BaseException as exc:  # noqa: BLE001 (re-raised on the test thread)
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(e,)) for e in engines]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads)
-    if errors:
-        raise errors[0]
-
-
-def test_an_idle_rank_runs_dummy_steps_in_lockstep_and_keeps_its_prefix_cache(hf):
-    """Two engines (a dense model: the lockstep alone, no expert exchange) agree every step over a
-    real ZMQ group; one has all the requests, the other runs dummy steps of the agreed bucket
-    without touching its prefix cache."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    engines = [DynamicInferenceEngine.from_pretrained(hf, config(**BUCKETS)) for _ in range(2)]
-    comms: list = [None, None]
-    _lockstep(engines, lambda e: comms.__setitem__(engines.index(e), EPCommunicator(
-        engines.index(e), 2, address, timeout_s=10.0)))
-    for engine, comm in zip(engines, comms):
-        engine.set_ep_communicator(comm)
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    shared = random_prompts(1, 17, 17, seed=8)[0]
-    busy, idle = engines
-    idle.add_request(shared, params)  # fills the idle rank's prefix cache first
-    _lockstep(engines, lambda e: e.step_until_ep_idle())
-    cached = idle.allocator.stats().cached
-    assert cached >= 4
-    prompts = random_prompts(6, 3, 30, seed=9)
-    ids = [busy.add_request(p, params) for p in prompts]
-    outputs: dict = {}
-    _lockstep(engines, lambda e: outputs.update({o.request_id: o for o in e.step_until_ep_idle()}))
-    want = DynamicInferenceEngine.from_pretrained(hf, config(**BUCKETS)).generate(prompts, params)
-    assert [outputs[i].generated_token_ids for i in ids] == [o.generated_token_ids for o in want]
-    # every step one rank ran for its requests, the other ran as a dummy of the same bucket
-    assert idle.core.ep.dummy_steps == busy.num_steps > 0
-    assert busy.core.ep.dummy_steps == idle.num_steps > 0
-    assert list(idle.core.ep.buckets) == list(busy.core.ep.buckets)
-    assert idle.allocator.stats().cached == cached  # dummy steps left the prefix cache alone
-    hits = idle.allocator.hit_blocks
-    idle.add_request(shared, params)
-    _lockstep(engines, lambda e: e.step_until_ep_idle())
-    assert idle.allocator.hit_blocks > hits
-    for c in comms:
-        c.close()
