@@ -38,6 +38,7 @@ def supports_pieces(model: Any) -> bool:
     return all(hasattr(model, name) for name in PIECES)
 
 
+@torch.no_grad()
 def eager_piecewise(model: Any, inputs: StepInputs, kv_cache: KVCacheBuffer) -> torch.Tensor:
     """The replay path's piece sequence, run eagerly over every padded row (CPU reference)."""
     model.check_sequence_lengths(inputs.meta)
@@ -89,6 +90,7 @@ class PiecewiseGraphs:
 
     # ---- capture -----------------------------------------------------------------------------
 
+    @torch.no_grad()  # NOTE: aliased trainer parameters require grad; a graph must not record autograd
     def capture_all(self) -> None:
         self.release()
         model = self.model
@@ -159,6 +161,7 @@ class PiecewiseGraphs:
 
     # ---- replay ------------------------------------------------------------------------------
 
+    @torch.no_grad()
     def replay(self, inputs: StepInputs, kv_cache: KVCacheBuffer) -> torch.Tensor:
         """Logits of `inputs` (whose padded size was captured): graphs with eager attention between."""
         bucket = self._buckets[inputs.padded_tokens]
