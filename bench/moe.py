@@ -12,8 +12,8 @@
    sequences, per token (any sparse layer differing), and the trainer's log-prob mismatch,
    without and with replay.
 
-Usage: `python bench/moe.py [--quick] [--threads 2]`. Exits 1 if an engine returned other token
-counts than asked, or EP changed a greedy output.
+Usage: `python bench/moe.py [--quick] [--threads 2] [--parts throughput,ep,replay]`. Exits 1 if an
+engine returned other token counts than asked, or EP changed a greedy output.
 """
 
 from __future__ import annotations
@@ -256,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replay", type=int, default=32, help="samples of the routing-replay measurement")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--parts", default="throughput,ep,replay", help="which sections to run (comma-separated)")
     parser.add_argument("--quick", action="store_true", help="smoke run: few prompts, short outputs")
     parser.add_argument("--ep-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -270,9 +271,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     model = moe_model(args.seed)
     print(f"Qwen3-MoE (random init, hidden 256, 4 layers, 16 experts top-4, vocab {VOCAB}), fp32; {machine_line()}")
-    ok = bench_throughput(model, args)
-    ok &= bench_expert_parallel(model, args)
-    ok &= bench_routing_replay(args)
+    parts, ok = set(args.parts.split(",")), True
+    if "throughput" in parts:
+        ok &= bench_throughput(model, args)
+    if "ep" in parts:
+        ok &= bench_expert_parallel(model, args)
+    if "replay" in parts:
+        ok &= bench_routing_replay(args)
     print(f"done; {machine_line()}")
     return 0 if ok else 1
 

@@ -3,7 +3,7 @@
 Every rank of an EP group runs every step together: the MoE layers' all-to-alls need all of them,
 and with CUDA graphs all must replay the same padded bucket. So each step starts with one CPU-side
 agreement over ZMQ (`EPCommunicator.sync_all_reduce_max`) of `[tokens, requests, prefill,
-unfinished]`: the MAX gives the bucket every rank pads to (`BucketPolicy.match`, megatron-core's
+unfinished, leaving]`: the MAX gives the bucket every rank pads to (`BucketPolicy.match`, megatron-core's
 `match_graph_config`) and tells whether anyone has work at all.
 
 * A rank whose scheduler planned nothing runs a dummy batch of the agreed shape: one-token requests

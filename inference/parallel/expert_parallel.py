@@ -9,9 +9,10 @@ and sums them (`moe.combine`). Every rank must call every layer's exchange in th
 every rank runs every step (see `inference/ep_sync.py`): a rank with no work runs a dummy batch.
 
 Two exchanges:
-* variable (eager): rows are sorted by destination and sent with exact split sizes (a first
-  all-to-all of the counts); the owner sorts what it received by expert and runs each expert over
-  its rows (`ExpertWeights.sparse`). Host syncs on the counts.
+* variable (eager): rows are sorted by expert (so by destination) and sent with exact split sizes
+  (a first all-to-all of the counts per expert, from which the owner knows each row's expert);
+  the owner sorts what it received by expert and runs each expert over its rows
+  (`ExpertWeights.sparse`). Host syncs on the counts.
 * static (CUDA-graph capture): every rank sends each peer a fixed `T * k` slots (empty ones marked
   with expert -1) and experts run masked (`ExpertWeights.masked`): fixed shapes, no host sync.
   All ranks must then have the same `T`, which the padded-bucket agreement guarantees.
@@ -92,21 +93,23 @@ class ExpertParallel:
         return self._static(h, ids, experts) if static else self._variable(h, ids, experts)
 
     def _variable(self, h: torch.Tensor, ids: torch.Tensor, experts: ExpertWeights) -> torch.Tensor:
-        k, width, n = ids.shape[1], h.shape[1], self.num_local
+        k, width, n, world = ids.shape[1], h.shape[1], self.num_local, self.world_size
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # by owner rank, then by its local expert
-        dest = flat[order] // n
-        send_counts = torch.bincount(dest, minlength=self.world_size)
+        # NOTE: counts per (owner, local expert): the owner rebuilds each row's expert from them,
+        # so only the rows travel (3 exchanges per layer, not 4)
+        send_counts = torch.bincount(flat, minlength=self.num_experts)
         recv_counts = torch.empty_like(send_counts)
         self._all_to_all(recv_counts, send_counts)
-        sends, recvs = send_counts.tolist(), recv_counts.tolist()
+        sends = send_counts.view(world, n).sum(1).tolist()
+        per_expert = recv_counts.tolist()  # [source rank * n + local expert]
+        recvs = [sum(per_expert[r * n : (r + 1) * n]) for r in range(world)]
         received = h.new_empty(sum(recvs), width)
         self._all_to_all(received, h.index_select(0, order // k), recvs, sends)
-        local = flat.new_empty(sum(recvs))
-        self._all_to_all(local, flat[order] - dest * n, recvs, sends)
+        local = torch.arange(n, device=h.device).repeat(world).repeat_interleave(recv_counts)
         # what arrived is grouped by source rank: run each local expert once over all its rows
         by_expert = torch.argsort(local, stable=True)
-        counts = torch.bincount(local, minlength=n).tolist()
+        counts = recv_counts.view(world, n).sum(0).tolist()
         outputs = torch.empty_like(received)
         outputs[by_expert] = experts.sparse(received.index_select(0, by_expert), counts)
         back = h.new_empty(flat.numel(), width)
