@@ -150,53 +150,63 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_ep_group(tmp: str, requests, index: int) -> list[dict] | None:
+    """Two EP ranks in their own processes, half the requests each; their timings (None: failed)."""
+    dist_init, address = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    procs, outs = [], []
+    for rank in range(2):
+        out, job = Path(tmp) / f"ep{index}_{rank}.json", Path(tmp) / f"job{index}_{rank}.json"
+        job.write_text(json.dumps(dict(model_dir=tmp, rank=rank, world_size=2, dist_init=dist_init,
+                                       ep_address=address, requests=requests[rank::2], out=str(out))))
+        procs.append(subprocess.Popen([sys.executable, __file__, "--ep-worker", str(job)], env=env))
+        outs.append(out)
+    for proc in procs:
+        proc.wait(timeout=1800)
+    return None if any(p.returncode for p in procs) else [json.loads(o.read_text()) for o in outs]
+
+
 def bench_expert_parallel(model, args) -> bool:
     requests = ep_requests(args)
     tokens = sum(m for *_, m in requests)
     print(f"\n-- expert parallelism: {len(requests)} requests of 32-96 prompt tokens, {args.ep_tokens} greedy "
-          f"tokens each ({tokens:,}); EP=2: two processes (gloo), half the experts and requests each, 1 thread each")
+          f"tokens each ({tokens:,}); EP=2: two processes (gloo), half the experts and requests each, 1 thread "
+          f"each; {args.repeats} interleaved repeats, medians")
+    runs: dict[str, list[dict]] = {"1": [], "2": [], "ep2": []}
+    same = True
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
-        single = {}
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            engine = DynamicInferenceEngine.from_pretrained(tmp, InferenceConfig(**EP_CONFIG))
-            single[threads] = run_timed(engine, requests, ep=False)
-        torch.set_num_threads(args.threads)
-        dist_init, address = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        procs, outs = [], []
-        for rank in range(2):
-            out = Path(tmp) / f"ep{rank}.json"
-            job = Path(tmp) / f"job{rank}.json"
-            job.write_text(json.dumps(dict(model_dir=tmp, rank=rank, world_size=2, dist_init=dist_init,
-                                           ep_address=address, requests=requests[rank::2], out=str(out))))
-            procs.append(subprocess.Popen([sys.executable, __file__, "--ep-worker", str(job)], env=env))
-            outs.append(out)
-        for proc in procs:
-            proc.wait(timeout=1800)
-        if any(p.returncode for p in procs):
-            print("  an EP rank failed")
-            return False
-        ranks = [json.loads(o.read_text()) for o in outs]
-    ep_wall = max(r["wall"] for r in ranks)
-    ep_step = statistics.median([r["median_step"] for r in ranks])
-    merged = {k: v for r in ranks for k, v in r["outputs"].items()}
-    same = merged == single[1]["outputs"]
-    for threads, r in single.items():
-        label = f"{threads} thread{'s' if threads > 1 else ''}"
-        print(f"  EP=1, {label}: {r['wall']:6.2f} s {tokens / r['wall']:8.1f} tok/s, "
-              f"median step {r['median_step'] * 1e3:6.1f} ms over {r['steps']} steps")
-    agree = max(r["agree"] for r in ranks) / ep_wall
-    print(f"  EP=2 (1 thread each): {ep_wall:6.2f} s {tokens / ep_wall:8.1f} tok/s, median step "
-          f"{ep_step * 1e3:6.1f} ms over {ranks[0]['steps']} steps; step agreement {agree:.1%} of the wall time")
-    print(f"  EP=2 / EP=1 step time: {ep_step / single[1]['median_step']:.2f}x (1 thread), "
-          f"{ep_step / single[2]['median_step']:.2f}x (2 threads); throughput EP=2 / EP=1 (2 threads): "
-          f"{single[2]['wall'] / ep_wall:.2f}x; greedy outputs identical: {same}")
-    print_result("moe_expert_parallel", {"ep2_step_ms": ep_step * 1e3, "ep1_step_ms": single[1]["median_step"] * 1e3,
-                                          "ep1_2t_step_ms": single[2]["median_step"] * 1e3,
-                                          "ep2_over_ep1_2t_throughput": single[2]["wall"] / ep_wall})
+        for repeat in range(args.repeats):  # NOTE: interleaved, so a load spike hits every variant alike
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                engine = DynamicInferenceEngine.from_pretrained(tmp, InferenceConfig(**EP_CONFIG))
+                runs[str(threads)].append(run_timed(engine, requests, ep=False))
+            torch.set_num_threads(args.threads)
+            ranks = run_ep_group(tmp, requests, repeat)
+            if ranks is None:
+                print("  an EP rank failed")
+                return False
+            merged = {k: v for r in ranks for k, v in r["outputs"].items()}
+            same &= merged == runs["1"][-1]["outputs"]
+            runs["ep2"].append({"wall": max(r["wall"] for r in ranks), "steps": ranks[0]["steps"],
+                                "median_step": statistics.median(r["median_step"] for r in ranks),
+                                "agree": max(r["agree"] for r in ranks) / max(r["wall"] for r in ranks)})
+    med = {k: {f: statistics.median(r[f] for r in v) for f in ("wall", "median_step")} for k, v in runs.items()}
+    for name, label in (("1", "EP=1, 1 thread "), ("2", "EP=1, 2 threads"), ("ep2", "EP=2, 1 thread each")):
+        m = med[name]
+        print(f"  {label}: {m['wall']:6.2f} s {tokens / m['wall']:8.1f} tok/s, median step "
+              f"{m['median_step'] * 1e3:6.1f} ms")
+    agree = statistics.median(r["agree"] for r in runs["ep2"])
+    step_ratio = med["ep2"]["median_step"] / med["2"]["median_step"]
+    print(f"  EP=2 / EP=1 step time: {med['ep2']['median_step'] / med['1']['median_step']:.2f}x (1 thread), "
+          f"{step_ratio:.2f}x (2 threads: the same cores); throughput EP=2 / EP=1 (2 threads): "
+          f"{med['2']['wall'] / med['ep2']['wall']:.2f}x; step agreement {agree:.1%} of EP=2's wall time; "
+          f"greedy outputs identical: {same}")
+    print_result("moe_expert_parallel", {"ep2_step_ms": med["ep2"]["median_step"] * 1e3,
+                                          "ep1_step_ms": med["1"]["median_step"] * 1e3,
+                                          "ep1_2t_step_ms": med["2"]["median_step"] * 1e3,
+                                          "ep2_over_ep1_2t_step": step_ratio})
     return same
 
 
@@ -253,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8, 16])
     parser.add_argument("--ep-requests", type=int, default=32)
     parser.add_argument("--ep-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats of the EP comparison")
     parser.add_argument("--replay", type=int, default=32, help="samples of the routing-replay measurement")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
@@ -264,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         return ep_worker(args.ep_worker)
     if args.quick:
         args.prompts, args.n, args.output_len, args.hf_batches = 4, 2, (4, 12), [1, 4]
-        args.ep_requests, args.ep_tokens, args.replay = 8, 8, 4
+        args.ep_requests, args.ep_tokens, args.replay, args.repeats = 8, 8, 4, 1
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.set_verbosity_error()
