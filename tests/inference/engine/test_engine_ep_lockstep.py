@@ -102,7 +102,9 @@ def test_background_loops_heartbeat_serve_a_peer_and_stop_together(hf, group):
     assert [o.generated_token_ids for o in got] == [o.generated_token_ids for o in want]
     stats = idle.stats()
     assert stats["ep_dummy_steps"] == busy.num_steps > 0 and idle.num_steps == 0
-    busy.stop()  # the group's last round: the idle rank stops stepping too, without an error
-    assert idle.core.ep.stopped and busy.core.ep.rounds == idle.core.ep.rounds
+    busy.stop()  # the group's last round: the idle rank's loop stops stepping too
+    idle.stop()  # returns at once (no peer left to wait for)
+    assert busy.core.ep.stopped and idle.core.ep.stopped
+    # no rank tried a round after the last one (it would have waited for the peer in vain)
+    assert busy.core.ep.comm.round == idle.core.ep.comm.round == busy.core.ep.rounds == idle.core.ep.rounds
     assert busy.core.ep.rounds > busy.num_steps  # heartbeats: rounds without a step
-    idle.stop()
