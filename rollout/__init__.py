@@ -8,6 +8,8 @@ from rollout.colocated import GRPOConfig, ModelKind, RunSummary, run_grpo
 from rollout.engine import RolloutEngine
 from rollout.grpo import TrainStats, gather_logprobs, group_advantages, grpo_loss, grpo_step, token_logprobs
 from rollout.launch import ServerProcess
+from rollout.route import RouterProcess
+from rollout.router import RolloutRouter, RouterConfig
 from rollout.security import ClientSecurity, ServerSecurity
 from rollout.tasks import ArithmeticTask, CountingTask, DigitVocab, Problem, Task
 from rollout.types import FinishReason, GenerationStats, PaddedBatch, Rollout, RolloutBatch, TokenChunk
@@ -29,6 +31,9 @@ __all__ = [
     "RolloutBatch",
     "RolloutClient",
     "RolloutEngine",
+    "RolloutRouter",
+    "RouterConfig",
+    "RouterProcess",
     "RunSummary",
     "SampleStream",
     "ServerProcess",

@@ -103,9 +103,11 @@ class AsyncRolloutClient:
                                      reconnect_after_s=reconnect_after_s, **connection_options)
 
     async def generate(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
-                       timeout: Optional[float] = None) -> RolloutBatch:
+                       timeout: Optional[float] = None, session_id: Optional[str] = None,
+                       group_id: Optional[str] = None) -> RolloutBatch:
         start = time.perf_counter()
-        rollouts = await self.stream(prompts, n, sampling, timeout=timeout).result()
+        rollouts = await self.stream(prompts, n, sampling, timeout=timeout, session_id=session_id,
+                                     group_id=group_id).result()
         stats = GenerationStats(seconds=time.perf_counter() - start, prompt_tokens=sum(len(p) for p in prompts),
                                 completion_tokens=sum(len(r.completion_ids) for r in rollouts))
         versions = [v for r in rollouts for v in r.versions]
@@ -113,8 +115,9 @@ class AsyncRolloutClient:
         return RolloutBatch(rollouts, group_size=n, policy_version=version, stats=stats)
 
     def stream(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
-               tokens: bool = False, timeout: Optional[float] = None) -> AsyncSampleStream:
-        requests = build_generates(self.connection, prompts, n, sampling, tokens)
+               tokens: bool = False, timeout: Optional[float] = None, session_id: Optional[str] = None,
+               group_id: Optional[str] = None) -> AsyncSampleStream:
+        requests = build_generates(self.connection, prompts, n, sampling, tokens, session_id, group_id)
         return AsyncSampleStream(self, prompts, requests, n, self.timeout if timeout is None else timeout)
 
     async def abort(self, stream: AsyncSampleStream) -> None:

@@ -47,12 +47,19 @@ class RolloutBackend(Protocol):
     """What an RL loop asks of an engine (see module docstring)."""
 
     def generate(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
-                 timeout: Optional[float] = None) -> RolloutBatch:
+                 timeout: Optional[float] = None, session_id: Optional[str] = None,
+                 group_id: Optional[str] = None) -> RolloutBatch:
         """`n` samples of every prompt, grouped by prompt in prompt order (`sampling.n` is replaced
-        by `n`; a seeded `sampling` gives prompt i the seed `seed + i`)."""
+        by `n`; a seeded `sampling` gives prompt i the seed `seed + i`).
+
+        Routing hints, for a router over replicas (`rollout.router`; one engine has nothing to
+        route and ignores them): `session_id` keeps a multi-turn agent's calls on one replica,
+        `group_id` keeps this call's prompts (and later calls with the same id) on one replica, at
+        one policy version."""
 
     def stream(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
-               tokens: bool = False, timeout: Optional[float] = None) -> SampleStream:
+               tokens: bool = False, timeout: Optional[float] = None, session_id: Optional[str] = None,
+               group_id: Optional[str] = None) -> SampleStream:
         """The same samples as `generate`, each as it finishes (and its tokens as they come)."""
 
     def abort(self, stream: SampleStream) -> None:

@@ -6,6 +6,8 @@
     rollout grpo --disaggregated                         # trainer here, 2 replica processes, gloo sync
     rollout grpo --disaggregated --off-policy 1          # generation of step k+1 overlaps training on k
     rollout serve --model smollm2 --port 5555            # an engine behind ZMQ
+    rollout route --replicas tcp://127.0.0.1:5555,tcp://127.0.0.1:5556   # one endpoint over replicas
+    rollout route --spawn 2 --model /ckpt/hf-dir -- --threads 1           # ... that it starts itself
     rollout monitor --connect tcp://127.0.0.1:5555       # its metrics to W&B (offline) and the console
 """
 
@@ -88,6 +90,12 @@ def serve_main(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def route_main(args: argparse.Namespace) -> int:
+    from rollout.route import route_main as run
+
+    return run(args)
+
+
 def monitor_main(args: argparse.Namespace) -> int:
     from rollout.tracking import monitor_service
 
@@ -96,6 +104,7 @@ def monitor_main(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from rollout.route import add_route_arguments
     from rollout.serve import add_serve_arguments
 
     parser = argparse.ArgumentParser(prog="rollout", description=__doc__.split("\n")[0])
@@ -107,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve one engine over ZMQ (see rollout.serve)")
     add_serve_arguments(serve)
     serve.set_defaults(func=serve_main)
+    route = sub.add_parser("route", help="one endpoint over engine replicas: placement, failover (see rollout.route)")
+    add_route_arguments(route)
+    route.set_defaults(func=route_main)
     monitor = sub.add_parser("monitor", help="poll a server's stats into W&B (offline by default) and the console")
     monitor.add_argument("--connect", required=True, help="the server's address, e.g. tcp://127.0.0.1:5555")
     monitor.add_argument("--every", type=float, default=10.0, help="seconds between polls")

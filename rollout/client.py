@@ -69,14 +69,17 @@ class GeneratePending:
 
 
 def build_generates(conn: Connection, prompts: Prompts, n: int, sampling: Optional[SamplingParams],
-                    tokens: bool) -> list[wire.Generate]:
-    """One Generate per prompt, ids from the connection's session (checked here, not on the wire)."""
+                    tokens: bool, session_id: Optional[str] = None, group_id: Optional[str] = None
+                    ) -> list[wire.Generate]:
+    """One Generate per prompt, ids from the connection's session (checked here, not on the wire);
+    `session_id` / `group_id` are routing hints for a router (a server ignores them)."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
         raise ValueError(f"prompts must be a sequence of token-id sequences, got {type(prompts).__name__}")
     out = []
     for params, prompt in zip(params_per_prompt(len(prompts), n, sampling), prompts):
         out.append(wire.Generate(request_id=conn.next_id(), prompt_token_ids=np.asarray(prompt),
-                                 sampling=sampling_params_to_wire(params), stream_tokens=tokens))
+                                 sampling=sampling_params_to_wire(params), stream_tokens=tokens,
+                                 session_id=session_id, group_id=group_id))
     return out
 
 
@@ -209,9 +212,14 @@ class RolloutClient(WeightSyncCalls):
     # ---- generation ----------------------------------------------------------------------------
 
     def generate(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
-                 timeout: Optional[float] = None) -> RolloutBatch:
+                 timeout: Optional[float] = None, session_id: Optional[str] = None,
+                 group_id: Optional[str] = None) -> RolloutBatch:
+        """As `RolloutBackend.generate`; behind a router, `session_id` keeps a multi-turn agent's
+        turns on one replica and `group_id` the prompts of this call (and of later calls with it);
+        a server ignores both."""
         start = time.perf_counter()
-        rollouts = self.stream(prompts, n, sampling, timeout=timeout).result()
+        rollouts = self.stream(prompts, n, sampling, timeout=timeout, session_id=session_id,
+                               group_id=group_id).result()
         seconds = time.perf_counter() - start
         versions = [v for r in rollouts for v in r.versions]
         stats = GenerationStats(seconds=seconds, prompt_tokens=sum(len(p) for p in prompts),
@@ -220,8 +228,9 @@ class RolloutClient(WeightSyncCalls):
         return RolloutBatch(rollouts, group_size=n, policy_version=version, stats=stats)
 
     def stream(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
-               tokens: bool = False, timeout: Optional[float] = None) -> RemoteSampleStream:
-        requests = build_generates(self.connection, prompts, n, sampling, tokens)
+               tokens: bool = False, timeout: Optional[float] = None, session_id: Optional[str] = None,
+               group_id: Optional[str] = None) -> RemoteSampleStream:
+        requests = build_generates(self.connection, prompts, n, sampling, tokens, session_id, group_id)
         return RemoteSampleStream(self, prompts, requests, n, self.timeout if timeout is None else timeout)
 
     def abort(self, stream: RemoteSampleStream) -> None:

@@ -126,8 +126,10 @@ class RolloutEngine:
     # ---- generation --------------------------------------------------------------------------
 
     def generate(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
-                 timeout: Optional[float] = None) -> RolloutBatch:
+                 timeout: Optional[float] = None, session_id: Optional[str] = None,
+                 group_id: Optional[str] = None) -> RolloutBatch:
         """Sample `n` completions of every prompt; returns them grouped by prompt, in prompt order.
+        (`session_id` / `group_id`: a router's hints, see `RolloutBackend.generate`; one engine ignores them.)
 
         `sampling.n` is replaced by `n`. A seeded `sampling` gives prompt i the seed `seed + i` (the
         engine mixes seed and sample index into each sample's stream), so a call is reproducible
@@ -158,7 +160,8 @@ class RolloutEngine:
         return RolloutBatch(rollouts, group_size=n, policy_version=version, stats=stats)
 
     def stream(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
-               tokens: bool = False, timeout: Optional[float] = None) -> LocalSampleStream:
+               tokens: bool = False, timeout: Optional[float] = None, session_id: Optional[str] = None,
+               group_id: Optional[str] = None) -> LocalSampleStream:
         """The samples of `generate(prompts, n, sampling)`, each as it finishes (tokens as sampled)."""
         return LocalSampleStream(self.engine, prompts, params_per_prompt(len(prompts), n, sampling), tokens, timeout)
 

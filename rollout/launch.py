@@ -31,14 +31,17 @@ class ServerProcess:
     """A `rollout serve --model MODEL --port PORT [extra args]` child (see module docstring); port 0
     lets the OS choose, and `address` says which."""
 
-    def __init__(self, model: os.PathLike | str, *args: str, host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, model: Optional[os.PathLike | str], *args: str, host: str = "127.0.0.1", port: int = 0,
                  ready_timeout: float = 120.0, env: Optional[dict[str, str]] = None,
-                 entry: Sequence[str] = ("-m", "rollout.cli", "serve")) -> None:
-        """`entry`: what the child runs before its arguments (tests run `rollout serve` with hooks)."""
+                 entry: Sequence[str] = ("-m", "rollout.cli", "serve"), ready_prefix: str = READY_PREFIX) -> None:
+        """`entry`: what the child runs before its arguments (tests run `rollout serve` with hooks);
+        `ready_prefix`: the start of the line it prints once it listens; no `--model` if `model` is None."""
         child_env = dict(os.environ if env is None else env)
         child_env["PYTHONPATH"] = os.pathsep.join([str(_ROOT)] + [p for p in [child_env.get("PYTHONPATH")] if p])
         child_env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        self.command = [sys.executable, *entry, "--model", str(model), "--host", host, "--port", str(port), *args]
+        model_args = [] if model is None else ["--model", str(model)]
+        self.command = [sys.executable, *entry, *model_args, "--host", host, "--port", str(port), *args]
+        self.ready_prefix = ready_prefix
         self.output: collections.deque[str] = collections.deque(maxlen=200)
         self._ready = threading.Event()
         self.address: Optional[str] = None
@@ -53,15 +56,16 @@ class ServerProcess:
                 self.stop()
                 why = f"exited with {self.proc.returncode}" if self.proc.returncode is not None else \
                     f"did not listen within {ready_timeout} s"
-                raise RuntimeError(f"rollout serve {why}:\n" + "\n".join(self.output))
+                what = "rollout serve" if ready_prefix == READY_PREFIX else ready_prefix.split(":")[0]
+                raise RuntimeError(f"{what} {why}:\n" + "\n".join(self.output))
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             line = line.rstrip("\n")
             self.output.append(line)
-            if line.startswith(READY_PREFIX) and not self._ready.is_set():
-                self.address = re.match(rf"{re.escape(READY_PREFIX)}(\S+)", line).group(1)
+            if line.startswith(self.ready_prefix) and not self._ready.is_set():
+                self.address = re.match(rf"{re.escape(self.ready_prefix)}(\S+)", line).group(1)
                 self._ready.set()
 
     @property

@@ -23,12 +23,14 @@ from rollout.packing import as_float32, as_int32, check_non_negative, check_same
 from weight_sync.sources import DistributedSource, GroupName, SharedMemorySource
 from weight_sync.transports.distributed import DEFAULT_GROUP
 
-PROTOCOL_VERSION = 3  # 2: UpdateWeights.policy; 3: weight sync (group kinds, distributed / shared-memory sources)
+PROTOCOL_VERSION = 3  # 2: UpdateWeights.policy; 3: KvEvents, Result.kv_events; weight sync (group kinds,
+# distributed / shared-memory sources)
 MAX_REQUEST_ID_LENGTH = 256
 MAX_SAMPLES = 1024  # n per Generate
 MAX_STOP_TOKENS = 1024
 MAX_ABORT_TARGETS = 65536
 MAX_LEASE_SECONDS = 3600.0
+MAX_KV_EVENTS = 65536  # per KvEvents reply
 
 
 class Kind(enum.IntEnum):
@@ -45,6 +47,7 @@ class Kind(enum.IntEnum):
     STATS = 9
     HEALTH = 10
     HEARTBEAT = 11
+    KV_EVENTS = 12
     SAMPLE_OUTPUT = 64
     TOKEN_DELTA = 65
     RESULT = 66
@@ -93,6 +96,14 @@ class SuspendPolicy(str, enum.Enum):
     OFFLOAD = "offload"
 
 
+class KvOp(enum.IntEnum):
+    """A prefix-cache event of a replica (`inference.kv_cache.events`), for routers."""
+
+    STORED = 1  # these block hashes became matchable
+    REMOVED = 2  # these are no longer served
+    CLEARED = 3  # nothing announced before is served any more (a reset, a weight update, suspend)
+
+
 class UpdatePolicy(str, enum.Enum):
     """Requests in flight at `UpdateWeights`; the values are `inference.UpdatePolicy`'s."""
 
@@ -107,6 +118,7 @@ NonNegInt = Annotated[int, Meta(ge=0)]
 TopN = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 TokenLogprobs = Annotated[dict[Annotated[int, Meta(ge=0)], float], Meta(max_length=MAX_LOGPROBS + 1)]
 Seconds = Annotated[float, Meta(ge=0)]
+BlockHash = Annotated[int, Meta(ge=1, le=2**63 - 1)]
 StatValue = Union[int, float, str]
 
 
@@ -280,6 +292,14 @@ class Heartbeat(_Request, tag=Kind.HEARTBEAT.value):
     lease_s: Optional[Annotated[float, Meta(gt=0, le=MAX_LEASE_SECONDS)]] = None
 
 
+class KvEvents(_Request, tag=Kind.KV_EVENTS.value):
+    """The replica's prefix-cache events numbered `since` and later (at most `max_events`), for a
+    router's prefix-aware placement. Answered without the engine, from the server's event log."""
+
+    since: NonNegInt = 0
+    max_events: Annotated[int, Meta(ge=1, le=MAX_KV_EVENTS)] = 4096
+
+
 # ---- replies ---------------------------------------------------------------------------------
 
 
@@ -349,6 +369,28 @@ class HealthInfo(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     policy_version: NonNegInt
 
 
+class KvEvent(msgspec.Struct, forbid_unknown_fields=True, array_like=True):
+    op: KvOp
+    hashes: list[BlockHash] = []
+
+
+class KvEventBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Events `start`, `start + 1`, ... of a replica's log; poll again with `since=next`.
+
+    `reset`: events between the poller's `since` and `start` were lost (the log is bounded, or
+    the replica restarted): drop everything believed about its cache, then apply these. `more`:
+    the log holds events past `next` (the reply was cut to fit a frame). `block_size` is the
+    replica's, which a router needs to hash prompts as it does.
+    """
+
+    block_size: Annotated[int, Meta(ge=1)]
+    start: NonNegInt
+    next: NonNegInt
+    reset: bool = False
+    more: bool = False
+    events: list[KvEvent] = []
+
+
 class Result(_Message, tag=Kind.RESULT.value):
     """Success of a control request (`request_kind`), with what that kind returns."""
 
@@ -357,6 +399,7 @@ class Result(_Message, tag=Kind.RESULT.value):
     policy_version: Optional[NonNegInt] = None
     stats: Optional[dict[str, StatValue]] = None
     health: Optional[HealthInfo] = None
+    kv_events: Optional[KvEventBatch] = None
 
 
 class ErrorReply(_Message, tag=Kind.ERROR.value):
@@ -369,7 +412,7 @@ class ErrorReply(_Message, tag=Kind.ERROR.value):
 
 
 RequestMessage = Union[Generate, Abort, Pause, Continue, Suspend, Resume, UpdateWeights, ResetPrefixCache,
-                       Stats, Health, Heartbeat]
+                       Stats, Health, Heartbeat, KvEvents]
 ReplyMessage = Union[SampleOutput, TokenDelta, Result, ErrorReply]
 # the weight-update group's requests (weight sync)
 RequestMessage = Union[RequestMessage, InitWeightsUpdateGroup, DestroyWeightsUpdateGroup, GetWeightVersion]

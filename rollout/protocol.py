@@ -58,6 +58,10 @@ from rollout.messages import (
     Heartbeat,
     InitWeightsUpdateGroup,
     Kind,
+    KvEvent,
+    KvEventBatch,
+    KvEvents,
+    KvOp,
     Message,
     Pause,
     PauseMode,
@@ -83,7 +87,8 @@ from rollout.types import Rollout
 
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES", "PROTOCOL_VERSION", "Abort", "Continue", "ErrorCode", "ErrorReply", "Generate",
-    "Health", "HealthInfo", "Heartbeat", "Kind", "Message", "Pause", "PauseMode", "ProtocolError", "ReplyMessage",
+    "Health", "HealthInfo", "Heartbeat", "Kind", "KvEvent", "KvEventBatch", "KvEvents", "KvOp", "Message", "Pause",
+    "PauseMode", "ProtocolError", "ReplyMessage",
     "RequestMessage", "ResetPrefixCache", "Result", "Resume", "SafetensorsDir", "SampleOutput", "Sampling",
     "Stats", "Suspend", "SuspendPolicy", "TokenDelta", "UpdatePolicy", "UpdateWeights", "WeightSource", "decode",
     "decode_reply", "decode_request", "encode", "error_from_reply", "error_reply", "output_from_wire", "output_to_wire",

@@ -5,7 +5,8 @@ Threads (ZMQ sockets are not thread-safe: only the socket thread touches the ROU
 * the socket thread (`serve_forever`) reads frames, decodes and checks them, keeps the request
   registry (exactly-once, `rollout.registry`) and the client leases (`rollout.lease`), and
   encodes and sends every reply. It never waits on the engine: Health is answered from the
-  loop's last tick, everything that needs the engine goes to the lane;
+  loop's last tick, KvEvents from the prefix-cache event log (`rollout.kv_log`, for routers),
+  everything that needs the engine goes to the lane;
 * the engine lane (`rollout.lane`) makes the engine calls in arrival order;
 * the engine's own background loop steps; its stream callbacks only put `(record, item)` into
   the server's mailbox, which wakes the socket thread (`rollout.mailbox`).
@@ -28,6 +29,7 @@ from typing import Any, Optional
 import zmq
 
 from inference import DynamicInferenceEngine, RequestOutput, TokenEvent
+from rollout.kv_log import KvEventLog
 from rollout.lane import Done, EngineLane, Submitted
 from rollout.lease import Leases
 from rollout.mailbox import Mailbox
@@ -41,6 +43,7 @@ from rollout.messages import (
     HealthInfo,
     Heartbeat,
     Kind,
+    KvEvents,
     Pause,
     RequestMessage,
     Result,
@@ -135,6 +138,8 @@ class RolloutServer:
         self.registry = RequestRegistry(retain_s=config.retain_s)
         self.leases = Leases(config.lease_s)
         self.metrics = ServiceMetrics()
+        self.kv_log = KvEventLog(engine.config.block_size)
+        engine.add_kv_event_listener(self.kv_log)
         self._owns_loop = not engine.loop_running
         if self._owns_loop:
             engine.start()
@@ -239,6 +244,11 @@ class RolloutServer:
         elif isinstance(msg, Health):
             self._send(peer, Result(request_id=msg.request_id, request_kind=Kind.HEALTH,
                                     policy_version=self.engine.policy_version, health=self.health()))
+        elif isinstance(msg, KvEvents):
+            # NOTE: a hash takes at most 9 bytes of msgpack, an event's framing 3 more
+            batch = self.kv_log.read(msg.since, msg.max_events, max_hashes=(self.config.max_frame_bytes - 512) // 12)
+            self._send(peer, Result(request_id=msg.request_id, request_kind=Kind.KV_EVENTS,
+                                    policy_version=self.engine.policy_version, kv_events=batch))
         elif isinstance(msg, Heartbeat):
             self._send(peer, Result(request_id=msg.request_id, request_kind=Kind.HEARTBEAT,
                                     policy_version=self.engine.policy_version))

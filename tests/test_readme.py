@@ -9,12 +9,13 @@ import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-EXCERPTS = ("gpt_model",)  # fragments that need a trainer from elsewhere (megatron): read, not run
+EXCERPTS = ("gpt_model",)  # needs a trainer from elsewhere (megatron): read, not run
 SLOW = ("grpo_step",)
+RAY = ("RayReplicas",)  # starts a local Ray instance (~15 s on 2 cores): run by `make stress`
 
 
 def runnable(block: str) -> bool:
-    return not any(word in block for word in EXCERPTS)
+    return not any(word in block for word in EXCERPTS + RAY)
 
 
 def test_readme_has_snippets():
@@ -34,3 +35,14 @@ def test_colocated_rl_snippet_runs(capsys):
     exec(compile(block, str(README), "exec"), {})
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert float(last.split("reward")[1].split()[0]) >= 0.9
+
+
+@pytest.mark.stress
+def test_ray_snippet_runs():
+    pytest.importorskip("ray")
+    namespace: dict = {}
+    for block in BLOCKS:  # NOTE: after the blocks it builds on (model_dir, local, greedy)
+        if runnable(block) and not any(word in block for word in SLOW):
+            exec(compile(block, str(README), "exec"), namespace)
+    (block,) = [b for b in BLOCKS if any(word in b for word in RAY)]
+    exec(compile(block, str(README), "exec"), namespace)

@@ -1,14 +1,17 @@
 """Shared by the service tests: a tiny Llama saved to disk, the server's arguments, the matching
 in-process engine, and a `rollout serve` with test hooks (run as `python -m tests.rollout.service_util`):
-SIGUSR1 wedges the engine loop through its `hold` test hook, SIGUSR2 releases it."""
+SIGUSR1 wedges the engine loop through its `hold` test hook, SIGUSR2 releases it; with
+$ROLLOUT_TEST_SLOW_FILE set, every engine step sleeps SLOW_STEP_S while that file exists."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 VOCAB = 384
@@ -19,6 +22,7 @@ SERVER_ARGS = ("--threads", "1", "--block-size", "4", "--num-blocks", "4096", "-
                "--health-deadline-s", str(HEALTH_DEADLINE_S))
 HOOKED_ENTRY = ("-m", "tests.rollout.service_util")
 WAIT_S = 60.0  # every wait in the service tests is bounded
+SLOW_STEP_S = 0.02
 
 
 def save_tiny_model(directory: Path, seed: int = 0) -> Path:
@@ -79,6 +83,17 @@ def _main() -> int:
 
         signal.signal(signal.SIGUSR1, wedge)
         signal.signal(signal.SIGUSR2, release)
+        slow_file = os.environ.get("ROLLOUT_TEST_SLOW_FILE")
+        if slow_file:
+            loop = server.engine._loop
+            step = loop._step
+
+            def slowed() -> None:
+                if os.path.exists(slow_file):
+                    time.sleep(SLOW_STEP_S)
+                step()
+
+            loop._step = slowed
 
     return serve_main(args, on_ready=install_hooks)
 

@@ -30,6 +30,10 @@ from rollout.protocol import (
     Heartbeat,
     InitWeightsUpdateGroup,
     Kind,
+    KvEvent,
+    KvEventBatch,
+    KvEvents,
+    KvOp,
     Pause,
     PauseMode,
     ProtocolError,
@@ -83,10 +87,13 @@ def examples() -> list:
         TokenDelta(request_id="g-1", sample_index=0, start=2, token_ids=[4], logprobs=[-0.75], versions=[7]),
         Result(request_id="c-9", request_kind=Kind.HEALTH, policy_version=7,
                stats={"steps": 3, "rate": 0.5, "mode": "x"},
-               health=HealthInfo(healthy=True, seconds_since_loop_tick=0.01, state="running", policy_version=7)),
+               health=HealthInfo(healthy=True, seconds_since_loop_tick=0.01, state="running", policy_version=7),
+               kv_events=KvEventBatch(block_size=16, start=5, next=8, reset=True, more=True, events=[
+                   KvEvent(KvOp.STORED, [2**63 - 1, 1]), KvEvent(KvOp.REMOVED, [7]), KvEvent(KvOp.CLEARED)])),
         ErrorReply(code=ErrorCode.CONTEXT_OVERFLOW, message="too long", request_id="g-1",
                    context_error={"type": "BlockOverflowError", "request_id": None, "message": "m",
                                   "is_transient": True}),
+        KvEvents(request_id="c-11", since=5, max_events=128),
     ]
 
 
@@ -124,7 +131,7 @@ def refused(obj, code: ErrorCode = ErrorCode.BAD_SCHEMA, **kwargs) -> ProtocolEr
 def test_kinds_have_fixed_numbers_requests_low_replies_high():
     assert {k.name: k.value for k in Kind} == {
         "GENERATE": 1, "ABORT": 2, "PAUSE": 3, "CONTINUE": 4, "SUSPEND": 5, "RESUME": 6, "UPDATE_WEIGHTS": 7,
-        "RESET_PREFIX_CACHE": 8, "STATS": 9, "HEALTH": 10, "HEARTBEAT": 11,
+        "RESET_PREFIX_CACHE": 8, "STATS": 9, "HEALTH": 10, "HEARTBEAT": 11, "KV_EVENTS": 12,
         "SAMPLE_OUTPUT": 64, "TOKEN_DELTA": 65, "RESULT": 66, "ERROR": 67,
     } | {"INIT_WEIGHTS_UPDATE_GROUP": 13, "DESTROY_WEIGHTS_UPDATE_GROUP": 14, "GET_WEIGHT_VERSION": 15}
     assert sorted(raw(m)["kind"] for m in EXAMPLES) == sorted(k.value for k in Kind)
@@ -275,8 +282,12 @@ def test_generate_fields_are_refused_naming_the_field(field, value):
     (EXAMPLES[11], "versions", b"\x00" * 7), (EXAMPLES[11], "top_logprobs", [{7: -0.5}]),
     (EXAMPLES[11], "prompt_logprobs", [None]), (EXAMPLES[11], "sample_index", 4),
     (EXAMPLES[11], "finish_reason", "tired"), (EXAMPLES[11], "ttft", NAN),
-    (EXAMPLES[12], "token_ids", np.array([4, 5], "<i4").tobytes()), (EXAMPLES[13], "request_kind", 12),
+    (EXAMPLES[12], "token_ids", np.array([4, 5], "<i4").tobytes()), (EXAMPLES[13], "request_kind", 13),
     (EXAMPLES[14], "code", 99), (EXAMPLES[14], "context_error", {"nested": [1]}),
+    (EXAMPLES[15], "max_events", 0), (EXAMPLES[15], "since", -1),
+    (EXAMPLES[13], "kv_events", {"block_size": 4, "start": 0, "next": 1, "events": [[1, [0]]]}),  # hash 0: no parent
+    (EXAMPLES[13], "kv_events", {"block_size": 4, "start": 0, "next": 1, "events": [[1, [2**63]]]}),
+    (EXAMPLES[13], "kv_events", {"block_size": 4, "start": 0, "next": 1, "events": [[9, []]]}),
 ])
 def test_other_fields_are_refused_naming_the_field(msg, field, value):
     frame = raw(msg)

@@ -179,7 +179,8 @@ def test_one_interface_in_process_and_remote(client, service_model_dir):
         backend.reset_prefix_cache()
         batch = backend.generate([[3, 4, 5], [6, 7]], n=2, sampling=greedy(5))
         assert batch.group_size == 2 and batch.groups == [0, 0, 1, 1] and batch.stats.completion_tokens == 20
-        streamed = backend.stream([[3, 4, 5]], n=1, sampling=greedy(5)).result(WAIT_S)
+        streamed = backend.stream([[3, 4, 5]], n=1, sampling=greedy(5), session_id="agent-0",  # a router's hints,
+                                  group_id="g-0").result(WAIT_S)  # accepted (and ignored) by one engine
         assert streamed[0].completion_ids == batch[0].completion_ids
         backend.pause("keep")
         backend.continue_()
