@@ -100,6 +100,11 @@ class InferenceConfig:
     # pad each step's tokens to the smallest of these sizes (CUDA graphs replay a few shapes);
     # None: no padding (the CPU default: padding only costs compute there)
     batch_buckets: Optional[tuple[int, ...]] = None
+    # decode-only steps pad their requests (one token each) to these instead (None: batch_buckets)
+    decode_buckets: Optional[tuple[int, ...]] = None
+    # capture the model once per bucket and replay it (CUDA only; needs buckets); suspend frees the
+    # graphs and their memory pool, resume captures them again
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_requests", "max_batch_tokens", "max_sequence_length", "chunked_prefill_size"):
@@ -133,15 +138,27 @@ class InferenceConfig:
             raise ValueError(f"InferenceConfig.dtype must be float32, bfloat16 or float16, got {self.dtype}")
         self.device = torch.device(self.device)
         self.eviction_policy = EvictionPolicy(self.eviction_policy)
-        if self.batch_buckets is not None:
-            buckets = tuple(self.batch_buckets)
-            if not buckets or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets) \
-                    or list(buckets) != sorted(set(buckets)):
-                raise ValueError(f"InferenceConfig.batch_buckets must be increasing positive ints, got {buckets!r}")
-            self.batch_buckets = buckets
+        for name in ("batch_buckets", "decode_buckets"):
+            value = getattr(self, name)
+            if value is not None:
+                buckets = tuple(value)
+                if not buckets or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets) \
+                        or list(buckets) != sorted(set(buckets)):
+                    raise ValueError(f"InferenceConfig.{name} must be increasing positive ints, got {buckets!r}")
+                setattr(self, name, buckets)
+        if self.decode_buckets is not None and self.batch_buckets is None:
+            raise ValueError("InferenceConfig.decode_buckets needs batch_buckets (the buckets of steps that prefill)")
+        if self.cuda_graphs and (self.batch_buckets is None or self.device.type != "cuda"):
+            raise ValueError("InferenceConfig.cuda_graphs needs batch_buckets and a CUDA device, got "
+                             f"batch_buckets={self.batch_buckets}, device={self.device}")
         self.suspend_policy = SuspendPolicy(self.suspend_policy)
         self.update_policy = UpdatePolicy(self.update_policy)
         self.suspended_add_policy = SuspendedAddPolicy(self.suspended_add_policy)
+
+    @property
+    def largest_bucket(self) -> int:
+        """The most tokens a padded step can have (0 without buckets)."""
+        return max((*(self.batch_buckets or ()), *(self.decode_buckets or ()), 0))
 
     @property
     def max_blocks_per_request(self) -> int:

@@ -79,15 +79,19 @@ class DynamicInferenceEngine:
         config: Optional[InferenceConfig] = None,
         *,
         share_weights: bool = False,
+        expert_parallel: Any = None,
     ) -> DynamicInferenceEngine:
-        """Build from an HF model directory or an in-memory transformers `*ForCausalLM`."""
+        """Build from an HF model directory or an in-memory transformers `*ForCausalLM`; an MoE
+        model with `expert_parallel` (an `inference.parallel.ExpertParallel`) keeps only this
+        rank's experts (then also call `set_ep_communicator`)."""
         from inference.models.loading import load_from_hf_dir, load_from_hf_model
 
         config = config or InferenceConfig()
         if isinstance(model, (str, Path)):
-            decoder = load_from_hf_dir(model, dtype=config.dtype, device=config.device)
+            decoder = load_from_hf_dir(model, dtype=config.dtype, device=config.device, expert_parallel=expert_parallel)
         else:
-            decoder = load_from_hf_model(model, share_weights=share_weights, dtype=config.dtype, device=config.device)
+            decoder = load_from_hf_model(model, share_weights=share_weights, dtype=config.dtype, device=config.device,
+                                         expert_parallel=expert_parallel)
         engine = cls(decoder, config)
         report = getattr(decoder, "bind_report", None)
         if share_weights and report is not None:
@@ -282,6 +286,26 @@ class DynamicInferenceEngine:
             outbox, self._step_channel.outbox = self._step_channel.outbox, []
             return outbox
 
+    def set_ep_communicator(self, communicator: Any, *, heartbeat_s: float = 0.01) -> None:
+        """Step in lockstep with the other ranks of an expert-parallel group (see
+        `inference/core/ep_step.py`). Every rank must then keep stepping while any has work: run
+        the background loop (`start()`), or drive it with `step_until_ep_idle()`."""
+        with self._lock:
+            self.core.set_ep_communicator(communicator, heartbeat_s=heartbeat_s)
+
+    def step_until_ep_idle(self) -> list[RequestOutput]:
+        """An expert-parallel rank without a loop: step with the peers until a round finds no
+        rank with unfinished requests (all ranks return after the same round), or the group
+        stopped; the outputs of `add_request`ed requests. A lost peer raises `EPPeerLostError`
+        within its timeout."""
+        if self.core.ep is None:
+            raise EngineStateError("step_until_ep_idle: not an expert-parallel rank (set_ep_communicator first)")
+        outputs: list[RequestOutput] = []
+        while True:
+            outputs += self.step()
+            if self.core.ep.all_idle or self.core.ep.stopped:
+                return outputs
+
     def step_for_waiter(self) -> None:
         """Without a loop, a thread waiting on a stream makes progress itself: one step, or a
         short sleep when nothing can run (another thread may continue or resume the engine)."""
@@ -304,10 +328,17 @@ class DynamicInferenceEngine:
                                     idle_wait=idle_wait)
 
     def stop(self, timeout: float = 30.0) -> None:
-        """End the background loop after the commands already queued; requests stay in flight."""
+        """End the background loop after the commands already queued; requests stay in flight.
+        An expert-parallel rank first stops its group with it (every rank's loop then idles)."""
         loop = self._loop
         if loop is None:
             return
+        ep = self.core.ep
+        if ep is not None and not ep.stopped:
+            ep.leave()
+            done = loop.wait_for(lambda: ep.stopped)
+            if done is not None:
+                done.result(timeout)
         loop.stop(timeout)
         self._loop = None
 

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from inference.sampling_params import SamplingParams
@@ -62,6 +63,8 @@ class Request:
     # prompt log-probs by position while in a slot (a `PromptScores`; `prompt_logprobs` is built
     # from it when the request leaves its slot)
     prompt_scores: Optional[Any] = None
+    # MoE routing by token position `[max_total_tokens, moe_layers, k]` (return_routed_experts)
+    routed_experts: Optional[np.ndarray] = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -106,6 +109,9 @@ class RequestOutput:
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
     num_preemptions: int = 0
+    # the experts each computed token went to: `[num_tokens - 1, moe_layers, k]` (the last sampled
+    # token was never fed to the model); None unless `return_routed_experts`
+    routed_experts: Optional[np.ndarray] = None
 
     @property
     def time_to_first_token(self) -> Optional[float]:
@@ -133,4 +139,5 @@ class RequestOutput:
             first_token_time=req.first_token_time,
             finish_time=req.finish_time,
             num_preemptions=req.num_preemptions,
+            routed_experts=None if req.routed_experts is None else req.routed_experts[: req.num_tokens - 1],
         )

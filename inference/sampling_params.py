@@ -72,6 +72,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logprobs_mode: LogprobsMode = LogprobsMode.RAW
+    # MoE models: return the experts each token was routed to, per MoE layer (routing replay in the
+    # trainer); such a request computes its whole prompt (no prefix-cache hit skips a route)
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if not (_is_int(self.n) and self.n >= 1):
@@ -101,6 +104,8 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         _check_top_n("logprobs", self.logprobs)
         _check_top_n("prompt_logprobs", self.prompt_logprobs)
+        if not isinstance(self.return_routed_experts, bool):
+            raise ValueError(f"return_routed_experts must be a bool, got {self.return_routed_experts!r}")
         if not isinstance(self.logprobs_mode, LogprobsMode):
             raise ValueError(f"logprobs_mode must be a LogprobsMode, got {self.logprobs_mode!r}")
 

@@ -146,6 +146,12 @@ class WeightManager:
                 "update_weights would write into the trainer's aliased parameters; call on_weights_updated()"
             )
         pairs = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        localize = getattr(self.model, "localize_weights", None)
+        if localize is not None:  # NOTE: an MoE rank keeps its own experts of whole-model tensors
+            names = [n for n, _ in pairs]
+            if len(set(names)) != len(names):
+                raise WeightNameError("update_weights: a tensor name appears twice")
+            pairs = list(localize(dict(pairs)).items())
         hf = self._to_hf_names(pairs)
         self._validate(hf, partial)
         return hf

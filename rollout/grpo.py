@@ -10,11 +10,15 @@ Token tensors here are *flat*: one entry per completion token, in the row-major 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Optional
 
+import numpy as np
 import torch
 
+from inference.routing_replay import pad_routes, replay_routing
 from rollout.types import PaddedBatch, RolloutBatch, group_slices
 
 __all__ = ["TrainStats", "gather_logprobs", "group_advantages", "grpo_loss", "grpo_step", "token_logprobs"]
@@ -42,7 +46,8 @@ def group_advantages(
 
 
 def token_logprobs(
-    model: torch.nn.Module, input_ids: torch.Tensor, loss_mask: torch.Tensor, temperature: float = 1.0
+    model: torch.nn.Module, input_ids: torch.Tensor, loss_mask: torch.Tensor, temperature: float = 1.0,
+    routes: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Flat `[N]` log-probs (fp32, with grad) of the tokens where `loss_mask` is True, under
     `softmax(logits / temperature)` (the engine's PROCESSED log-probs when sampling untruncated at T).
@@ -50,13 +55,18 @@ def token_logprobs(
     Only the N predicting positions go through the LM head (a `[N, vocab]` logits matrix, not
     `[B, T, vocab]`). Right padding means no attention mask is needed: a real token never attends
     to a later position, so the padding after it is invisible under the causal mask.
+
+    With `routes [B, T, moe_layers, k]` (an MoE model), every token goes to the experts the engine
+    chose for it (`inference.routing_replay`).
     """
     if loss_mask[:, 0].any():
         raise ValueError("token_logprobs: the first position has nothing to predict it")
     rows, cols = loss_mask.nonzero(as_tuple=True)
     targets = input_ids[rows, cols]
     decoder, head = model.get_decoder(), model.get_output_embeddings()
-    hidden = decoder(input_ids=input_ids, use_cache=False).last_hidden_state
+    replay = replay_routing(model, routes) if routes is not None else contextlib.nullcontext()
+    with replay:
+        hidden = decoder(input_ids=input_ids, use_cache=False).last_hidden_state
     logits = head(hidden[rows, cols - 1]).float()
     return gather_logprobs(logits if temperature == 1.0 else logits / temperature, targets)
 
@@ -106,6 +116,7 @@ def grpo_step(
     micro_batch_size: int | None = None,
     pad_id: int = 0,
     temperature: float = 1.0,
+    routed_experts: Optional[Sequence[Optional[np.ndarray]]] = None,
 ) -> TrainStats:
     """One GRPO optimizer step on `batch`, in place on `model` (whose parameters the engine may alias).
 
@@ -113,10 +124,15 @@ def grpo_step(
     weighted so the sum is exact). Mismatch figures compare the engine's log-probs with the
     trainer's recomputation under the same weights, before the step. `temperature` must match
     the log-probs in `batch`: 1 for RAW ones, the sampling temperature for PROCESSED ones.
+    `routed_experts` (an MoE policy: each row's `RequestOutput.routed_experts`) replays the
+    engine's routing in the trainer's forward.
     """
     device = next(model.parameters()).device
     padded: PaddedBatch = batch.to_padded_tensors(pad_id=pad_id, device=device)
     adv_rows = group_advantages(rewards, batch.groups).to(device)
+    if routed_experts is not None and len(routed_experts) != len(batch):
+        raise ValueError(f"grpo_step: {len(routed_experts)} routes for {len(batch)} samples")
+    routes = None if routed_experts is None else pad_routes(routed_experts, padded.input_ids.shape[1]).to(device)
     total = int(padded.loss_mask.sum())
     if total == 0:
         raise ValueError("grpo_step: the batch has no completion token")
@@ -129,7 +145,8 @@ def grpo_step(
         mask = padded.loss_mask[sl]
         if not mask.any():
             continue
-        lp = token_logprobs(model, padded.input_ids[sl], mask, temperature)
+        replayed = {} if routes is None else {"routes": routes[sl]}
+        lp = token_logprobs(model, padded.input_ids[sl], mask, temperature, **replayed)
         old = padded.old_logprobs[sl][mask]
         adv = adv_rows[sl][:, None].expand_as(mask)[mask]
         per_token, was_clipped = grpo_loss(lp, old, adv, clip_eps=clip_eps)

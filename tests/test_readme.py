@@ -9,7 +9,8 @@ import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-EXCERPTS = ("gpt_model",)  # needs a trainer from elsewhere (megatron): read, not run
+EXCERPTS = ("gpt_model", "start_ep_rank")  # need a trainer from elsewhere (megatron) or several processes
+# (expert parallelism): read, not run
 SLOW = ("grpo_step",)
 RAY = ("RayReplicas",)  # starts a local Ray instance (~15 s on 2 cores): run by `make stress`
 

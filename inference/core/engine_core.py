@@ -24,6 +24,7 @@ import torch
 from inference.cache.manager import CacheManager, OffloadedCaches
 from inference.config import InferenceConfig, PauseMode, SuspendedAddPolicy, SuspendPolicy, UpdatePolicy
 from inference.core import outputs as out_ops
+from inference.core.ep_step import ExpertParallelSteps
 from inference.core.memory import SuspendReport, available_device_memory, memory_in_use
 from inference.core.states import EngineState, OnFinished, OnTokens
 from inference.errors import (
@@ -66,8 +67,10 @@ class EngineCore:
         self.vocab_size = spec.vocab_size
         self.eos_token_ids = np.array(sorted(spec.eos_token_ids), dtype=np.int64)
         self.weights = WeightManager(model)
+        # NOTE: padding rows and expert-parallel dummy steps write their K/V into a scratch block
         self.caches = CacheManager(model.cache_specs(), config, model.device,
-                                   scratch_block=config.batch_buckets is not None)
+                                   scratch_block=config.batch_buckets is not None
+                                   or getattr(model, "expert_parallel", None) is not None)
         self.kv_cache = self.caches.kv
         self.allocator = self.caches.allocator
         self.context = DynamicInferenceContext(config, self.allocator, lambda: self.weights.policy_version,
@@ -80,6 +83,7 @@ class EngineCore:
         self._offloaded: Optional[OffloadedCaches] = None
         self.num_steps = 0
         self.generated_tokens = 0
+        self.ep: Optional[ExpertParallelSteps] = None  # set on an expert-parallel rank
         # blocks in use during each step (ring buffer), sampled before finished requests release
         self._kv_trace = np.zeros(KV_TRACE_STEPS, dtype=np.int32)
 
@@ -169,7 +173,10 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def can_step(self) -> bool:
-        """Whether a step could make progress now (there is work and the state lets it run)."""
+        """Whether a step could make progress now (there is work and the state lets it run); an
+        expert-parallel rank also steps while its peers work, and for heartbeats."""
+        if self.ep is not None:
+            return self.ep.wants_step()
         if self.weights.serving_error is not None:
             return False
         if self.state is EngineState.RUNNING:
@@ -178,20 +185,40 @@ class EngineCore:
 
     # ---- the step ----------------------------------------------------------------------------
 
+    def set_ep_communicator(self, communicator: Any, *, heartbeat_s: float = 0.01) -> None:
+        """Make this engine a rank of an expert-parallel group: every step agrees on its batch shape
+        with the peers over `communicator` (an `EPCommunicator`), see `core/ep_step.py`.
+
+        NOTE: the lockstep itself works for any model (a dense one keeps it for tests and for
+        attention-only ranks); an MoE model loaded with `expert_parallel` needs it, since its
+        exchanges hang unless every rank runs every step."""
+        if communicator.world_size > 1 and self.caches.scratch_block is None:
+            raise EngineStateError("set_ep_communicator: dummy steps need a scratch KV block; load the model "
+                                   "with expert_parallel=ExpertParallel(...) or configure batch_buckets")
+        self.ep = ExpertParallelSteps(self, communicator, heartbeat_s=heartbeat_s)
+
     def step(self) -> None:
         """One forward pass over the scheduled requests; outputs go to the client's callbacks."""
+        if self.ep is not None:
+            self.ep.step()
+            return
         if not self.can_step():
             return
-        ctx = self.context
         plan = self.scheduler.schedule(admit_new=self.state is EngineState.RUNNING)
         if plan.empty:
             return
-        batch = self.runner.prepare(ctx, plan)
+        self.run_plan(plan, self.runner.prepare(self.context, plan))
+
+    def run_plan(self, plan: Any, batch: Any) -> None:
+        """Forward the prepared `batch` of `plan`, then forks, block registration, sampling."""
+        ctx = self.context
         try:
             logits = self.runner.forward(batch)
         except Exception:
             self.allocator.events.discard_pending()
             raise
+        if batch.record_routes:  # NOTE: before forks copy a leader's prompt routes to its samples
+            out_ops.record_routes(ctx, batch, self.runner.routes_of(batch))
         self._kv_trace[self.num_steps % KV_TRACE_STEPS] = self.allocator.active
         self.num_steps += 1
         ctx.kv_len[plan.slots] += plan.query_lens
@@ -268,7 +295,7 @@ class EngineCore:
         else:
             offloaded = self._offload_in_slot_requests()
         buffer_bytes = self.caches.release()  # every cached block goes with the buffers
-        workspace = self.runner.release_workspace()
+        workspace = self.runner.release_workspace()  # CUDA graphs and their memory pool too
         weight_bytes = self.weights.offload() if offload_weights else 0
         self.weights.drop_spare()  # NOTE: spare staging buffers are the trainer's memory now too
         freed = max(0, before - memory_in_use(device))
@@ -296,6 +323,7 @@ class EngineCore:
                 self.weights.offload()
             raise ResumeMemoryError(f"resume could not allocate its buffers ({exc}); still suspended") from exc
         self._restore_offloaded_requests()
+        self.runner.reacquire()  # CUDA graphs captured again
         self.state, self.pause_mode = self._before_suspend
 
     def _offload_in_slot_requests(self) -> int:
@@ -326,6 +354,7 @@ class EngineCore:
 
     def bind_trainer_model(self, module: Any) -> Any:
         report = self.weights.bind_trainer_model(module)
+        self.runner.weights_changed()
         self.reset_prefix_cache()
         return report
 
@@ -347,6 +376,7 @@ class EngineCore:
         self.weights.check_version(version)
         self._apply_update_policy(policy)
         self.weights.apply_update(hf)
+        self.runner.weights_changed()
         version = self.weights.commit_version(version)
         self.reset_prefix_cache()
         return version
@@ -367,6 +397,7 @@ class EngineCore:
             raise WeightNameError(f"commit: {len(missing)} tensors not loaded, e.g. {missing[:8]}")
         self._apply_update_policy(policy)
         version = self.weights.commit_update()
+        self.runner.weights_changed()
         self.reset_prefix_cache()
         return version
 
@@ -416,5 +447,7 @@ class EngineCore:
             "preemptions": self.scheduler.num_preemptions,
             **self.context.get_kvcache_utilization_stats(),
             **self.caches.stats(),
+            **self.runner.stats(),
+            **(self.ep.stats() if self.ep is not None else {}),
             **(self.context.state_prefix.stats() if self.context.state_prefix is not None else {}),
         }

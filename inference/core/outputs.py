@@ -71,3 +71,18 @@ def token_events(ctx: DynamicInferenceContext, slots: np.ndarray, tokens: np.nda
         events.append(TokenEvent(req.request_id, req.sample_index, index, int(tokens[row]),
                                  float(logprobs[row]), version))
     return events
+
+
+def record_routes(ctx: DynamicInferenceContext, batch: Any, routes: np.ndarray) -> None:
+    """Keep the experts each computed token went to (`routes [tokens, moe_layers, k]`, the step's
+    token order) for the requests that asked, by token position (a recomputed position overwrites)."""
+    rows = np.flatnonzero(ctx.returns_routes[batch.token_slots])
+    if rows.size == 0:
+        return
+    slots, positions = batch.token_slots[rows], batch.token_positions[rows]
+    for slot in np.unique(slots).tolist():
+        req = ctx.requests[slot]
+        if req.routed_experts is None:
+            req.routed_experts = np.zeros((req.max_total_tokens, *routes.shape[1:]), dtype=np.int16)
+        mine = slots == slot
+        req.routed_experts[positions[mine]] = routes[rows[mine]]

@@ -201,6 +201,11 @@ class DenseDecoder:
         self._lm_head = t[EMBED] if self.spec.tie_word_embeddings else t[LM_HEAD]
         self._layers = [_Layer(t, i) for i in range(self.spec.num_layers)]
 
+    def weights_signature(self) -> tuple[int, ...]:
+        """Where the weights live: unchanged by in-place updates, changed by a rebind (a captured
+        CUDA graph reads weights at their addresses, so a rebind must re-capture it)."""
+        return tuple(t.data_ptr() for t in self._tensors.values())
+
     # -- cache -----------------------------------------------------------------------------------
 
     def cache_specs(self) -> list[KVCacheSpec]:
@@ -232,7 +237,7 @@ class DenseDecoder:
         Writes this step's K/V of every layer into `kv_cache` at `meta.slot_mapping`. A dense
         decoder keeps no per-request state (`states` is for models that declare a state pool).
         """
-        return self.decode_layers(F.embedding(input_ids, self._embed), positions, kv_cache, meta, logits_indices)
+        return self.decode_layers(self.embed(input_ids), positions, kv_cache, meta, logits_indices)
 
     @torch.no_grad()
     def decode_layers(
@@ -243,34 +248,71 @@ class DenseDecoder:
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
-        """The decoder blocks, final norm and LM head over embedded tokens `x [T, hidden]`."""
+        """The decoder blocks, final norm and LM head over embedded tokens `x [T, hidden]`.
+
+        The same pieces (`rope`, `attention_inputs`, `after_attention`, `head`) are what CUDA
+        graphs capture between the attention calls (`inference/runner/cuda_graphs.py`).
+        """
+        self.check_sequence_lengths(meta)
+        self.backend.plan(meta, kv_cache)
+        cos, sin = self.rope(positions)
+        last = len(self._layers) - 1
+        trim = self.trim_last_layer
+        for i in range(len(self._layers)):
+            q, k, v = self.attention_inputs(i, x, cos, sin)
+            o = self.backend.forward(i, q, k, v, kv_cache)
+            if i == last and trim:
+                # NOTE: past the last attention everything is row-wise, so only sampled rows go on
+                o = o.index_select(0, logits_indices)
+                x = x.index_select(0, logits_indices)
+            x = self.after_attention(i, x, o)
+        return self.head(x if trim else x.index_select(0, logits_indices))
+
+    # -- the pieces of a step, between attention calls -------------------------------------------
+
+    # whether the last block runs only on the rows whose logits are wanted (a subclass may need all)
+    trim_last_layer = True
+
+    def check_sequence_lengths(self, meta: AttentionMetadata) -> None:
         s = self.spec
         if s.sliding_window is not None and meta.max_seq_len > s.sliding_window:
             raise NotImplementedError(
                 f"sliding-window attention is not implemented: a sequence of {meta.max_seq_len} tokens "
                 f"exceeds the model's window of {s.sliding_window} (shorter sequences are exact)"
             )
-        self.backend.plan(meta, kv_cache)
-        cos, sin = self.rotary.cos_sin(positions, s.dtype)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self._embed)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary.cos_sin(positions, self.spec.dtype)
+
+    def attention_inputs(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Block `i`'s q, k, v (RoPE applied) from its input `x [T, hidden]`."""
+        s, w = self.spec, self._layers[i]
         n_tok, eps = x.shape[0], s.rms_norm_eps
-        last = len(self._layers) - 1
-        for i, w in enumerate(self._layers):
-            h = rms_norm(x, w.in_norm, eps)
-            q = F.linear(h, w.q_w, w.q_b).view(n_tok, s.num_heads, s.head_dim)
-            k = F.linear(h, w.k_w, w.k_b).view(n_tok, s.num_kv_heads, s.head_dim)
-            v = F.linear(h, w.v_w, w.v_b).view(n_tok, s.num_kv_heads, s.head_dim)
-            if w.q_norm is not None:
-                q = rms_norm(q, w.q_norm, eps)
-                k = rms_norm(k, w.k_norm, eps)
-            o = self.backend.forward(i, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, kv_cache)
-            if i == last:
-                # NOTE: past the last attention everything is row-wise, so only sampled rows go on
-                o = o.index_select(0, logits_indices)
-                x = x.index_select(0, logits_indices)
-            x = x + F.linear(o, w.o_w, w.o_b)
-            h = rms_norm(x, w.post_norm, eps)
-            x = x + swiglu(h, w.gate_w, w.up_w, w.down_w, w.gate_b, w.up_b, w.down_b)
-        return F.linear(rms_norm(x, self._final_norm, eps), self._lm_head)
+        h = rms_norm(x, w.in_norm, eps)
+        q = F.linear(h, w.q_w, w.q_b).view(n_tok, s.num_heads, s.head_dim)
+        k = F.linear(h, w.k_w, w.k_b).view(n_tok, s.num_kv_heads, s.head_dim)
+        v = F.linear(h, w.v_w, w.v_b).view(n_tok, s.num_kv_heads, s.head_dim)
+        if w.q_norm is not None:
+            q = rms_norm(q, w.q_norm, eps)
+            k = rms_norm(k, w.k_norm, eps)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def after_attention(self, i: int, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """Block `i`'s output from its input `x` and its attention output `o [T, heads * head_dim]`."""
+        w = self._layers[i]
+        x = x + F.linear(o, w.o_w, w.o_b)
+        return x + self.mlp(i, rms_norm(x, w.post_norm, self.spec.rms_norm_eps))
+
+    def mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        w = self._layers[i]
+        return swiglu(h, w.gate_w, w.up_w, w.down_w, w.gate_b, w.up_b, w.down_b)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head over the rows of `x` whose logits are wanted."""
+        return F.linear(rms_norm(x, self._final_norm, self.spec.rms_norm_eps), self._lm_head)
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
         return self.forward(*args, **kwargs)  # NOTE: late-bound, so subclasses' forward is the one called

@@ -25,6 +25,9 @@ from inference.attention.base import AttentionBackend
 from inference.models.decoder import EMBED, LM_HEAD, BindReport, DenseDecoder, alias_or_copy, warn_if_copied
 from inference.models.hybrid import HybridDecoder
 from inference.models.hybrid_loading import is_hybrid_config, load_hybrid_from_dir, load_hybrid_from_module
+from inference.models.moe_decoder import MoeDecoder
+from inference.models.moe_loading import load_moe_from_dir, load_moe_from_module
+from inference.models.moe_spec import is_moe_config
 from inference.models.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -38,11 +41,18 @@ def load_from_hf_dir(
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
     backend: AttentionBackend | None = None,
-) -> DenseDecoder | HybridDecoder:
+    expert_parallel: Any = None,
+) -> DenseDecoder | HybridDecoder | MoeDecoder:
     """Load a decoder saved by `save_pretrained` (dtype defaults to the config's, else fp32); a
-    hybrid family's config (Bamba, Nemotron-H, Falcon-H1) gives a `HybridDecoder`."""
+    hybrid family's config (Bamba, Nemotron-H, Falcon-H1) gives a `HybridDecoder`, an MoE family's
+    (Qwen3-MoE, Qwen2-MoE, Mixtral) a `MoeDecoder` (with `expert_parallel`: this rank's experts)."""
     root = Path(path)
     config = json.loads((root / "config.json").read_text())
+    if is_moe_config(config):
+        return load_moe_from_dir(root, config, dtype=dtype, device=_normalize_device(device),
+                                 extra_eos=_generation_eos(root), read=read_safetensors, backend=backend,
+                                 expert_parallel=expert_parallel)
+    _no_experts(expert_parallel, config.get("model_type"))
     if is_hybrid_config(config):
         return load_hybrid_from_dir(root, config, dtype=dtype, device=_normalize_device(device),
                                     extra_eos=_generation_eos(root), read=read_safetensors, backend=backend)
@@ -92,7 +102,8 @@ def load_from_hf_model(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     backend: AttentionBackend | None = None,
-) -> DenseDecoder | HybridDecoder:
+    expert_parallel: Any = None,
+) -> DenseDecoder | HybridDecoder | MoeDecoder:
     """Build from a transformers `*ForCausalLM`; dtype/device default to the model's own.
 
     With `share_weights`, every tensor that can be aliased is (see module docstring); the
@@ -102,6 +113,13 @@ def load_from_hf_model(
     if config is None:
         raise TypeError(f"expected a transformers PreTrainedModel, got {type(model).__name__}")
     params = dict(model.named_parameters(remove_duplicate=False))
+    if is_moe_config(config):
+        first = params[EMBED]
+        return load_moe_from_module(model, share_weights=share_weights, dtype=dtype or first.dtype,
+                                    device=_normalize_device(device if device is not None else first.device),
+                                    extra_eos=_module_generation_eos(model), backend=backend,
+                                    expert_parallel=expert_parallel)
+    _no_experts(expert_parallel, getattr(config, "model_type", None))
     if EMBED not in params and not is_hybrid_config(config):
         raise TypeError(f"{type(model).__name__} has no {EMBED}: pass the *ForCausalLM model")
     if is_hybrid_config(config):
@@ -132,6 +150,11 @@ def load_from_hf_model(
     decoder = DenseDecoder(spec, tensors, backend=backend)
     decoder.bind_report = report
     return decoder
+
+
+def _no_experts(expert_parallel: Any, model_type: Any) -> None:
+    if expert_parallel is not None:
+        raise ValueError(f"expert_parallel is for MoE models; model_type {model_type!r} has no experts")
 
 
 def _normalize_device(device: torch.device | str) -> torch.device:

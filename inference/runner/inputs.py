@@ -10,14 +10,15 @@ host fills it through numpy views and one host-to-device copy of its used prefix
 (on CPU the host buffer *is* the device buffer: no copy). So the tensors handed to the model
 keep their `data_ptr` from step to step, which CUDA graphs need.
 
-With `buckets`, a step's tokens are padded up to the smallest bucket that holds them by extra
-one-token requests that write their K/V into a scratch block and their state into a scratch
-state row, so the model sees only a few distinct batch shapes.
+Padded (`padded` tokens, the step's bucket, see `buckets.py`), the real tokens are followed by
+one-token requests that write their K/V into a scratch block and their state into a scratch state
+row, so the model sees only a few distinct batch shapes. A *dummy* step (`fill_dummy_inputs`) is
+made of such requests only: what an expert-parallel rank without requests runs while its peers
+work. It holds no KV block and touches no request, so the prefix cache is left as it was.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -25,8 +26,11 @@ import numpy as np
 import torch
 
 from inference.attention.metadata import AttentionMetadata
+from inference.runner.buckets import pick_bucket
 from inference.sched.context import DynamicInferenceContext
 from inference.sched.scheduler import StepPlan
+
+__all__ = ["InputBuffers", "PromptLogprobRows", "StepInputs", "fill_dummy_inputs", "fill_inputs", "pick_bucket"]
 
 
 @dataclass(slots=True)
@@ -55,6 +59,13 @@ class StepInputs:
     num_tokens: int  # real tokens (padding excluded)
     num_padding: int  # padding tokens (= padding requests) after the real ones
     num_decode: int = 0  # the first requests that decode one token (the plan's decodes)
+    token_slots: Optional[np.ndarray] = None  # the slot of each real token (recording routes)
+    token_positions: Optional[np.ndarray] = None  # its position in its request
+    record_routes: bool = False  # an MoE model records each token's experts (a request asked)
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.num_tokens + self.num_padding
 
 
 class InputBuffers:
@@ -100,19 +111,11 @@ class InputBuffers:
         self.dev[:end].copy_(self.host[:end], non_blocking=True)
 
 
-def pick_bucket(num_tokens: int, buckets: Optional[Sequence[int]]) -> int:
-    """The smallest bucket >= `num_tokens`, or `num_tokens` itself (no padding) past the largest."""
-    if buckets:
-        for b in buckets:
-            if b >= num_tokens:
-                return b
-    return num_tokens
-
-
 def fill_inputs(buf: InputBuffers, ctx: DynamicInferenceContext, plan: StepPlan, *,
-                buckets: Optional[Sequence[int]] = None, scratch_block: Optional[int] = None,
+                padded: Optional[int] = None, scratch_block: Optional[int] = None,
                 scratch_state: Optional[int] = None) -> StepInputs:
-    """Write the step of `plan` into `buf` and return views of it."""
+    """Write the step of `plan` into `buf` and return views of it; with `padded` (and a scratch
+    block to pad into), padded to that many tokens."""
     slots, q = plan.slots, plan.query_lens
     bs = ctx.block_size
     kv0 = ctx.kv_len[slots]
@@ -121,7 +124,9 @@ def fill_inputs(buf: InputBuffers, ctx: DynamicInferenceContext, plan: StepPlan,
     starts = ends - q
     num_tokens = int(ends[-1])
     num_reqs = slots.size
-    padded = pick_bucket(num_tokens, buckets) if scratch_block is not None else num_tokens
+    padded = num_tokens if padded is None or scratch_block is None else padded
+    if padded < num_tokens:
+        raise ValueError(f"fill_inputs: {num_tokens} tokens do not fit a bucket of {padded}")
     pad = padded - num_tokens
     total_reqs = num_reqs + pad
     if plan.num_decode == num_reqs:  # decode-only step: one row per request
@@ -205,4 +210,49 @@ def fill_inputs(buf: InputBuffers, ctx: DynamicInferenceContext, plan: StepPlan,
         num_tokens=num_tokens,
         num_padding=pad,
         num_decode=plan.num_decode,
+        token_slots=token_slots,
+        token_positions=positions,
+        record_routes=bool(ctx.returns_routes[slots].any()),
+    )
+
+
+def fill_dummy_inputs(buf: InputBuffers, num_tokens: int, block_size: int, scratch_block: int, *,
+                      scratch_state: Optional[int] = None) -> StepInputs:
+    """A step of `num_tokens` one-token requests at position 0 of the scratch block (and scratch
+    state row): the shape of a real step, without a request or a KV block; no logits are computed."""
+    n, t, th = buf.np, buf.t, buf.t_host
+    n["input_ids"][:num_tokens] = 0
+    n["positions"][:num_tokens] = 0
+    n["slot_mapping"][:num_tokens] = scratch_block * block_size
+    n["query_start_loc"][: num_tokens + 1] = np.arange(num_tokens + 1)
+    n["seq_lens"][:num_tokens] = 1
+    n["block_tables"][:num_tokens] = scratch_block  # one column: [num_tokens, 1]
+    state_slots = state_fresh = None
+    if scratch_state is not None:
+        n["state_slots"][:num_tokens] = scratch_state
+        n["state_fresh"][:num_tokens] = True
+        state_slots, state_fresh = t["state_slots"][:num_tokens], t["state_fresh"][:num_tokens]
+    buf.upload(num_tokens)
+    meta = AttentionMetadata(
+        query_start_loc=t["query_start_loc"][: num_tokens + 1],
+        seq_lens=t["seq_lens"][:num_tokens],
+        block_tables=t["block_tables"][:num_tokens].view(num_tokens, 1),
+        slot_mapping=t["slot_mapping"][:num_tokens],
+        max_query_len=1,
+        max_seq_len=1,
+        query_start_loc_cpu=th["query_start_loc"][: num_tokens + 1],
+        seq_lens_cpu=th["seq_lens"][:num_tokens],
+    )
+    return StepInputs(
+        input_ids=t["input_ids"][:num_tokens],
+        positions=t["positions"][:num_tokens],
+        meta=meta,
+        logits_indices=t["logits_indices"][:0],
+        state_slots=state_slots,
+        state_fresh=state_fresh,
+        sample_slots=np.empty(0, dtype=np.int64),
+        prompt_rows=[],
+        prompt_tokens=0,
+        num_tokens=0,
+        num_padding=num_tokens,
     )

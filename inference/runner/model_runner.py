@@ -1,22 +1,29 @@
 """ModelRunner: prepare inputs -> run the model -> sample, over persistent buffers.
 
 A fixed pipeline per step. The inputs go into buffers sized once at start (`InputBuffers`), so
-no step allocates them and the model always sees the same tensors; with `batch_buckets` set,
-batches are padded to a few shapes (what CUDA graphs will replay). The model computes logits only
-for the rows that are sampled or scored. The sampler and its float32 workspace live here; both
-scratch areas (the sampler's and attention's) are released on suspend.
+no step allocates them and the model always sees the same tensors. With buckets configured, each
+step is padded to the bucket of its shape (`BucketPolicy`: decode-only steps by requests, mixed
+steps by tokens); an expert-parallel rank pads to the bucket its group agreed on and, with no
+requests, runs a dummy batch of it. With `cuda_graphs`, the model is captured once per bucket
+(`cuda_graphs.PiecewiseGraphs`) and replayed; steps past the largest bucket run eagerly. The model
+computes logits only for the rows that are sampled or scored. The sampler and its float32
+workspace live here; on suspend the scratch areas (the sampler's, attention's) and the CUDA graphs
+with their memory pool are released, and resume captures the graphs again.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from inference.cache.manager import CacheManager
 from inference.config import InferenceConfig
 from inference.models.protocol import StateBatch
-from inference.runner.inputs import InputBuffers, StepInputs, fill_inputs
+from inference.runner.buckets import IDLE, BatchDims, BucketPolicy
+from inference.runner.cuda_graphs import PiecewiseGraphs
+from inference.runner.inputs import InputBuffers, StepInputs, fill_dummy_inputs, fill_inputs
 from inference.sampling import Sampler, SamplerOutput, SamplingBatch
 from inference.sched.context import DynamicInferenceContext
 from inference.sched.scheduler import StepPlan
@@ -25,25 +32,61 @@ from inference.sched.scheduler import StepPlan
 class ModelRunner:
     """Runs one model over the flat batches the scheduler plans (see module docstring).
 
-    Invariant: `buffers` are allocated once; `prepare` only writes into them.
+    Invariant: `buffers` are allocated once; `prepare` only writes into them. Graphs, when
+    captured, match the model's current weight addresses (`weights_changed` re-captures).
     """
 
     def __init__(self, model: Any, caches: CacheManager, config: InferenceConfig) -> None:
         self.model = model
         self.caches = caches
-        self.buckets = config.batch_buckets
-        self.buffers = InputBuffers(config.max_batch_tokens if not self.buckets else
-                                    max(config.max_batch_tokens, max(self.buckets)),
-                                    config.max_blocks_per_request, caches.kv.device)
+        self.buckets = BucketPolicy(config.batch_buckets, config.decode_buckets)
+        max_tokens = max(config.max_batch_tokens, config.largest_bucket)
+        self.buffers = InputBuffers(max_tokens, config.max_blocks_per_request, caches.kv.device)
         self.sampler = Sampler()
+        self.routes = getattr(model, "routes", None)  # MoE models record their routing here
+        if self.routes is not None:
+            self.routes.ensure(max_tokens)
+        self.graphs = PiecewiseGraphs(model, self.buffers, self.buckets.sizes) if config.cuda_graphs else None
+        if self.graphs is not None:
+            self.graphs.capture_all()
+        self.last_bucket: Optional[int] = None
+        self.graph_replays = self.eager_steps = 0
 
-    def prepare(self, ctx: DynamicInferenceContext, plan: StepPlan) -> StepInputs:
+    # ---- shapes ------------------------------------------------------------------------------
+
+    def local_dims(self, plan: StepPlan) -> BatchDims:
+        return IDLE if plan.empty else BatchDims.of_plan(plan.query_lens, plan.num_decode)
+
+    def match_bucket(self, dims: BatchDims) -> Optional[int]:
+        """The padded size of a step of `dims`, or None (eager, unpadded)."""
+        return self.buckets.match(dims) if self.caches.scratch_block is not None else None
+
+    # ---- a step ------------------------------------------------------------------------------
+
+    def prepare(self, ctx: DynamicInferenceContext, plan: StepPlan, dims: Optional[BatchDims] = None) -> StepInputs:
+        """Write `plan`'s step into the buffers, padded to the bucket of `dims` (default: the
+        plan's own; an expert-parallel rank passes the dims its group agreed on)."""
+        self.last_bucket = self.match_bucket(dims if dims is not None else self.local_dims(plan))
         states = self.caches.states
-        return fill_inputs(self.buffers, ctx, plan, buckets=self.buckets, scratch_block=self.caches.scratch_block,
+        return fill_inputs(self.buffers, ctx, plan, padded=self.last_bucket, scratch_block=self.caches.scratch_block,
                            scratch_state=None if states is None else states.scratch)
 
+    def prepare_dummy(self, dims: BatchDims) -> StepInputs:
+        """A batch of the agreed shape without requests (scratch block only; no logits)."""
+        self.last_bucket = self.match_bucket(dims)
+        states = self.caches.states
+        return fill_dummy_inputs(self.buffers, self.last_bucket or 1, self.caches.block_size,
+                                 self.caches.scratch_block, scratch_state=None if states is None else states.scratch)
+
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits for `inputs.logits_indices` (padding rows, if any, come last)."""
+        """Logits for `inputs.logits_indices` (padding rows, if any, come last). With
+        `inputs.record_routes`, an MoE model also writes each token's experts (`routes_of`)."""
+        if self.routes is not None:
+            self.routes.active = inputs.record_routes
+        if self.graphs is not None and self.graphs.has(inputs.padded_tokens):
+            self.graph_replays += 1
+            return self.graphs.replay(inputs, self.caches.kv)
+        self.eager_steps += 1
         states = None
         if inputs.state_slots is not None:
             states = StateBatch(self.caches.states.tensors, inputs.state_slots, inputs.state_fresh, inputs.num_decode)
@@ -51,10 +94,34 @@ class ModelRunner:
         return self.model.forward(inputs.input_ids, inputs.positions, self.caches.kv, inputs.meta,
                                   inputs.logits_indices, **kwargs)
 
+    def routes_of(self, inputs: StepInputs) -> np.ndarray:
+        """The experts of the step's real tokens: `[tokens, moe_layers, k]` (after `forward`)."""
+        return self.routes.buffer[:, : inputs.num_tokens].permute(1, 0, 2).cpu().numpy()
+
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         return self.sampler(logits, batch)
 
+    # ---- memory and weights ------------------------------------------------------------------
+
     def release_workspace(self) -> int:
-        """Drop the sampler's and attention's scratch buffers (suspend); their bytes."""
+        """Drop the sampler's and attention's scratch buffers and the CUDA graphs (suspend); the
+        bytes of the scratch buffers (the graphs' pool shows in the measured memory)."""
+        if self.graphs is not None:
+            self.graphs.release()
         return self.sampler.release() + self.model.backend.release_workspace()
 
+    def reacquire(self) -> None:
+        """After resume: capture the CUDA graphs again."""
+        if self.graphs is not None:
+            self.graphs.capture_all()
+
+    def weights_changed(self) -> None:
+        """Weights were rebound (new addresses) or copied in place: graphs follow the former."""
+        if self.graphs is not None:
+            self.graphs.check_weights()
+
+    def stats(self) -> dict:
+        out = {"eager_steps": self.eager_steps, "graph_replays": self.graph_replays}
+        if self.graphs is not None:
+            out.update(self.graphs.stats())
+        return out

@@ -88,6 +88,7 @@ class DynamicInferenceContext:
         self.wants_prompt_logprobs = np.zeros(n, dtype=bool)
         self.ignore_eos = np.zeros(n, dtype=bool)
         self.streams_tokens = np.zeros(n, dtype=bool)  # the request's caller wants every token as sampled
+        self.returns_routes = np.zeros(n, dtype=bool)  # MoE: the request records its routing per token
         self.stop_ids = np.full((n, 4), -1, dtype=np.int64)  # widened when a request has more
         self.free_slots: list[int] = list(range(n - 1, -1, -1))
         self.active: list[int] = []
@@ -243,6 +244,9 @@ class DynamicInferenceContext:
         self.offers_scores[slot] = False
         self.hashes[slot] = []
         child.prompt_scores = self.requests[parent_slot].prompt_scores  # NOTE: complete, never written again
+        routes = self.requests[parent_slot].routed_experts
+        if routes is not None:  # the prompt's routing, computed once for the group
+            child.routed_experts = routes.copy()
         self._bind_slot(slot, child)
         child.status = RequestStatus.RUNNING
         self.active.append(slot)
@@ -273,6 +277,7 @@ class DynamicInferenceContext:
         self.wants_prompt_logprobs[slot] = p.prompt_logprobs is not None
         self.ignore_eos[slot] = p.ignore_eos
         self.streams_tokens[slot] = req.stream_tokens
+        self.returns_routes[slot] = p.return_routed_experts
         stops = p.stop_token_ids
         if len(stops) > self.stop_ids.shape[1]:
             wider = np.full((self.stop_ids.shape[0], len(stops)), -1, dtype=np.int64)
@@ -416,7 +421,8 @@ class DynamicInferenceContext:
         self.state_cacheable[:] = False
 
     def uses_prefix_cache(self, req: Request) -> bool:
-        return self.allocator.enable_prefix_caching
+        # NOTE: a request recording its routing computes every position (a hit would skip routes)
+        return self.allocator.enable_prefix_caching and not req.params.return_routed_experts
 
     def prefix_to_match(self, req: Request) -> list[int]:
         """Hashes of the leading blocks `req` may take from the cache: its matchable ones, cut
