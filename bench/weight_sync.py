@@ -9,22 +9,21 @@ The trainer is this process; the replicas are real `RolloutServer` processes (ra
 DenseDecoders of the same spec, behind ZMQ). A sync is timed from `WeightSender.sync()` until it
 returns, i.e. until every replica's commit has returned (manifest, checksums both ends, buckets,
 staged double loads, commit). Each transport syncs once untimed first (first-touch of every
-buffer: the steady state is what an RL loop pays each step), then `--repeats` timed syncs (median).
+buffer: the steady state is what an RL loop pays each step), then `--repeats` timed syncs.
 
 * `shm`: buckets in a /dev/shm segment the replicas copy from; `gloo`: torch.distributed
   broadcast over loopback TCP; `disk`: a safetensors directory under --disk-dir;
 * `tensor-by-tensor`: one control call and one gloo broadcast per tensor, no buckets, no
   checksum: what several RL frameworks still do, printed for contrast;
-* `raw copy`: `dst.copy_(src)` of the same bytes (one flat buffer, warm destination) in this
-  process (on the device with `--device cuda`): the ceiling a copy-based transport is measured
-  against.
+* `raw copy`: every weight tensor `copy_`'d into one flat buffer of the model's bytes (warm) in
+  this process (on the device with `--device cuda`): the ceiling a copy-based transport is
+  measured against.
 
 GB/s is model bytes / seconds until every replica committed; `xraw` is the raw copy's time over
-the sync's (1.0 = as fast as one in-process copy of the model). The raw copy is measured again
-right before each row (fastest of 3), so a row and its baseline share the machine's load. With R
-replicas a transport moves R x the model's bytes; `deliv` shows that aggregate (R x model bytes /
-seconds) for reference.
-Targets (2 replicas, `xraw`): shm >= 0.5, gloo >= 0.25.
+the sync's (1.0 = as fast as one in-process copy of the model). A raw copy runs right before
+each timed sync and `xraw` is the median of the pairs' ratios, so a sync and its baseline share
+the machine's load. With R replicas a transport moves R x the model's bytes; `deliv` shows that
+aggregate (R x model bytes / seconds). Targets (2 replicas, `xraw`): shm >= 0.5, gloo >= 0.25.
 """
 
 from __future__ import annotations
@@ -47,11 +46,23 @@ import torch  # noqa: E402
 # runs as a script) holds `weight_sync.py`, which would otherwise shadow the `weight_sync` package
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import load_average, machine_line, print_result  # noqa: E402
-from weight_update import SIZES, spec_for  # noqa: E402
 
-SIZES = {"10M": (256, 8, 1024, 8192), **SIZES}
+from inference.models.spec import ModelFamily, ModelSpec  # noqa: E402
+
+SIZES = {  # name -> (hidden, layers, intermediate, vocab): Llama shapes of ~10M / 99M / 1.03B parameters
+    "10M": (256, 8, 1024, 8192),
+    "100M": (768, 8, 2048, 32000),
+    "1B": (2048, 20, 5632, 32000),
+}
 DEFAULT_DTYPES = {"10M": "float32", "100M": "float32", "1B": "bfloat16"}
 TRANSPORTS = ("shm", "gloo", "disk", "tensor-by-tensor")
+
+
+def spec_for(name: str, dtype: torch.dtype) -> ModelSpec:
+    hidden, layers, inter, vocab = SIZES[name]
+    return ModelSpec(family=ModelFamily.LLAMA, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                     num_layers=layers, num_heads=hidden // 64, num_kv_heads=max(1, hidden // 256), head_dim=64,
+                     dtype=dtype)
 
 
 def random_weights(spec, seed: int) -> dict[str, torch.Tensor]:
@@ -92,17 +103,25 @@ def replica_main(argv: list[str]) -> int:
 # ---- the trainer ----------------------------------------------------------------------------------
 
 
-def raw_copy_seconds(nbytes: int, repeats: int, device: str = "cpu") -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(0)  # NOTE: warm: its pages are mapped
-    times = []
-    for _ in range(max(3, repeats)):
-        _synchronize(device)
+class RawCopy:
+    """The peer: every weight tensor copied into one flat buffer of the model's bytes, in this
+    process (warm: the buffer is written once before any timing)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], device: str) -> None:
+        self.sources = [t.reshape(-1).view(torch.uint8) for t in weights.values()]
+        self.device = device
+        self.dst = torch.zeros(sum(s.numel() for s in self.sources), dtype=torch.uint8, device=device)
+        self()
+
+    def __call__(self) -> float:
+        _synchronize(self.device)
         start = time.perf_counter()
-        dst.copy_(src)
-        _synchronize(device)
-        times.append(time.perf_counter() - start)
-    return min(times)
+        offset = 0
+        for src in self.sources:
+            self.dst[offset : offset + src.numel()].copy_(src)
+            offset += src.numel()
+        _synchronize(self.device)
+        return time.perf_counter() - start
 
 
 def _synchronize(device: str) -> None:
@@ -110,17 +129,20 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_syncs(sender, weights, repeats: int, first_version: int) -> tuple[float, float]:
-    """(first sync's seconds, median of the next `repeats`)."""
+def time_syncs(sender, weights, raw_copy: RawCopy, repeats: int, first_version: int) -> dict[str, float]:
+    """The first sync's seconds, then `repeats` times a raw copy and a sync back to back: their
+    medians, and the median of each pair's ratio (raw / sync, `xraw`)."""
     start = time.perf_counter()
     sender.sync(weights, version=first_version)
     first = time.perf_counter() - start
-    times = []
+    raws, syncs = [], []
     for i in range(repeats):
+        raws.append(raw_copy())
         start = time.perf_counter()
         sender.sync(weights, version=first_version + 1 + i)
-        times.append(time.perf_counter() - start)
-    return first, statistics.median(times)
+        syncs.append(time.perf_counter() - start)
+    return dict(first=first, seconds=statistics.median(syncs), raw=statistics.median(raws),
+                xraw=statistics.median(r / s for r, s in zip(raws, syncs)))
 
 
 def bench_size(size: str, dtype_name: str, args) -> list[dict]:
@@ -141,6 +163,7 @@ def bench_size(size: str, dtype_name: str, args) -> list[dict]:
     version = 1
     try:
         clients = [RolloutClient(p.address, timeout=900) for p in procs]
+        raw_copy = RawCopy(weights, args.device)
         print(f"{size}: {params / 1e6:.0f}M parameters, {nbytes / 2**30:.2f} GiB; trainer on {args.device}, replicas "
               f"on {', '.join(devices)}; {machine_line()}", flush=True)
         for replicas in args.replicas:
@@ -155,26 +178,25 @@ def bench_size(size: str, dtype_name: str, args) -> list[dict]:
                 if transport == "disk":  # NOTE: one version directory on disk at a time
                     kwargs.update(directory=tempfile.mkdtemp(dir=args.disk_dir, prefix="bench-wsync-"), keep_last=1)
                 name = "gloo" if transport == "tensor-by-tensor" else transport
-                raw = raw_copy_seconds(nbytes, args.repeats, args.device)
                 try:
                     with WeightSender(clients[:replicas], name, tensor_by_tensor=transport == "tensor-by-tensor",
                                       **kwargs) as sender:
                         load = load_average()
-                        first, seconds = time_syncs(sender, weights, args.repeats, version)
+                        timed = time_syncs(sender, weights, raw_copy, args.repeats, version)
                         version += 1 + args.repeats
                 finally:
                     if "directory" in kwargs:
                         shutil.rmtree(kwargs["directory"], ignore_errors=True)
-                row = dict(size=size, replicas=replicas, transport=transport, seconds=seconds, first=first, raw=raw,
-                           gbps=nbytes / seconds / 1e9, xraw=raw / seconds, deliv=replicas * nbytes / seconds / 1e9,
-                           load=load)
+                seconds, raw = timed["seconds"], timed["raw"]
+                row = dict(size=size, replicas=replicas, transport=transport, **timed, gbps=nbytes / seconds / 1e9,
+                           deliv=replicas * nbytes / seconds / 1e9, load=load)
                 rows.append(row)
                 key = f"[{size},R{replicas},{transport}]"  # NOTE: compare_commits merges every RESULT line's figures
                 print_result("weight_sync", {f"gbps{key}": row["gbps"], f"xraw{key}": row["xraw"]},
                              dtype=dtype_name, raw_copy_s=raw, load=load)
                 print(f"{size:>5} R={replicas} {transport:>16} {seconds * 1e3:>9.0f} ms  {row['gbps']:>6.2f} GB/s  "
                       f"xraw {row['xraw']:>5.2f} (raw copy {raw * 1e3:.0f} ms)  deliv {row['deliv']:>6.2f} GB/s  "
-                      f"(first sync {first * 1e3:.0f} ms, load {load:.1f})", flush=True)
+                      f"(first sync {timed['first'] * 1e3:.0f} ms, load {load:.1f})", flush=True)
         for c in clients:
             c.close()
     finally:
@@ -200,7 +222,7 @@ def main() -> int:
     parser.add_argument("--replicas", default="1,2", help="replica counts to measure (comma-separated)")
     parser.add_argument("--transports", help=f"comma-separated (default {','.join(TRANSPORTS)}; cuda: nccl too)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: the trainer's tensors and the replicas")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="timed (raw copy, sync) pairs per row")
     parser.add_argument("--bucket-mib", type=int, default=512)
     parser.add_argument("--disk-dir", default=None, help="where the disk transport writes (default: a temp dir)")
     parser.add_argument("--slow-contrast", action="store_true", help="also run tensor-by-tensor at 1B")

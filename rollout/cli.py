@@ -3,7 +3,7 @@
     rollout grpo                      # the colocated GRPO demo (tiny Llama, counting task)
     rollout grpo --model smollm2      # SmolLM2-135M-Instruct on arithmetic (slow on CPU)
     rollout grpo --steps 50 --no-wandb
-    rollout grpo --disaggregated                         # trainer here, 2 replica processes, gloo sync
+    rollout grpo --disaggregated                         # trainer here, 2 replicas behind a router, gloo sync
     rollout grpo --disaggregated --off-policy 1          # generation of step k+1 overlaps training on k
     rollout serve --model smollm2 --port 5555            # an engine behind ZMQ
     rollout serve --model smollm2 --port 5555 --http 8000   # ... and OpenAI / SGLang routes over HTTP
@@ -53,9 +53,9 @@ def _add_grpo_arguments(parser: argparse.ArgumentParser) -> None:
     dis = parser.add_argument_group("disaggregated (the trainer here, engines in `rollout serve` processes)")
     dis.add_argument("--disaggregated", action="store_true", help="run the engines as replica processes and "
                      "sync the weights into them every step (rollout.disaggregated)")
-    dis.add_argument("--replicas", type=int, default=2, help="replica processes to start (2)")
-    dis.add_argument("--connect", action="append", default=[], metavar="ADDRESS",
-                     help="a running replica of the same model (`rollout serve`), instead of starting them; repeat")
+    dis.add_argument("--replicas", type=int, default=2, help="replica processes to start behind a router (2)")
+    dis.add_argument("--router", metavar="ADDRESS", help="a running router (`rollout route`) whose replicas serve "
+                     "the same model, instead of starting them")
     dis.add_argument("--off-policy", type=int, choices=[0, 1], default=0,
                      help="1: generate step k+1 while the trainer steps on k (samples one version behind)")
     dis.add_argument("--transport", choices=["gloo", "shm", "disk"], default="gloo",
@@ -63,7 +63,7 @@ def _add_grpo_arguments(parser: argparse.ArgumentParser) -> None:
     dis.add_argument("--sync-timeout-s", type=float, default=60.0, help="bound of every wait of a weight sync")
 
 
-_DISAGGREGATED_ARGS = ("disaggregated", "replicas", "connect", "off_policy", "transport", "sync_timeout_s")
+_DISAGGREGATED_ARGS = ("disaggregated", "replicas", "router", "off_policy", "transport", "sync_timeout_s")
 
 
 def config_from_args(args: argparse.Namespace) -> GRPOConfig:
@@ -77,7 +77,7 @@ def grpo_main(args: argparse.Namespace) -> int:
     if getattr(args, "disaggregated", False):
         from rollout.disaggregated import DisaggregatedConfig, format_disaggregated, run_disaggregated_grpo
 
-        dcfg = DisaggregatedConfig(replicas=args.replicas, connect=tuple(args.connect), off_policy=args.off_policy,
+        dcfg = DisaggregatedConfig(replicas=args.replicas, router=args.router, off_policy=args.off_policy,
                                    transport=args.transport, sync_timeout_s=args.sync_timeout_s)
         print(format_disaggregated(run_disaggregated_grpo(cfg, dcfg)), flush=True)
         return 0

@@ -4,7 +4,7 @@ The colocated demo's task and model (`rollout.colocated`), but the engines are `
 replicas and the weights travel every step (`weight_sync.WeightSender`, gloo broadcast by
 default). Each step:
 
-    batch = generate(prompts, n)            # split across the replicas, one RolloutBatch
+    batch = router.generate(prompts, n)     # the router places each prompt's n samples on a replica
     grpo_step(policy, optimizer, batch)     # the trainer's own module, in this process
     sender.sync(policy, version=step + 1)   # buckets -> every replica -> one commit each
 
@@ -15,17 +15,17 @@ that consumes it, which the per-token versions prove each step (`stale_tokens` c
 of another version than planned, `max_staleness` the largest lag seen; the GRPO ratio uses the
 engine's log-probs, so the lag is what PPO clipping bounds).
 
-The replicas are started here (`Replicas.spawn`, sized for their share of a step) or already
-running (`DisaggregatedConfig.connect`, e.g. `rollout serve` on other hosts); either way the run
-begins by syncing the trainer's initial weights into all of them.
+The replicas stand behind a router (`rollout route`): started here (`Fleet.spawn`: a router that
+spawns and keeps its replicas, each sized for its share of a step) or already running
+(`DisaggregatedConfig.router`, e.g. replicas on other hosts). The trainer talks to the router
+only: generation, and weight sync (the router broadcasts each call to every replica, which claim
+their ranks in the trainer's weight-update group). The run begins by syncing the trainer's
+initial weights into all of them.
 
 Checks that can fail: the per-token versions above; no prefix-cache hit crosses a version (the
-replicas' own counters); at the end, every replica's greedy outputs on the held-out prompts equal
-those of a fresh in-process engine built from the trainer's final weights.
-
-NOTE: the prompts of a step are split into contiguous slices, one per replica, here. When the
-router (issue 14) is on main, `generate` becomes one `RolloutClient(router_address).generate`
-and the sender's targets the router; nothing else changes.
+replicas' own counters); at the end, every replica's greedy outputs on the held-out prompts (each
+asked directly, not through the router) equal those of a fresh in-process engine built from the
+trainer's final weights.
 """
 
 from __future__ import annotations
@@ -50,9 +50,10 @@ from rollout.client import RolloutClient
 from rollout.colocated import EVAL_SEED, GRPOConfig, RunSummary, build_policy, format_summary, summarize
 from rollout.grpo import grpo_step
 from rollout.launch import ServerProcess
+from rollout.route import RouterProcess
 from rollout.tasks import Problem, Task
 from rollout.tracking import StepTimer, Tracker
-from rollout.types import GenerationStats, RolloutBatch
+from rollout.types import RolloutBatch
 from weight_sync import WeightSender
 
 STARTUP_TIMEOUT_S = 180.0
@@ -68,8 +69,8 @@ class Transport(str, enum.Enum):
 class DisaggregatedConfig:
     """How the engines run; `GRPOConfig` says what is trained."""
 
-    replicas: int = 2
-    connect: tuple[str, ...] = ()  # addresses of running replicas (same model) instead of spawning `replicas`
+    replicas: int = 2  # spawned behind a router of our own (ignored with `router`)
+    router: Optional[str] = None  # a running router's address (`rollout route`) instead; its replicas serve the model
     off_policy: int = 0  # 0: generate, train, sync in turn; 1: generation of k+1 overlaps training on k
     transport: Transport = Transport.GLOO
     sync_timeout_s: float = 60.0  # bound of every wait of a weight sync, both sides
@@ -77,9 +78,6 @@ class DisaggregatedConfig:
 
     def __post_init__(self) -> None:
         self.transport = Transport(self.transport)
-        self.connect = tuple(self.connect)
-        if self.connect:
-            self.replicas = len(self.connect)
         if not isinstance(self.replicas, int) or self.replicas < 1:
             raise ValueError(f"DisaggregatedConfig.replicas must be an int >= 1, got {self.replicas!r}")
         if self.off_policy not in (0, 1):
@@ -103,68 +101,51 @@ class DisaggregatedSummary:
     replicas_match_trainer: bool  # final greedy outputs of every replica == a fresh engine of the trainer's weights
 
 
-class Replicas:
-    """A client of each replica, and the processes this object started (stopped by `close`)."""
+class Fleet:
+    """The replicas behind a router: `client` talks to the router (generation, weight sync, stats),
+    `replicas` is how many stand behind it; `procs` are the processes this object started."""
 
-    def __init__(self, clients: Sequence[RolloutClient], procs: Sequence[ServerProcess] = ()) -> None:
-        if not clients:
-            raise ValueError("Replicas: at least one replica")
-        self.clients, self.procs = list(clients), list(procs)
-        self.pool = concurrent.futures.ThreadPoolExecutor(max(2, len(self.clients)), thread_name_prefix="replicas")
+    def __init__(self, client: RolloutClient, replicas: int, procs: Sequence[ServerProcess] = ()) -> None:
+        self.client, self.replicas, self.procs = client, replicas, list(procs)
 
     @classmethod
-    def connect(cls, addresses: Sequence[str]) -> Replicas:
-        """Replicas already running (`rollout serve` elsewhere), left running by `close`."""
-        return cls([RolloutClient(a, timeout=STARTUP_TIMEOUT_S) for a in addresses])
+    def spawn(cls, model_dir: Path, count: int, serve_args: Sequence[str]) -> Fleet:
+        """`rollout route --spawn count` (a router process that starts and keeps its replicas)."""
+        router = RouterProcess("--spawn", str(count), "--model", str(model_dir), "--ready-timeout-s",
+                               str(STARTUP_TIMEOUT_S), "--", *serve_args, ready_timeout=STARTUP_TIMEOUT_S + 30)
+        fleet = cls(RolloutClient(router.address, timeout=STARTUP_TIMEOUT_S), count, [router])
+        try:
+            fleet.check_up()
+        except BaseException:
+            fleet.close()
+            raise
+        return fleet
 
     @classmethod
-    def spawn(cls, model_dir: Path, count: int, serve_args: Sequence[str]) -> Replicas:
-        """`count` `rollout serve` processes of the model in `model_dir`, started in parallel."""
-        procs: list[ServerProcess] = []
-        with concurrent.futures.ThreadPoolExecutor(count) as pool:  # NOTE: they import torch in parallel
-            futures = [pool.submit(ServerProcess, model_dir, *serve_args, ready_timeout=STARTUP_TIMEOUT_S)
-                       for _ in range(count)]
-            failure = None
-            for f in futures:
-                try:
-                    procs.append(f.result())
-                except Exception as exc:  # noqa: BLE001 (the others are stopped, then it is raised)
-                    failure = failure or exc
-        if failure is not None:
-            for p in procs:
-                p.stop()
-            raise failure
-        return cls([RolloutClient(p.address, timeout=STARTUP_TIMEOUT_S) for p in procs], procs)
+    def connect(cls, router_address: str) -> Fleet:
+        """A router already running (`rollout route`), left running by `close`."""
+        client = RolloutClient(router_address, timeout=STARTUP_TIMEOUT_S)
+        fleet = cls(client, int(client.stats()["replicas"]))
+        fleet.check_up()
+        return fleet
 
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> RolloutBatch:
-        """One batch, as one engine would give it: prompt i of the whole list is group i and, if
-        seeded, gets seed + i, whichever replica samples it."""
-        count = len(self.clients)
-        bounds = [len(prompts) * i // count for i in range(count + 1)]
-        start = time.perf_counter()
-        futures = []
-        for client, lo, hi in zip(self.clients, bounds, bounds[1:]):
-            if hi > lo:
-                part = sampling if sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + lo)
-                futures.append((lo, self.pool.submit(client.generate, prompts[lo:hi], n, part)))
-        rollouts = [dataclasses.replace(r, group=r.group + lo) for lo, f in futures for r in f.result().rollouts]
-        versions = [v for r in rollouts for v in r.versions]
-        stats = GenerationStats(seconds=time.perf_counter() - start, prompt_tokens=sum(map(len, prompts)),
-                                completion_tokens=sum(len(r.completion_ids) for r in rollouts))
-        return RolloutBatch(rollouts, group_size=n, policy_version=min(versions, default=0), stats=stats)
+    def check_up(self) -> None:
+        """Every replica up: a weight-update group needs each of them (a missing rank never joins)."""
+        stats = self.client.stats()
+        if stats["replicas_up"] != self.replicas:
+            raise RuntimeError(f"{stats['replicas_up']} of the router's {self.replicas} replicas are up")
+
+    def replica_addresses(self) -> list[str]:
+        stats = self.client.stats()
+        return [str(v) for k, v in sorted(stats.items()) if k.startswith("replica/") and k.endswith("/address")]
 
     def stat(self, key: str) -> int:
-        return sum(int(c.stats().get(key, 0)) for c in self.clients)
+        return int(self.client.stats().get(key, 0))
 
     def close(self) -> None:
-        for c in self.clients:
-            c.close()
-        for p in self.procs:  # NOTE: all told first, so they stop together
-            if p.alive():
-                p.proc.terminate()
+        self.client.close()
         for p in self.procs:
             p.stop()
-        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def serve_args(cfg: GRPOConfig, dcfg: DisaggregatedConfig, task: Task) -> list[str]:
@@ -193,15 +174,15 @@ def run_disaggregated_grpo(cfg: GRPOConfig, dcfg: Optional[DisaggregatedConfig] 
     tracker = Tracker(Path(cfg.out_dir) / name, cfg.steps, config=config, run_name=name, use_wandb=cfg.wandb,
                       table_every=cfg.table_every, max_reward=task.max_reward, show_progress=cfg.progress)
     work = Path(tempfile.mkdtemp(prefix="rollout-disagg-"))
-    replicas: Optional[Replicas] = None
+    fleet: Optional[Fleet] = None
     loop: Optional[_Loop] = None
     try:
-        if dcfg.connect:
-            replicas = Replicas.connect(dcfg.connect)
+        if dcfg.router is not None:
+            fleet = Fleet.connect(dcfg.router)
         else:
             save_model(policy, work / "initial")  # NOTE: the replicas' architecture
-            replicas = Replicas.spawn(work / "initial", dcfg.replicas, serve_args(cfg, dcfg, task))
-        loop = _Loop(cfg, dcfg, policy, task, pad_id, tracker, replicas, work)
+            fleet = Fleet.spawn(work / "initial", dcfg.replicas, serve_args(cfg, dcfg, task))
+        loop = _Loop(cfg, dcfg, policy, task, pad_id, tracker, fleet, work)
         first = loop.start()
         startup = time.perf_counter() - start
         loop.run(first)
@@ -212,8 +193,8 @@ def run_disaggregated_grpo(cfg: GRPOConfig, dcfg: Optional[DisaggregatedConfig] 
     finally:
         if loop is not None:
             loop.close()
-        if replicas is not None:
-            replicas.close()
+        if fleet is not None:
+            fleet.close()
         shutil.rmtree(work, ignore_errors=True)
         torch.set_num_threads(threads)
     run = summarize(tracker.history, task.max_reward, loop.stale_tokens, time.perf_counter() - start,
@@ -222,7 +203,7 @@ def run_disaggregated_grpo(cfg: GRPOConfig, dcfg: Optional[DisaggregatedConfig] 
     run.out_dir, run.plot, run.wandb_dir, run.wandb_url = paths.out_dir, paths.plot, paths.wandb_dir, paths.wandb_url
     run.history = tracker.history
     return DisaggregatedSummary(
-        run=run, replicas=dcfg.replicas, off_policy=dcfg.off_policy, transport=dcfg.transport.value,
+        run=run, replicas=fleet.replicas, off_policy=dcfg.off_policy, transport=dcfg.transport.value,
         step_seconds=statistics.median(h["time/step"] for h in tracker.history),
         sync_seconds=statistics.median(h["time/weight_update"] for h in tracker.history),
         startup_seconds=startup, max_staleness=loop.max_staleness, replicas_match_trainer=matches)
@@ -242,11 +223,13 @@ class _Loop:
     """The steps of one run (state the checks accumulate lives here)."""
 
     def __init__(self, cfg: GRPOConfig, dcfg: DisaggregatedConfig, policy: torch.nn.Module, task: Task, pad_id: int,
-                 tracker: Tracker, replicas: Replicas, work: Path) -> None:
+                 tracker: Tracker, fleet: Fleet, work: Path) -> None:
         self.cfg, self.dcfg, self.policy, self.task, self.pad_id = cfg, dcfg, policy, task, pad_id
-        self.tracker, self.replicas = tracker, replicas
+        self.tracker, self.fleet = tracker, fleet
         directory = {"directory": work / "sync", "keep_last": 1} if dcfg.transport is Transport.DISK else {}
-        self.sender = WeightSender(replicas.clients, dcfg.transport.value, timeout_s=dcfg.sync_timeout_s, **directory)
+        # NOTE: one target, the router, standing for `fleet.replicas` engines (each claims its rank)
+        self.sender = WeightSender([fleet.client], dcfg.transport.value, replicas=fleet.replicas,
+                                   timeout_s=dcfg.sync_timeout_s, **directory)
         mode = LogprobsMode.RAW if cfg.temperature == 1.0 else LogprobsMode.PROCESSED
         self.sampling = SamplingParams(temperature=cfg.temperature, max_tokens=task.max_tokens, logprobs_mode=mode)
         self.ahead = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="generate-ahead")
@@ -256,12 +239,13 @@ class _Loop:
 
     def _generate(self, problems: list[Problem], step: int) -> RolloutBatch:
         seeded = dataclasses.replace(self.sampling, seed=self.cfg.seed * 1_000_003 + step)
-        return self.replicas.generate([list(p.prompt_ids) for p in problems], self.cfg.samples_per_prompt, seeded)
+        return self.fleet.client.generate([list(p.prompt_ids) for p in problems], self.cfg.samples_per_prompt,
+                                          seeded)
 
     def start(self) -> int:
         """Sync the initial weights into every replica (whatever it held) under the next version
         of them all: the trainer's version 0, which step k's sync advances to `first + k + 1`."""
-        first = max(int(c.get_weight_version()) for c in self.replicas.clients) + 1
+        first = int(self.fleet.client.get_weight_version()) + 1
         self.sender.sync(self.policy, version=first)
         return first
 
@@ -293,7 +277,7 @@ class _Loop:
                 if self.dcfg.off_policy and next_problems is not None:
                     with timer("wait"):
                         pending.result()  # NOTE: the replicas finish version k's samples before k+1 lands
-                cross_before = self.replicas.stat("engine/cross_version_prefix_hits")
+                cross_before = self.fleet.stat("engine/cross_version_prefix_hits")
                 with timer("weight_update"):
                     self.sender.sync(self.policy, version=first + step + 1)
                 if not self.dcfg.off_policy and next_problems is not None:
@@ -304,7 +288,7 @@ class _Loop:
                 step_stale = sum(v != planned for r in batch for v in r.versions)
                 step_stale += sum(v != first + step for b in eval_batches for r in b for v in r.versions)
                 staleness = max((first + step - v for r in batch for v in r.versions), default=0)
-                step_cross = self.replicas.stat("engine/cross_version_prefix_hits") - cross_before
+                step_cross = self.fleet.stat("engine/cross_version_prefix_hits") - cross_before
                 self.stale_tokens += step_stale
                 self.max_staleness = max(self.max_staleness, staleness)
                 self.cross_version_hits += step_cross
@@ -325,8 +309,8 @@ class _Loop:
     def _evaluate(self, problems: list[Problem]) -> tuple[dict[str, float], list[RolloutBatch]]:
         """Mean reward on prompts never trained on: greedy, and sampled as in training (fixed seed)."""
         prompts = [list(p.prompt_ids) for p in problems]
-        greedy = self.replicas.generate(prompts, 1, dataclasses.replace(self.sampling, temperature=0.0, seed=None))
-        sampled = self.replicas.generate(prompts, self.cfg.samples_per_prompt,
+        greedy = self.fleet.client.generate(prompts, 1, dataclasses.replace(self.sampling, temperature=0.0, seed=None))
+        sampled = self.fleet.client.generate(prompts, self.cfg.samples_per_prompt,
                                          dataclasses.replace(self.sampling, seed=EVAL_SEED))
 
         def mean_reward(batch: RolloutBatch) -> float:
@@ -350,8 +334,14 @@ class _Loop:
             expected = [r.completion_ids for r in fresh.generate(prompts, 1, greedy)]
         finally:
             fresh.close()
-        return all([r.completion_ids for r in c.generate(prompts, 1, greedy)] == expected
-                   for c in self.replicas.clients)
+        addresses = self.fleet.replica_addresses()
+        if len(addresses) != self.fleet.replicas:
+            return False
+        outputs = []
+        for address in addresses:  # NOTE: each replica directly, so none hides behind the router's placement
+            with RolloutClient(address, timeout=STARTUP_TIMEOUT_S) as replica:
+                outputs.append([r.completion_ids for r in replica.generate(prompts, 1, greedy)])
+        return all(o == expected for o in outputs)
 
 
 def format_disaggregated(s: DisaggregatedSummary) -> str:
@@ -365,5 +355,5 @@ def format_disaggregated(s: DisaggregatedSummary) -> str:
     ])
 
 
-__all__ = ["DisaggregatedConfig", "DisaggregatedSummary", "Replicas", "Transport", "format_disaggregated",
+__all__ = ["DisaggregatedConfig", "DisaggregatedSummary", "Fleet", "Transport", "format_disaggregated",
            "run_disaggregated_grpo", "save_model", "serve_args"]

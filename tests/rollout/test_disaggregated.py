@@ -1,5 +1,6 @@
-"""The disaggregated GRPO loop on real processes: a trainer here, two `rollout serve` replicas
-(started once for the module, as the loop starts its own), weights broadcast over gloo every step.
+"""The disaggregated GRPO loop on real processes: a trainer here, two `rollout serve` replicas behind
+a `rollout route` router (started once for the module, as the loop starts its own), weights
+broadcast over gloo every step through the router.
 A few small steps each way; the checks are the loop's own (per-token versions, no cross-version
 prefix hit, replicas equal to a fresh engine at the end) plus the version sequence read back."""
 
@@ -11,26 +12,26 @@ import pytest
 
 from rollout.cli import main
 from rollout.colocated import GRPOConfig, build_policy
-from rollout.disaggregated import DisaggregatedConfig, Replicas, run_disaggregated_grpo, save_model, serve_args
+from rollout.disaggregated import DisaggregatedConfig, Fleet, run_disaggregated_grpo, save_model, serve_args
 
 SMALL = dict(prompts_per_step=8, samples_per_prompt=4, wandb=False, progress=False, table_every=100, eval_every=3)
 
 
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory):
+def router(tmp_path_factory):
     cfg, dcfg = GRPOConfig(**SMALL), DisaggregatedConfig(replicas=2, sync_timeout_s=30.0)
     policy, task, _ = build_policy(cfg)
     model_dir = tmp_path_factory.mktemp("disaggregated") / "initial"
     save_model(policy, model_dir)
-    fleet = Replicas.spawn(model_dir, 2, serve_args(cfg, dcfg, task))
-    yield [p.address for p in fleet.procs]
+    fleet = Fleet.spawn(model_dir, 2, serve_args(cfg, dcfg, task))
+    yield fleet.procs[0].address
     fleet.close()
 
 
-def test_on_policy_every_step_samples_the_weights_the_trainer_just_sent(replicas, tmp_path):
+def test_on_policy_every_step_samples_the_weights_the_trainer_just_sent(router, tmp_path):
     steps = 4
     cfg = GRPOConfig(steps=steps, out_dir=str(tmp_path), run_name="on", **SMALL)
-    s = run_disaggregated_grpo(cfg, DisaggregatedConfig(connect=tuple(replicas), sync_timeout_s=30.0))
+    s = run_disaggregated_grpo(cfg, DisaggregatedConfig(router=router, sync_timeout_s=30.0))
     versions = [h["policy_version"] for h in s.run.history]
     assert versions == list(range(versions[0], versions[0] + steps))
     assert s.run.stale_tokens == 0 and s.run.cross_version_hits == 0 and s.max_staleness == 0
@@ -41,11 +42,11 @@ def test_on_policy_every_step_samples_the_weights_the_trainer_just_sent(replicas
     assert s.replicas == 2 and all(h["time/weight_update"] > 0 for h in s.run.history)
 
 
-def test_off_policy_overlaps_one_version_behind_through_the_cli(replicas, tmp_path, capsys):
+def test_off_policy_overlaps_one_version_behind_through_the_cli(router, tmp_path, capsys):
     steps = 5
     argv = ["grpo", "--disaggregated", "--off-policy", "1", "--steps", str(steps), "--prompts", "8", "-n", "4",
             "--no-wandb", "--no-progress", "--table-every", "100", "--eval-every", "3", "--out-dir", str(tmp_path),
-            "--run-name", "off", "--sync-timeout-s", "30", *(f"--connect={a}" for a in replicas)]
+            "--run-name", "off", "--sync-timeout-s", "30", "--router", router]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "2 replicas" in out and "off-policy 1" in out

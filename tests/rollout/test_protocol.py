@@ -282,7 +282,7 @@ def test_generate_fields_are_refused_naming_the_field(field, value):
     (EXAMPLES[11], "versions", b"\x00" * 7), (EXAMPLES[11], "top_logprobs", [{7: -0.5}]),
     (EXAMPLES[11], "prompt_logprobs", [None]), (EXAMPLES[11], "sample_index", 4),
     (EXAMPLES[11], "finish_reason", "tired"), (EXAMPLES[11], "ttft", NAN),
-    (EXAMPLES[12], "token_ids", np.array([4, 5], "<i4").tobytes()), (EXAMPLES[13], "request_kind", 99),
+    (EXAMPLES[12], "token_ids", np.array([4, 5], "<i4").tobytes()), (EXAMPLES[13], "request_kind", 40),
     (EXAMPLES[14], "code", 99), (EXAMPLES[14], "context_error", {"nested": [1]}),
     (EXAMPLES[15], "max_events", 0), (EXAMPLES[15], "since", -1),
     (EXAMPLES[13], "kv_events", {"block_size": 4, "start": 0, "next": 1, "events": [[1, [0]]]}),  # hash 0: no parent
