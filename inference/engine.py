@@ -423,10 +423,12 @@ class DynamicInferenceEngine:
         return self._call(self.core.update_weights, named_tensors, version, policy=policy, partial=partial)
 
     def begin_update(self, version: Optional[int] = None, staging: Staging = Staging.DOUBLE, *,
-                     partial: bool = False) -> None:
+                     partial: bool = False, retain_staging: bool = False) -> None:
         """Open a staged weight update: `double` keeps serving the old weights until commit;
-        `in_place` writes into the live ones and refuses to generate until a complete commit."""
-        self._call(self.core.begin_update, version, staging, partial=partial)
+        `in_place` writes into the live ones and refuses to generate until a complete commit.
+        `retain_staging` (double): the replaced weights become the next update's buffers (no
+        allocation per update; a second copy of the weights is held until `suspend`)."""
+        self._call(self.core.begin_update, version, staging, partial=partial, retain_staging=retain_staging)
 
     def load_weights(self, named_tensors: NamedTensors) -> int:
         """One bucket of the open update (checked before it is written); names loaded so far."""

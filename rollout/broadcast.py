@@ -34,6 +34,7 @@ from rollout.messages import (
     RequestMessage,
     Result,
     Resume,
+    SafetensorsDir,
     StatValue,
     Suspend,
     UpdateWeights,
@@ -152,7 +153,9 @@ class FleetState:
         elif isinstance(msg, Resume):
             self.suspended = None
         elif isinstance(msg, UpdateWeights):
-            self.last_update = msg
+            # NOTE: only a directory can be read again by one replica later: a broadcast over a
+            # weight-update group or a shared-memory segment is gone once the trainer moved on
+            self.last_update = msg if isinstance(msg.source, SafetensorsDir) else None
         if version is not None:
             self.version = version
 

@@ -3,6 +3,8 @@
     rollout grpo                      # the colocated GRPO demo (tiny Llama, counting task)
     rollout grpo --model smollm2      # SmolLM2-135M-Instruct on arithmetic (slow on CPU)
     rollout grpo --steps 50 --no-wandb
+    rollout grpo --disaggregated                         # trainer here, 2 replicas behind a router, gloo sync
+    rollout grpo --disaggregated --off-policy 1          # generation of step k+1 overlaps training on k
     rollout serve --model smollm2 --port 5555            # an engine behind ZMQ
     rollout route --replicas tcp://127.0.0.1:5555,tcp://127.0.0.1:5556   # one endpoint over replicas
     rollout route --spawn 2 --model /ckpt/hf-dir -- --threads 1           # ... that it starts itself
@@ -46,15 +48,37 @@ def _add_grpo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="do not log to W&B (default: offline W&B; WANDB_MODE=online logs for real)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", default=None,
                         help="no progress bar")
+    dis = parser.add_argument_group("disaggregated (the trainer here, engines in `rollout serve` processes)")
+    dis.add_argument("--disaggregated", action="store_true", help="run the engines as replica processes and "
+                     "sync the weights into them every step (rollout.disaggregated)")
+    dis.add_argument("--replicas", type=int, default=2, help="replica processes to start behind a router (2)")
+    dis.add_argument("--router", metavar="ADDRESS", help="a running router (`rollout route`) whose replicas serve "
+                     "the same model, instead of starting them")
+    dis.add_argument("--off-policy", type=int, choices=[0, 1], default=0,
+                     help="1: generate step k+1 while the trainer steps on k (samples one version behind)")
+    dis.add_argument("--transport", choices=["gloo", "shm", "disk"], default="gloo",
+                     help="how the weights travel (gloo broadcast, shared memory, a safetensors directory)")
+    dis.add_argument("--sync-timeout-s", type=float, default=60.0, help="bound of every wait of a weight sync")
+
+
+_DISAGGREGATED_ARGS = ("disaggregated", "replicas", "router", "off_policy", "transport", "sync_timeout_s")
 
 
 def config_from_args(args: argparse.Namespace) -> GRPOConfig:
-    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "model", "func")}
+    skip = ("command", "model", "func", *_DISAGGREGATED_ARGS)
+    overrides = {k: v for k, v in vars(args).items() if k not in skip}
     return GRPOConfig.preset(args.model, **overrides)
 
 
 def grpo_main(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
+    if getattr(args, "disaggregated", False):
+        from rollout.disaggregated import DisaggregatedConfig, format_disaggregated, run_disaggregated_grpo
+
+        dcfg = DisaggregatedConfig(replicas=args.replicas, router=args.router, off_policy=args.off_policy,
+                                   transport=args.transport, sync_timeout_s=args.sync_timeout_s)
+        print(format_disaggregated(run_disaggregated_grpo(cfg, dcfg)), flush=True)
+        return 0
     summary = run_grpo(cfg)
     print(format_summary(summary), flush=True)
     return 0
@@ -85,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="rollout", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    grpo = sub.add_parser("grpo", help="colocated GRPO: trainer and engine in one process, sharing weights")
+    grpo = sub.add_parser("grpo", help="GRPO: colocated (trainer and engine in one process, sharing weights) or "
+                          "--disaggregated (engines in processes of their own, weights synced every step)")
     _add_grpo_arguments(grpo)
     grpo.set_defaults(func=grpo_main)
     serve = sub.add_parser("serve", help="serve one engine over ZMQ (see rollout.serve)")

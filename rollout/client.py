@@ -29,6 +29,8 @@ from rollout.connection import Connection, ControlPending
 from rollout.protocol import encode, error_from_reply, output_from_wire, sampling_params_to_wire
 from rollout.security import ClientSecurity
 from rollout.types import GenerationStats, Rollout, RolloutBatch, TokenChunk
+from rollout.weight_calls import WeightSyncCalls
+from weight_sync import DistributedSource, SharedMemorySource
 
 Sink = Callable[[tuple[int, Any]], None]
 
@@ -103,11 +105,13 @@ def control_message(kind: str, conn: Connection, **fields: Any) -> Any:
         return wire.Suspend(request_id=rid, policy=policy, offload_weights=bool(fields["offload_weights"]))
     if kind == "update_weights":
         source = fields["source"]
-        if not isinstance(source, (str, os.PathLike)):
-            raise TypeError("a remote engine loads weights from a safetensors directory it can read (a path); "
-                            f"got {type(source).__name__}. Save them with safetensors first.")
+        if isinstance(source, (str, os.PathLike)):
+            source = wire.SafetensorsDir(path=str(Path(source).absolute()))
+        elif not isinstance(source, (DistributedSource, SharedMemorySource)):
+            raise TypeError("a remote engine loads weights from a safetensors directory it can read (a path), or a "
+                            f"weight_sync source (weight_sync.WeightSender sends those); got {type(source).__name__}")
         policy = fields["policy"]
-        return wire.UpdateWeights(request_id=rid, source=wire.SafetensorsDir(path=str(Path(source).absolute())),
+        return wire.UpdateWeights(request_id=rid, source=source,
                                   target_version=fields["version"],
                                   policy=None if policy is None else wire.UpdatePolicy(UpdatePolicy(policy).value))
     simple = {"continue": wire.Continue, "resume": wire.Resume, "reset_prefix_cache": wire.ResetPrefixCache,
@@ -189,8 +193,9 @@ class RemoteSampleStream:
                 pass  # the client is closed: the server's lease aborts them
 
 
-class RolloutClient:
-    """A remote engine behind `rollout.RolloutBackend` (see module docstring).
+class RolloutClient(WeightSyncCalls):
+    """A remote engine behind `rollout.RolloutBackend` (see module docstring), with the weight-sync
+    calls of `rollout.weight_calls` (SGLang's names; what a `weight_sync.WeightSender` calls).
 
     `lease_s`: how long the server waits after this client falls silent before it aborts its
     requests (heartbeats every `lease_s / 4` keep it alive). `timeout`: the default bound of

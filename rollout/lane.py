@@ -9,7 +9,9 @@ after another, posting each outcome back through the server's mailbox (`Submitte
   all, each accepted or refused on its own).
 * Order is kept: an Abort queued after a Generate finds the Generate's stream in its record.
 * A WAIT pause changes the state in order, then waits for the drain on a helper thread, so calls
-  queued behind it (an abort, a continue) are not stuck behind the wait.
+  queued behind it (an abort, a continue) are not stuck behind the wait. Weight updates and group
+  joins (`weight_sync.WeightReceiver`, which refuses a second one meanwhile) run on helper threads
+  the same way: a transfer waits on its sender, and generation goes on until the commit.
 """
 
 from __future__ import annotations
@@ -20,23 +22,26 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional
 
-from inference import DynamicInferenceEngine, PauseMode, SamplingParams, SuspendPolicy, UpdatePolicy
-from inference.models.loading import read_safetensors
+from inference import DynamicInferenceEngine, EngineStateError, PauseMode, SamplingParams, SuspendPolicy, UpdatePolicy
 from rollout.messages import (
     Abort,
     Continue,
+    DestroyWeightsUpdateGroup,
+    InitWeightsUpdateGroup,
     Pause,
     RequestMessage,
     ResetPrefixCache,
     Resume,
+    SafetensorsDir,
     Stats,
     Suspend,
     UpdateWeights,
 )
 from rollout.registry import Record
+from weight_sync import DistributedSource, SharedMemorySource, WeightReceiver
+from weight_sync.transports.distributed import GroupError, RefusedError
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +94,9 @@ class EngineLane:
     """
 
     def __init__(self, engine: DynamicInferenceEngine, post: Callable[[Any], None], *,
-                 drain_timeout: Optional[float] = None) -> None:
+                 drain_timeout: Optional[float] = None, receiver: Optional[WeightReceiver] = None) -> None:
         self.engine = engine
+        self.receiver = receiver if receiver is not None else WeightReceiver(engine)
         self._post = post
         self.drain_timeout = drain_timeout
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -192,12 +198,13 @@ class EngineLane:
         if isinstance(msg, Resume):
             return engine.resume()
         if isinstance(msg, UpdateWeights):
-            policy = None if msg.policy is None else UpdatePolicy(msg.policy.value)
-            try:
-                tensors = read_safetensors(Path(msg.source.path), None)
-                return engine.update_weights(tensors, msg.target_version, policy=policy)
-            except (OSError, KeyError) as exc:  # NOTE: the request's fault (a path, a name), not the server's
-                raise ValueError(f"source.path {msg.source.path!r}: {type(exc).__name__}: {exc}") from exc
+            return _Deferred(lambda: self._update(msg))
+        if isinstance(msg, InitWeightsUpdateGroup):
+            return _Deferred(lambda: _weight_sync_errors(lambda: {"rank": self.receiver.init_group(
+                msg.master_address, msg.master_port, msg.rank_offset, msg.world_size, msg.group_name, msg.backend,
+                msg.timeout_s)}))
+        if isinstance(msg, DestroyWeightsUpdateGroup):
+            return {"destroyed": int(self.receiver.destroy_group(msg.group_name))}
         if isinstance(msg, ResetPrefixCache):
             return engine.reset_prefix_cache()
         if isinstance(msg, Stats):
@@ -206,9 +213,40 @@ class EngineLane:
             return stats
         raise TypeError(f"the engine lane has no call for {type(msg).__name__}")
 
+    def _update(self, msg: UpdateWeights) -> Any:
+        """A weight update through the receiver; the reply's `stats` say whether it committed."""
+        policy = None if msg.policy is None else UpdatePolicy(msg.policy.value)
+        receiver, source, version = self.receiver, msg.source, msg.target_version
+        if isinstance(source, SafetensorsDir):
+            try:
+                committed = receiver.update_from_disk(source.path, version=version, policy=policy)
+            except (OSError, KeyError) as exc:  # NOTE: the request's fault (a path, a name), not the server's
+                raise ValueError(f"source.path {source.path!r}: {type(exc).__name__}: {exc}") from exc
+        elif isinstance(source, DistributedSource):
+            committed = _weight_sync_errors(lambda: receiver.update_from_distributed(source, version=version,
+                                                                                     policy=policy))
+        elif isinstance(source, SharedMemorySource):
+            committed = _weight_sync_errors(lambda: receiver.update_from_shared_memory(source, version=version,
+                                                                                       policy=policy))
+        else:
+            raise TypeError(f"no weight source {type(source).__name__}")
+        return {"committed": int(committed is not None), "bytes_received": receiver.stats.bytes_received}
+
 
 @dataclass(slots=True)
 class _Deferred:
     """A result that needs a long wait after the call itself (a WAIT pause's drain)."""
 
     wait: Callable[[], Any]
+
+
+def _weight_sync_errors(call: Callable[[], Any]) -> Any:
+    """The receiver's failures as the wire's codes: a refused manifest or a bad bucket is the
+    request's fault (INVALID_REQUEST); a dead sender or a broken group leaves the engine unable to
+    complete it (ENGINE_STATE), never the server's bug."""
+    try:
+        return call()
+    except KeyError as exc:  # NOTE: WeightNameError: a manifest for another model
+        raise ValueError(str(exc)) from exc
+    except (GroupError, RefusedError, TimeoutError) as exc:
+        raise EngineStateError(f"weight update aborted: {exc}") from exc

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import Annotated, Any, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 import msgspec
 import numpy as np
@@ -20,8 +20,11 @@ from msgspec import Meta
 from inference.request import FinishReason
 from inference.sampling_params import MAX_LOGPROBS, MAX_TEMPERATURE, MAX_TOP_K, LogprobsMode
 from rollout.packing import as_float32, as_int32, check_non_negative, check_same_length
+from weight_sync.sources import DistributedSource, GroupName, SharedMemorySource
+from weight_sync.transports.distributed import DEFAULT_GROUP
 
-PROTOCOL_VERSION = 3  # 2: UpdateWeights.policy; 3: KvEvents, Result.kv_events
+PROTOCOL_VERSION = 3  # 2: UpdateWeights.policy; 3: KvEvents, Result.kv_events; weight sync (group kinds,
+# distributed / shared-memory sources)
 MAX_REQUEST_ID_LENGTH = 256
 MAX_SAMPLES = 1024  # n per Generate
 MAX_STOP_TOKENS = 1024
@@ -49,6 +52,10 @@ class Kind(enum.IntEnum):
     TOKEN_DELTA = 65
     RESULT = 66
     ERROR = 67
+    # weight sync (requests, kept together; 12 is the router's KV_EVENTS)
+    INIT_WEIGHTS_UPDATE_GROUP = 13
+    DESTROY_WEIGHTS_UPDATE_GROUP = 14
+    GET_WEIGHT_VERSION = 15
 
 
 class ErrorCode(enum.IntEnum):
@@ -224,17 +231,47 @@ class SafetensorsDir(msgspec.Struct, tag_field="type", tag="safetensors_dir", fo
     path: Annotated[str, Meta(min_length=1, max_length=4096)]
 
 
-# NOTE: a tagged union by `type`; later transports (broadcast, shared memory) join it as structs.
-WeightSource = SafetensorsDir
+# NOTE: a tagged union by `type`: a directory (SGLang's update_weights_from_disk), a broadcast over a
+# weight-update group (update_weights_from_distributed), shared memory (update_weights_from_tensor);
+# the last two carry their manifest (`weight_sync.manifest`), checked before a byte moves
+WeightSource = Union[SafetensorsDir, DistributedSource, SharedMemorySource]
 
 
 class UpdateWeights(_Request, tag=Kind.UPDATE_WEIGHTS.value):
-    """Load new weights and commit them atomically under `target_version` (default: current + 1);
-    `policy` says what happens to requests in flight (None: the engine's configured default)."""
+    """Load new weights and commit them atomically under `target_version` (default: the
+    manifest's, else current + 1); `policy` says what happens to requests in flight (None: the
+    engine's configured default). A distributed source with `finish` False leaves the update
+    open for the next call (the reply's version is still the old one)."""
 
     source: WeightSource
     target_version: Optional[NonNegInt] = None
     policy: Optional[UpdatePolicy] = None
+
+
+# ---- weight sync: the weight-update group (SGLang's calls; sources above) ---------------------
+
+
+class InitWeightsUpdateGroup(_Request, tag=Kind.INIT_WEIGHTS_UPDATE_GROUP.value):
+    """Join the trainer's weight-update group (SGLang's field names): the trainer is rank 0 at
+    `master_address:master_port`; this replica is rank `rank_offset`, or (None) the next free
+    one, so one message broadcast to every replica works. `backend` None: gloo on CPU, nccl on
+    GPU. Every collective of the group times out after `timeout_s` (None: the server's)."""
+
+    master_address: Annotated[str, Meta(min_length=1, max_length=255)]
+    master_port: Annotated[int, Meta(ge=1, le=65535)]
+    world_size: Annotated[int, Meta(ge=2, le=65536)]
+    rank_offset: Optional[Annotated[int, Meta(ge=1)]] = None
+    group_name: GroupName = DEFAULT_GROUP
+    backend: Optional[Literal["gloo", "nccl"]] = None
+    timeout_s: Optional[Annotated[float, Meta(gt=0, le=MAX_LEASE_SECONDS)]] = None
+
+
+class DestroyWeightsUpdateGroup(_Request, tag=Kind.DESTROY_WEIGHTS_UPDATE_GROUP.value):
+    group_name: GroupName = DEFAULT_GROUP
+
+
+class GetWeightVersion(_Request, tag=Kind.GET_WEIGHT_VERSION.value):
+    """The policy version (`Result.policy_version`; SGLang spells it as a string)."""
 
 
 class ResetPrefixCache(_Request, tag=Kind.RESET_PREFIX_CACHE.value):
@@ -377,6 +414,8 @@ class ErrorReply(_Message, tag=Kind.ERROR.value):
 RequestMessage = Union[Generate, Abort, Pause, Continue, Suspend, Resume, UpdateWeights, ResetPrefixCache,
                        Stats, Health, Heartbeat, KvEvents]
 ReplyMessage = Union[SampleOutput, TokenDelta, Result, ErrorReply]
+# the weight-update group's requests (weight sync)
+RequestMessage = Union[RequestMessage, InitWeightsUpdateGroup, DestroyWeightsUpdateGroup, GetWeightVersion]
 Message = Union[RequestMessage, ReplyMessage]
 
 REQUEST_KINDS = frozenset(k for k in Kind if k < 64)

@@ -48,12 +48,15 @@ from rollout.messages import (
     REQUEST_KINDS,
     Abort,
     Continue,
+    DestroyWeightsUpdateGroup,
     ErrorCode,
     ErrorReply,
     Generate,
+    GetWeightVersion,
     Health,
     HealthInfo,
     Heartbeat,
+    InitWeightsUpdateGroup,
     Kind,
     KvEvent,
     KvEventBatch,
@@ -90,6 +93,8 @@ __all__ = [
     "Stats", "Suspend", "SuspendPolicy", "TokenDelta", "UpdatePolicy", "UpdateWeights", "WeightSource", "decode",
     "decode_reply", "decode_request", "encode", "error_from_reply", "error_reply", "output_from_wire", "output_to_wire",
     "sampling_params_from_wire", "sampling_params_to_wire",
+    # weight sync
+    "DestroyWeightsUpdateGroup", "GetWeightVersion", "InitWeightsUpdateGroup",
 ]
 
 DEFAULT_MAX_FRAME_BYTES = 64 * 2**20  # a 32k-token sample with top-20 log-probs is ~6 MiB

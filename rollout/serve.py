@@ -46,12 +46,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     srv.add_argument("--max-frame-bytes", type=int, default=64 * 2**20, help="largest frame accepted or sent")
     eng = parser.add_argument_group("engine")
     eng.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    eng.add_argument("--device", default="cpu", help="where the engine runs: cpu (default), cuda, cuda:1, ...")
     eng.add_argument("--block-size", type=int, default=16)
     eng.add_argument("--num-blocks", type=int, help="KV blocks (default: 256 MiB of KV)")
     eng.add_argument("--max-requests", type=int, default=256)
     eng.add_argument("--max-batch-tokens", type=int, default=2048)
     eng.add_argument("--max-seq-len", type=int, default=4096)
     eng.add_argument("--threads", type=int, help="torch threads (default: torch's; 1 for tiny models)")
+    sync = parser.add_argument_group("weight sync (weight_sync; the calls: rollout.weight_calls)")
+    sync.add_argument("--weight-staging", choices=["double", "in_place"], default="double",
+                      help="weight updates: double (old weights serve until the commit; a second copy kept for "
+                      "the next update) or in_place (no second copy; no generation until a complete update)")
+    sync.add_argument("--weight-sync-timeout-s", type=float, default=60.0,
+                      help="bound of every wait of a weight update (a dead trainer, a missing bucket)")
 
 
 def security_from_args(args: argparse.Namespace) -> ServerSecurity:
@@ -82,12 +89,13 @@ def build_server(args: argparse.Namespace):
         torch.set_num_threads(args.threads)
     config = InferenceConfig(block_size=args.block_size, num_blocks=args.num_blocks, max_requests=args.max_requests,
                              max_batch_tokens=args.max_batch_tokens, max_sequence_length=args.max_seq_len,
-                             dtype=args.dtype)
+                             dtype=args.dtype, device=args.device)
     engine = DynamicInferenceEngine.from_pretrained(model_path(args.model, args.dtype), config)
     engine.command_timeout = 120.0
     server_config = ServerConfig(host=args.host, port=args.port, lease_s=args.lease_s,
                                  health_deadline_s=args.health_deadline_s, retain_s=args.retain_s,
-                                 max_frame_bytes=args.max_frame_bytes, security=security_from_args(args))
+                                 max_frame_bytes=args.max_frame_bytes, security=security_from_args(args),
+                                 weight_staging=args.weight_staging, weight_sync_timeout_s=args.weight_sync_timeout_s)
     return RolloutServer(engine, server_config)
 
 

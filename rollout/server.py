@@ -38,6 +38,7 @@ from rollout.messages import (
     ErrorCode,
     ErrorReply,
     Generate,
+    GetWeightVersion,
     Health,
     HealthInfo,
     Heartbeat,
@@ -64,6 +65,7 @@ from rollout.protocol import (
 )
 from rollout.registry import Record, RequestRegistry
 from rollout.security import ServerSecurity, check_bind, secure_server_socket
+from weight_sync import Staging, WeightReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +79,9 @@ class ServerConfig:
     `lease_s`: how long a client may stay silent before its requests are aborted (a Heartbeat
     may set its own). `health_deadline_s`: a loop quiet for longer is reported unhealthy (keep it
     above the longest step). `retain_s`: how long a finished request's samples are kept for a
-    client that resubmits it after a reconnect.
+    client that resubmits it after a reconnect. `weight_staging`: how weight updates that do not
+    choose are staged (`double`: the old weights serve until the commit; `in_place`: no second
+    copy, no generation until a complete update); `weight_sync_timeout_s` bounds their waits.
     """
 
     host: str = "127.0.0.1"
@@ -87,9 +91,12 @@ class ServerConfig:
     retain_s: float = 120.0
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     security: ServerSecurity = field(default_factory=ServerSecurity)
+    weight_staging: Staging = Staging.DOUBLE
+    weight_sync_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        for name in ("lease_s", "health_deadline_s", "retain_s"):
+        self.weight_staging = Staging(self.weight_staging)
+        for name in ("lease_s", "health_deadline_s", "retain_s", "weight_sync_timeout_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(f"ServerConfig.{name} must be > 0, got {value!r}")
@@ -136,7 +143,8 @@ class RolloutServer:
         self._owns_loop = not engine.loop_running
         if self._owns_loop:
             engine.start()
-        self._lane = EngineLane(engine, self._mailbox.put)
+        self.receiver = WeightReceiver(engine, staging=config.weight_staging, timeout_s=config.weight_sync_timeout_s)
+        self._lane = EngineLane(engine, self._mailbox.put, receiver=self.receiver)
         self._stopping = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._closed = False
@@ -182,6 +190,7 @@ class RolloutServer:
             return
         self._closed = True
         self._lane.stop()
+        self.receiver.close()
         if self._owns_loop:
             try:
                 self.engine.stop()
@@ -229,6 +238,9 @@ class RolloutServer:
     def _dispatch(self, peer: bytes, msg: RequestMessage, now: float) -> None:
         if isinstance(msg, Generate):
             self._generate(peer, msg)
+        elif isinstance(msg, GetWeightVersion):  # NOTE: answered without the engine, as Health
+            self._send(peer, Result(request_id=msg.request_id, request_kind=Kind.GET_WEIGHT_VERSION,
+                                    policy_version=self.engine.policy_version))
         elif isinstance(msg, Health):
             self._send(peer, Result(request_id=msg.request_id, request_kind=Kind.HEALTH,
                                     policy_version=self.engine.policy_version, health=self.health()))
@@ -340,7 +352,7 @@ class RolloutServer:
         if isinstance(msg, Stats):
             result.stats = self.metrics.snapshot(item.value, lane_depth=self._lane.depth(),
                                                  requests_in_flight=self.registry.num_live,
-                                                 clients=len(self.leases))
+                                                 clients=len(self.leases), extra=self.receiver.stats.wire())
         elif isinstance(item.value, dict):
             result.stats = _wire_values(item.value)
         self._send(item.peer, result)

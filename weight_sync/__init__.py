@@ -1,10 +1,22 @@
-"""Getting trainer weights into an engine: megatron-core naming and layouts, CPU shims.
+"""Getting trainer weights into engines: in process (aliasing, megatron-core layouts) and across
+processes (a manifest, buckets with checksums, one commit; over torch.distributed, shared memory
+or disk).
 
 Importing this package registers the megatron-core weight adapter with `inference`, so
 `engine.bind_trainer_model(gpt_model)` and `engine.update_weights(megatron_named_tensors)` work.
 """
 
+from inference.weights import Staging  # how an update is staged (double / in place): part of the wire sources
 from weight_sync import megatron_model  # noqa: F401  (registers the megatron-core adapter)
+from weight_sync.manifest import Manifest, ManifestError, parse_weight_version
 from weight_sync.naming import Naming, detect_naming, hf_to_megatron, megatron_to_hf
+from weight_sync.receiver import WeightReceiver
+from weight_sync.sender import SyncError, WeightControl, WeightSender
+from weight_sync.sources import DistributedSource, SharedMemorySource, decode_tensor_payload, encode_tensor_payload
+from weight_sync.transports.distributed import DEFAULT_GROUP, WeightGroup
 
-__all__ = ["Naming", "detect_naming", "hf_to_megatron", "megatron_to_hf"]
+__all__ = [
+    "DEFAULT_GROUP", "DistributedSource", "Manifest", "ManifestError", "Naming", "SharedMemorySource", "Staging",
+    "SyncError", "WeightControl", "WeightGroup", "WeightReceiver", "WeightSender", "decode_tensor_payload",
+    "detect_naming", "encode_tensor_payload", "hf_to_megatron", "megatron_to_hf", "parse_weight_version",
+]

@@ -297,6 +297,7 @@ class EngineCore:
         buffer_bytes = self.caches.release()  # every cached block goes with the buffers
         workspace = self.runner.release_workspace()  # CUDA graphs and their memory pool too
         weight_bytes = self.weights.offload() if offload_weights else 0
+        self.weights.drop_spare()  # NOTE: spare staging buffers are the trainer's memory now too
         freed = max(0, before - memory_in_use(device))
         self._before_suspend = (self.state, self.pause_mode)
         self.state = EngineState.SUSPENDED
@@ -381,9 +382,9 @@ class EngineCore:
         return version
 
     def begin_update(self, version: Optional[int] = None, staging: Staging = Staging.DOUBLE, *,
-                     partial: bool = False) -> None:
+                     partial: bool = False, retain_staging: bool = False) -> None:
         """Open a staged update (see `WeightManager`); `load_weights` buckets, then commit / abort."""
-        self.weights.begin_update(version, staging, partial=partial)
+        self.weights.begin_update(version, staging, partial=partial, retain_staging=retain_staging)
 
     def load_weights(self, named_tensors: NamedTensors) -> int:
         return self.weights.load(named_tensors)
@@ -441,6 +442,7 @@ class EngineCore:
             "cross_version_prefix_hits": self.context.cross_version_hits,
             "policy_version": self.policy_version,
             "weights_serving_error": self.weights.serving_error,
+            "weights_spare_bytes": self.weights.spare_bytes(),
             "waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions,
             **self.context.get_kvcache_utilization_stats(),

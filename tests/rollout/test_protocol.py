@@ -20,12 +20,15 @@ from rollout.protocol import (
     PROTOCOL_VERSION,
     Abort,
     Continue,
+    DestroyWeightsUpdateGroup,
     ErrorCode,
     ErrorReply,
     Generate,
+    GetWeightVersion,
     Health,
     HealthInfo,
     Heartbeat,
+    InitWeightsUpdateGroup,
     Kind,
     KvEvent,
     KvEventBatch,
@@ -94,7 +97,17 @@ def examples() -> list:
     ]
 
 
-EXAMPLES = examples()
+def weight_sync_examples() -> list:
+    """The weight-update group's kinds, optional fields filled in."""
+    return [
+        InitWeightsUpdateGroup(request_id="c-21", master_address="127.0.0.1", master_port=29500, world_size=3,
+                               rank_offset=1, group_name="wsync", backend="gloo", timeout_s=5.0),
+        DestroyWeightsUpdateGroup(request_id="c-22", group_name="wsync"),
+        GetWeightVersion(request_id="c-23"),
+    ]
+
+
+EXAMPLES = examples() + weight_sync_examples()
 FRAMES = [encode(m) for m in EXAMPLES]
 RAW = [msgspec.msgpack.decode(f) for f in FRAMES]
 
@@ -120,7 +133,7 @@ def test_kinds_have_fixed_numbers_requests_low_replies_high():
         "GENERATE": 1, "ABORT": 2, "PAUSE": 3, "CONTINUE": 4, "SUSPEND": 5, "RESUME": 6, "UPDATE_WEIGHTS": 7,
         "RESET_PREFIX_CACHE": 8, "STATS": 9, "HEALTH": 10, "HEARTBEAT": 11, "KV_EVENTS": 12,
         "SAMPLE_OUTPUT": 64, "TOKEN_DELTA": 65, "RESULT": 66, "ERROR": 67,
-    }
+    } | {"INIT_WEIGHTS_UPDATE_GROUP": 13, "DESTROY_WEIGHTS_UPDATE_GROUP": 14, "GET_WEIGHT_VERSION": 15}
     assert sorted(raw(m)["kind"] for m in EXAMPLES) == sorted(k.value for k in Kind)
 
 
@@ -269,7 +282,7 @@ def test_generate_fields_are_refused_naming_the_field(field, value):
     (EXAMPLES[11], "versions", b"\x00" * 7), (EXAMPLES[11], "top_logprobs", [{7: -0.5}]),
     (EXAMPLES[11], "prompt_logprobs", [None]), (EXAMPLES[11], "sample_index", 4),
     (EXAMPLES[11], "finish_reason", "tired"), (EXAMPLES[11], "ttft", NAN),
-    (EXAMPLES[12], "token_ids", np.array([4, 5], "<i4").tobytes()), (EXAMPLES[13], "request_kind", 13),
+    (EXAMPLES[12], "token_ids", np.array([4, 5], "<i4").tobytes()), (EXAMPLES[13], "request_kind", 40),
     (EXAMPLES[14], "code", 99), (EXAMPLES[14], "context_error", {"nested": [1]}),
     (EXAMPLES[15], "max_events", 0), (EXAMPLES[15], "since", -1),
     (EXAMPLES[13], "kv_events", {"block_size": 4, "start": 0, "next": 1, "events": [[1, [0]]]}),  # hash 0: no parent
@@ -376,3 +389,45 @@ msgpack_values = st.recursive(
     max_size=3))
 def test_fuzz_valid_frames_with_random_field_values(fields, changes):
     decodes_or_refuses(msgspec.msgpack.encode(fields | changes))
+
+
+def weight_sources() -> list:
+    import torch
+
+    from weight_sync import DistributedSource, SharedMemorySource
+    from weight_sync.buckets import fill_checksums, manifest_for
+    from weight_sync.transports.shm import CudaIpcBuffer
+
+    named = [("model.norm.weight", torch.ones(4)), ("model.embed_tokens.weight", torch.ones(3, 4).bfloat16())]
+    manifest = manifest_for(named, bucket_bytes=64, version=9)
+    fill_checksums(manifest, [t for _, t in named])
+    ipc = CudaIpcBuffer(0, b"h", 128, 0, 0, b"r", 0, b"e", True)
+    return [
+        DistributedSource(manifest=manifest, group_name="wsync", finish=False, staging="in_place"),
+        DistributedSource(manifest=manifest_for(named, packed=False)),
+        SharedMemorySource(manifest=manifest, segment="rollout-wsync-1-0123456789abcdef"),
+        SharedMemorySource(manifest=manifest, cuda_ipc=[ipc, ipc]),
+    ]
+
+
+@pytest.mark.parametrize("source", weight_sources(), ids=lambda s: type(s).__name__)
+def test_weight_sources_round_trip_in_update_weights(source):
+    msg = UpdateWeights(request_id="c-6", source=source, target_version=9)
+    back = decode(encode(msg))
+    assert back == msg and back.source.manifest.total_bytes == source.manifest.total_bytes
+
+
+def test_bad_weight_sources_are_refused_by_schema():
+    (good, _, shm, _) = weight_sources()
+    frame = raw(UpdateWeights(request_id="c-6", source=good))
+    frame["source"]["manifest"]["shapes"][0] = [100]  # no longer fits its bucket
+    assert "layout" in refused(frame).message
+    frame = raw(UpdateWeights(request_id="c-6", source=shm))
+    frame["source"]["segment"] = "../../etc/passwd"
+    assert "not one of ours" in refused(frame).message
+    frame = raw(UpdateWeights(request_id="c-6", source=shm))
+    frame["source"]["manifest"]["layout"]["buckets"][0][3] = -1  # a checksum is unsigned
+    refused(frame)
+    frame = raw(InitWeightsUpdateGroup(request_id="c", master_address="h", master_port=1, world_size=2))
+    frame["backend"] = "mpi"
+    refused(frame)

@@ -189,6 +189,21 @@ def test_fleet_sync_plans_bring_a_replica_in_step():
     assert [type(m) for m in fleet.sync_plan(4, "paused", ids)] == [Continue, Suspend]
 
 
+def test_a_weight_sync_broadcast_is_never_replayed_to_a_lagging_replica():
+    from weight_sync import DistributedSource, Manifest
+
+    ids = iter(f"s{i}" for i in range(100)).__next__
+    fleet = FleetState(version=3)
+    fleet.applied(UpdateWeights(request_id="u", source=SafetensorsDir(path="/w")), 4)
+    assert [type(m) for m in fleet.sync_plan(3, "running", ids)] == [UpdateWeights]
+    # a group broadcast (or a shared-memory segment) is gone once the trainer moved on: a replica
+    # left behind waits for the next update instead of blocking on a transfer nobody sends
+    manifest = Manifest(names=["w"], dtypes=["float32"], shapes=[[2]])
+    fleet.applied(UpdateWeights(request_id="v", source=DistributedSource(manifest=manifest)), 5)
+    assert fleet.version == 5 and fleet.sync_plan(4, "running", ids) is None
+    assert fleet.sync_plan(5, "running", ids) == []
+
+
 def test_fanout_outcome_and_merged_figures():
     fan = Fanout(b"peer", Pause(request_id="c-1", mode=PauseMode.KEEP))
     for name in ("a", "b", "c"):

@@ -141,3 +141,36 @@ def test_a_one_call_update_heals_mixed_weights(old, new, fresh_new_outputs):
     engine.abort_update()
     assert engine.update_weights(new.named_parameters()) == 1
     assert outputs(engine) == fresh_new_outputs
+
+
+def test_retained_staging_buffers_are_reused_and_freed_by_suspend(old, new, fresh_new_outputs):
+    engine = DynamicInferenceEngine.from_pretrained(old, config())
+    old_outputs = outputs(engine)
+    first_ptrs = {n: t.data_ptr() for n, t in engine.model.named_tensors().items()}
+    engine.begin_update(staging=Staging.DOUBLE, retain_staging=True)
+    for bucket in buckets(new):
+        engine.load_weights(bucket)
+    engine.commit_update()
+    assert engine.stats()["weights_spare_bytes"] == sum(t.numel() * t.element_size()
+                                                        for t in engine.model.named_tensors().values())
+    assert outputs(engine) == fresh_new_outputs
+    # the next update copies into the weights the last commit replaced: no new allocation
+    engine.begin_update(staging=Staging.DOUBLE, retain_staging=True)
+    parts = buckets(old)
+    engine.load_weights(parts[0])
+    engine.abort_update()  # an abort hands its buffers back, whatever they hold
+    assert outputs(engine) == fresh_new_outputs
+    engine.begin_update(staging=Staging.DOUBLE, retain_staging=True)
+    for bucket in parts:
+        engine.load_weights(bucket)
+    engine.commit_update()
+    assert {n: t.data_ptr() for n, t in engine.model.named_tensors().items()} == first_ptrs
+    assert outputs(engine) == old_outputs
+    engine.suspend()
+    assert engine.stats()["weights_spare_bytes"] == 0
+    engine.resume()
+    engine.begin_update(staging=Staging.DOUBLE)  # without it, a commit keeps no spare
+    for bucket in buckets(new):
+        engine.load_weights(bucket)
+    engine.commit_update()
+    assert engine.stats()["weights_spare_bytes"] == 0 and outputs(engine) == fresh_new_outputs

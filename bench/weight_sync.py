@@ -1,0 +1,250 @@
+"""Weight sync across processes: GB/s of each transport next to a raw in-process copy, same run.
+
+    python bench/weight_sync.py                 # 100M (fp32) and 1B (bf16) random parameters
+    python bench/weight_sync.py --quick         # 10M, one repeat: a smoke run
+    python bench/weight_sync.py --device cuda   # GPU: trainer tensors and replicas on CUDA; shm is CUDA
+                                                # IPC, nccl with a replica on cuda:1 when there are 2 GPUs
+
+The trainer is this process; the replicas are real `RolloutServer` processes (random-weight
+DenseDecoders of the same spec, behind ZMQ). A sync is timed from `WeightSender.sync()` until it
+returns, i.e. until every replica's commit has returned (manifest, checksums both ends, buckets,
+staged double loads, commit). Each transport syncs once untimed first (first-touch of every
+buffer: the steady state is what an RL loop pays each step), then `--repeats` timed syncs.
+
+* `shm`: buckets in a /dev/shm segment the replicas copy from; `gloo`: torch.distributed
+  broadcast over loopback TCP; `disk`: a safetensors directory under --disk-dir;
+* `tensor-by-tensor`: one control call and one gloo broadcast per tensor, no buckets, no
+  checksum: what several RL frameworks still do, printed for contrast;
+* `raw copy`: every weight tensor `copy_`'d into one flat buffer of the model's bytes (warm) in
+  this process (on the device with `--device cuda`): the ceiling a copy-based transport is
+  measured against.
+
+GB/s is model bytes / seconds until every replica committed; `xraw` is the raw copy's time over
+the sync's (1.0 = as fast as one in-process copy of the model). A raw copy runs right before
+each timed sync and `xraw` is the median of the pairs' ratios, so a sync and its baseline share
+the machine's load. With R replicas a transport moves R x the model's bytes; `deliv` shows that
+aggregate (R x model bytes / seconds). Targets (2 replicas, `xraw`): shm >= 0.5, gloo >= 0.25.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+# NOTE: the repository root goes first: this file's own directory (bench/, first on sys.path when it
+# runs as a script) holds `weight_sync.py`, which would otherwise shadow the `weight_sync` package
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import load_average, machine_line, print_result  # noqa: E402
+
+from inference.models.spec import ModelFamily, ModelSpec  # noqa: E402
+
+SIZES = {  # name -> (hidden, layers, intermediate, vocab): Llama shapes of ~10M / 99M / 1.03B parameters
+    "10M": (256, 8, 1024, 8192),
+    "100M": (768, 8, 2048, 32000),
+    "1B": (2048, 20, 5632, 32000),
+}
+DEFAULT_DTYPES = {"10M": "float32", "100M": "float32", "1B": "bfloat16"}
+TRANSPORTS = ("shm", "gloo", "disk", "tensor-by-tensor")
+
+
+def spec_for(name: str, dtype: torch.dtype) -> ModelSpec:
+    hidden, layers, inter, vocab = SIZES[name]
+    return ModelSpec(family=ModelFamily.LLAMA, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                     num_layers=layers, num_heads=hidden // 64, num_kv_heads=max(1, hidden // 256), head_dim=64,
+                     dtype=dtype)
+
+
+def random_weights(spec, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {n: (torch.randn(shape, generator=gen) * 0.02).to(spec.dtype) for n, shape in spec.weight_shapes().items()}
+
+
+# ---- a replica: `python bench/weight_sync.py --replica --model SIZE --dtype D --host H --port P` ----
+
+
+def replica_main(argv: list[str]) -> int:
+    from inference import DynamicInferenceEngine, InferenceConfig
+    from inference.models.decoder import DenseDecoder
+    from rollout.serve import READY_PREFIX
+    from rollout.server import RolloutServer, ServerConfig
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--dtype", required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    dtype = getattr(torch, args.dtype)
+    spec = spec_for(args.model, dtype)
+    weights = {n: torch.zeros(shape, dtype=dtype, device=args.device) for n, shape in spec.weight_shapes().items()}
+    config = InferenceConfig(block_size=16, kv_memory_bytes=8 * 2**20, max_requests=4, max_batch_tokens=64,
+                             max_sequence_length=256, dtype=dtype, device=args.device)
+    engine = DynamicInferenceEngine(DenseDecoder(spec, weights), config, command_timeout=600)
+    server = RolloutServer(engine, ServerConfig(host=args.host, port=args.port, weight_sync_timeout_s=300))
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    print(f"{READY_PREFIX}{server.address} (bench replica {args.model} {args.dtype})", flush=True)
+    server.serve_forever()
+    return 0
+
+
+# ---- the trainer ----------------------------------------------------------------------------------
+
+
+class RawCopy:
+    """The peer: every weight tensor copied into one flat buffer of the model's bytes, in this
+    process (warm: the buffer is written once before any timing)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], device: str) -> None:
+        self.sources = [t.reshape(-1).view(torch.uint8) for t in weights.values()]
+        self.device = device
+        self.dst = torch.zeros(sum(s.numel() for s in self.sources), dtype=torch.uint8, device=device)
+        self()
+
+    def __call__(self) -> float:
+        _synchronize(self.device)
+        start = time.perf_counter()
+        offset = 0
+        for src in self.sources:
+            self.dst[offset : offset + src.numel()].copy_(src)
+            offset += src.numel()
+        _synchronize(self.device)
+        return time.perf_counter() - start
+
+
+def _synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_syncs(sender, weights, raw_copy: RawCopy, repeats: int, first_version: int) -> dict[str, float]:
+    """The first sync's seconds, then `repeats` times a raw copy and a sync back to back: their
+    medians, and the median of each pair's ratio (raw / sync, `xraw`)."""
+    start = time.perf_counter()
+    sender.sync(weights, version=first_version)
+    first = time.perf_counter() - start
+    raws, syncs = [], []
+    for i in range(repeats):
+        raws.append(raw_copy())
+        start = time.perf_counter()
+        sender.sync(weights, version=first_version + 1 + i)
+        syncs.append(time.perf_counter() - start)
+    return dict(first=first, seconds=statistics.median(syncs), raw=statistics.median(raws),
+                xraw=statistics.median(r / s for r, s in zip(raws, syncs)))
+
+
+def bench_size(size: str, dtype_name: str, args) -> list[dict]:
+    from rollout import RolloutClient, ServerProcess
+    from weight_sync import WeightSender
+
+    dtype = getattr(torch, dtype_name)
+    spec = spec_for(size, dtype)
+    print(f"\n{size}: building {dtype_name} weights and {max(args.replicas)} replicas ...", flush=True)
+    weights = {n: t.to(args.device) for n, t in random_weights(spec, seed=0).items()}
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    params = sum(t.numel() for t in weights.values())
+    entry = (str(Path(__file__).resolve()), "--replica")
+    devices = replica_devices(args.device, max(args.replicas))
+    procs = [ServerProcess(size, "--dtype", dtype_name, "--device", d, entry=entry, ready_timeout=600)
+             for d in devices]
+    rows = []
+    version = 1
+    try:
+        clients = [RolloutClient(p.address, timeout=900) for p in procs]
+        raw_copy = RawCopy(weights, args.device)
+        print(f"{size}: {params / 1e6:.0f}M parameters, {nbytes / 2**30:.2f} GiB; trainer on {args.device}, replicas "
+              f"on {', '.join(devices)}; {machine_line()}", flush=True)
+        for replicas in args.replicas:
+            for transport in args.transports:
+                if transport == "tensor-by-tensor" and size == "1B" and not args.slow_contrast:
+                    continue
+                if transport == "nccl" and args.device in devices[:replicas]:
+                    print(f"{size:>5} R={replicas} {transport:>16}: skipped (NCCL needs the replicas on other GPUs "
+                          "than the trainer's)", flush=True)
+                    continue
+                kwargs = dict(bucket_bytes=args.bucket_mib * 2**20, timeout_s=600)
+                if transport == "disk":  # NOTE: one version directory on disk at a time
+                    kwargs.update(directory=tempfile.mkdtemp(dir=args.disk_dir, prefix="bench-wsync-"), keep_last=1)
+                name = "gloo" if transport == "tensor-by-tensor" else transport
+                try:
+                    with WeightSender(clients[:replicas], name, tensor_by_tensor=transport == "tensor-by-tensor",
+                                      **kwargs) as sender:
+                        load = load_average()
+                        timed = time_syncs(sender, weights, raw_copy, args.repeats, version)
+                        version += 1 + args.repeats
+                finally:
+                    if "directory" in kwargs:
+                        shutil.rmtree(kwargs["directory"], ignore_errors=True)
+                seconds, raw = timed["seconds"], timed["raw"]
+                row = dict(size=size, replicas=replicas, transport=transport, **timed, gbps=nbytes / seconds / 1e9,
+                           deliv=replicas * nbytes / seconds / 1e9, load=load)
+                rows.append(row)
+                key = f"[{size},R{replicas},{transport}]"  # NOTE: compare_commits merges every RESULT line's figures
+                print_result("weight_sync", {f"gbps{key}": row["gbps"], f"xraw{key}": row["xraw"]},
+                             dtype=dtype_name, raw_copy_s=raw, load=load)
+                print(f"{size:>5} R={replicas} {transport:>16} {seconds * 1e3:>9.0f} ms  {row['gbps']:>6.2f} GB/s  "
+                      f"xraw {row['xraw']:>5.2f} (raw copy {raw * 1e3:.0f} ms)  deliv {row['deliv']:>6.2f} GB/s  "
+                      f"(first sync {timed['first'] * 1e3:.0f} ms, load {load:.1f})", flush=True)
+        for c in clients:
+            c.close()
+    finally:
+        for p in procs:
+            p.stop()
+    return rows
+
+
+def replica_devices(device: str, count: int) -> list[str]:
+    """Where the replicas run: the trainer's device on CPU or with one GPU; else the other GPUs."""
+    if not device.startswith("cuda") or torch.cuda.device_count() < 2:
+        return [device] * count
+    others = [f"cuda:{i}" for i in range(torch.cuda.device_count()) if torch.device(f"cuda:{i}") != torch.device(
+        device if ":" in device else "cuda:0")]
+    return [others[i % len(others)] for i in range(count)]
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--replica":
+        return replica_main(sys.argv[2:])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="100M,1B")
+    parser.add_argument("--replicas", default="1,2", help="replica counts to measure (comma-separated)")
+    parser.add_argument("--transports", help=f"comma-separated (default {','.join(TRANSPORTS)}; cuda: nccl too)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: the trainer's tensors and the replicas")
+    parser.add_argument("--repeats", type=int, default=5, help="timed (raw copy, sync) pairs per row")
+    parser.add_argument("--bucket-mib", type=int, default=512)
+    parser.add_argument("--disk-dir", default=None, help="where the disk transport writes (default: a temp dir)")
+    parser.add_argument("--slow-contrast", action="store_true", help="also run tensor-by-tensor at 1B")
+    parser.add_argument("--quick", action="store_true", help="10M, one repeat, 2 replicas")
+    args = parser.parse_args()
+    if args.quick:
+        args.sizes, args.repeats, args.replicas = "10M", 1, "2"
+    args.replicas = [int(r) for r in args.replicas.split(",")]
+    if args.transports is None:
+        args.transports = ",".join(TRANSPORTS[:2] + ("nccl",) + TRANSPORTS[2:]) if args.device != "cpu" else \
+            ",".join(TRANSPORTS)
+    args.transports = args.transports.split(",")
+    torch.set_num_threads(1)
+    rows = []
+    for size in args.sizes.split(","):
+        rows += bench_size(size, DEFAULT_DTYPES.get(size, "bfloat16"), args)
+    print("\nsummary (xraw: raw copy time / sync time; targets with 2 replicas: shm >= 0.5, gloo >= 0.25)")
+    for row in rows:
+        print(f"  {row['size']:>5} R={row['replicas']} {row['transport']:>16}: {row['gbps']:.2f} GB/s, "
+              f"xraw {row['xraw']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""Test helpers: engines of a tiny Llama, and `LocalControl`, the SGLang-named calls of
+`weight_sync.WeightControl` made on an in-process `WeightReceiver` (what a server's lane does)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams
+from weight_sync.manifest import Layout, Manifest, parse_weight_version
+from weight_sync.receiver import WeightReceiver
+from weight_sync.sources import DistributedSource, decode_tensor_payload
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+PROMPTS = [[1, 5, 9, 13], [1, 7, 7], [2, 3, 4, 5, 6, 7]]
+
+
+def tiny_llama(seed: int, vocab: int = 64, hidden: int = 32, layers: int = 2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def engine_of(model) -> DynamicInferenceEngine:
+    return DynamicInferenceEngine.from_pretrained(model, InferenceConfig(block_size=4, num_blocks=64, max_requests=8,
+                                                                         max_batch_tokens=64, max_sequence_length=64))
+
+
+def outputs(engine) -> list[list[int]]:
+    return [o.generated_token_ids for o in engine.generate(PROMPTS, GREEDY)]
+
+
+class LocalControl:
+    """`WeightControl` over an in-process receiver (each call applies at once, in the caller's thread)."""
+
+    def __init__(self, receiver: WeightReceiver) -> None:
+        self.receiver = receiver
+
+    def init_weights_update_group(self, master_address, master_port, rank_offset, world_size,
+                                  group_name="weight_update_group", backend=None, *, timeout_s=None):
+        return self.receiver.init_group(master_address, master_port, rank_offset, world_size, group_name, backend,
+                                        timeout_s)
+
+    def destroy_weights_update_group(self, group_name="weight_update_group"):
+        return self.receiver.destroy_group(group_name)
+
+    def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group", *,
+                                        weight_version=None, layout: Optional[Layout] = None, finish=None,
+                                        policy=None, staging=None) -> Any:
+        manifest = Manifest(names=names, dtypes=dtypes, shapes=shapes, layout=layout,
+                            version=parse_weight_version(weight_version))
+        source = DistributedSource(manifest=manifest, group_name=group_name, finish=finish, staging=staging)
+        return self.receiver.update_from_distributed(source, policy=policy)
+
+    def update_weights_from_tensor(self, serialized_named_tensors, *, weight_version=None, policy=None):
+        (payload,) = serialized_named_tensors
+        return self.receiver.update_from_shared_memory(decode_tensor_payload(payload),
+                                                       version=parse_weight_version(weight_version), policy=policy)
+
+    def update_weights_from_disk(self, model_path, *, weight_version=None, policy=None):
+        return self.receiver.update_from_disk(model_path, version=parse_weight_version(weight_version), policy=policy)
+
+    def get_weight_version(self) -> str:
+        return self.receiver.weight_version

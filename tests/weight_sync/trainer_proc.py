@@ -1,0 +1,59 @@
+"""A trainer in a process of its own, for the tests that kill one mid-transfer:
+
+    python -m tests.weight_sync.trainer_proc WEIGHTS_DIR VERSION ADDRESS... [--die-in-bucket K]
+
+It syncs the safetensors weights in WEIGHTS_DIR to the replicas at ADDRESS... over gloo. With
+`--die-in-bucket K` it SIGKILLs itself while bucket K is on the wire: its broadcast issued, some
+bytes sent, not complete."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("weights")
+    parser.add_argument("version", type=int)
+    parser.add_argument("addresses", nargs="+")
+    parser.add_argument("--die-in-bucket", type=int)
+    parser.add_argument("--bucket-bytes", type=int, default=32 * 1024)
+    parser.add_argument("--timeout-s", type=float, default=3.0)
+    args = parser.parse_args()
+
+    from inference.models.loading import read_safetensors
+    from rollout.client import RolloutClient
+    from weight_sync import WeightSender
+    from weight_sync.transports import distributed
+
+    weights = read_safetensors(Path(args.weights), None)
+    if args.die_in_bucket is not None:
+        real = distributed.WeightGroup.pieces
+        calls = []
+
+        def pieces(self, buf, nbytes, *rest, **kwargs):
+            if len(calls) == args.die_in_bucket:
+                self.broadcast_async(buf[:nbytes])  # on the wire ...
+                time.sleep(0.05)
+                print(f"trainer: killed while bucket {len(calls)} is on the wire", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)  # ... and never finished
+            calls.append(nbytes)
+            return real(self, buf, nbytes, *rest, **kwargs)
+
+        distributed.WeightGroup.pieces = pieces
+    clients = [RolloutClient(a, timeout=30) for a in args.addresses]
+    sender = WeightSender(clients, "gloo", timeout_s=args.timeout_s, bucket_bytes=args.bucket_bytes)
+    print(f"trainer: synced version {sender.sync(weights, version=args.version)}", flush=True)
+    sender.close()
+    for c in clients:
+        c.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

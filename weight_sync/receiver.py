@@ -1,0 +1,353 @@
+"""WeightReceiver: the engine side of weight sync, whatever the transport.
+
+Every update goes the same way: the manifest is checked against the engine's model before a byte
+is accepted (a manifest for another model is refused then); a staged update opens
+(`begin_update`, `double` staging by default: the old weights serve until the commit); each bucket
+is checked against its checksum and handed to `load_weights`, which copies it into memory the
+engine owns; the version changes only at `commit_update`. Any failure (a checksum, a missing
+bucket, a dead sender, a timeout) aborts: `double` leaves the old weights serving, `in_place`
+refuses to generate, with a clear error, until the next complete update. Nothing waits past the
+update's timeout.
+
+A sequence of SGLang-style calls is one staged update: a `DistributedSource` with `finish` False
+keeps it open for the next call, True commits it, None commits it once the model is complete. An
+update left open longer than the timeout is aborted.
+
+One update (or group change) runs at a time; a second one meanwhile is refused at once. The
+receiver owns its weight-update groups (`init_group` / `destroy_group`); a group whose collective
+failed is closed and forgotten (the trainer makes a new one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from inference.errors import EngineStateError
+from inference.weights import Staging
+from weight_sync.buckets import bucket_checksum, unpack_bucket
+from weight_sync.manifest import Manifest, ManifestError, check_against_model, dtype_name, parse_weight_version
+from weight_sync.sources import DistributedSource, SharedMemorySource
+from weight_sync.transports import disk
+from weight_sync.transports.distributed import (
+    DEFAULT_GROUP,
+    ChecksumError,
+    GroupError,
+    ReceiveBuffer,
+    WeightGroup,
+    receive_buckets,
+    receive_tensors,
+)
+from weight_sync.transports.shm import import_cuda, open_segment
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Open:
+    """A staged update spanning several calls."""
+
+    version: Optional[int]
+    group: str
+    names: list[str] = field(default_factory=list)
+    dtypes: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+    deadline: float = 0.0
+
+
+@dataclass(slots=True)
+class ReceiverStats:
+    updates_committed: int = 0
+    updates_aborted: int = 0
+    bytes_received: int = 0
+    last_update_seconds: float = 0.0
+    last_error: str = ""
+
+    def wire(self) -> dict[str, Any]:
+        """As `weight_sync/<name>` stats entries."""
+        return {f"weight_sync/{name}": getattr(self, name) for name in self.__dataclass_fields__}
+
+
+class WeightReceiver:
+    """Weight updates into `engine` (a `DynamicInferenceEngine`), see module docstring.
+
+    `staging`: the default for updates that do not choose; `retain_staging`: keep a double
+    update's replaced weights as the next one's buffers (warm copies; a second copy of the
+    weights held between updates, freed by suspend); `timeout_s`: the bound of every wait.
+    """
+
+    def __init__(self, engine: Any, *, staging: Staging = Staging.DOUBLE, timeout_s: float = 60.0,
+                 retain_staging: bool = True) -> None:
+        self.engine = engine
+        self.staging = Staging(staging)
+        self.timeout_s = timeout_s
+        self.retain_staging = retain_staging
+        self.stats = ReceiverStats()
+        self._busy = threading.Lock()
+        self._groups: dict[str, WeightGroup] = {}
+        self._open: Optional[_Open] = None
+        self._watchdog: Optional[threading.Timer] = None
+        self._buffer = ReceiveBuffer(torch.device("cpu"))
+
+    @property
+    def spec(self):
+        return self.engine.model.spec
+
+    @property
+    def weight_version(self) -> str:
+        return str(self.engine.policy_version)
+
+    @contextlib.contextmanager
+    def _exclusive(self, what: str) -> Iterator[None]:
+        if not self._busy.acquire(blocking=False):
+            raise EngineStateError(f"{what} refused: another weight update or group change is in flight here")
+        try:
+            yield
+        finally:
+            self._busy.release()
+
+    # ---- groups --------------------------------------------------------------------------------
+
+    def init_group(self, master_address: str, master_port: int, rank_offset: Optional[int], world_size: int,
+                   group_name: str = DEFAULT_GROUP, backend: Optional[str] = None,
+                   timeout_s: Optional[float] = None) -> int:
+        """Join (again) the weight-update group `group_name`; returns this replica's rank.
+        `rank_offset` None claims the next free rank (one message broadcast to all replicas)."""
+        with self._exclusive("init_weights_update_group"):
+            self._close_group(group_name)
+            if backend is None:
+                backend = "nccl" if self.engine.model.device.type == "cuda" else "gloo"
+            device = self.engine.model.device if backend == "nccl" else None
+            group = WeightGroup.join(master_address, master_port, world_size=world_size, rank=rank_offset,
+                                     name=group_name, backend=backend, timeout_s=timeout_s or self.timeout_s,
+                                     device=device)
+            self._groups[group_name] = group
+            if group.device.type == "cuda":
+                self._buffer = ReceiveBuffer(group.device)
+            logger.info("joined weight-update group %s as rank %d of %d", group_name, group.rank, world_size)
+            return group.rank
+
+    def destroy_group(self, group_name: str = DEFAULT_GROUP) -> bool:
+        with self._exclusive("destroy_weights_update_group"):
+            return self._close_group(group_name)
+
+    def _close_group(self, name: str) -> bool:
+        group = self._groups.pop(name, None)
+        if group is not None:
+            group.close()
+        return group is not None
+
+    def close(self) -> None:
+        for name in list(self._groups):
+            self._close_group(name)
+
+    # ---- updates -------------------------------------------------------------------------------
+
+    def update_from_distributed(self, source: DistributedSource, *, version: Optional[int] = None,
+                                policy: Any = None) -> Optional[int]:
+        """Receive `source` over its group; the new version once committed, None while a sequence
+        stays open (`finish` False, or None with tensors still missing)."""
+        manifest = source.manifest
+        with self._exclusive("a weight update"):
+            self._cancel_watchdog()
+            group = self._groups.get(source.group_name)
+            if group is None:
+                raise EngineStateError(f"no weight-update group {source.group_name!r} here: "
+                                       "init_weights_update_group first")
+            opened = self._open
+            sequence = opened is not None or source.finish is False
+            try:
+                version = _merge_version(version, manifest, opened)
+                check_against_model(manifest, self.spec, complete=not sequence)
+                accepted = None
+            except (ManifestError, KeyError, ValueError) as exc:
+                accepted = exc
+            if accepted is not None:
+                self._refuse_distributed(group, manifest, accepted)
+            start = time.perf_counter()
+            try:
+                if opened is None:
+                    opened = self._begin(version, source.staging, source.group_name)
+                elif opened.group != source.group_name:
+                    raise ValueError(f"the open update came over group {opened.group!r}, this call over "
+                                     f"{source.group_name!r}")
+                if manifest.layout is None:
+                    received = receive_tensors(group, manifest, self.engine.load_weights)
+                else:
+                    received = receive_buckets(group, manifest, True, self._buffer, self.engine.load_weights)
+                self.stats.bytes_received += received
+                opened.names += manifest.names
+                opened.dtypes += manifest.dtypes
+                opened.shapes += manifest.shapes
+                if source.finish is False or (source.finish is None and not self._complete(opened)):
+                    opened.deadline = time.monotonic() + self.timeout_s
+                    self._arm_watchdog(opened)
+                    return None
+                return self._commit(policy, start)
+            except BaseException as exc:
+                self._abort(exc)
+                if isinstance(exc, GroupError):
+                    self._close_group(source.group_name)
+                raise
+
+    def _refuse_distributed(self, group: WeightGroup, manifest: Manifest, why: BaseException) -> None:
+        """Say no in step with the sender, so it is not left waiting, then raise `why`."""
+        try:
+            if manifest.layout is not None:
+                group.agree(False)
+            else:  # NOTE: SGLang's calls have no handshake: drain the broadcasts it will send anyway
+                receive_tensors(group, manifest, lambda named: None)
+        except GroupError:
+            self._close_group(group.name)
+        self._abort(why)
+        raise why
+
+    def update_from_shared_memory(self, source: SharedMemorySource, *, version: Optional[int] = None,
+                                  policy: Any = None) -> int:
+        """Copy the buckets of a shared-memory source in (checked, staged, committed)."""
+        manifest = source.manifest
+        with self._exclusive("a weight update"):
+            version = _merge_version(version, manifest, None)
+            check_against_model(manifest, self.spec)
+            start = time.perf_counter()
+            region = None
+            try:
+                self._begin(version, source.staging, "")
+                offsets = manifest.layout.region_offsets()
+                if source.segment is not None:
+                    region = open_segment(source.segment, manifest.total_bytes)
+                for index, bucket in enumerate(manifest.layout.buckets):
+                    if region is not None:
+                        view = region[offsets[index] : offsets[index] + bucket.nbytes]
+                    else:
+                        view = import_cuda(source.cuda_ipc[index], bucket.nbytes)
+                    _verify(view, manifest, index)
+                    self.engine.load_weights(unpack_bucket(manifest, index, view))
+                    self.stats.bytes_received += bucket.nbytes
+                    del view
+                return self._commit(policy, start)
+            except BaseException as exc:
+                self._abort(exc)
+                raise
+            finally:
+                del region  # NOTE: the engine copied every byte; the mapping goes with the last view
+
+    def update_from_disk(self, path: str | Path, *, version: Optional[int] = None, policy: Any = None,
+                         staging: Optional[Staging] = None) -> int:
+        """Load a safetensors directory: bucket by bucket against its manifest's checksums if it
+        has one (`weight_sync.transports.disk`), else whole (any HF checkpoint)."""
+        path = Path(path)
+        with self._exclusive("a weight update"):
+            manifest = disk.read_manifest(path)
+            start = time.perf_counter()
+            if manifest is None:
+                from inference.models.loading import read_safetensors
+
+                tensors = read_safetensors(path, None)
+                manifest = Manifest(names=list(tensors), dtypes=[dtype_name(t.dtype) for t in tensors.values()],
+                                    shapes=[list(t.shape) for t in tensors.values()])
+                check_against_model(manifest, self.spec)
+                try:
+                    self._begin(_merge_version(version, manifest, None), staging, "")
+                    self.engine.load_weights(tensors)
+                    return self._commit(policy, start)
+                except BaseException as exc:
+                    self._abort(exc)
+                    raise
+            version = _merge_version(version, manifest, None)
+            check_against_model(manifest, self.spec)
+            try:
+                self._begin(version, staging, "")
+                for index, bucket in enumerate(manifest.layout.buckets):
+                    tensors, checksum = disk.read_bucket(path, manifest, index)
+                    if checksum != bucket.checksum:
+                        raise ChecksumError(f"{disk.bucket_file(index, manifest.num_buckets)}: checksum "
+                                            f"{checksum:#x}, the manifest says {bucket.checksum:#x}")
+                    self.engine.load_weights(tensors)
+                    self.stats.bytes_received += bucket.nbytes
+                return self._commit(policy, start)
+            except BaseException as exc:
+                self._abort(exc)
+                raise
+
+    # ---- the staged update ---------------------------------------------------------------------
+
+    def _begin(self, version: Optional[int], staging: Optional[Staging], group: str) -> _Open:
+        staging = Staging(staging or self.staging)
+        retain = self.retain_staging and staging is Staging.DOUBLE
+        self.engine.begin_update(version, staging, retain_staging=retain)
+        self._open = _Open(version, group)
+        return self._open
+
+    def _complete(self, opened: _Open) -> bool:
+        so_far = Manifest(names=opened.names, dtypes=opened.dtypes, shapes=opened.shapes)
+        try:
+            check_against_model(so_far, self.spec, complete=True)
+        except (KeyError, ValueError):
+            return False
+        return True
+
+    def _commit(self, policy: Any, start: float) -> int:
+        version = self.engine.commit_update(policy)
+        self._open = None
+        self.stats.updates_committed += 1
+        self.stats.last_update_seconds = time.perf_counter() - start
+        return version
+
+    def _abort(self, why: BaseException) -> None:
+        self._cancel_watchdog()
+        self._open = None
+        self.stats.updates_aborted += 1
+        self.stats.last_error = f"{type(why).__name__}: {why}"
+        try:
+            self.engine.abort_update()
+        except Exception:  # noqa: BLE001 (the original failure is what the caller hears)
+            logger.exception("aborting the weight update failed")
+        logger.warning("weight update aborted: %s", self.stats.last_error)
+
+    def _arm_watchdog(self, opened: _Open) -> None:
+        timer = threading.Timer(self.timeout_s, self._expire, args=(opened,))
+        timer.daemon = True
+        self._watchdog = timer
+        timer.start()
+
+    def _cancel_watchdog(self) -> None:
+        timer, self._watchdog = self._watchdog, None
+        if timer is not None:
+            timer.cancel()
+
+    def _expire(self, opened: _Open) -> None:
+        if not self._busy.acquire(blocking=False):
+            return  # NOTE: the next call is running: it decides
+        try:
+            if self._open is opened:
+                self._abort(TimeoutError(f"the update to version {opened.version} waited {self.timeout_s} s for "
+                                         "its next call"))
+        finally:
+            self._busy.release()
+
+
+def _merge_version(version: Optional[int], manifest: Manifest, opened: Optional[_Open]) -> Optional[int]:
+    candidates = {v for v in (version, manifest.version, opened.version if opened else None) if v is not None}
+    if len(candidates) > 1:
+        raise ManifestError(f"conflicting target versions {sorted(candidates)} (message, manifest, open update)")
+    return parse_weight_version(candidates.pop()) if candidates else None
+
+
+def _verify(view: torch.Tensor, manifest: Manifest, index: int) -> None:
+    bucket = manifest.layout.buckets[index]
+    checksum = bucket_checksum(view, bucket)
+    if checksum != bucket.checksum:
+        raise ChecksumError(f"bucket {index} of {manifest.num_buckets} ({bucket.nbytes} bytes): checksum "
+                            f"{checksum:#x}, the manifest says {bucket.checksum:#x}")
+
+
+__all__ = ["ReceiverStats", "WeightReceiver"]

@@ -1,0 +1,325 @@
+"""WeightSender: the trainer side of weight sync: one call per RL step moves the new weights
+into every replica, or into none.
+
+    sender = WeightSender([RolloutClient(a), RolloutClient(b)], transport="gloo")
+    version = sender.sync(policy, version=step + 1)   # returns once every replica committed
+
+Targets are what the replicas (or a router in front of them) answer to: the SGLang-named control
+calls of `WeightControl`, which `rollout.RolloutClient` implements. Each sync builds the manifest
+(names, dtypes, shapes, buckets with their checksums, the version), sends it to every target
+first, then moves the bytes, then waits until every target answered (bounded by `timeout_s`):
+
+* `gloo` / `nccl`: a weight-update group of the trainer (rank 0) and the replicas, made at the
+  first sync (targets are told to join: `init_weights_update_group`) and again after a failure or
+  when `regroup()` is called (a replica joined or left); buckets are broadcast
+  (`transports.distributed`). A refused manifest stops every rank before a bucket moves; a failed
+  bucket on any replica stops every replica from committing;
+* `shm`: buckets packed into a shared-memory segment (CUDA IPC buffers on GPU) that the replicas
+  copy from (`transports.shm`); same host only;
+* `disk`: a safetensors directory per version under `directory` (`transports.disk`); with
+  `keep_last=k` the sender deletes the directories it wrote beyond the last k, once every
+  replica committed a newer one (None keeps them all: checkpoints).
+
+`tensor_by_tensor=True` (gloo / nccl) does what several frameworks still do: one control call and
+one broadcast per tensor, no buckets, no checksums; kept as a contrast (the benchmark prints it).
+
+Trainer layouts: a module's `named_parameters()` (HF names, or megatron-core's fused QKV and
+gate/up, which replicas convert), a mapping, or (name, tensor) pairs. A megatron-core model with
+tensor parallelism is gathered on its TP rank 0 first (`weight_sync.tp_gather`); the other TP
+ranks return None from `sync`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import shutil
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Protocol, Union
+
+import torch
+
+from weight_sync.buckets import DEFAULT_BUCKET_BYTES, fill_checksums, manifest_for, pack_bucket
+from weight_sync.manifest import dtype_name, parse_weight_version
+from weight_sync.sources import SharedMemorySource, encode_tensor_payload
+from weight_sync.transports import disk
+from weight_sync.transports.distributed import (
+    DEFAULT_GROUP,
+    GroupError,
+    ReceiveBuffer,
+    WeightGroup,
+    send_buckets,
+    send_tensors,
+)
+from weight_sync.transports.shm import RegionPool, export_cuda
+
+logger = logging.getLogger(__name__)
+
+Weights = Union[torch.nn.Module, Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
+TRANSPORTS = ("gloo", "nccl", "shm", "disk")
+
+
+class WeightControl(Protocol):
+    """The calls a sender makes on a replica (or a router): SGLang's names, our extensions
+    keyword-only. Each returns once the replica answered (or raises what it answered)."""
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: Optional[int],
+                                  world_size: int, group_name: str = DEFAULT_GROUP, backend: Optional[str] = None,
+                                  *, timeout_s: Optional[float] = None) -> Any: ...
+
+    def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> Any: ...
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str = DEFAULT_GROUP, *, weight_version: Any = None,
+                                        layout: Any = None, finish: Optional[bool] = None,
+                                        policy: Any = None) -> int: ...
+
+    def update_weights_from_tensor(self, serialized_named_tensors: list[bytes], *, weight_version: Any = None,
+                                   policy: Any = None) -> int: ...
+
+    def update_weights_from_disk(self, model_path: str, *, weight_version: Any = None, policy: Any = None) -> int: ...
+
+    def get_weight_version(self) -> str: ...
+
+
+class SyncError(RuntimeError):
+    """A sync that did not commit everywhere; `replies` holds each target's answer or error."""
+
+    def __init__(self, message: str, replies: Sequence[Any] = ()) -> None:
+        super().__init__(message)
+        self.replies = list(replies)
+
+
+@dataclass(slots=True)
+class SenderStats:
+    syncs: int = 0
+    bytes_sent: int = 0  # bytes moved by the transport (before fan-out to replicas)
+    last_seconds: float = 0.0
+    last_bytes: int = 0
+
+
+def named_tensors(weights: Weights, *, tp_group: Any = None) -> Optional[list[tuple[str, torch.Tensor]]]:
+    """(name, tensor) pairs of a module, mapping or pairs; a megatron-core model with tensor
+    parallelism gathered onto its TP rank 0 (None on the others)."""
+    if isinstance(weights, torch.nn.Module):
+        from weight_sync.tp_gather import gather_tensor_parallel, tensor_parallel_size
+
+        if tensor_parallel_size(weights, tp_group) > 1:
+            return gather_tensor_parallel(weights, tp_group)
+        return [(n, p.detach()) for n, p in weights.named_parameters()]
+    pairs = weights.items() if isinstance(weights, Mapping) else weights
+    return [(n, t.detach()) for n, t in pairs]
+
+
+class WeightSender:
+    """See module docstring. `replicas`: how many engines the targets stand for (a router is one
+    target for all of its replicas); `dtype`: cast every tensor to it on the way (e.g. bfloat16
+    replicas of an fp32 trainer)."""
+
+    def __init__(self, targets: Sequence[WeightControl], transport: str = "gloo", *,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 60.0, replicas: Optional[int] = None,
+                 dtype: Optional[torch.dtype] = None, master_address: str = "127.0.0.1", master_port: int = 0,
+                 group_name: str = DEFAULT_GROUP, directory: Optional[str | Path] = None,
+                 tensor_by_tensor: bool = False, policy: Any = None, tp_group: Any = None,
+                 keep_last: Optional[int] = None) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if transport == "disk" and directory is None:
+            raise ValueError("the disk transport needs a directory the replicas can read")
+        if tensor_by_tensor and transport not in ("gloo", "nccl"):
+            raise ValueError("tensor_by_tensor is a torch.distributed mode (gloo / nccl)")
+        if not targets:
+            raise ValueError("a sender needs at least one target")
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be None or >= 1, got {keep_last}")
+        self.targets = list(targets)
+        self.transport, self.bucket_bytes, self.timeout_s = transport, bucket_bytes, timeout_s
+        self.replicas = replicas if replicas is not None else len(self.targets)
+        self.dtype, self.policy, self.tp_group = dtype, policy, tp_group
+        self.master_address, self.master_port, self.group_name = master_address, master_port, group_name
+        self.directory = Path(directory) if directory is not None else None
+        self.tensor_by_tensor = tensor_by_tensor
+        self.keep_last = keep_last
+        self._written: list[Path] = []  # the disk transport's version directories, oldest first
+        self.version: Optional[int] = None
+        self.stats = SenderStats()
+        self.group: Optional[WeightGroup] = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(2, len(self.targets)),
+                                                           thread_name_prefix="weight-sender")
+        self._regions = RegionPool()
+        self._buffer = ReceiveBuffer(torch.device("cuda") if transport == "nccl" else torch.device("cpu"))
+        self._cuda_buckets: list[torch.Tensor] = []
+
+    # ---- the one call --------------------------------------------------------------------------
+
+    def sync(self, weights: Weights, version: Optional[int] = None, *, policy: Any = None) -> Optional[int]:
+        """Move `weights` into every replica under `version` (default: the last one + 1); returns
+        it once every target committed, raises `SyncError` (no replica on a mix) otherwise."""
+        named = named_tensors(weights, tp_group=self.tp_group)
+        if named is None:
+            return None  # NOTE: a tensor-parallel rank other than 0: its shards went to rank 0
+        if self.dtype is not None:
+            named = [(n, t.to(self.dtype)) for n, t in named]
+        version = self._next_version(version)
+        policy = policy if policy is not None else self.policy
+        start = time.perf_counter()
+        if self.transport in ("gloo", "nccl"):
+            moved = self._sync_distributed(named, version, policy)
+        elif self.transport == "shm":
+            moved = self._sync_shared_memory(named, version, policy)
+        else:
+            moved = self._sync_disk(named, version, policy)
+        self.version = version
+        self.stats.syncs += 1
+        self.stats.bytes_sent += moved
+        self.stats.last_bytes = moved
+        self.stats.last_seconds = time.perf_counter() - start
+        return version
+
+    def _next_version(self, version: Optional[int]) -> int:
+        if version is not None:
+            return version
+        if self.version is None:
+            self.version = max(parse_weight_version(t.get_weight_version()) for t in self.targets)
+        return self.version + 1
+
+    # ---- transports ----------------------------------------------------------------------------
+
+    def _sync_distributed(self, named: list[tuple[str, torch.Tensor]], version: int, policy: Any) -> int:
+        if self.group is None or self.group.broken is not None:
+            self.regroup()
+        group = self.group
+        tensors = [t for _, t in named]
+        if self.tensor_by_tensor:
+            return self._sync_tensor_by_tensor(named, version, policy)
+        manifest = manifest_for(named, bucket_bytes=self.bucket_bytes, version=version)
+        fill_checksums(manifest, tensors)  # NOTE: the manifest goes first, so its checksums are computed first
+        futures = self._each(lambda t: t.update_weights_from_distributed(
+            manifest.names, manifest.dtypes, manifest.shapes, self.group_name, weight_version=version,
+            layout=manifest.layout, policy=policy))
+        try:
+            sent = send_buckets(group, manifest, tensors, self._buffer)
+        except BaseException as exc:
+            self._collect(futures, f"sync to version {version}", exc)
+            raise AssertionError("unreachable") from exc
+        self._collect(futures, f"sync to version {version}")
+        return sent
+
+    def _sync_tensor_by_tensor(self, named: list[tuple[str, torch.Tensor]], version: int, policy: Any) -> int:
+        sent = 0
+        for i, (name, tensor) in enumerate(named):
+            last = i == len(named) - 1
+            futures = self._each(lambda t, name=name, tensor=tensor, last=last: t.update_weights_from_distributed(
+                [name], [dtype_name(tensor.dtype)], [list(tensor.shape)], self.group_name, weight_version=version,
+                finish=last, policy=policy))
+            try:
+                sent += send_tensors(self.group, [tensor])
+            except BaseException as exc:
+                self._collect(futures, f"tensor {name}", exc)
+            self._collect(futures, f"tensor {name}")
+        return sent
+
+    def _sync_shared_memory(self, named: list[tuple[str, torch.Tensor]], version: int, policy: Any) -> int:
+        manifest = manifest_for(named, bucket_bytes=self.bucket_bytes, version=version)
+        tensors = [t for _, t in named]
+        cuda = tensors and tensors[0].device.type == "cuda"
+        if cuda:
+            self._cuda_buckets = [torch.empty(b.nbytes, dtype=torch.uint8, device=tensors[0].device)
+                                  for b in manifest.layout.buckets]
+            for i, buf in enumerate(self._cuda_buckets):
+                manifest.layout.buckets[i].checksum = pack_bucket(manifest, i, tensors, buf)
+            torch.cuda.current_stream().synchronize()
+            source = SharedMemorySource(manifest=manifest, cuda_ipc=[export_cuda(b) for b in self._cuda_buckets])
+        else:
+            region = self._regions.get(manifest.total_bytes)
+            for i, offset in enumerate(manifest.layout.region_offsets()):
+                nbytes = manifest.layout.buckets[i].nbytes
+                manifest.layout.buckets[i].checksum = pack_bucket(manifest, i, tensors,
+                                                                  region.tensor[offset : offset + nbytes])
+            source = SharedMemorySource(manifest=manifest, segment=region.name)
+        payload = encode_tensor_payload(source)
+        futures = self._each(lambda t: t.update_weights_from_tensor([payload], weight_version=version, policy=policy))
+        self._collect(futures, f"sync to version {version}")
+        self._cuda_buckets = []  # NOTE: every receiver answered: they copied what they needed
+        return manifest.total_bytes
+
+    def _sync_disk(self, named: list[tuple[str, torch.Tensor]], version: int, policy: Any) -> int:
+        path = self.directory / f"v{version:08d}"
+        manifest = disk.write_checkpoint(path, named, version=version, bucket_bytes=self.bucket_bytes)
+        futures = self._each(lambda t: t.update_weights_from_disk(str(path.absolute()), weight_version=version,
+                                                                  policy=policy))
+        self._collect(futures, f"sync to version {version}")
+        if path not in self._written:
+            self._written.append(path)
+        while self.keep_last is not None and len(self._written) > self.keep_last:
+            shutil.rmtree(self._written.pop(0), ignore_errors=True)  # NOTE: every replica committed a newer one
+        return manifest.total_bytes
+
+    # ---- the group -----------------------------------------------------------------------------
+
+    def regroup(self) -> None:
+        """(Re)make the weight-update group with every target (a replica joined or left)."""
+        if self.transport not in ("gloo", "nccl"):
+            return
+        self._close_group()
+        world = 1 + self.replicas
+        group = WeightGroup.host(self.master_address, self.master_port, world_size=world, name=self.group_name,
+                                 backend=self.transport, timeout_s=self.timeout_s)
+        direct = len(self.targets) == self.replicas  # NOTE: else a router: replicas claim their ranks
+        futures = [self._pool.submit(t.init_weights_update_group, self.master_address, group.port,
+                                     1 + i if direct else None, world, self.group_name, self.transport,
+                                     timeout_s=self.timeout_s) for i, t in enumerate(self.targets)]
+        try:
+            group.connect()
+        except BaseException as exc:
+            self._collect(futures, "init_weights_update_group", exc)
+        self._collect(futures, "init_weights_update_group")
+        self.group = group
+
+    def _close_group(self) -> None:
+        group, self.group = self.group, None
+        if group is not None:
+            group.close()
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _each(self, call) -> list[concurrent.futures.Future]:
+        return [self._pool.submit(call, t) for t in self.targets]
+
+    def _collect(self, futures: list[concurrent.futures.Future], what: str,
+                 failure: Optional[BaseException] = None) -> list[Any]:
+        """Every target's answer; `SyncError` naming each refusal (and `failure`, ours) if any."""
+        deadline = time.monotonic() + self.timeout_s + 5.0
+        replies, errors = [], []
+        for i, future in enumerate(futures):
+            try:
+                replies.append(future.result(max(0.0, deadline - time.monotonic())))
+            except concurrent.futures.TimeoutError:
+                errors.append(f"target {i}: no answer within {self.timeout_s} s")
+                replies.append(None)
+            except Exception as exc:  # noqa: BLE001 (each target's answer, reported together)
+                errors.append(f"target {i}: {exc}")
+                replies.append(exc)
+        if failure is not None or errors:
+            if isinstance(failure, GroupError):
+                self._close_group()
+            ours = [f"sender: {failure}"] if failure is not None else []
+            raise SyncError(f"{what} failed: " + "; ".join(ours + errors), replies) from failure
+        return replies
+
+    def close(self) -> None:
+        self._close_group()
+        self._regions.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> WeightSender:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+__all__ = ["SenderStats", "SyncError", "WeightControl", "WeightSender", "named_tensors"]

@@ -1,0 +1,94 @@
+"""Where an update's bytes come from, as the wire carries it: the payloads of `UpdateWeights`.
+
+Each is a msgspec struct tagged by `type`, so `rollout.messages` puts them in one union with its
+`SafetensorsDir`. They carry the manifest (`weight_sync.manifest`), checked before a byte moves:
+
+* `DistributedSource`: broadcasts over a weight-update group the replica joined
+  (`init_weights_update_group`); `manifest.layout` None is SGLang's tensor-by-tensor form.
+  `finish` makes a sequence of calls one staged update: None commits once every tensor of the
+  model is loaded, False keeps the update open for the next call, True commits now.
+* `SharedMemorySource`: buckets in a /dev/shm segment (CPU) or behind CUDA IPC handles (GPU).
+  This is what `update_weights_from_tensor` takes, msgpack-encoded (`encode_tensor_payload`) in
+  place of SGLang's pickled tensors, which are refused (`decode_tensor_payload`).
+
+`staging` (None: the replica's default) chooses double or in-place staging for this update.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import msgspec
+from msgspec import Meta
+
+from inference.weights import Staging
+from weight_sync.manifest import Manifest, ManifestError
+from weight_sync.transports.distributed import DEFAULT_GROUP
+from weight_sync.transports.shm import CudaIpcBuffer, check_segment_name
+
+GroupName = Annotated[str, Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.\-]+$")]
+MAX_PAYLOAD_BYTES = 64 * 2**20
+
+
+class DistributedSource(msgspec.Struct, tag_field="type", tag="distributed", forbid_unknown_fields=True,
+                        kw_only=True):
+    """Tensors broadcast over the weight-update group `group_name` (see module docstring)."""
+
+    manifest: Manifest
+    group_name: GroupName = DEFAULT_GROUP
+    finish: Optional[bool] = None
+    staging: Optional[Staging] = None
+
+
+class SharedMemorySource(msgspec.Struct, tag_field="type", tag="shared_memory", forbid_unknown_fields=True,
+                         kw_only=True):
+    """Buckets in shared memory on this host: a /dev/shm `segment`, or `cuda_ipc` (one per bucket)."""
+
+    manifest: Manifest
+    segment: Optional[str] = None
+    cuda_ipc: Optional[list[CudaIpcBuffer]] = None
+    staging: Optional[Staging] = None
+
+    def __post_init__(self) -> None:
+        if (self.segment is None) == (self.cuda_ipc is None):
+            raise ValueError("a shared-memory source names a segment or CUDA IPC buffers, exactly one of the two")
+        if self.manifest.layout is None:
+            raise ValueError("a shared-memory source needs a bucket layout in its manifest")
+        if self.segment is not None:
+            check_segment_name(self.segment)
+        elif len(self.cuda_ipc) != len(self.manifest.layout.buckets):
+            raise ValueError(f"{len(self.cuda_ipc)} CUDA IPC buffers for {len(self.manifest.layout.buckets)} buckets")
+
+
+def encode_tensor_payload(source: SharedMemorySource) -> bytes:
+    """What `update_weights_from_tensor(serialized_named_tensors=[...])` takes: msgpack, not pickle."""
+    return msgspec.msgpack.encode(source)
+
+
+_PICKLE_MARKERS = (b"\x80",)  # every pickle protocol >= 2 starts with PROTO (0x80)
+
+
+def decode_tensor_payload(data: bytes | str) -> SharedMemorySource:
+    """The shared-memory source in one `serialized_named_tensors` entry (bytes, or base64 text as
+    SGLang's HTTP clients send it). A pickled payload is refused: it could run code on decode."""
+    if isinstance(data, str):
+        import base64
+        import binascii
+
+        try:
+            data = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError):
+            raise ManifestError("serialized_named_tensors: text that is not base64") from None
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ManifestError(f"serialized_named_tensors: expected bytes, got {type(data).__name__}")
+    data = bytes(data)
+    if len(data) > MAX_PAYLOAD_BYTES:
+        raise ManifestError(f"serialized_named_tensors: {len(data)} bytes, over {MAX_PAYLOAD_BYTES}")
+    if data.startswith(_PICKLE_MARKERS):
+        raise ManifestError("serialized_named_tensors: a pickled payload (SGLang's MultiprocessingSerializer) is "
+                            "refused, since unpickling runs arbitrary code; send weight_sync's msgpack shared-memory "
+                            "handle instead (WeightSender with SharedMemoryTransport, or encode_tensor_payload)")
+    try:
+        return msgspec.msgpack.decode(data, type=SharedMemorySource)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ManifestError(f"serialized_named_tensors: not a shared-memory handle: {exc}") from None

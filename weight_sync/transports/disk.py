@@ -1,0 +1,99 @@
+"""A safetensors directory: weights between separate jobs, or kept as checkpoints.
+
+`write_checkpoint` writes one safetensors file per bucket, the HF index
+(`model.safetensors.index.json`, so the directory loads anywhere HF checkpoints do) and the
+manifest (`weight_sync_manifest.json`: names, shapes, dtypes, buckets with their checksums, the
+version). It writes into a hidden temporary directory and renames it into place at the end, so a
+reader never sees half a checkpoint. `read_bucket` reads one bucket's file back; a receiver checks
+the manifest against its model first, then each file against its checksum as it reads it. A
+directory without the manifest (any HF checkpoint) is read whole, unchecked.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Optional
+
+import msgspec
+import torch
+
+from weight_sync.buckets import DEFAULT_BUCKET_BYTES, fill_checksums, manifest_for, tensor_checksum
+from weight_sync.manifest import Manifest, ManifestError
+
+MANIFEST_FILE = "weight_sync_manifest.json"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def bucket_file(index: int, count: int) -> str:
+    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def write_checkpoint(directory: str | Path, named: Sequence[tuple[str, torch.Tensor]], *, version: Optional[int],
+                     bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Manifest:
+    """Write `named` to `directory` (replaced if it exists) as described in the module docstring."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    tensors = [t.detach().contiguous().cpu() for _, t in named]
+    manifest = manifest_for(list(zip([n for n, _ in named], tensors)), bucket_bytes=bucket_bytes, version=version)
+    fill_checksums(manifest, tensors)
+    buckets = manifest.layout.buckets
+    tmp = directory.parent / f".{directory.name}.tmp-{secrets.token_hex(4)}"
+    tmp.mkdir(parents=True)
+    try:
+        weight_map = {}
+        for i, b in enumerate(buckets):
+            name = bucket_file(i, len(buckets))
+            save_file({manifest.names[t]: tensors[t] for t in range(b.start, b.stop)}, str(tmp / name))
+            weight_map.update({manifest.names[t]: name for t in range(b.start, b.stop)})
+        index = {"metadata": {"total_size": sum(manifest.tensor_bytes())}, "weight_map": weight_map}
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=1))
+        (tmp / MANIFEST_FILE).write_bytes(msgspec.json.encode(manifest))
+        if directory.exists():
+            shutil.rmtree(directory)
+        tmp.rename(directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def read_manifest(directory: str | Path) -> Optional[Manifest]:
+    """The directory's manifest, or None for a plain HF checkpoint."""
+    path = Path(directory) / MANIFEST_FILE
+    if not path.exists():
+        return None
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=Manifest)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ManifestError(f"{path}: {exc}") from None
+
+
+def read_bucket(directory: str | Path, manifest: Manifest, index: int) -> tuple[dict[str, torch.Tensor], int]:
+    """Bucket `index`'s tensors from its file, and their checksum (compare with the manifest's).
+    `FileNotFoundError` for a missing file, `ManifestError` for a tensor it lacks or mis-shapes."""
+    from safetensors import safe_open
+
+    buckets = manifest.layout.buckets
+    path = Path(directory) / bucket_file(index, len(buckets))
+    if not path.exists():
+        raise FileNotFoundError(f"bucket {index} of {len(buckets)} is missing: {path}")
+    b = buckets[index]
+    out, total = {}, 0
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        keys = set(f.keys())
+        for t in range(b.start, b.stop):
+            name = manifest.names[t]
+            if name not in keys:
+                raise ManifestError(f"{path.name} lacks {name}")
+            tensor = f.get_tensor(name)
+            if list(tensor.shape) != manifest.shapes[t] or tensor.dtype != manifest.torch_dtypes[t]:
+                raise ManifestError(f"{path.name}: {name} is {tensor.dtype} {list(tensor.shape)}, the manifest says "
+                                    f"{manifest.dtypes[t]} {manifest.shapes[t]}")
+            out[name] = tensor
+            total += tensor_checksum(tensor)
+    return out, total % 2**64

@@ -1,0 +1,309 @@
+"""torch.distributed weight-update groups: the trainer broadcasts buckets to every replica.
+
+A `WeightGroup` is one process's member of a group of its own, never the default process group
+(a trainer keeps its data / tensor-parallel groups): rank 0 is the trainer, ranks 1.. the
+replicas. Rank 0 hosts a TCPStore at `master_address:master_port` (port 0: one the OS picks,
+`port` says which); every rank builds a `ProcessGroupGloo` (CPU) or `ProcessGroupNCCL` (GPU)
+object directly on it, with a timeout, so every collective fails after the timeout instead of
+hanging (a dead peer shows as that timeout, or sooner as a closed connection). After a failure a
+group is unusable: close it and create a new one, as frameworks do per sync when a replica joins
+or leaves. A replica given no rank (`rank=None`, e.g. one init message broadcast by a router to
+all replicas) claims the next free one from the store.
+
+One bucketed update, every rank in step (`send_buckets` / `receive_buckets`):
+
+1. `agree`: all_reduce(MIN) of each rank's verdict on the manifest (the trainer's is 1), so a
+   replica that refuses it (another model) stops every rank before a bucket moves;
+2. each bucket broadcast from rank 0 in pieces, a receiver summing each piece while the next
+   arrives;
+3. `agree` again on each rank's verdict on its buckets (checksums, loads): all replicas commit,
+   or none does.
+
+Without a layout (SGLang's calls) only broadcasts happen, one per tensor, in manifest order.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import logging
+import os
+from collections.abc import Callable, Sequence
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from weight_sync.buckets import pack_bucket, unpack_bucket, word_sum
+from weight_sync.manifest import Manifest
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GROUP = "weight_update_group"
+PIECE_BYTES = 64 * 2**20
+
+
+class GroupError(RuntimeError):
+    """A collective failed (a timeout, a peer gone): the group must be closed and made again."""
+
+
+class RefusedError(RuntimeError):
+    """Another rank said no at an `agree` step (it names why in its own reply)."""
+
+
+def _timeout(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+class WeightGroup:
+    """One rank of a weight-update group (see module docstring). `host()` on the trainer, then
+    `connect()` once the replicas were told to join; `join()` on a replica (blocks until all
+    ranks are in, at most `timeout_s`)."""
+
+    def __init__(self, store: dist.Store, *, rank: int, world_size: int, name: str, backend: str,
+                 timeout_s: float, master_address: str, device: Optional[torch.device] = None) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside a group of {world_size}")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        self.store, self.rank, self.world_size, self.name = store, rank, world_size, name
+        self.backend, self.timeout_s, self.master_address = backend, timeout_s, master_address
+        if backend == "gloo":
+            self.device = torch.device("cpu")
+        else:  # NOTE: NCCL runs where its tensors are: the engine's GPU (a replica), else the current one
+            device = torch.device(device) if device is not None else torch.device("cuda")
+            self.device = torch.device("cuda", device.index if device.index is not None else
+                                       torch.cuda.current_device())
+        self.pg = None
+        self.broken: Optional[str] = None
+
+    @classmethod
+    def host(cls, master_address: str = "127.0.0.1", master_port: int = 0, *, world_size: int,
+             name: str = DEFAULT_GROUP, backend: str = "gloo", timeout_s: float = 60.0,
+             device: Optional[torch.device] = None) -> WeightGroup:
+        """Rank 0's store, listening (port 0: the OS picks one, see `port`); `connect()` next."""
+        store = dist.TCPStore(master_address, master_port, world_size, True, timeout=_timeout(timeout_s),
+                              wait_for_workers=False)
+        return cls(store, rank=0, world_size=world_size, name=name, backend=backend, timeout_s=timeout_s,
+                   master_address=master_address, device=device)
+
+    @classmethod
+    def join(cls, master_address: str, master_port: int, *, world_size: int, rank: Optional[int],
+             name: str = DEFAULT_GROUP, backend: str = "gloo", timeout_s: float = 60.0,
+             device: Optional[torch.device] = None) -> WeightGroup:
+        """A replica's rank (`rank` None: the next unclaimed one), connected to every other rank."""
+        try:
+            store = dist.TCPStore(master_address, master_port, world_size, False, timeout=_timeout(timeout_s))
+        except (RuntimeError, OSError) as exc:
+            raise GroupError(f"cannot reach the weight-update group's store at {master_address}:{master_port}: "
+                             f"{exc}") from exc
+        if rank is None:
+            rank = int(store.add(f"{name}/claimed_ranks", 1))  # NOTE: 1, 2, ... (rank 0 is the trainer)
+        group = cls(store, rank=rank, world_size=world_size, name=name, backend=backend, timeout_s=timeout_s,
+                    master_address=master_address, device=device)
+        group.connect()
+        return group
+
+    @property
+    def port(self) -> int:
+        return self.store.port
+
+    def connect(self) -> None:
+        """Build the process group: returns once every rank has joined, else raises `GroupError`."""
+        prefix = dist.PrefixStore(self.name, self.store)
+        try:
+            if self.backend == "gloo":
+                options = dist.ProcessGroupGloo._Options()
+                options._timeout = _timeout(self.timeout_s)
+                local = "127.0.0.1" if _is_loopback(self.master_address) else None
+                options._devices = [dist.ProcessGroupGloo.create_device(hostname=local) if local
+                                    else dist.ProcessGroupGloo.create_default_device()]
+                self.pg = dist.ProcessGroupGloo(prefix, self.rank, self.world_size, options)
+            else:
+                # NOTE: on a failed or timed-out collective NCCL's watchdog tears the whole process
+                # down by default; a replica must outlive a dead trainer: abort the communicator only
+                os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = _timeout(self.timeout_s)
+                self.pg = dist.ProcessGroupNCCL(prefix, self.rank, self.world_size, options)
+        except (RuntimeError, OSError) as exc:
+            self.broken = f"joining failed: {exc}"
+            raise GroupError(f"weight-update group {self.name!r}: rank {self.rank} of {self.world_size} could not "
+                             f"join within {self.timeout_s} s: {exc}") from exc
+
+    # ---- collectives ---------------------------------------------------------------------------
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            work.wait(_timeout(self.timeout_s))
+        except (RuntimeError, OSError) as exc:
+            self.broken = f"{what} failed: {exc}"
+            raise GroupError(f"weight-update group {self.name!r} (rank {self.rank}): {what} failed: {exc}") from exc
+
+    def _check(self) -> None:
+        if self.pg is None:
+            raise GroupError(f"weight-update group {self.name!r} is not connected")
+        if self.broken is not None:
+            raise GroupError(f"weight-update group {self.name!r} is broken ({self.broken}); make it again")
+
+    def broadcast_async(self, tensor: torch.Tensor):
+        self._check()
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        return self.pg.broadcast([tensor], options)
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        self._wait(self.broadcast_async(tensor), "a broadcast")
+
+    def agree(self, ok: bool) -> bool:
+        """Whether every rank said yes (all_reduce MIN of the verdicts)."""
+        self._check()
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=self.device)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        self._wait(self.pg.allreduce([flag], options), "agreeing")
+        return bool(flag.item())
+
+    def pieces(self, buf: torch.Tensor, nbytes: int, piece_bytes: int = PIECE_BYTES,
+               on_piece: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+        """Broadcast `buf[:nbytes]` in pieces, two in flight; `on_piece(piece)` for each piece in
+        order, once it is complete (a receiver sums it while the next one arrives)."""
+        if piece_bytes % 8:
+            raise ValueError(f"piece_bytes must be a multiple of 8, got {piece_bytes}")
+        bounds = [(lo, min(nbytes, lo + piece_bytes)) for lo in range(0, nbytes, piece_bytes)]
+        pending = []
+        for lo, hi in bounds:
+            pending.append((self.broadcast_async(buf[lo:hi]), lo, hi))
+            if len(pending) == 2:
+                self._finish(pending.pop(0), buf, on_piece)
+        while pending:
+            self._finish(pending.pop(0), buf, on_piece)
+
+    def _finish(self, item, buf: torch.Tensor, on_piece) -> None:
+        work, lo, hi = item
+        self._wait(work, "a bucket broadcast")
+        if on_piece is not None:
+            on_piece(buf[lo:hi])
+
+    def close(self) -> None:
+        pg, self.pg = self.pg, None
+        self.broken = self.broken or "closed"
+        if pg is not None:
+            for method in ("abort", "shutdown"):  # NOTE: NCCL needs one to free its communicator
+                fn = getattr(pg, method, None)
+                if fn is not None and self.backend == "nccl":
+                    try:
+                        fn()
+                        break
+                    except RuntimeError:
+                        continue
+
+
+# ---- the two sides of one update -----------------------------------------------------------------
+
+
+class ReceiveBuffer:
+    """A receiver's reused bucket buffer (warm memory: no first-touch faults after the first sync)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.buf: Optional[torch.Tensor] = None
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        if self.buf is None or self.buf.numel() < nbytes:
+            self.buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self.buf
+
+
+class ChecksumError(ValueError):
+    pass
+
+
+def send_buckets(group: WeightGroup, manifest: Manifest, tensors: Sequence[torch.Tensor], buffer: ReceiveBuffer, *,
+                 piece_bytes: int = PIECE_BYTES) -> int:
+    """Rank 0's side of one bucketed update (checksums already in the manifest); bytes sent.
+
+    Raises `RefusedError` if a replica refused the manifest (nothing sent) or failed a bucket.
+    """
+    layout = manifest.layout
+    assert layout is not None
+    if not group.agree(True):
+        raise RefusedError("a replica refused the manifest (its reply says why); no bucket was sent")
+    sent = 0
+    for index, bucket in enumerate(layout.buckets):
+        buf = buffer.get(bucket.nbytes)
+        pack_bucket(manifest, index, tensors, buf)  # NOTE: copy_ moves host tensors to an NCCL group's device
+        group.pieces(buf, bucket.nbytes, piece_bytes)
+        sent += bucket.nbytes
+    if not group.agree(True):
+        raise RefusedError("a replica failed a bucket (a checksum or a load; its reply says which): no replica "
+                           "committed")
+    return sent
+
+
+def receive_buckets(group: WeightGroup, manifest: Manifest, accepted: bool, buffer: ReceiveBuffer,
+                    load: Callable[[dict[str, torch.Tensor]], None], *, piece_bytes: int = PIECE_BYTES) -> int:
+    """A replica's side of one bucketed update: `load` gets each bucket's views once its checksum
+    matched. Returns the bytes received; raises the first failure (here or, via `agree`, at
+    another rank), after staying in step with the others to the end."""
+    layout = manifest.layout
+    assert layout is not None
+    if not group.agree(accepted):
+        raise RefusedError("another replica refused the manifest" if accepted else "the manifest was refused")
+    failure: Optional[BaseException] = None
+    received = 0
+    for index, bucket in enumerate(layout.buckets):
+        buf = buffer.get(bucket.nbytes)
+        sums: list[int] = []
+        group.pieces(buf, bucket.nbytes, piece_bytes, on_piece=lambda p, sums=sums: sums.append(word_sum(p)))
+        received += bucket.nbytes
+        if failure is not None:
+            continue  # NOTE: keep receiving, so the others are not left waiting for this rank
+        checksum = sum(sums) % 2**64
+        if checksum != bucket.checksum:
+            failure = ChecksumError(f"bucket {index} of {len(layout.buckets)} ({bucket.nbytes} bytes) arrived with "
+                                    f"checksum {checksum:#x}, the manifest says {bucket.checksum:#x}")
+            continue
+        try:
+            load(unpack_bucket(manifest, index, buf))
+        except Exception as exc:  # noqa: BLE001 (reported after the last bucket, in step with the others)
+            failure = exc
+    if not group.agree(failure is None):
+        raise failure or RefusedError("another replica failed a bucket: no replica commits")
+    return received
+
+
+def send_tensors(group: WeightGroup, tensors: Sequence[torch.Tensor]) -> int:
+    """SGLang's way: one broadcast per tensor, in order, no checksum; bytes sent."""
+    sent = 0
+    for t in tensors:
+        t = t.detach().to(group.device).contiguous()
+        group.broadcast(t)
+        sent += t.numel() * t.element_size()
+    return sent
+
+
+def receive_tensors(group: WeightGroup, manifest: Manifest,
+                    load: Callable[[dict[str, torch.Tensor]], None]) -> int:
+    """The receiving side of `send_tensors`: each tensor loaded as it arrives; bytes received. A
+    failed load is raised after the last broadcast (the sender knows no other way to stop)."""
+    received, failure = 0, None
+    for name, dtype, shape in zip(manifest.names, manifest.torch_dtypes, manifest.shapes):
+        t = torch.empty(shape, dtype=dtype, device=group.device)
+        group.broadcast(t)
+        received += t.numel() * t.element_size()
+        if failure is None:
+            try:
+                load({name: t})
+            except Exception as exc:  # noqa: BLE001 (raised once the sender is done)
+                failure = exc
+    if failure is not None:
+        raise failure
+    return received
