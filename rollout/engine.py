@@ -103,6 +103,7 @@ def _rollout(out: RequestOutput, group: int) -> Rollout:
         finish_reason=out.finish_reason,
         group=group,
         sample_index=out.sample_index,
+        routed_experts=out.routed_experts,
     )
 
 

@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 from inference.request import FinishReason
@@ -25,6 +26,8 @@ class Rollout:
     Invariants: `completion_ids`, `logprobs` and `versions` have one entry per generated token;
     `logprobs[i]` is the engine's log-prob (raw, temperature 1) of `completion_ids[i]` and
     `versions[i]` the policy version that sampled it; `group` indexes the prompt in its batch.
+    `routed_experts` (MoE, `return_routed_experts`): `[positions fed, moe layers, k]` expert ids,
+    for the trainer's routing replay.
     """
 
     prompt_ids: list[int]
@@ -34,6 +37,7 @@ class Rollout:
     finish_reason: FinishReason
     group: int
     sample_index: int = 0
+    routed_experts: Optional[np.ndarray] = None
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
