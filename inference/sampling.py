@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from inference import sampling_kernel
 from inference.sampling_params import LogprobsMode, SamplingParams
 from inference.sampling_truncation import truncate
 
@@ -195,30 +196,38 @@ def sample(logits: Tensor, batch: SamplingBatch, workspace: Tensor | None = None
         x = workspace[rows * padded: rows * (padded + vocab)].view(rows, vocab).copy_(logits)
     t = batch.temperature
     inv_t = torch.where(t == 0, torch.ones_like(t), t).reciprocal()
-    m = x.amax(-1)
-    # w = exp(z - max z): unnormalised probs, in a buffer padded with zeros to whole chunks.
+    truncating = batch.use_top_k or batch.use_top_p or batch.use_min_p
     w_full = workspace[: rows * padded].view(rows, padded)
     w = w_full[:, :vocab]
-    w_full[:, vocab:].zero_()
-    torch.sub(x, m[:, None], out=w)
-    if not batch.unit_temperature:
-        w.mul_(inv_t[:, None])
-    w.exp_()
-    truncating = batch.use_top_k or batch.use_top_p or batch.use_min_p
+    thr = None
     raw_log_norm = None  # log sum exp(x - max x), for RAW log-probs
-    if batch.need_raw and batch.unit_temperature and truncating:
-        raw_log_norm = w.sum(-1).log()  # w is still exp(x - m): reuse it before it is cut
-    thr = truncate(x, w, m, inv_t, batch) if truncating else None
-    chunk_sums = w_full.view(rows, n_chunks, chunk).sum(-1).double()
-    cdf = chunk_sums.cumsum(-1)
-    total = cdf[:, -1]
-    u = _uniforms(rows, batch.generators, x.device)
-    if batch.all_greedy:
-        token_ids = x.argmax(-1)
+    if not truncating and not batch.all_greedy and sampling_kernel.usable(x):
+        # NOTE: the native path draws from the same uniforms by the same inverse CDF (sampling_kernel.py)
+        token_ids, m, total, raw_total = sampling_kernel.sample_rows(
+            x, inv_t, _uniforms(rows, batch.generators, x.device), raw=batch.need_raw)
+        if raw_total is not None:
+            raw_log_norm = raw_total.log().float()
     else:
-        token_ids = _inverse_cdf(w_full.view(rows, n_chunks, chunk), chunk_sums, cdf, total, u)
-        if batch.any_greedy:
-            token_ids = torch.where(t == 0, x.argmax(-1), token_ids)
+        m = x.amax(-1)
+        # w = exp(z - max z): unnormalised probs, in a buffer padded with zeros to whole chunks.
+        w_full[:, vocab:].zero_()
+        torch.sub(x, m[:, None], out=w)
+        if not batch.unit_temperature:
+            w.mul_(inv_t[:, None])
+        w.exp_()
+        if batch.need_raw and batch.unit_temperature and truncating:
+            raw_log_norm = w.sum(-1).log()  # w is still exp(x - m): reuse it before it is cut
+        thr = truncate(x, w, m, inv_t, batch) if truncating else None
+        chunk_sums = w_full.view(rows, n_chunks, chunk).sum(-1).double()
+        cdf = chunk_sums.cumsum(-1)
+        total = cdf[:, -1]
+        u = _uniforms(rows, batch.generators, x.device)
+        if batch.all_greedy:
+            token_ids = x.argmax(-1)
+        else:
+            token_ids = _inverse_cdf(w_full.view(rows, n_chunks, chunk), chunk_sums, cdf, total, u)
+    if batch.any_greedy and not batch.all_greedy:
+        token_ids = torch.where(t == 0, x.argmax(-1), token_ids)
     log_total = total.log().float()  # log normaliser of the processed distribution, in z units
     if batch.need_raw and raw_log_norm is None:
         # w is spent once the tokens are drawn; reuse its storage for exp(x - m).

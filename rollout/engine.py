@@ -108,6 +108,7 @@ def _rollout(out: RequestOutput, group: int) -> Rollout:
         group=group,
         sample_index=out.sample_index,
         top_logprobs=out.top_logprobs,
+        routed_experts=out.routed_experts,
     )
 
 

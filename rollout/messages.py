@@ -176,6 +176,7 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     logprobs: Optional[TopN] = None
     prompt_logprobs: Optional[TopN] = None
     logprobs_mode: LogprobsMode = LogprobsMode.RAW
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature):
@@ -303,6 +304,27 @@ class KvEvents(_Request, tag=Kind.KV_EVENTS.value):
 # ---- replies ---------------------------------------------------------------------------------
 
 
+class RoutedExperts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """An MoE sample's routing (`return_routed_experts`): the experts chosen at each position fed
+    to the model (prompt + generated but the last), per MoE layer, `k` each: `experts` is the
+    packed int32 array of `[positions, layers, k]` in row-major order."""
+
+    layers: Annotated[int, Meta(ge=1)]
+    k: Annotated[int, Meta(ge=1)]
+    experts: np.ndarray
+
+    def __post_init__(self) -> None:
+        self.experts = as_int32("routed_experts", self.experts)
+        check_non_negative("routed_experts", self.experts)
+        if self.experts.size % (self.layers * self.k):
+            raise ValueError(f"RoutedExperts: {self.experts.size} entries are not whole positions of "
+                             f"{self.layers} layers x {self.k}")
+
+    @property
+    def array(self) -> np.ndarray:
+        return self.experts.reshape(-1, self.layers, self.k)
+
+
 class SampleOutput(_Message, tag=Kind.SAMPLE_OUTPUT.value):
     """One finished sample of a Generate (`sample_index` of its `n`).
 
@@ -325,6 +347,7 @@ class SampleOutput(_Message, tag=Kind.SAMPLE_OUTPUT.value):
     ttft: Optional[Seconds] = None
     latency: Optional[Seconds] = None
     num_preemptions: NonNegInt = 0
+    routed_experts: Optional[RoutedExperts] = None
 
     def __post_init__(self) -> None:
         if self.sample_index >= self.n:
@@ -337,6 +360,10 @@ class SampleOutput(_Message, tag=Kind.SAMPLE_OUTPUT.value):
         if self.prompt_logprobs is not None and len(self.prompt_logprobs) != self.prompt_len:
             raise ValueError(f"SampleOutput: prompt_logprobs ({len(self.prompt_logprobs)}) must have one "
                              f"entry per prompt token ({self.prompt_len})")
+        fed = self.prompt_len + max(len(self.token_ids) - 1, 0)
+        if self.routed_experts is not None and len(self.routed_experts.array) != fed:
+            raise ValueError(f"SampleOutput: routed_experts ({len(self.routed_experts.array)} positions) must have "
+                             f"one entry per position fed to the model ({fed})")
 
 
 class TokenDelta(_Message, tag=Kind.TOKEN_DELTA.value):

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 import msgspec
+import numpy as np
 
 from inference.errors import ContextErrorFactory, ContextOverflowError, EngineStateError
 from inference.request import RequestOutput
@@ -70,6 +71,7 @@ from rollout.messages import (
     ResetPrefixCache,
     Result,
     Resume,
+    RoutedExperts,
     SafetensorsDir,
     SampleOutput,
     Sampling,
@@ -88,8 +90,8 @@ from rollout.types import Rollout
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES", "PROTOCOL_VERSION", "Abort", "Continue", "ErrorCode", "ErrorReply", "Generate",
     "Health", "HealthInfo", "Heartbeat", "Kind", "KvEvent", "KvEventBatch", "KvEvents", "KvOp", "Message", "Pause",
-    "PauseMode", "ProtocolError", "ReplyMessage",
-    "RequestMessage", "ResetPrefixCache", "Result", "Resume", "SafetensorsDir", "SampleOutput", "Sampling",
+    "PauseMode", "ProtocolError", "ReplyMessage", "RequestMessage", "ResetPrefixCache", "Result", "RoutedExperts",
+    "Resume", "SafetensorsDir", "SampleOutput", "Sampling",
     "Stats", "Suspend", "SuspendPolicy", "TokenDelta", "UpdatePolicy", "UpdateWeights", "WeightSource", "decode",
     "decode_reply", "decode_request", "encode", "error_from_reply", "error_reply", "output_from_wire", "output_to_wire",
     "sampling_params_from_wire", "sampling_params_to_wire",
@@ -277,7 +279,15 @@ def output_to_wire(out: RequestOutput, request_id: str, *, n: int) -> SampleOutp
         ttft=out.time_to_first_token,
         latency=out.latency,
         num_preemptions=out.num_preemptions,
+        routed_experts=_routes_to_wire(out.routed_experts),
     )
+
+
+def _routes_to_wire(routes: Optional[np.ndarray]) -> Optional[RoutedExperts]:
+    if routes is None:
+        return None
+    _, layers, k = routes.shape
+    return RoutedExperts(layers=layers, k=k, experts=np.ascontiguousarray(routes, dtype=np.int32).reshape(-1))
 
 
 def output_from_wire(msg: SampleOutput, prompt_ids: Sequence[int], group: int) -> Rollout:
@@ -297,4 +307,5 @@ def output_from_wire(msg: SampleOutput, prompt_ids: Sequence[int], group: int) -
         group=group,
         sample_index=msg.sample_index,
         top_logprobs=None if msg.top_logprobs is None else [dict(d) for d in msg.top_logprobs],
+        routed_experts=None if msg.routed_experts is None else msg.routed_experts.array,
     )

@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 from inference.request import FinishReason
@@ -27,6 +28,8 @@ class Rollout:
     `versions[i]` the policy version that sampled it; `group` indexes the prompt in its batch.
     `top_logprobs` (when asked for) holds one {token id: log-prob} per token; `text` is the
     completion decoded from `completion_ids` when the backend has a tokenizer.
+    `routed_experts` (MoE, `return_routed_experts`): `[positions fed, moe layers, k]` expert ids,
+    for the trainer's routing replay.
     """
 
     prompt_ids: list[int]
@@ -38,6 +41,7 @@ class Rollout:
     sample_index: int = 0
     top_logprobs: Optional[list[dict[int, float]]] = None
     text: Optional[str] = None
+    routed_experts: Optional[np.ndarray] = None
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)

@@ -87,6 +87,21 @@ def alias_or_copy(
     return src.detach().to(device, dtype, copy=True)
 
 
+def bind_module_tensors(module_name: str, params: dict[str, torch.Tensor], expected, dtype: torch.dtype,
+                        device: torch.device, share_weights: bool) -> tuple[dict[str, torch.Tensor], BindReport]:
+    """The `expected` names of a live module's `params`, each aliased (with `share_weights`, where
+    it can be) or copied; refuses a module that lacks any of them."""
+    missing = sorted(set(expected) - set(params))
+    if missing:
+        raise KeyError(f"{module_name} lacks parameters {missing[:8]}")
+    report = BindReport()
+    blocker = None if share_weights else "share_weights=False"
+    tensors = {name: alias_or_copy(name, params[name], dtype, device, report, blocker) for name in expected}
+    if share_weights:
+        warn_if_copied("share_weights=True", report, len(expected))
+    return tensors, report
+
+
 def warn_if_copied(what: str, report: BindReport, total: int) -> None:
     """Say loudly when tensors meant to alias a trainer's had to be copied."""
     if report.copied:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from inference.attention.base import AttentionBackend
-from inference.models.decoder import LM_HEAD, BindReport, alias_or_copy, warn_if_copied
+from inference.models.decoder import LM_HEAD, bind_module_tensors
 from inference.models.hybrid import HybridDecoder
 from inference.models.hybrid_spec import BlockSpec, HybridFamily, HybridSpec, MixerKind, MixerSpec
 from inference.models.mamba2 import GateNorm, Mamba2Dims
@@ -244,15 +244,8 @@ def load_hybrid_from_module(model: torch.nn.Module, *, share_weights: bool, dtyp
                             backend: AttentionBackend | None = None) -> HybridDecoder:
     spec = hybrid_spec_from_config(model.config, dtype=dtype, extra_eos_token_ids=extra_eos)
     params = dict(model.named_parameters(remove_duplicate=False))
-    expected = spec.weight_shapes()
-    missing = sorted(set(expected) - set(params))
-    if missing:
-        raise KeyError(f"{type(model).__name__} lacks parameters {missing[:8]}")
-    report = BindReport()
-    blocker = None if share_weights else "share_weights=False"
-    tensors = {name: alias_or_copy(name, params[name], dtype, device, report, blocker) for name in expected}
-    if share_weights:
-        warn_if_copied("share_weights=True", report, len(expected))
+    tensors, report = bind_module_tensors(type(model).__name__, params, spec.weight_shapes(), dtype, device,
+                                          share_weights)
     decoder = HybridDecoder(spec, tensors, backend=backend)
     decoder.bind_report = report
     return decoder

@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 
 from inference.attention.base import AttentionBackend
-from inference.models.decoder import EMBED, LM_HEAD, BindReport, DenseDecoder, alias_or_copy, warn_if_copied
+from inference.models.decoder import EMBED, LM_HEAD, DenseDecoder, bind_module_tensors
 from inference.models.hybrid import HybridDecoder
 from inference.models.hybrid_loading import is_hybrid_config, load_hybrid_from_dir, load_hybrid_from_module
 from inference.models.moe_decoder import MoeDecoder
@@ -131,22 +131,13 @@ def load_from_hf_model(
     dtype = dtype or first.dtype
     device = _normalize_device(device if device is not None else first.device)
     spec = ModelSpec.from_hf_config(config, dtype=dtype, extra_eos_token_ids=_module_generation_eos(model))
-    expected = spec.weight_shapes()
-    missing = sorted(set(expected) - set(params))
-    if missing:
-        raise KeyError(f"{type(model).__name__} lacks parameters {missing[:8]}")
     if spec.tie_word_embeddings and LM_HEAD in params and params[LM_HEAD] is not first:
         logger.warning(
             "config says tie_word_embeddings but lm_head.weight is a separate tensor; "
             "the engine uses the embedding as its LM head"
         )
-    report = BindReport()
-    tensors: dict[str, torch.Tensor] = {}
-    for name in expected:
-        blocker = None if share_weights else "share_weights=False"
-        tensors[name] = alias_or_copy(name, params[name], dtype, device, report, blocker)
-    if share_weights:
-        warn_if_copied("share_weights=True", report, len(expected))
+    tensors, report = bind_module_tensors(type(model).__name__, params, spec.weight_shapes(), dtype, device,
+                                          share_weights)
     decoder = DenseDecoder(spec, tensors, backend=backend)
     decoder.bind_report = report
     return decoder

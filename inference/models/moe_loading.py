@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 
 from inference.attention.base import AttentionBackend
-from inference.models.decoder import LM_HEAD, BindReport, alias_or_copy, warn_if_copied
+from inference.models.decoder import LM_HEAD, bind_module_tensors
 from inference.models.moe_decoder import MoeDecoder
 from inference.models.moe_names import disk_names, disk_sources, localize_expert_tensors
 from inference.models.moe_spec import MoeSpec
@@ -45,15 +45,8 @@ def load_moe_from_module(model: torch.nn.Module, *, share_weights: bool, dtype: 
     with `share_weights` the engine's tensors are the module's (this rank's experts as views)."""
     spec = _spec(model.config, dtype, extra_eos, expert_parallel)
     params = localize_expert_tensors(spec, dict(model.named_parameters(remove_duplicate=False)))
-    expected = spec.weight_shapes()
-    missing = sorted(set(expected) - set(params))
-    if missing:
-        raise KeyError(f"{type(model).__name__} lacks parameters {missing[:8]}")
-    report = BindReport()
-    blocker = None if share_weights else "share_weights=False"
-    tensors = {name: alias_or_copy(name, params[name], dtype, device, report, blocker) for name in expected}
-    if share_weights:
-        warn_if_copied("share_weights=True", report, len(expected))
+    tensors, report = bind_module_tensors(type(model).__name__, params, spec.weight_shapes(), dtype, device,
+                                          share_weights)
     decoder = MoeDecoder(spec, tensors, backend=backend, expert_parallel=expert_parallel)
     decoder.bind_report = report
     return decoder

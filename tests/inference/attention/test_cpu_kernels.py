@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference.attention import cpu_kernels
+from inference import native as native_kernels
 from inference.attention.metadata import AttentionMetadata
 from inference.attention.torch_backend import TorchAttentionBackend
 from inference.kv_cache.buffers import KVCacheBuffer
 
-needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler on this machine")
+needs_kernel = pytest.mark.skipif(not native_kernels.available(), reason="no C compiler on this machine")
 
 
 def decode_step(dtype, native, lens=(1, 16, 17, 63, 200), heads=(8, 2), head_dim=64, block_size=16, seed=0):
@@ -47,28 +47,28 @@ def test_native_decode_sees_every_query_head_group():
 
 def test_without_kernels_the_torch_path_serves(monkeypatch):
     monkeypatch.setenv("ROLLOUT_ENGINE_NO_KERNELS", "1")
-    cpu_kernels._library.cache_clear()
+    native_kernels.library.cache_clear()
     try:
-        assert not cpu_kernels.available()
+        assert not native_kernels.available()
         backend = TorchAttentionBackend(4, 2, 16)
         assert not backend.native_decode
     finally:
         monkeypatch.delenv("ROLLOUT_ENGINE_NO_KERNELS")
-        cpu_kernels._library.cache_clear()
+        native_kernels.library.cache_clear()
 
 
 def test_the_kernel_is_cached_per_machine(tmp_path, monkeypatch):
-    if not cpu_kernels.available():
+    if not native_kernels.available():
         pytest.skip("no C compiler on this machine")
     monkeypatch.setenv("ROLLOUT_ENGINE_CACHE", str(tmp_path))
-    built = cpu_kernels._build(cpu_kernels.shutil.which("cc") or "gcc")
+    built = native_kernels._build(native_kernels.shutil.which("cc") or "gcc")
     assert built.exists() and tmp_path in built.parents
-    assert cpu_kernels._build(cpu_kernels.shutil.which("cc") or "gcc") == built  # the second call reuses it
+    assert native_kernels._build(native_kernels.shutil.which("cc") or "gcc") == built  # the second call reuses it
 
 
 @needs_kernel
 def test_loading_the_kernel_keeps_ieee_subnormals():
     # a library linked with -ffast-math would turn on flush-to-zero for the whole process
-    assert cpu_kernels.available()
+    assert native_kernels.available()
     tiny = torch.tensor(torch.finfo(torch.float32).tiny)
     assert (tiny / 4).item() > 0.0

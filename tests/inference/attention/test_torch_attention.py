@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inference.attention import cpu_kernels
+from inference import native as native_kernels
 from inference.attention.metadata import AttentionMetadata
 from inference.attention.torch_backend import TorchAttentionBackend
 from inference.kv_cache.buffers import KVCacheBuffer
@@ -66,7 +66,7 @@ def run_case(contexts, new_lens, block_size, num_kv_heads, group, head_dim=8, se
     k = torch.cat([full_k[r][contexts[r] :] for r in order])
     v = torch.cat([full_v[r][contexts[r] :] for r in order])
     backend = TorchAttentionBackend(num_heads, num_kv_heads, head_dim, native_decode=native)
-    assert backend.native_decode == (native and cpu_kernels.available())
+    assert backend.native_decode == (native and native_kernels.available())
     backend.plan(meta, cache)
     out = backend.forward(layer, q, k, v, cache).view(-1, num_heads, head_dim)
     start = 0
