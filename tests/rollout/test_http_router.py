@@ -1,7 +1,7 @@
 """The HTTP front in front of a router (`rollout route --spawn 2`): a chat session's turns stay on one
 replica (the router's sticky sessions), keep their sampled ids, and hit that replica's prefix cache.
 
-`slow`: a router and two replica processes (~20 s on 2 cores); the front's own session test runs
+`slow`: a router and two replica processes (~10 s on 2 cores); the front's own session test runs
 against one server in `test_http.py`."""
 
 from __future__ import annotations
