@@ -29,10 +29,9 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # NOTE: before torch loads OpenMP; see common.py
-# NOTE: the repository root first: bench/ (first on sys.path when a script here runs) holds a
-# weight_sync.py that would shadow the weight_sync package
+# NOTE: the repository root first, and as the cwd of the `rollout serve` child: this checkout is measured
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.chdir(Path(__file__).resolve().parents[1])  # ... and so would it for the `rollout serve` child (`-m` puts cwd first)
+os.chdir(Path(__file__).resolve().parents[1])
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402

@@ -107,6 +107,8 @@ class EngineCore:
         for tok in params.stop_token_ids:
             if tok >= self.vocab_size:
                 raise ValueError(f"stop_token_ids: {tok} is outside the vocabulary of {self.vocab_size}")
+        if params.return_routed_experts and self.runner.routes is None:
+            raise ValueError("return_routed_experts: this model has no experts (only MoE models record routes)")
         self._check_fits(prompt, params)
         return prompt, params
 

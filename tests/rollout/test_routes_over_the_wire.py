@@ -50,3 +50,13 @@ def test_routes_that_do_not_fit_the_sample_are_refused():
     with pytest.raises(ValueError, match="whole positions"):
         RoutedExperts(layers=2, k=2, experts=np.zeros(7, dtype=np.int32))
     assert torch.tensor(routes.array).dtype == torch.int32
+
+
+def test_routes_asked_of_a_dense_model_are_a_typed_refusal_and_the_engine_serves_on(server):
+    from rollout.protocol import ProtocolError
+    from tests.rollout.service_util import WAIT_S
+
+    with RolloutClient(server.address, timeout=WAIT_S) as client:
+        with pytest.raises(ProtocolError, match="return_routed_experts"):
+            client.generate([[5, 6, 7]], 1, PARAMS)
+        assert len(client.generate([[5, 6, 7]], 1, SamplingParams(max_tokens=2))[0].completion_ids) == 2

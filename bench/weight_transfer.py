@@ -1,8 +1,8 @@
 """Weight sync across processes: GB/s of each transport next to a raw in-process copy, same run.
 
-    python bench/weight_sync.py                 # 100M (fp32) and 1B (bf16) random parameters
-    python bench/weight_sync.py --quick         # 10M, one repeat: a smoke run
-    python bench/weight_sync.py --device cuda   # GPU: trainer tensors and replicas on CUDA; shm is CUDA
+    python bench/weight_transfer.py                 # 100M (fp32) and 1B (bf16) random parameters
+    python bench/weight_transfer.py --quick         # 10M, one repeat: a smoke run
+    python bench/weight_transfer.py --device cuda   # GPU: trainer tensors and replicas on CUDA; shm is CUDA
                                                 # IPC, nccl with a replica on cuda:1 when there are 2 GPUs
 
 The trainer is this process; the replicas are real `RolloutServer` processes (random-weight
@@ -42,8 +42,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-# NOTE: the repository root goes first: this file's own directory (bench/, first on sys.path when it
-# runs as a script) holds `weight_sync.py`, which would otherwise shadow the `weight_sync` package
+# NOTE: the repository root first, so the replica processes this script starts import this checkout
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import load_average, machine_line, print_result  # noqa: E402
 
@@ -70,7 +69,7 @@ def random_weights(spec, seed: int) -> dict[str, torch.Tensor]:
     return {n: (torch.randn(shape, generator=gen) * 0.02).to(spec.dtype) for n, shape in spec.weight_shapes().items()}
 
 
-# ---- a replica: `python bench/weight_sync.py --replica --model SIZE --dtype D --host H --port P` ----
+# ---- a replica: `python bench/weight_transfer.py --replica --model SIZE --dtype D --host H --port P` ----
 
 
 def replica_main(argv: list[str]) -> int:
