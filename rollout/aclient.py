@@ -19,35 +19,23 @@ from typing import Any, Optional, Union
 from inference import PauseMode, SamplingParams, SuspendPolicy, SuspendReport, UpdatePolicy
 from rollout import messages as wire
 from rollout.backend import Prompts, WeightSource, sort_rollouts
-from rollout.client import GeneratePending, build_generates, control_message, suspend_report, to_item
+from rollout.client import StreamState, build_generates, control_message, suspend_report
 from rollout.connection import Connection, ControlPending
-from rollout.protocol import encode
 from rollout.security import ClientSecurity
-from rollout.text import TextCodec, add_text, token_prompts
+from rollout.text import TextCodec, token_prompts
 from rollout.types import GenerationStats, Rollout, RolloutBatch, TokenChunk
 
 
-class AsyncSampleStream:
+class AsyncSampleStream(StreamState):
     """The samples of one `AsyncRolloutClient.stream` call, as an async iterator (see
     `rollout.backend.SampleStream`); past its deadline the running samples are aborted."""
 
     def __init__(self, client: AsyncRolloutClient, prompts: Prompts, requests: list[wire.Generate], n: int,
                  timeout: float) -> None:
-        self._client = client
-        self._codec = client.codec
-        self._prompts = [list(map(int, p)) for p in prompts]
-        self.request_ids = [g.request_id for g in requests]
         self._queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         sink = lambda item: loop.call_soon_threadsafe(self._queue.put_nowait, item)  # noqa: E731
-        self._left = {g.request_id: n for g in requests}
-        self._remaining = n * len(requests)
-        self.timeout = timeout
-        self.deadline = time.monotonic() + timeout
-        conn = client.connection
-        frames = [encode(g, max_frame_bytes=conn.max_frame_bytes) for g in requests]
-        for group, (g, frame) in enumerate(zip(requests, frames)):
-            conn.send(g, GeneratePending(group, n, sink), frame=frame)
+        super().__init__(client, prompts, requests, n, timeout, sink)
 
     def __aiter__(self) -> AsyncIterator[Union[Rollout, TokenChunk]]:
         return self
@@ -56,45 +44,19 @@ class AsyncSampleStream:
         if self._remaining == 0:
             raise StopAsyncIteration
         try:
-            group, payload = await asyncio.wait_for(self._queue.get(), max(0.0, self.deadline - time.monotonic()))
+            group, payload = await asyncio.wait_for(self._queue.get(), self._wait_s())
         except asyncio.TimeoutError:
-            self._give_up()
-            raise TimeoutError(f"stream of {len(self.request_ids)} prompts not done within {self.timeout} s; "
-                               "its running samples were aborted") from None
-        if isinstance(payload, BaseException):
-            self._left[self.request_ids[group]] = 0
-            self._give_up()
-            raise payload
-        if isinstance(payload, wire.SampleOutput):
-            self._remaining -= 1
-            self._left[self.request_ids[group]] -= 1
-            rollout = to_item(self._prompts, group, payload)
-            add_text([rollout], self._codec)
-            return rollout
-        return to_item(self._prompts, group, payload)
+            raise self._timed_out() from None
+        return self._accept(group, payload)
 
     async def result(self) -> list[Rollout]:
         return sort_rollouts([item async for item in self if isinstance(item, Rollout)])
-
-    def unfinished(self) -> list[str]:
-        return [rid for rid, left in self._left.items() if left > 0]
 
     async def abort(self) -> None:
         pending = self.unfinished()
         if pending:
             await self._client._call(wire.Abort(request_id=self._client.connection.next_id("a"), targets=pending),
                                      None)
-
-    def _give_up(self) -> None:
-        pending = self.unfinished()
-        self._remaining = 0
-        if pending:
-            conn = self._client.connection
-            conn.forget(pending)
-            try:
-                conn.send(wire.Abort(request_id=conn.next_id("a"), targets=pending), None)
-            except ConnectionError:
-                pass
 
 
 class AsyncRolloutClient:

@@ -125,21 +125,17 @@ def suspend_report(stats: Optional[dict]) -> SuspendReport:
     return SuspendReport(**{name: int((stats or {}).get(name, 0)) for name in fields})
 
 
-class RemoteSampleStream:
-    """The samples of one `RolloutClient.stream` call (see `rollout.backend.SampleStream`).
+class StreamState:
+    """What a sample stream of either client keeps: its requests (sent at construction through
+    `sink`), the samples still owed per request, and its deadline. Subclasses wait on their own
+    queue and hand each `(group, payload)` to `_accept`."""
 
-    Bounded by its deadline: past it, the running samples are aborted and `TimeoutError` raised.
-    An error reply for one prompt (e.g. a token outside the vocabulary) aborts the others and is
-    raised. Iterate from one thread.
-    """
-
-    def __init__(self, client: RolloutClient, prompts: Prompts, requests: list[wire.Generate], n: int,
-                 timeout: float) -> None:
+    def __init__(self, client: Any, prompts: Prompts, requests: list[wire.Generate], n: int, timeout: float,
+                 sink: Sink) -> None:
         self._client = client
         self._codec = client.codec
         self._prompts = [list(map(int, p)) for p in prompts]
         self.request_ids = [g.request_id for g in requests]
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._left = {g.request_id: n for g in requests}
         self._remaining = n * len(requests)
         self.deadline = time.monotonic() + timeout
@@ -147,44 +143,31 @@ class RemoteSampleStream:
         conn = client.connection
         frames = [encode(g, max_frame_bytes=conn.max_frame_bytes) for g in requests]  # all refused, or none
         for group, (g, frame) in enumerate(zip(requests, frames)):
-            conn.send(g, GeneratePending(group, n, self._queue.put), frame=frame)
+            conn.send(g, GeneratePending(group, n, sink), frame=frame)
 
-    def __iter__(self) -> Iterator[Union[Rollout, TokenChunk]]:
-        return self
+    def _wait_s(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
 
-    def __next__(self) -> Union[Rollout, TokenChunk]:
-        if self._remaining == 0:
-            raise StopIteration
-        try:
-            group, payload = self._queue.get(timeout=max(0.0, self.deadline - time.monotonic()))
-        except queue.Empty:
-            self._give_up()
-            raise TimeoutError(f"stream of {len(self.request_ids)} prompts not done within {self.timeout} s; "
-                               "its running samples were aborted") from None
+    def _timed_out(self) -> TimeoutError:
+        self._give_up()
+        return TimeoutError(f"stream of {len(self.request_ids)} prompts not done within {self.timeout} s; "
+                            "its running samples were aborted")
+
+    def _accept(self, group: int, payload: Any) -> Union[Rollout, TokenChunk]:
+        """The item of one queued payload; an error payload aborts the rest and is raised."""
         if isinstance(payload, BaseException):
             self._left[self.request_ids[group]] = 0
             self._give_up()
             raise payload
+        item = to_item(self._prompts, group, payload)
         if isinstance(payload, wire.SampleOutput):
             self._remaining -= 1
             self._left[self.request_ids[group]] -= 1
-            rollout = to_item(self._prompts, group, payload)
-            add_text([rollout], self._codec)
-            return rollout
-        return to_item(self._prompts, group, payload)
-
-    def result(self, timeout: Optional[float] = None) -> list[Rollout]:
-        if timeout is not None:
-            self.deadline = min(self.deadline, time.monotonic() + timeout)
-        return sort_rollouts(item for item in self if isinstance(item, Rollout))
+            add_text([item], self._codec)
+        return item
 
     def unfinished(self) -> list[str]:
         return [rid for rid, left in self._left.items() if left > 0]
-
-    def abort(self) -> None:
-        pending = self.unfinished()
-        if pending:
-            self._client._call(wire.Abort(request_id=self._client.connection.next_id("a"), targets=pending), None)
 
     def _give_up(self) -> None:
         pending = self.unfinished()
@@ -196,6 +179,42 @@ class RemoteSampleStream:
                 conn.send(wire.Abort(request_id=conn.next_id("a"), targets=pending), None)
             except ConnectionError:
                 pass  # the client is closed: the server's lease aborts them
+
+
+class RemoteSampleStream(StreamState):
+    """The samples of one `RolloutClient.stream` call (see `rollout.backend.SampleStream`).
+
+    Bounded by its deadline: past it, the running samples are aborted and `TimeoutError` raised.
+    An error reply for one prompt (e.g. a token outside the vocabulary) aborts the others and is
+    raised. Iterate from one thread.
+    """
+
+    def __init__(self, client: RolloutClient, prompts: Prompts, requests: list[wire.Generate], n: int,
+                 timeout: float) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        super().__init__(client, prompts, requests, n, timeout, self._queue.put)
+
+    def __iter__(self) -> Iterator[Union[Rollout, TokenChunk]]:
+        return self
+
+    def __next__(self) -> Union[Rollout, TokenChunk]:
+        if self._remaining == 0:
+            raise StopIteration
+        try:
+            group, payload = self._queue.get(timeout=self._wait_s())
+        except queue.Empty:
+            raise self._timed_out() from None
+        return self._accept(group, payload)
+
+    def result(self, timeout: Optional[float] = None) -> list[Rollout]:
+        if timeout is not None:
+            self.deadline = min(self.deadline, time.monotonic() + timeout)
+        return sort_rollouts(item for item in self if isinstance(item, Rollout))
+
+    def abort(self) -> None:
+        pending = self.unfinished()
+        if pending:
+            self._client._call(wire.Abort(request_id=self._client.connection.next_id("a"), targets=pending), None)
 
 
 class RolloutClient(WeightSyncCalls):
