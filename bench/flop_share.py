@@ -43,20 +43,25 @@ def useful_flops(config, work: Workload) -> float:
     return total
 
 
-def matmul_rate(config, batch: int, dtype: torch.dtype, repeats: int = 5) -> float:
-    """FLOP/s of one decode step's GEMMs at `batch` rows in `dtype` (median of `repeats` timings)."""
-    generator = torch.Generator().manual_seed(0)
-    shapes = gemm_shapes(config)
-    weights = [torch.randn(o, i, generator=generator).to(dtype) for o, i in shapes]
-    inputs = {i: torch.randn(batch, i, generator=generator).to(dtype) for _, i in shapes}
-    flops = 2 * batch * sum(o * i for o, i in shapes)
-    times = []
-    with torch.inference_mode():
-        for attempt in range(repeats + 1):
-            start = time.perf_counter()
-            for w in weights:
-                torch.nn.functional.linear(inputs[w.shape[1]], w)
-            if attempt:  # NOTE: the first pass warms the caches and the allocator
-                times.append(time.perf_counter() - start)
-    times.sort()
-    return flops / times[len(times) // 2]
+class MatmulProbe:
+    """One decode step's GEMMs at `batch` rows in `dtype`, built once (random weights of the model's
+    shapes); `rate()` times them (median of `repeats`) and returns FLOP/s."""
+
+    def __init__(self, config, batch: int, dtype: torch.dtype) -> None:
+        generator = torch.Generator().manual_seed(0)
+        shapes = gemm_shapes(config)
+        self.weights = [torch.randn(o, i, generator=generator).to(dtype) for o, i in shapes]
+        self.inputs = {i: torch.randn(batch, i, generator=generator).to(dtype) for _, i in shapes}
+        self.flops = 2 * batch * sum(o * i for o, i in shapes)
+
+    def rate(self, repeats: int = 5) -> float:
+        times = []
+        with torch.inference_mode():
+            for attempt in range(repeats + 1):
+                start = time.perf_counter()
+                for w in self.weights:
+                    torch.nn.functional.linear(self.inputs[w.shape[1]], w)
+                if attempt:  # NOTE: the first pass warms the caches and the allocator
+                    times.append(time.perf_counter() - start)
+        times.sort()
+        return self.flops / times[len(times) // 2]

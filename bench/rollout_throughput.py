@@ -58,7 +58,7 @@ from common import (  # noqa: E402
     median,
     print_result,
 )
-from flop_share import matmul_rate, useful_flops  # noqa: E402
+from flop_share import MatmulProbe, useful_flops  # noqa: E402
 from hf_peers import GenerateConfig, Prefill, run_continuous, run_generate  # noqa: E402
 from rollout_workload import FIRST_TOKEN, Budget, RunResult, Workload, make_workload  # noqa: E402
 from transformers.utils import logging as transformers_logging  # noqa: E402
@@ -170,9 +170,10 @@ def bench_model(choice: ModelChoice, args: argparse.Namespace) -> list[RunResult
     skipped: dict[str, str] = {}
     pruned: set[str] = set()
     rate_batch = min(budget.max_requests, work.n * len(work.prompts))  # the engine's fullest decode batch
+    probe = MatmulProbe(model.config, rate_batch, DTYPES[args.dtype])
     rates: list[float] = []
     for repeat in range(args.repeats):  # NOTE: repeats interleave the runners, so load drifts hit all alike
-        rates.append(matmul_rate(model.config, rate_batch, DTYPES[args.dtype]))
+        rates.append(probe.rate())
         for runner in runners:
             if runner.key in skipped or runner.key in pruned:
                 continue

@@ -120,6 +120,18 @@ def control_message(kind: str, conn: Connection, **fields: Any) -> Any:
     return simple[kind](request_id=rid)
 
 
+def call_blocking(connection: Connection, msg: Any, timeout: float) -> wire.Result:
+    """Send one control message and wait for its reply (an error reply is raised); past `timeout`
+    the request is forgotten and `TimeoutError` raised."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    connection.send(msg, ControlPending(future.set_result, future.set_exception))
+    try:
+        return future.result(timeout)
+    except concurrent.futures.TimeoutError:
+        connection.forget([msg.request_id])
+        raise TimeoutError(f"{type(msg).__name__} got no reply within {timeout} s") from None
+
+
 def suspend_report(stats: Optional[dict]) -> SuspendReport:
     fields = SuspendReport.__dataclass_fields__
     return SuspendReport(**{name: int((stats or {}).get(name, 0)) for name in fields})
@@ -268,14 +280,7 @@ class RolloutClient(WeightSyncCalls):
     # ---- control -------------------------------------------------------------------------------
 
     def _call(self, msg: Any, timeout: Optional[float]) -> wire.Result:
-        timeout = self.timeout if timeout is None else timeout
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self.connection.send(msg, ControlPending(future.set_result, future.set_exception))
-        try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            self.connection.forget([msg.request_id])
-            raise TimeoutError(f"{type(msg).__name__} got no reply within {timeout} s") from None
+        return call_blocking(self.connection, msg, self.timeout if timeout is None else timeout)
 
     def _control(self, kind: str, timeout: Optional[float] = None, **fields: Any) -> wire.Result:
         return self._call(control_message(kind, self.connection, **fields), timeout)

@@ -7,11 +7,11 @@ waits on a plain future that the connection's I/O thread settles, never on the e
 
 from __future__ import annotations
 
-import concurrent.futures
 from typing import Any, Optional
 
 from rollout import messages as wire
-from rollout.connection import Connection, ControlPending
+from rollout.client import call_blocking
+from rollout.connection import Connection
 from rollout.weight_calls import WeightSyncCalls
 
 
@@ -22,11 +22,4 @@ class WeightCalls(WeightSyncCalls):
         self.connection, self.timeout = connection, timeout
 
     def _call(self, msg: Any, timeout: Optional[float]) -> wire.Result:
-        timeout = self.timeout if timeout is None else timeout
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self.connection.send(msg, ControlPending(future.set_result, future.set_exception))
-        try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            self.connection.forget([msg.request_id])
-            raise TimeoutError(f"{type(msg).__name__} got no reply within {timeout} s") from None
+        return call_blocking(self.connection, msg, self.timeout if timeout is None else timeout)
