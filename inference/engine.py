@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -433,6 +433,11 @@ class DynamicInferenceEngine:
     def load_weights(self, named_tensors: NamedTensors) -> int:
         """One bucket of the open update (checked before it is written); names loaded so far."""
         return self._call(self.core.load_weights, named_tensors)
+
+    def staging_buffers(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The open double-staged update's buffers by name, for a transport to write into
+        directly; `load_weights` of these very tensors then adopts them without a copy."""
+        return self._call(self.core.staging_buffers, names)
 
     def commit_update(self, policy: Optional[UpdatePolicy] = None) -> int:
         """Make the loaded weights live; version changes and the prefix cache resets, once."""

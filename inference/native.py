@@ -4,7 +4,8 @@ Every `csrc/*.c` goes into one shared library, built with the system C compiler 
 `cc`) for this CPU (`-march=native`) into `$ROLLOUT_ENGINE_CACHE` (default
 `~/.cache/rollout-engine`), keyed by the sources, flags, compiler and CPU, under a file lock so
 that concurrent processes build it once. Kernels are called through ctypes, which releases the
-GIL. Users: decode attention (`attention/cpu_kernels.py`) and the sampler (`sampling_kernel.py`).
+GIL. Users: decode attention (`attention/cpu_kernels.py`), the sampler (`sampling_kernel.py`) and
+weight sync's byte moves (`weight_sync/memcopy.py`).
 
 Where no compiler is found or the build fails, `library()` is None (logged once) and every user
 keeps its pure-torch path; `ROLLOUT_ENGINE_NO_KERNELS=1` forces that.
@@ -39,6 +40,9 @@ SIGNATURES = {
     "paged_decode_f32": [PTR, PTR, PTR, PTR, I64, PTR, PTR, I64, I64, I64, I64, I64, ctypes.c_float, ctypes.c_int],
     "paged_decode_bf16": [PTR, PTR, PTR, PTR, I64, PTR, PTR, I64, I64, I64, I64, I64, ctypes.c_float, ctypes.c_int],
     "sample_rows_f32": [PTR, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR, ctypes.c_int],
+    "copy_sum_u64": [PTR, PTR, I64, PTR],
+    "publish_piece": [PTR, ctypes.c_uint64, ctypes.c_uint64],
+    "wait_piece": [PTR, ctypes.c_uint64, I64, PTR],
 }
 
 

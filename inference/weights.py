@@ -52,6 +52,7 @@ class _StagedUpdate:
     retain_staging: bool = False
     loaded: set[str] = field(default_factory=set)
     staged: dict[str, torch.Tensor] = field(default_factory=dict)  # DOUBLE: the copies to swap in
+    handed: dict[str, torch.Tensor] = field(default_factory=dict)  # DOUBLE: buffers a transport fills itself
 
 
 class WeightManager:
@@ -224,11 +225,40 @@ class WeightManager:
         self.check_version(version)
         self._update = _StagedUpdate(version, staging, partial, retain_staging and staging is Staging.DOUBLE)
 
+    def staging_buffers(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """Buffers the engine owns, by HF name, for a transport to write the open `double` update
+        into directly; a later `load` of one of these very tensors adopts it without a copy.
+        Spare buffers are reused (warm). Refused for `in_place` updates, for names the model does
+        not hold as such (another layout, a tied LM head) and when the model keeps a share of
+        each tensor (an MoE rank): `load` copies those."""
+        update = self._update
+        if update is None or update.staging is not Staging.DOUBLE:
+            raise EngineStateError("staging_buffers() needs an open double-staged update")
+        if getattr(self.model, "localize_weights", None) is not None:
+            raise EngineStateError("this model keeps a share of each tensor: load() the whole tensors")
+        expected = self.model.spec.weight_shapes()
+        names = list(names)
+        unknown = [n for n in names if n not in expected]
+        if unknown:
+            raise WeightNameError(f"staging_buffers: not tensors of this model as named: {unknown[:8]}")
+        device, dtype = self.model.device, self.model.spec.dtype
+        out = {}
+        for name in names:
+            buf = update.handed.get(name)
+            if buf is None:
+                spare = self._spare.pop(name, None)
+                fits = spare is not None and tuple(spare.shape) == expected[name] and spare.dtype == dtype
+                buf = spare if fits else torch.empty(expected[name], dtype=dtype, device=device)
+                update.handed[name] = buf
+            out[name] = buf
+        return out
+
     def load(self, named_tensors: NamedTensors) -> int:
         """Load a bucket of tensors into the open update; returns how many names are loaded so far.
 
         Every name, shape and dtype of the bucket is checked before any of it is written; a name
         loaded twice is refused. On an error the update stays open (abort it, or load again).
+        A tensor that is the buffer `staging_buffers` handed out for its name is adopted as is.
         """
         update = self._update
         if update is None:
@@ -239,6 +269,12 @@ class WeightManager:
             raise WeightNameError(f"load: tensors loaded twice in one update: {again[:8]}")
         if update.staging is Staging.DOUBLE:
             for name, tensor in hf.items():
+                handed = update.handed.pop(name, None)
+                if handed is tensor:
+                    update.staged[name] = tensor  # NOTE: the transport wrote it: nothing to copy
+                    continue
+                if handed is not None:
+                    self._spare[name] = handed
                 update.staged[name] = self._staging_copy(name, tensor)
         else:
             self.model.bind_weights(hf, alias=False)
@@ -285,6 +321,8 @@ class WeightManager:
             self.model.bind_weights(update.staged, alias=True)  # NOTE: a swap: the copies become the weights
             # NOTE: the replaced tensors are the engine's own (begin refuses aliased trainer weights)
             self._spare = retired if update.retain_staging else {}
+        if update.retain_staging:
+            self._spare.update(update.handed)  # NOTE: handed out, never loaded (a partial update)
         self._update = None
         self._broken = None
         return self.commit_version(update.version)
@@ -297,6 +335,7 @@ class WeightManager:
             return
         if update.retain_staging:
             self._spare.update(update.staged)  # NOTE: buffers, whatever they hold now
+            self._spare.update(update.handed)
         if update.staging is Staging.IN_PLACE and update.loaded:
             self._broken = (f"an in-place update was aborted after {len(update.loaded)} tensors were written: the "
                             "weights are mixed; load a complete update to serve again")

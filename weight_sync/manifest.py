@@ -58,6 +58,10 @@ class ManifestError(ValueError):
     """A manifest that contradicts itself or its model (names the field)."""
 
 
+class ChecksumError(ValueError):
+    """Bytes that arrived do not sum to the checksum their sender computed: the update aborts."""
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     try:
         return _DTYPE_NAMES[dtype]
@@ -227,13 +231,16 @@ def check_against_model(manifest: Manifest, spec: ModelSpec, *, complete: bool =
     return naming
 
 
+_MANIFEST_DECODER = msgspec.msgpack.Decoder(Manifest)  # NOTE: built at import, not by racing threads
+
+
 def encode_manifest(manifest: Manifest) -> bytes:
     return msgspec.msgpack.encode(manifest)
 
 
 def decode_manifest(data: bytes) -> Manifest:
     try:
-        return msgspec.msgpack.decode(data, type=Manifest)
+        return _MANIFEST_DECODER.decode(data)
     except msgspec.ValidationError as exc:
         raise ManifestError(f"manifest: {exc}") from None
     except msgspec.DecodeError as exc:

@@ -34,7 +34,7 @@ import torch
 
 from inference.errors import EngineStateError
 from inference.weights import Staging
-from weight_sync.buckets import bucket_checksum, unpack_bucket
+from weight_sync.buckets import as_bytes, bucket_checksum, unpack_bucket
 from weight_sync.manifest import Manifest, ManifestError, check_against_model, dtype_name, parse_weight_version
 from weight_sync.sources import DistributedSource, SharedMemorySource
 from weight_sync.transports import disk
@@ -47,7 +47,7 @@ from weight_sync.transports.distributed import (
     receive_buckets,
     receive_tensors,
 )
-from weight_sync.transports.shm import import_cuda, open_segment
+from weight_sync.transports.shm import SegmentMappings, SegmentPlan, import_cuda, read_segment
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,7 @@ class WeightReceiver:
         self._open: Optional[_Open] = None
         self._watchdog: Optional[threading.Timer] = None
         self._buffer = ReceiveBuffer(torch.device("cpu"))
+        self._mappings = SegmentMappings()
 
     @property
     def spec(self):
@@ -149,6 +150,7 @@ class WeightReceiver:
     def close(self) -> None:
         for name in list(self._groups):
             self._close_group(name)
+        self._mappings.close()
 
     # ---- updates -------------------------------------------------------------------------------
 
@@ -221,27 +223,62 @@ class WeightReceiver:
             version = _merge_version(version, manifest, None)
             check_against_model(manifest, self.spec)
             start = time.perf_counter()
-            region = None
             try:
                 self._begin(version, source.staging, "")
-                offsets = manifest.layout.region_offsets()
                 if source.segment is not None:
-                    region = open_segment(source.segment, manifest.total_bytes)
-                for index, bucket in enumerate(manifest.layout.buckets):
-                    if region is not None:
-                        view = region[offsets[index] : offsets[index] + bucket.nbytes]
-                    else:
-                        view = import_cuda(source.cuda_ipc[index], bucket.nbytes)
-                    _verify(view, manifest, index)
-                    self.engine.load_weights(unpack_bucket(manifest, index, view))
-                    self.stats.bytes_received += bucket.nbytes
-                    del view
+                    self._read_segment(source)
+                else:
+                    self._read_cuda_ipc(source)
                 return self._commit(policy, start)
             except BaseException as exc:
                 self._abort(exc)
                 raise
-            finally:
-                del region  # NOTE: the engine copied every byte; the mapping goes with the last view
+
+    def _read_segment(self, source: SharedMemorySource) -> None:
+        """Pieces straight into the engine's staging buffers where it can take them as they are,
+        else into a scratch buffer that `load_weights` copies from."""
+        manifest = source.manifest
+        plan = SegmentPlan.of(manifest, source.piece_bytes)
+        typed = manifest.torch_dtypes
+        direct = self._staging_buffers(manifest)
+        scratch = self._buffer.get(plan.data_bytes) if len(direct) < len(manifest.names) else None
+        tensors, sizes = [], manifest.tensor_bytes()
+        for i, name in enumerate(manifest.names):
+            if name in direct:
+                tensors.append(direct[name])
+            else:
+                at = plan.starts[i]
+                tensors.append(scratch[at : at + sizes[i]].view(typed[i]).view(manifest.shapes[i]))
+        destinations = [as_bytes(t).numpy() for t in tensors]
+        layout = manifest.layout
+
+        def load(b: int) -> None:
+            bucket = layout.buckets[b]
+            self.engine.load_weights({manifest.names[i]: tensors[i] for i in range(bucket.start, bucket.stop)})
+            self.stats.bytes_received += bucket.nbytes
+
+        read_segment(self._mappings, source.segment, plan, source.token, destinations, self.timeout_s, load)
+
+    def _staging_buffers(self, manifest: Manifest) -> dict[str, torch.Tensor]:
+        """The engine's own buffers for the manifest's tensors it holds as named, in its dtype, on
+        CPU, in a double-staged update; {} when it takes none that way."""
+        expected, dtype = self.spec.weight_shapes(), self.spec.dtype
+        names = [n for n, d in zip(manifest.names, manifest.torch_dtypes) if n in expected and d == dtype]
+        if not names or self.engine.model.device.type != "cpu":
+            return {}
+        try:
+            return self.engine.staging_buffers(names)
+        except EngineStateError:  # NOTE: in place, or an MoE rank: load_weights copies
+            return {}
+
+    def _read_cuda_ipc(self, source: SharedMemorySource) -> None:
+        manifest = source.manifest
+        for index, bucket in enumerate(manifest.layout.buckets):
+            view = import_cuda(source.cuda_ipc[index], bucket.nbytes)
+            _verify(view, manifest, index)
+            self.engine.load_weights(unpack_bucket(manifest, index, view))
+            self.stats.bytes_received += bucket.nbytes
+            del view  # NOTE: the engine copied every byte; the mapping goes with the last view
 
     def update_from_disk(self, path: str | Path, *, version: Optional[int] = None, policy: Any = None,
                          staging: Optional[Staging] = None) -> int:

@@ -14,8 +14,8 @@ first, then moves the bytes, then waits until every target answered (bounded by 
   when `regroup()` is called (a replica joined or left); buckets are broadcast
   (`transports.distributed`). A refused manifest stops every rank before a bucket moves; a failed
   bucket on any replica stops every replica from committing;
-* `shm`: buckets packed into a shared-memory segment (CUDA IPC buffers on GPU) that the replicas
-  copy from (`transports.shm`); same host only;
+* `shm`: buckets in a shared-memory segment that the replicas copy from while the sender fills
+  it, `piece_bytes` at a time (CUDA IPC buffers on GPU) (`transports.shm`); same host only;
 * `disk`: a safetensors directory per version under `directory` (`transports.disk`); with
   `keep_last=k` the sender deletes the directories it wrote beyond the last k, once every
   replica committed a newer one (None keeps them all: checkpoints).
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import secrets
 import shutil
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -42,8 +43,8 @@ from typing import Any, Optional, Protocol, Union
 
 import torch
 
-from weight_sync.buckets import DEFAULT_BUCKET_BYTES, fill_checksums, manifest_for, pack_bucket
-from weight_sync.manifest import dtype_name, parse_weight_version
+from weight_sync.buckets import DEFAULT_BUCKET_BYTES, as_bytes, fill_checksums, manifest_for, pack_bucket
+from weight_sync.manifest import Manifest, dtype_name, parse_weight_version
 from weight_sync.sources import SharedMemorySource, encode_tensor_payload
 from weight_sync.transports import disk
 from weight_sync.transports.distributed import (
@@ -54,7 +55,7 @@ from weight_sync.transports.distributed import (
     send_buckets,
     send_tensors,
 )
-from weight_sync.transports.shm import RegionPool, export_cuda
+from weight_sync.transports.shm import DEFAULT_PIECE_BYTES, RegionPool, SegmentPlan, export_cuda, fill_segment
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ class WeightSender:
                  dtype: Optional[torch.dtype] = None, master_address: str = "127.0.0.1", master_port: int = 0,
                  group_name: str = DEFAULT_GROUP, directory: Optional[str | Path] = None,
                  tensor_by_tensor: bool = False, policy: Any = None, tp_group: Any = None,
-                 keep_last: Optional[int] = None) -> None:
+                 keep_last: Optional[int] = None, piece_bytes: int = DEFAULT_PIECE_BYTES) -> None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if transport == "disk" and directory is None:
@@ -143,6 +144,7 @@ class WeightSender:
         self.directory = Path(directory) if directory is not None else None
         self.tensor_by_tensor = tensor_by_tensor
         self.keep_last = keep_last
+        self.piece_bytes = piece_bytes
         self._written: list[Path] = []  # the disk transport's version directories, oldest first
         self.version: Optional[int] = None
         self.stats = SenderStats()
@@ -225,26 +227,35 @@ class WeightSender:
     def _sync_shared_memory(self, named: list[tuple[str, torch.Tensor]], version: int, policy: Any) -> int:
         manifest = manifest_for(named, bucket_bytes=self.bucket_bytes, version=version)
         tensors = [t for _, t in named]
-        cuda = tensors and tensors[0].device.type == "cuda"
-        if cuda:
-            self._cuda_buckets = [torch.empty(b.nbytes, dtype=torch.uint8, device=tensors[0].device)
-                                  for b in manifest.layout.buckets]
-            for i, buf in enumerate(self._cuda_buckets):
-                manifest.layout.buckets[i].checksum = pack_bucket(manifest, i, tensors, buf)
-            torch.cuda.current_stream().synchronize()
-            source = SharedMemorySource(manifest=manifest, cuda_ipc=[export_cuda(b) for b in self._cuda_buckets])
-        else:
-            region = self._regions.get(manifest.total_bytes)
-            for i, offset in enumerate(manifest.layout.region_offsets()):
-                nbytes = manifest.layout.buckets[i].nbytes
-                manifest.layout.buckets[i].checksum = pack_bucket(manifest, i, tensors,
-                                                                  region.tensor[offset : offset + nbytes])
-            source = SharedMemorySource(manifest=manifest, segment=region.name)
+        if not tensors or tensors[0].device.type != "cuda":
+            return self._fill_shared_memory(manifest, tensors, version, policy)
+        self._cuda_buckets = [torch.empty(b.nbytes, dtype=torch.uint8, device=tensors[0].device)
+                              for b in manifest.layout.buckets]
+        for i, buf in enumerate(self._cuda_buckets):
+            manifest.layout.buckets[i].checksum = pack_bucket(manifest, i, tensors, buf)
+        torch.cuda.current_stream().synchronize()
+        source = SharedMemorySource(manifest=manifest, cuda_ipc=[export_cuda(b) for b in self._cuda_buckets])
         payload = encode_tensor_payload(source)
         futures = self._each(lambda t: t.update_weights_from_tensor([payload], weight_version=version, policy=policy))
         self._collect(futures, f"sync to version {version}")
         self._cuda_buckets = []  # NOTE: every receiver answered: they copied what they needed
         return manifest.total_bytes
+
+    def _fill_shared_memory(self, manifest: Manifest, tensors: list[torch.Tensor], version: int, policy: Any) -> int:
+        """The source goes first; the segment is filled while the replicas copy it (`shm`)."""
+        plan = SegmentPlan.of(manifest, self.piece_bytes)
+        region = self._regions.get(plan.segment_bytes)
+        token = secrets.randbits(63) or 1
+        source = SharedMemorySource(manifest=manifest, segment=region.name, token=token, piece_bytes=plan.piece_bytes)
+        payload = encode_tensor_payload(source)
+        futures = self._each(lambda t: t.update_weights_from_tensor([payload], weight_version=version, policy=policy))
+        try:
+            moved = fill_segment(region, plan, [as_bytes(t).numpy() for t in tensors], token)
+        except BaseException as exc:
+            self._collect(futures, f"sync to version {version}", exc)
+            raise AssertionError("unreachable") from exc
+        self._collect(futures, f"sync to version {version}")
+        return moved
 
     def _sync_disk(self, named: list[tuple[str, torch.Tensor]], version: int, policy: Any) -> int:
         path = self.directory / f"v{version:08d}"

@@ -9,7 +9,10 @@ Each is a msgspec struct tagged by `type`, so `rollout.messages` puts them in on
   model is loaded, False keeps the update open for the next call, True commits now.
 * `SharedMemorySource`: buckets in a /dev/shm segment (CPU) or behind CUDA IPC handles (GPU).
   This is what `update_weights_from_tensor` takes, msgpack-encoded (`encode_tensor_payload`) in
-  place of SGLang's pickled tensors, which are refused (`decode_tensor_payload`).
+  place of SGLang's pickled tensors, which are refused (`decode_tensor_payload`). A segment is
+  filled while the replicas copy it: each `piece_bytes` piece is published in the segment's
+  header under this update's `token` with its checksum (`weight_sync.transports.shm`), so the
+  manifest's bucket checksums are 0 there.
 
 `staging` (None: the replica's default) chooses double or in-place staging for this update.
 """
@@ -22,9 +25,9 @@ import msgspec
 from msgspec import Meta
 
 from inference.weights import Staging
-from weight_sync.manifest import Manifest, ManifestError
+from weight_sync.manifest import ALIGN, Manifest, ManifestError
 from weight_sync.transports.distributed import DEFAULT_GROUP
-from weight_sync.transports.shm import CudaIpcBuffer, check_segment_name
+from weight_sync.transports.shm import DEFAULT_PIECE_BYTES, MIN_PIECE_BYTES, CudaIpcBuffer, check_segment_name
 
 GroupName = Annotated[str, Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.\-]+$")]
 MAX_PAYLOAD_BYTES = 64 * 2**20
@@ -46,6 +49,8 @@ class SharedMemorySource(msgspec.Struct, tag_field="type", tag="shared_memory", 
 
     manifest: Manifest
     segment: Optional[str] = None
+    token: Optional[Annotated[int, Meta(ge=1, le=2**63 - 1)]] = None  # a segment's: marks this update's pieces
+    piece_bytes: Annotated[int, Meta(ge=MIN_PIECE_BYTES, le=2**40, multiple_of=ALIGN)] = DEFAULT_PIECE_BYTES
     cuda_ipc: Optional[list[CudaIpcBuffer]] = None
     staging: Optional[Staging] = None
 
@@ -56,8 +61,15 @@ class SharedMemorySource(msgspec.Struct, tag_field="type", tag="shared_memory", 
             raise ValueError("a shared-memory source needs a bucket layout in its manifest")
         if self.segment is not None:
             check_segment_name(self.segment)
+            if self.token is None:
+                raise ValueError("a shared-memory segment source needs the update's token")
         elif len(self.cuda_ipc) != len(self.manifest.layout.buckets):
             raise ValueError(f"{len(self.cuda_ipc)} CUDA IPC buffers for {len(self.manifest.layout.buckets)} buckets")
+
+
+# NOTE: built once at import: msgspec builds a type's decoding info on first use, and two threads
+# doing that at once (replicas' receivers in one process) crashed the interpreter
+_PAYLOAD_DECODER = msgspec.msgpack.Decoder(SharedMemorySource)
 
 
 def encode_tensor_payload(source: SharedMemorySource) -> bytes:
@@ -89,6 +101,6 @@ def decode_tensor_payload(data: bytes | str) -> SharedMemorySource:
                             "refused, since unpickling runs arbitrary code; send weight_sync's msgpack shared-memory "
                             "handle instead (WeightSender with SharedMemoryTransport, or encode_tensor_payload)")
     try:
-        return msgspec.msgpack.decode(data, type=SharedMemorySource)
+        return _PAYLOAD_DECODER.decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise ManifestError(f"serialized_named_tensors: not a shared-memory handle: {exc}") from None

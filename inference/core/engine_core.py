@@ -15,7 +15,7 @@ keeps no outputs: each finished request goes to `on_finished` and each streamed 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Optional
 
 import numpy as np
@@ -390,6 +390,9 @@ class EngineCore:
 
     def load_weights(self, named_tensors: NamedTensors) -> int:
         return self.weights.load(named_tensors)
+
+    def staging_buffers(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        return self.weights.staging_buffers(names)
 
     def commit_update(self, policy: Optional[UpdatePolicy] = None) -> int:
         """The staged weights go live: in-flight requests follow `policy`, the version changes and

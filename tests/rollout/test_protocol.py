@@ -405,7 +405,7 @@ def weight_sources() -> list:
     return [
         DistributedSource(manifest=manifest, group_name="wsync", finish=False, staging="in_place"),
         DistributedSource(manifest=manifest_for(named, packed=False)),
-        SharedMemorySource(manifest=manifest, segment="rollout-wsync-1-0123456789abcdef"),
+        SharedMemorySource(manifest=manifest, segment="rollout-wsync-1-0123456789abcdef", token=7),
         SharedMemorySource(manifest=manifest, cuda_ipc=[ipc, ipc]),
     ]
 

@@ -149,7 +149,7 @@ def test_weight_versions_that_name_no_integer_are_refused(value):
 
 def test_tensor_payloads_are_msgpack_and_pickle_is_refused():
     manifest = manifest_for([("a", torch.ones(2))])
-    source = SharedMemorySource(manifest=manifest, segment="rollout-wsync-1-0123456789abcdef")
+    source = SharedMemorySource(manifest=manifest, segment="rollout-wsync-1-0123456789abcdef", token=2**63 - 1)
     data = encode_tensor_payload(source)
     assert decode_tensor_payload(data) == source
     assert decode_tensor_payload(base64.b64encode(data).decode()) == source  # as SGLang's HTTP clients send it

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from weight_sync.buckets import pack_bucket, unpack_bucket, word_sum
-from weight_sync.manifest import Manifest
+from weight_sync.manifest import ChecksumError, Manifest
 
 logger = logging.getLogger(__name__)
 
@@ -220,10 +220,6 @@ class ReceiveBuffer:
         if self.buf is None or self.buf.numel() < nbytes:
             self.buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return self.buf
-
-
-class ChecksumError(ValueError):
-    pass
 
 
 def send_buckets(group: WeightGroup, manifest: Manifest, tensors: Sequence[torch.Tensor], buffer: ReceiveBuffer, *,
