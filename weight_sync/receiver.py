@@ -35,18 +35,18 @@ import torch
 from inference.errors import EngineStateError
 from inference.weights import Staging
 from weight_sync.buckets import as_bytes, bucket_checksum, unpack_bucket
-from weight_sync.manifest import Manifest, ManifestError, check_against_model, dtype_name, parse_weight_version
+from weight_sync.manifest import (
+    ChecksumError,
+    Manifest,
+    ManifestError,
+    check_against_model,
+    dtype_name,
+    parse_weight_version,
+)
 from weight_sync.sources import DistributedSource, SharedMemorySource
 from weight_sync.transports import disk
-from weight_sync.transports.distributed import (
-    DEFAULT_GROUP,
-    ChecksumError,
-    GroupError,
-    ReceiveBuffer,
-    WeightGroup,
-    receive_buckets,
-    receive_tensors,
-)
+from weight_sync.transports.bucket_broadcast import receive_buckets, receive_tensors
+from weight_sync.transports.distributed import DEFAULT_GROUP, GroupError, ReceiveBuffer, WeightGroup
 from weight_sync.transports.shm import SegmentMappings, SegmentPlan, import_cuda, read_segment
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,8 @@ class WeightReceiver:
         self._groups: dict[str, WeightGroup] = {}
         self._open: Optional[_Open] = None
         self._watchdog: Optional[threading.Timer] = None
-        self._buffer = ReceiveBuffer(torch.device("cpu"))
+        self._buffer = ReceiveBuffer(torch.device("cpu"))  # the group's device
+        self._host_buffer = ReceiveBuffer(torch.device("cpu"))
         self._mappings = SegmentMappings()
 
     @property
@@ -187,7 +188,8 @@ class WeightReceiver:
                 if manifest.layout is None:
                     received = receive_tensors(group, manifest, self.engine.load_weights)
                 else:
-                    received = receive_buckets(group, manifest, True, self._buffer, self.engine.load_weights)
+                    direct = self._staging_buffers(manifest, group.device)
+                    received = receive_buckets(group, manifest, True, self._buffer, self.engine.load_weights, direct)
                 self.stats.bytes_received += received
                 opened.names += manifest.names
                 opened.dtypes += manifest.dtypes
@@ -240,8 +242,8 @@ class WeightReceiver:
         manifest = source.manifest
         plan = SegmentPlan.of(manifest, source.piece_bytes)
         typed = manifest.torch_dtypes
-        direct = self._staging_buffers(manifest)
-        scratch = self._buffer.get(plan.data_bytes) if len(direct) < len(manifest.names) else None
+        direct = self._staging_buffers(manifest, torch.device("cpu"))
+        scratch = self._host_buffer.get(plan.data_bytes) if len(direct) < len(manifest.names) else None
         tensors, sizes = [], manifest.tensor_bytes()
         for i, name in enumerate(manifest.names):
             if name in direct:
@@ -259,12 +261,12 @@ class WeightReceiver:
 
         read_segment(self._mappings, source.segment, plan, source.token, destinations, self.timeout_s, load)
 
-    def _staging_buffers(self, manifest: Manifest) -> dict[str, torch.Tensor]:
+    def _staging_buffers(self, manifest: Manifest, device: torch.device) -> dict[str, torch.Tensor]:
         """The engine's own buffers for the manifest's tensors it holds as named, in its dtype, on
-        CPU, in a double-staged update; {} when it takes none that way."""
+        `device`, in a double-staged update; {} when it takes none that way."""
         expected, dtype = self.spec.weight_shapes(), self.spec.dtype
         names = [n for n, d in zip(manifest.names, manifest.torch_dtypes) if n in expected and d == dtype]
-        if not names or self.engine.model.device.type != "cpu":
+        if not names or self.engine.model.device != device:
             return {}
         try:
             return self.engine.staging_buffers(names)

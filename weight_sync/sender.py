@@ -47,14 +47,8 @@ from weight_sync.buckets import DEFAULT_BUCKET_BYTES, as_bytes, fill_checksums, 
 from weight_sync.manifest import Manifest, dtype_name, parse_weight_version
 from weight_sync.sources import SharedMemorySource, encode_tensor_payload
 from weight_sync.transports import disk
-from weight_sync.transports.distributed import (
-    DEFAULT_GROUP,
-    GroupError,
-    ReceiveBuffer,
-    WeightGroup,
-    send_buckets,
-    send_tensors,
-)
+from weight_sync.transports.bucket_broadcast import send_buckets, send_tensors
+from weight_sync.transports.distributed import DEFAULT_GROUP, GroupError, WeightGroup
 from weight_sync.transports.shm import DEFAULT_PIECE_BYTES, RegionPool, SegmentPlan, export_cuda, fill_segment
 
 logger = logging.getLogger(__name__)
@@ -152,7 +146,6 @@ class WeightSender:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(2, len(self.targets)),
                                                            thread_name_prefix="weight-sender")
         self._regions = RegionPool()
-        self._buffer = ReceiveBuffer(torch.device("cuda") if transport == "nccl" else torch.device("cpu"))
         self._cuda_buckets: list[torch.Tensor] = []
 
     # ---- the one call --------------------------------------------------------------------------
@@ -203,7 +196,7 @@ class WeightSender:
             manifest.names, manifest.dtypes, manifest.shapes, self.group_name, weight_version=version,
             layout=manifest.layout, policy=policy))
         try:
-            sent = send_buckets(group, manifest, tensors, self._buffer)
+            sent = send_buckets(group, manifest, tensors)
         except BaseException as exc:
             self._collect(futures, f"sync to version {version}", exc)
             raise AssertionError("unreachable") from exc

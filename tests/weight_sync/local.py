@@ -66,3 +66,28 @@ class LocalControl:
 
     def get_weight_version(self) -> str:
         return self.receiver.weight_version
+
+
+def corrupting_pipeline(bucket: int):
+    """(`WeightGroup.pipeline` that flips one bit of bucket `bucket`'s first piece on the trainer's
+    side, after its checksum went out in the manifest; the real one). Other ranks are unchanged."""
+    from weight_sync.transports.distributed import WeightGroup
+
+    real = WeightGroup.pipeline
+    calls = []
+
+    def flipped(pieces):
+        for k, piece in enumerate(pieces):
+            if k == 0:
+                piece = piece.clone()
+                piece[3] ^= 0x40
+            yield piece
+
+    def pipeline(self, pieces, on_piece=None):
+        if self.rank == 0:
+            calls.append(1)
+            if len(calls) - 1 == bucket:
+                pieces = flipped(pieces)
+        return real(self, pieces, on_piece)
+
+    return pipeline, real

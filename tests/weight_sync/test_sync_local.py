@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from inference import EngineStateError, Staging
-from tests.weight_sync.local import LocalControl, engine_of, outputs, tiny_llama
+from tests.weight_sync.local import LocalControl, corrupting_pipeline, engine_of, outputs, tiny_llama
 from weight_sync import SyncError, WeightReceiver, WeightSender, hf_to_megatron
 from weight_sync.buckets import manifest_for
 from weight_sync.transports import disk, distributed
-from weight_sync.transports.distributed import WeightGroup, send_tensors
+from weight_sync.transports.bucket_broadcast import send_tensors
+from weight_sync.transports.distributed import WeightGroup
 
 TIMEOUT_S = 3.0
 
@@ -157,15 +158,8 @@ def test_an_open_sequence_in_place_refuses_to_serve_and_expires(replicas, new, e
 def test_a_corrupted_bucket_aborts_on_every_replica(replicas, new, expected, tmp_path, monkeypatch):
     engines, receivers = replicas
     receivers[1].staging = Staging.IN_PLACE
-    real = distributed.pack_bucket
-
-    def corrupt(manifest, index, tensors, out):
-        checksum = real(manifest, index, tensors, out)
-        if index == 1:
-            out[7] ^= 0x10
-        return checksum
-
-    monkeypatch.setattr(distributed, "pack_bucket", corrupt)
+    corrupt, real = corrupting_pipeline(bucket=1)
+    monkeypatch.setattr(distributed.WeightGroup, "pipeline", corrupt)
     with sender_for(receivers, "gloo", tmp_path) as sender:
         with pytest.raises(SyncError, match="checksum") as info:
             sender.sync(new, version=3)
@@ -173,7 +167,7 @@ def test_a_corrupted_bucket_aborts_on_every_replica(replicas, new, expected, tmp
         assert outputs(engines[0]) == expected[0] and engines[0].policy_version == 0  # double: old weights
         with pytest.raises(EngineStateError, match="mixed"):
             outputs(engines[1])  # in place, bucket 0 was written: nothing serves
-        monkeypatch.setattr(distributed, "pack_bucket", real)
+        monkeypatch.setattr(distributed.WeightGroup, "pipeline", real)
         assert sender.sync(new, version=3) == 3  # the group survived (every rank agreed to stop)
     assert all(outputs(e) == expected[1] for e in engines)
 

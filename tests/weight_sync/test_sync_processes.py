@@ -19,6 +19,7 @@ from inference import DynamicInferenceEngine
 from rollout import RolloutClient, ServerProcess
 from rollout.protocol import ErrorCode, ProtocolError
 from tests.rollout.service_util import SERVER_ARGS, VOCAB, engine_config, greedy, random_prompts, save_tiny_model
+from tests.weight_sync.local import corrupting_pipeline
 from weight_sync import SyncError, WeightSender
 from weight_sync.transports import distributed
 
@@ -110,15 +111,8 @@ def test_a_corrupted_bucket_aborts_the_update_on_both_replicas(replicas, models,
     clients, (dirs, expected) = replicas[1], models
     v = max(versions(clients))
     sync(clients, hf_weights(dirs[1]), v + 1)
-    real = distributed.pack_bucket
-
-    def corrupt(manifest, index, tensors, out):
-        checksum = real(manifest, index, tensors, out)
-        if index == 1:
-            out[3] ^= 0x40  # one bit, after the checksum was taken
-        return checksum
-
-    monkeypatch.setattr(distributed, "pack_bucket", corrupt)
+    corrupt, real = corrupting_pipeline(bucket=1)  # one bit, after the checksum was taken
+    monkeypatch.setattr(distributed.WeightGroup, "pipeline", corrupt)
     with pytest.raises(SyncError, match="checksum"):
         sync(clients, hf_weights(dirs[2]), v + 2)
     assert versions(clients) == [v + 1] * 2
@@ -126,7 +120,7 @@ def test_a_corrupted_bucket_aborts_the_update_on_both_replicas(replicas, models,
     with pytest.raises(ProtocolError, match="mixed") as info:
         remote_outputs(clients[1])  # in place: bucket 0 was written, so nothing serves until a complete update
     assert info.value.code is ErrorCode.ENGINE_STATE
-    monkeypatch.setattr(distributed, "pack_bucket", real)
+    monkeypatch.setattr(distributed.WeightGroup, "pipeline", real)
     sync(clients, hf_weights(dirs[2]), v + 2)
     assert [remote_outputs(c) for c in clients] == [expected[2]] * 2
 

@@ -33,19 +33,19 @@ def main() -> int:
 
     weights = read_safetensors(Path(args.weights), None)
     if args.die_in_bucket is not None:
-        real = distributed.WeightGroup.pieces
+        real = distributed.WeightGroup.pipeline
         calls = []
 
-        def pieces(self, buf, nbytes, *rest, **kwargs):
+        def pipeline(self, pieces, on_piece=None):  # one call per bucket
             if len(calls) == args.die_in_bucket:
-                self.broadcast_async(buf[:nbytes])  # on the wire ...
+                self.broadcast_async(next(iter(pieces)))  # on the wire ...
                 time.sleep(0.05)
                 print(f"trainer: killed while bucket {len(calls)} is on the wire", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)  # ... and never finished
-            calls.append(nbytes)
-            return real(self, buf, nbytes, *rest, **kwargs)
+            calls.append(1)
+            return real(self, pieces, on_piece)
 
-        distributed.WeightGroup.pieces = pieces
+        distributed.WeightGroup.pipeline = pipeline
     clients = [RolloutClient(a, timeout=30) for a in args.addresses]
     sender = WeightSender(clients, "gloo", timeout_s=args.timeout_s, bucket_bytes=args.bucket_bytes)
     print(f"trainer: synced version {sender.sync(weights, version=args.version)}", flush=True)

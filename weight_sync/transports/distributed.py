@@ -10,16 +10,7 @@ group is unusable: close it and create a new one, as frameworks do per sync when
 or leaves. A replica given no rank (`rank=None`, e.g. one init message broadcast by a router to
 all replicas) claims the next free one from the store.
 
-One bucketed update, every rank in step (`send_buckets` / `receive_buckets`):
-
-1. `agree`: all_reduce(MIN) of each rank's verdict on the manifest (the trainer's is 1), so a
-   replica that refuses it (another model) stops every rank before a bucket moves;
-2. each bucket broadcast from rank 0 in pieces, a receiver summing each piece while the next
-   arrives;
-3. `agree` again on each rank's verdict on its buckets (checksums, loads): all replicas commit,
-   or none does.
-
-Without a layout (SGLang's calls) only broadcasts happen, one per tensor, in manifest order.
+Moving an update over a group: `weight_sync.transports.bucket_broadcast`.
 """
 
 from __future__ import annotations
@@ -28,19 +19,16 @@ import datetime
 import ipaddress
 import logging
 import os
-from collections.abc import Callable, Sequence
-from typing import Optional
+from collections.abc import Callable, Iterable
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from weight_sync.buckets import pack_bucket, unpack_bucket, word_sum
-from weight_sync.manifest import ChecksumError, Manifest
-
 logger = logging.getLogger(__name__)
 
 DEFAULT_GROUP = "weight_update_group"
-PIECE_BYTES = 64 * 2**20
+PIPELINE_DEPTH = 2  # broadcasts in flight
 
 
 class GroupError(RuntimeError):
@@ -171,26 +159,24 @@ class WeightGroup:
         self._wait(self.pg.allreduce([flag], options), "agreeing")
         return bool(flag.item())
 
-    def pieces(self, buf: torch.Tensor, nbytes: int, piece_bytes: int = PIECE_BYTES,
-               on_piece: Optional[Callable[[torch.Tensor], None]] = None) -> None:
-        """Broadcast `buf[:nbytes]` in pieces, two in flight; `on_piece(piece)` for each piece in
-        order, once it is complete (a receiver sums it while the next one arrives)."""
-        if piece_bytes % 8:
-            raise ValueError(f"piece_bytes must be a multiple of 8, got {piece_bytes}")
-        bounds = [(lo, min(nbytes, lo + piece_bytes)) for lo in range(0, nbytes, piece_bytes)]
-        pending = []
-        for lo, hi in bounds:
-            pending.append((self.broadcast_async(buf[lo:hi]), lo, hi))
-            if len(pending) == 2:
-                self._finish(pending.pop(0), buf, on_piece)
+    def pipeline(self, pieces: Iterable[torch.Tensor],
+                 on_piece: Optional[Callable[[int, torch.Tensor], None]] = None) -> None:
+        """Broadcast each of `pieces` (flat uint8 tensors, drawn one at a time) from rank 0,
+        `PIPELINE_DEPTH` in flight; `on_piece(k, piece)` in order once piece `k` is complete (a
+        receiver sums it while the next ones arrive)."""
+        pending: list[tuple[Any, int, torch.Tensor]] = []
+        for k, piece in enumerate(pieces):
+            pending.append((self.broadcast_async(piece), k, piece))
+            if len(pending) == PIPELINE_DEPTH:
+                self._finish(pending.pop(0), on_piece)
         while pending:
-            self._finish(pending.pop(0), buf, on_piece)
+            self._finish(pending.pop(0), on_piece)
 
-    def _finish(self, item, buf: torch.Tensor, on_piece) -> None:
-        work, lo, hi = item
+    def _finish(self, item, on_piece) -> None:
+        work, k, piece = item
         self._wait(work, "a bucket broadcast")
         if on_piece is not None:
-            on_piece(buf[lo:hi])
+            on_piece(k, piece)
 
     def close(self) -> None:
         pg, self.pg = self.pg, None
@@ -220,86 +206,3 @@ class ReceiveBuffer:
         if self.buf is None or self.buf.numel() < nbytes:
             self.buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return self.buf
-
-
-def send_buckets(group: WeightGroup, manifest: Manifest, tensors: Sequence[torch.Tensor], buffer: ReceiveBuffer, *,
-                 piece_bytes: int = PIECE_BYTES) -> int:
-    """Rank 0's side of one bucketed update (checksums already in the manifest); bytes sent.
-
-    Raises `RefusedError` if a replica refused the manifest (nothing sent) or failed a bucket.
-    """
-    layout = manifest.layout
-    assert layout is not None
-    if not group.agree(True):
-        raise RefusedError("a replica refused the manifest (its reply says why); no bucket was sent")
-    sent = 0
-    for index, bucket in enumerate(layout.buckets):
-        buf = buffer.get(bucket.nbytes)
-        pack_bucket(manifest, index, tensors, buf)  # NOTE: copy_ moves host tensors to an NCCL group's device
-        group.pieces(buf, bucket.nbytes, piece_bytes)
-        sent += bucket.nbytes
-    if not group.agree(True):
-        raise RefusedError("a replica failed a bucket (a checksum or a load; its reply says which): no replica "
-                           "committed")
-    return sent
-
-
-def receive_buckets(group: WeightGroup, manifest: Manifest, accepted: bool, buffer: ReceiveBuffer,
-                    load: Callable[[dict[str, torch.Tensor]], None], *, piece_bytes: int = PIECE_BYTES) -> int:
-    """A replica's side of one bucketed update: `load` gets each bucket's views once its checksum
-    matched. Returns the bytes received; raises the first failure (here or, via `agree`, at
-    another rank), after staying in step with the others to the end."""
-    layout = manifest.layout
-    assert layout is not None
-    if not group.agree(accepted):
-        raise RefusedError("another replica refused the manifest" if accepted else "the manifest was refused")
-    failure: Optional[BaseException] = None
-    received = 0
-    for index, bucket in enumerate(layout.buckets):
-        buf = buffer.get(bucket.nbytes)
-        sums: list[int] = []
-        group.pieces(buf, bucket.nbytes, piece_bytes, on_piece=lambda p, sums=sums: sums.append(word_sum(p)))
-        received += bucket.nbytes
-        if failure is not None:
-            continue  # NOTE: keep receiving, so the others are not left waiting for this rank
-        checksum = sum(sums) % 2**64
-        if checksum != bucket.checksum:
-            failure = ChecksumError(f"bucket {index} of {len(layout.buckets)} ({bucket.nbytes} bytes) arrived with "
-                                    f"checksum {checksum:#x}, the manifest says {bucket.checksum:#x}")
-            continue
-        try:
-            load(unpack_bucket(manifest, index, buf))
-        except Exception as exc:  # noqa: BLE001 (reported after the last bucket, in step with the others)
-            failure = exc
-    if not group.agree(failure is None):
-        raise failure or RefusedError("another replica failed a bucket: no replica commits")
-    return received
-
-
-def send_tensors(group: WeightGroup, tensors: Sequence[torch.Tensor]) -> int:
-    """SGLang's way: one broadcast per tensor, in order, no checksum; bytes sent."""
-    sent = 0
-    for t in tensors:
-        t = t.detach().to(group.device).contiguous()
-        group.broadcast(t)
-        sent += t.numel() * t.element_size()
-    return sent
-
-
-def receive_tensors(group: WeightGroup, manifest: Manifest,
-                    load: Callable[[dict[str, torch.Tensor]], None]) -> int:
-    """The receiving side of `send_tensors`: each tensor loaded as it arrives; bytes received. A
-    failed load is raised after the last broadcast (the sender knows no other way to stop)."""
-    received, failure = 0, None
-    for name, dtype, shape in zip(manifest.names, manifest.torch_dtypes, manifest.shapes):
-        t = torch.empty(shape, dtype=dtype, device=group.device)
-        group.broadcast(t)
-        received += t.numel() * t.element_size()
-        if failure is None:
-            try:
-                load({name: t})
-            except Exception as exc:  # noqa: BLE001 (raised once the sender is done)
-                failure = exc
-    if failure is not None:
-        raise failure
-    return received

@@ -1,0 +1,246 @@
+"""Moving one update over a weight-update group (`weight_sync.transports.distributed`).
+
+One bucketed update, every rank in step (`send_buckets` / `receive_buckets`):
+
+1. `agree`: all_reduce(MIN) of each rank's verdict on the manifest (the trainer's is 1), so a
+   replica that refuses it (another model) stops every rank before a bucket moves;
+2. each bucket broadcast from rank 0 in pieces (`plan_pieces`): slices of the trainer's tensors
+   sent as they lie, received straight into the engine's staging buffers where the engine hands
+   them out (`staging_buffers`), small tensors packed together; a receiver sums each piece
+   while the next ones arrive. No copy on the trainer, none on a replica but the socket's;
+3. `agree` again on each rank's verdict on its buckets (checksums, loads): all replicas commit,
+   or none does.
+
+Without a layout (SGLang's calls) only broadcasts happen, one per tensor, in manifest order
+(`send_tensors` / `receive_tensors`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from weight_sync import memcopy
+from weight_sync.buckets import as_bytes, word_sum
+from weight_sync.manifest import ChecksumError, Manifest, align
+from weight_sync.transports.distributed import PIPELINE_DEPTH, ReceiveBuffer, RefusedError, WeightGroup
+
+PIECE_BYTES = 16 * 2**20  # a broadcast: large enough to amortise its latency, small enough to sum in cache
+SMALL_BYTES = 2**20  # tensors below this travel packed together
+
+
+@dataclass(slots=True)
+class Piece:
+    """One broadcast of a bucket: `spans` of tensor bytes (tensor index, first byte, end byte).
+    One span travels as it lies, straight from the trainer's tensor into the replica's buffer;
+    several (small tensors) are packed, each at an 8-byte boundary, zero-padded."""
+
+    spans: list[tuple[int, int, int]]
+
+    @property
+    def packed(self) -> bool:
+        return len(self.spans) > 1
+
+    @property
+    def nbytes(self) -> int:
+        if not self.packed:
+            _, lo, hi = self.spans[0]
+            return hi - lo
+        return sum(align(hi - lo, 8) for _, lo, hi in self.spans)
+
+
+def plan_pieces(manifest: Manifest, piece_bytes: int = PIECE_BYTES) -> list[list[Piece]]:
+    """Each bucket's pieces, alike on every rank: a tensor of `SMALL_BYTES` or more in slices of
+    at most `piece_bytes`, runs of smaller ones packed up to `piece_bytes`."""
+    layout = manifest.layout
+    assert layout is not None
+    sizes = manifest.tensor_bytes()
+    out = []
+    for bucket in layout.buckets:
+        pieces: list[Piece] = []
+        run: list[tuple[int, int, int]] = []
+        run_bytes = 0
+        for i in range(bucket.start, bucket.stop):
+            if sizes[i] >= SMALL_BYTES:
+                if run:
+                    pieces.append(Piece(run))
+                    run, run_bytes = [], 0
+                pieces += [Piece([(i, lo, min(sizes[i], lo + piece_bytes))]) for lo in range(0, sizes[i], piece_bytes)]
+                continue
+            run.append((i, 0, sizes[i]))
+            run_bytes += align(sizes[i], 8)
+            if run_bytes >= piece_bytes:
+                pieces.append(Piece(run))
+                run, run_bytes = [], 0
+        if run:
+            pieces.append(Piece(run))
+        out.append([p for p in pieces if p.nbytes])
+    return out
+
+
+class _Scratch:
+    """Buffers for packed pieces, one per piece that can be in flight, on the group's device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.bufs: list[torch.Tensor] = []
+        self.turn = 0
+
+    def next(self, nbytes: int) -> torch.Tensor:
+        slot = self.turn % PIPELINE_DEPTH
+        self.turn += 1
+        while len(self.bufs) <= slot:
+            self.bufs.append(torch.empty(0, dtype=torch.uint8, device=self.device))
+        if self.bufs[slot].numel() < nbytes:
+            self.bufs[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self.bufs[slot][:nbytes]
+
+
+def send_buckets(group: WeightGroup, manifest: Manifest, tensors: Sequence[torch.Tensor]) -> int:
+    """Rank 0's side of one bucketed update (checksums already in the manifest); bytes sent.
+
+    Raises `RefusedError` if a replica refused the manifest (nothing sent) or failed a bucket.
+    """
+    if not group.agree(True):
+        raise RefusedError("a replica refused the manifest (its reply says why); no bucket was sent")
+    sources = [as_bytes(t) for t in tensors]
+    scratch = _Scratch(group.device)
+
+    def wire(piece: Piece) -> torch.Tensor:
+        i, lo, hi = piece.spans[0]
+        if not piece.packed and sources[i].device == group.device:
+            return sources[i][lo:hi]  # NOTE: no copy: the broadcast reads the trainer's tensor
+        out, at = scratch.next(piece.nbytes), 0
+        for i, lo, hi in piece.spans:
+            out[at : at + hi - lo].copy_(sources[i][lo:hi])  # NOTE: copy_ moves host bytes to an NCCL device
+            end = at + align(hi - lo, 8) if piece.packed else at + hi - lo
+            out[at + hi - lo : end].zero_()
+            at = end
+        return out
+
+    sent = 0
+    for pieces in plan_pieces(manifest):
+        group.pipeline(wire(p) for p in pieces)
+        sent += sum(p.nbytes for p in pieces)
+    if not group.agree(True):
+        raise RefusedError("a replica failed a bucket (a checksum or a load; its reply says which): no replica "
+                           "committed")
+    return sent
+
+
+def receive_buckets(group: WeightGroup, manifest: Manifest, accepted: bool, buffer: ReceiveBuffer,
+                    load: Callable[[dict[str, torch.Tensor]], None],
+                    direct: Optional[dict[str, torch.Tensor]] = None) -> int:
+    """A replica's side of one bucketed update: each piece lands in `direct[name]` (buffers the
+    engine owns, on the group's device) or else in a bucket buffer; `load` gets each bucket's
+    tensors once its checksum matched. Returns the bytes received; raises the first failure
+    (here or, via `agree`, at another rank), after staying in step with the others to the end."""
+    layout = manifest.layout
+    assert layout is not None
+    if not group.agree(accepted):
+        raise RefusedError("another replica refused the manifest" if accepted else "the manifest was refused")
+    scratch = _Scratch(group.device)
+    failure: Optional[BaseException] = None
+    received = 0
+    for index, (bucket, pieces) in enumerate(zip(layout.buckets, plan_pieces(manifest))):
+        tensors = _landing_tensors(manifest, index, buffer, direct or {})
+        checksum = _receive_bucket(group, pieces, {i: as_bytes(t) for i, t in tensors.items()}, scratch)
+        received += bucket.nbytes
+        if failure is not None:
+            continue  # NOTE: keep receiving, so the others are not left waiting for this rank
+        if checksum != bucket.checksum:
+            failure = ChecksumError(f"bucket {index} of {len(layout.buckets)} ({bucket.nbytes} bytes) arrived with "
+                                    f"checksum {checksum:#x}, the manifest says {bucket.checksum:#x}")
+            continue
+        try:
+            load({manifest.names[i]: t for i, t in tensors.items()})
+        except Exception as exc:  # noqa: BLE001 (reported after the last bucket, in step with the others)
+            failure = exc
+    if not group.agree(failure is None):
+        raise failure or RefusedError("another replica failed a bucket: no replica commits")
+    return received
+
+
+def _landing_tensors(manifest: Manifest, index: int, buffer: ReceiveBuffer,
+                     direct: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Where bucket `index`'s tensors land, by tensor index: the engine's buffer, else a view of
+    the bucket buffer."""
+    layout = manifest.layout
+    bucket = layout.buckets[index]
+    typed, sizes = manifest.torch_dtypes, manifest.tensor_bytes()
+    indices = range(bucket.start, bucket.stop)
+    buf = None if all(manifest.names[i] in direct for i in indices) else buffer.get(bucket.nbytes)
+    out = {}
+    for i in indices:
+        name = manifest.names[i]
+        if name in direct:
+            out[i] = direct[name]
+        else:
+            off = layout.offsets[i]
+            out[i] = buf[off : off + sizes[i]].view(typed[i]).view(manifest.shapes[i])
+    return out
+
+
+def _receive_bucket(group: WeightGroup, pieces: list[Piece], targets: dict[int, torch.Tensor],
+                    scratch: _Scratch) -> int:
+    """Receive one bucket's pieces into `targets` (each tensor's bytes); their checksum."""
+    total = 0
+
+    def landing(piece: Piece) -> torch.Tensor:
+        if piece.packed:
+            return scratch.next(piece.nbytes)
+        i, lo, hi = piece.spans[0]
+        return targets[i][lo:hi]
+
+    def arrived(k: int, data: torch.Tensor) -> None:
+        nonlocal total
+        total += _sum(data)
+        if pieces[k].packed:
+            at = 0
+            for i, lo, hi in pieces[k].spans:
+                targets[i][lo:hi].copy_(data[at : at + hi - lo])
+                at += align(hi - lo, 8)
+
+    group.pipeline((landing(p) for p in pieces), arrived)
+    return total % 2**64
+
+
+def _sum(data: torch.Tensor) -> int:
+    """The checksum of a piece as it arrived (its last word zero-padded)."""
+    if data.device.type == "cpu":
+        return memcopy.word_sum(data.numpy())
+    n = data.numel()
+    full = n - n % 8
+    return (word_sum(data[:full]) + memcopy.word_sum(data[full:].cpu().numpy())) % 2**64
+
+
+def send_tensors(group: WeightGroup, tensors: Sequence[torch.Tensor]) -> int:
+    """SGLang's way: one broadcast per tensor, in order, no checksum; bytes sent."""
+    sent = 0
+    for t in tensors:
+        t = t.detach().to(group.device).contiguous()
+        group.broadcast(t)
+        sent += t.numel() * t.element_size()
+    return sent
+
+
+def receive_tensors(group: WeightGroup, manifest: Manifest,
+                    load: Callable[[dict[str, torch.Tensor]], None]) -> int:
+    """The receiving side of `send_tensors`: each tensor loaded as it arrives; bytes received. A
+    failed load is raised after the last broadcast (the sender knows no other way to stop)."""
+    received, failure = 0, None
+    for name, dtype, shape in zip(manifest.names, manifest.torch_dtypes, manifest.shapes):
+        t = torch.empty(shape, dtype=dtype, device=group.device)
+        group.broadcast(t)
+        received += t.numel() * t.element_size()
+        if failure is None:
+            try:
+                load({name: t})
+            except Exception as exc:  # noqa: BLE001 (raised once the sender is done)
+                failure = exc
+    if failure is not None:
+        raise failure
+    return received
