@@ -13,7 +13,7 @@ import torch
 
 from inference import EngineStateError, Staging
 from tests.weight_sync.local import LocalControl, corrupting_pipeline, engine_of, outputs, tiny_llama
-from weight_sync import SyncError, WeightReceiver, WeightSender, hf_to_megatron
+from weight_sync import SyncError, WeightReceiver, WeightSender, hf_to_megatron, memcopy
 from weight_sync.buckets import manifest_for
 from weight_sync.transports import disk, distributed
 from weight_sync.transports.bucket_broadcast import send_tensors
@@ -221,3 +221,25 @@ def test_bad_calls_are_refused_before_anything_changes(replicas, tmp_path):
     with pytest.raises(EngineStateError, match="init_weights_update_group first"):
         receivers[0].update_from_distributed(DistributedSource(manifest=manifest_for(named)))
     assert engines[0].policy_version == 0 and receivers[0].stats.updates_committed == 0
+
+
+def test_a_shared_memory_piece_that_does_not_match_its_checksum_aborts_everywhere(replicas, new, expected,
+                                                                                tmp_path, monkeypatch):
+    engines, receivers = replicas
+    receivers[1].staging = Staging.IN_PLACE
+    real = memcopy.publish
+
+    def publish(header, slot, checksum, token):  # the sender's sum disagrees with the bytes it copied
+        real(header, slot, checksum ^ 1, token)
+
+    monkeypatch.setattr(memcopy, "publish", publish)
+    with sender_for(receivers, "shm", tmp_path) as sender:
+        with pytest.raises(SyncError, match="checksum") as info:
+            sender.sync(new, version=3)
+        assert all("piece 0" in str(r) for r in info.value.replies)
+        assert [r.stats.updates_aborted for r in receivers] == [1, 1]
+        # nothing was loaded: the double replica and the in-place one both serve their old weights
+        assert all(outputs(e) == expected[0] and e.policy_version == 0 for e in engines)
+        monkeypatch.setattr(memcopy, "publish", real)
+        assert sender.sync(new, version=3) == 3
+    assert all(outputs(e) == expected[1] for e in engines)

@@ -22,6 +22,7 @@ from tests.rollout.service_util import SERVER_ARGS, VOCAB, engine_config, greedy
 from tests.weight_sync.local import corrupting_pipeline
 from weight_sync import SyncError, WeightSender
 from weight_sync.transports import distributed
+from weight_sync.transports.shm import remove_stale_segments
 
 TIMEOUT_S = 3.0
 PROMPTS = random_prompts(4, 3, 9, seed=5)
@@ -151,4 +152,28 @@ def test_a_sender_killed_mid_bucket_leaves_no_replica_on_mixed_weights_nor_block
     with pytest.raises(ProtocolError, match="mixed"):
         remote_outputs(clients[1])  # in place: refuses, with a clear error, until a complete update
     assert sync(clients, hf_weights(dirs[2]), v + 2) == v + 2  # a new trainer regroups and heals both
+    assert [remote_outputs(c) for c in clients] == [expected[2]] * 2
+
+
+def test_a_shared_memory_sender_killed_mid_segment_is_noticed_without_waiting_out_the_timeout(replicas, models):
+    (procs, clients), (dirs, expected) = replicas, models
+    v = max(versions(clients))
+    sync(clients, hf_weights(dirs[1]), v + 1)
+    aborted = [stat(c, "updates_aborted") for c in clients]
+    trainer = subprocess.run(
+        [sys.executable, "-m", "tests.weight_sync.trainer_proc", str(dirs[2]), str(v + 2), *(p.address for p in procs),
+         "--transport", "shm", "--die-in-piece", "1", "--timeout-s", str(TIMEOUT_S)],
+        cwd=ROOT, capture_output=True, text=True, timeout=60)
+    died = time.monotonic()
+    assert trainer.returncode == -9 and "piece 1 of its segment filled" in trainer.stdout, trainer.stderr
+    while [stat(c, "updates_aborted") for c in clients] != [a + 1 for a in aborted]:
+        assert time.monotonic() - died < TIMEOUT_S + 5.0, "a replica waited past its timeout"
+        time.sleep(0.05)
+    assert all("exited before publishing piece 1" in stat(c, "last_error") for c in clients)  # not the timeout
+    assert versions(clients) == [v + 1] * 2
+    assert remote_outputs(clients[0]) == expected[1]  # double: its old weights, whole
+    with pytest.raises(ProtocolError, match="mixed"):
+        remote_outputs(clients[1])  # in place: piece 0's buckets were written, so nothing serves
+    remove_stale_segments()  # what the killed sender left in /dev/shm
+    assert sync(clients, hf_weights(dirs[2]), v + 2, "shm") == v + 2
     assert [remote_outputs(c) for c in clients] == [expected[2]] * 2

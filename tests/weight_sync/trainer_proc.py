@@ -1,10 +1,12 @@
 """A trainer in a process of its own, for the tests that kill one mid-transfer:
 
     python -m tests.weight_sync.trainer_proc WEIGHTS_DIR VERSION ADDRESS... [--die-in-bucket K]
+    python -m tests.weight_sync.trainer_proc WEIGHTS_DIR VERSION ADDRESS... --transport shm [--die-in-piece K]
 
-It syncs the safetensors weights in WEIGHTS_DIR to the replicas at ADDRESS... over gloo. With
-`--die-in-bucket K` it SIGKILLs itself while bucket K is on the wire: its broadcast issued, some
-bytes sent, not complete."""
+It syncs the safetensors weights in WEIGHTS_DIR to the replicas at ADDRESS... over gloo (or shared
+memory). With `--die-in-bucket K` it SIGKILLs itself while bucket K is on the wire: its broadcast
+issued, some bytes sent, not complete. With `--die-in-piece K` (shm) it SIGKILLs itself after
+filling piece K of its segment, before publishing it."""
 
 from __future__ import annotations
 
@@ -22,13 +24,16 @@ def main() -> int:
     parser.add_argument("version", type=int)
     parser.add_argument("addresses", nargs="+")
     parser.add_argument("--die-in-bucket", type=int)
+    parser.add_argument("--transport", default="gloo", choices=["gloo", "shm"])
+    parser.add_argument("--die-in-piece", type=int)
+    parser.add_argument("--piece-bytes", type=int, default=64 * 1024)
     parser.add_argument("--bucket-bytes", type=int, default=32 * 1024)
     parser.add_argument("--timeout-s", type=float, default=3.0)
     args = parser.parse_args()
 
     from inference.models.loading import read_safetensors
     from rollout.client import RolloutClient
-    from weight_sync import WeightSender
+    from weight_sync import WeightSender, memcopy
     from weight_sync.transports import distributed
 
     weights = read_safetensors(Path(args.weights), None)
@@ -46,8 +51,19 @@ def main() -> int:
             return real(self, pieces, on_piece)
 
         distributed.WeightGroup.pipeline = pipeline
+    if args.die_in_piece is not None:
+        publish = memcopy.publish
+
+        def publish_or_die(header, slot, checksum, token):
+            if slot == args.die_in_piece:
+                print(f"trainer: killed with piece {slot} of its segment filled, not published", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            publish(header, slot, checksum, token)
+
+        memcopy.publish = publish_or_die
     clients = [RolloutClient(a, timeout=30) for a in args.addresses]
-    sender = WeightSender(clients, "gloo", timeout_s=args.timeout_s, bucket_bytes=args.bucket_bytes)
+    sender = WeightSender(clients, args.transport, timeout_s=args.timeout_s, bucket_bytes=args.bucket_bytes,
+                          piece_bytes=args.piece_bytes)
     print(f"trainer: synced version {sender.sync(weights, version=args.version)}", flush=True)
     sender.close()
     for c in clients:

@@ -52,9 +52,10 @@ class Piece:
         return sum(align(hi - lo, 8) for _, lo, hi in self.spans)
 
 
-def plan_pieces(manifest: Manifest, piece_bytes: int = PIECE_BYTES) -> list[list[Piece]]:
+def plan_pieces(manifest: Manifest, piece_bytes: Optional[int] = None) -> list[list[Piece]]:
     """Each bucket's pieces, alike on every rank: a tensor of `SMALL_BYTES` or more in slices of
-    at most `piece_bytes`, runs of smaller ones packed up to `piece_bytes`."""
+    at most `piece_bytes` (default `PIECE_BYTES`), runs of smaller ones packed up to it."""
+    piece_bytes = piece_bytes or PIECE_BYTES
     layout = manifest.layout
     assert layout is not None
     sizes = manifest.tensor_bytes()
@@ -81,7 +82,7 @@ def plan_pieces(manifest: Manifest, piece_bytes: int = PIECE_BYTES) -> list[list
     return out
 
 
-class _Scratch:
+class PieceScratch:
     """Buffers for packed pieces, one per piece that can be in flight, on the group's device."""
 
     def __init__(self, device: torch.device) -> None:
@@ -107,28 +108,30 @@ def send_buckets(group: WeightGroup, manifest: Manifest, tensors: Sequence[torch
     if not group.agree(True):
         raise RefusedError("a replica refused the manifest (its reply says why); no bucket was sent")
     sources = [as_bytes(t) for t in tensors]
-    scratch = _Scratch(group.device)
-
-    def wire(piece: Piece) -> torch.Tensor:
-        i, lo, hi = piece.spans[0]
-        if not piece.packed and sources[i].device == group.device:
-            return sources[i][lo:hi]  # NOTE: no copy: the broadcast reads the trainer's tensor
-        out, at = scratch.next(piece.nbytes), 0
-        for i, lo, hi in piece.spans:
-            out[at : at + hi - lo].copy_(sources[i][lo:hi])  # NOTE: copy_ moves host bytes to an NCCL device
-            end = at + align(hi - lo, 8) if piece.packed else at + hi - lo
-            out[at + hi - lo : end].zero_()
-            at = end
-        return out
-
+    scratch = PieceScratch(group.device)
     sent = 0
     for pieces in plan_pieces(manifest):
-        group.pipeline(wire(p) for p in pieces)
+        group.pipeline(wire_bytes(p, sources, scratch) for p in pieces)
         sent += sum(p.nbytes for p in pieces)
     if not group.agree(True):
         raise RefusedError("a replica failed a bucket (a checksum or a load; its reply says which): no replica "
                            "committed")
     return sent
+
+
+def wire_bytes(piece: Piece, sources: Sequence[torch.Tensor], scratch: PieceScratch) -> torch.Tensor:
+    """What rank 0 broadcasts for `piece` (`sources`: each tensor's bytes): a slice of the
+    tensor itself when it lies whole on the group's device, else a packed scratch buffer."""
+    i, lo, hi = piece.spans[0]
+    if not piece.packed and sources[i].device == scratch.device:
+        return sources[i][lo:hi]  # NOTE: no copy: the broadcast reads the trainer's tensor
+    out, at = scratch.next(piece.nbytes), 0
+    for i, lo, hi in piece.spans:
+        out[at : at + hi - lo].copy_(sources[i][lo:hi])  # NOTE: copy_ moves host bytes to an NCCL device
+        end = at + align(hi - lo, 8) if piece.packed else at + hi - lo
+        out[at + hi - lo : end].zero_()
+        at = end
+    return out
 
 
 def receive_buckets(group: WeightGroup, manifest: Manifest, accepted: bool, buffer: ReceiveBuffer,
@@ -142,7 +145,7 @@ def receive_buckets(group: WeightGroup, manifest: Manifest, accepted: bool, buff
     assert layout is not None
     if not group.agree(accepted):
         raise RefusedError("another replica refused the manifest" if accepted else "the manifest was refused")
-    scratch = _Scratch(group.device)
+    scratch = PieceScratch(group.device)
     failure: Optional[BaseException] = None
     received = 0
     for index, (bucket, pieces) in enumerate(zip(layout.buckets, plan_pieces(manifest))):
@@ -185,7 +188,7 @@ def _landing_tensors(manifest: Manifest, index: int, buffer: ReceiveBuffer,
 
 
 def _receive_bucket(group: WeightGroup, pieces: list[Piece], targets: dict[int, torch.Tensor],
-                    scratch: _Scratch) -> int:
+                    scratch: PieceScratch) -> int:
     """Receive one bucket's pieces into `targets` (each tensor's bytes); their checksum."""
     total = 0
 
@@ -197,7 +200,7 @@ def _receive_bucket(group: WeightGroup, pieces: list[Piece], targets: dict[int, 
 
     def arrived(k: int, data: torch.Tensor) -> None:
         nonlocal total
-        total += _sum(data)
+        total += piece_checksum(data)
         if pieces[k].packed:
             at = 0
             for i, lo, hi in pieces[k].spans:
@@ -208,7 +211,7 @@ def _receive_bucket(group: WeightGroup, pieces: list[Piece], targets: dict[int, 
     return total % 2**64
 
 
-def _sum(data: torch.Tensor) -> int:
+def piece_checksum(data: torch.Tensor) -> int:
     """The checksum of a piece as it arrived (its last word zero-padded)."""
     if data.device.type == "cpu":
         return memcopy.word_sum(data.numpy())

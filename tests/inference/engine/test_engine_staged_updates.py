@@ -174,3 +174,46 @@ def test_retained_staging_buffers_are_reused_and_freed_by_suspend(old, new, fres
         engine.load_weights(bucket)
     engine.commit_update()
     assert engine.stats()["weights_spare_bytes"] == 0 and outputs(engine) == fresh_new_outputs
+
+
+def test_staging_buffers_written_in_place_are_adopted_without_a_copy(old, new, fresh_new_outputs):
+    """A transport writes a double update straight into the buffers the engine hands out; loading
+    those very tensors adopts them (the live weights become them), other tensors are copied."""
+    engine = DynamicInferenceEngine.from_pretrained(old, config())
+    old_outputs = outputs(engine)
+    named = dict((n, p.detach()) for n, p in new.named_parameters())
+    engine.begin_update(staging=Staging.DOUBLE, retain_staging=True)
+    handed = engine.staging_buffers(list(named)[:4])
+    assert all(engine.staging_buffers([n])[n] is handed[n] for n in list(named)[:2])  # the same buffers again
+    for name, buf in handed.items():
+        buf.copy_(named[name])
+    engine.load_weights(handed)
+    engine.load_weights({n: t for n, t in named.items() if n not in handed})
+    assert outputs(engine) == old_outputs  # double: nothing changed before the commit
+    engine.commit_update()
+    live = engine.model.named_tensors()
+    assert all(live[n].data_ptr() == buf.data_ptr() for n, buf in handed.items())  # adopted, not copied
+    assert outputs(engine) == fresh_new_outputs
+    # the next update is handed the weights this commit replaced (warm spares), not new memory
+    spare_ptrs = engine.core.weights._spare
+    spare_ptrs = {n: t.data_ptr() for n, t in spare_ptrs.items()}
+    engine.begin_update(staging=Staging.DOUBLE, retain_staging=True)
+    again = engine.staging_buffers(list(named))
+    assert {n: t.data_ptr() for n, t in again.items()} == spare_ptrs
+    engine.abort_update()  # handed out, never loaded: back to the spares
+    assert outputs(engine) == fresh_new_outputs and engine.policy_version == 1
+    assert engine.stats()["weights_spare_bytes"] == sum(t.numel() * t.element_size() for t in live.values())
+
+
+def test_staging_buffers_are_refused_where_a_transport_cannot_write_them(old):
+    engine = DynamicInferenceEngine.from_pretrained(old, config())
+    with pytest.raises(EngineStateError, match="double-staged"):
+        engine.staging_buffers(["model.norm.weight"])  # no update open
+    engine.begin_update(staging=Staging.IN_PLACE)
+    with pytest.raises(EngineStateError, match="double-staged"):
+        engine.staging_buffers(["model.norm.weight"])  # in place: load() writes the live weights
+    engine.abort_update()
+    engine.begin_update(staging=Staging.DOUBLE)
+    with pytest.raises(WeightNameError, match="not tensors of this model"):
+        engine.staging_buffers(["decoder.layers.0.self_attention.linear_qkv.weight"])  # another layout: load() converts
+    engine.abort_update()
