@@ -15,9 +15,13 @@ buffer: the steady state is what an RL loop pays each step), then `--repeats` ti
   broadcast over loopback TCP; `disk`: a safetensors directory under --disk-dir;
 * `tensor-by-tensor`: one control call and one gloo broadcast per tensor, no buckets, no
   checksum: what several RL frameworks still do, printed for contrast;
+* `gloo-bare`: not a sync but the transport's ceiling: the model's bytes, already flat, broadcast
+  over gloo in the same pieces to R bare processes that do nothing else (no manifest, checksum,
+  staging or commit), so the `gloo` row can be read against what loopback TCP allows here;
 * `raw copy`: every weight tensor `copy_`'d into one flat buffer of the model's bytes (warm) in
   this process (on the device with `--device cuda`): the ceiling a copy-based transport is
-  measured against.
+  measured against. The summary also prints the streaming copy+checksum kernel the transports
+  use (`weight_sync.memcopy`) on the same bytes, as a second, faster reference.
 
 GB/s is model bytes / seconds until every replica committed; `xraw` is the raw copy's time over
 the sync's (1.0 = as fast as one in-process copy of the model). A raw copy runs right before
@@ -54,7 +58,7 @@ SIZES = {  # name -> (hidden, layers, intermediate, vocab): Llama shapes of ~10M
     "1B": (2048, 20, 5632, 32000),
 }
 DEFAULT_DTYPES = {"10M": "float32", "100M": "float32", "1B": "bfloat16"}
-TRANSPORTS = ("shm", "gloo", "disk", "tensor-by-tensor")
+TRANSPORTS = ("shm", "gloo", "gloo-bare", "disk", "tensor-by-tensor")
 
 
 def spec_for(name: str, dtype: torch.dtype) -> ModelSpec:
@@ -144,6 +148,76 @@ def time_syncs(sender, weights, raw_copy: RawCopy, repeats: int, first_version: 
                 xraw=statistics.median(r / s for r, s in zip(raws, syncs)))
 
 
+def _bare_receiver(rank: int, world: int, port: int, nbytes: int, syncs: int) -> None:
+    from weight_sync.transports.bucket_broadcast import PIECE_BYTES
+    from weight_sync.transports.distributed import WeightGroup
+
+    torch.set_num_threads(1)
+    group = WeightGroup.join("127.0.0.1", port, world_size=world, rank=rank, timeout_s=600)
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    for _ in range(syncs):
+        group.pipeline(buf[lo : lo + PIECE_BYTES] for lo in range(0, nbytes, PIECE_BYTES))
+        group.agree(True)
+    group.close()
+
+
+def time_bare_broadcast(raw_copy: RawCopy, replicas: int, repeats: int) -> dict[str, float]:
+    """`gloo-bare` (see module docstring): the model's flat bytes to `replicas` bare processes."""
+    import multiprocessing
+
+    from weight_sync.transports.bucket_broadcast import PIECE_BYTES
+    from weight_sync.transports.distributed import WeightGroup
+
+    buf = raw_copy.dst.cpu()
+    nbytes = buf.numel()
+    group = WeightGroup.host("127.0.0.1", 0, world_size=1 + replicas, timeout_s=600)
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_bare_receiver, args=(r, 1 + replicas, group.port, nbytes, 1 + repeats), daemon=True)
+             for r in range(1, 1 + replicas)]
+    for p in procs:
+        p.start()
+
+    def broadcast() -> None:
+        group.pipeline(buf[lo : lo + PIECE_BYTES] for lo in range(0, nbytes, PIECE_BYTES))
+        group.agree(True)
+
+    try:
+        group.connect()
+        start = time.perf_counter()
+        broadcast()
+        first = time.perf_counter() - start
+        raws, syncs = [], []
+        for _ in range(repeats):
+            raws.append(raw_copy())
+            start = time.perf_counter()
+            broadcast()
+            syncs.append(time.perf_counter() - start)
+    finally:
+        group.close()
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    return dict(first=first, seconds=statistics.median(syncs), raw=statistics.median(raws),
+                xraw=statistics.median(r / s for r, s in zip(raws, syncs)))
+
+
+def streaming_copy_seconds(weights: dict[str, torch.Tensor], repeats: int) -> float:
+    """The transports' copy+checksum kernel over the model's bytes into a warm flat buffer."""
+    from weight_sync import memcopy
+
+    sources = [t.reshape(-1).view(torch.uint8).numpy() for t in weights.values()]
+    dst = torch.zeros(sum(s.size for s in sources), dtype=torch.uint8).numpy()
+    times = []
+    for _ in range(repeats + 1):
+        start, offset = time.perf_counter(), 0
+        for src in sources:
+            memcopy.copy_sum(dst[offset : offset + src.size], src)
+            offset += src.size
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
 def bench_size(size: str, dtype_name: str, args) -> list[dict]:
     from rollout import RolloutClient, ServerProcess
     from weight_sync import WeightSender
@@ -163,11 +237,22 @@ def bench_size(size: str, dtype_name: str, args) -> list[dict]:
     try:
         clients = [RolloutClient(p.address, timeout=900) for p in procs]
         raw_copy = RawCopy(weights, args.device)
+        stream = streaming_copy_seconds(weights, args.repeats) if args.device == "cpu" else float("nan")
         print(f"{size}: {params / 1e6:.0f}M parameters, {nbytes / 2**30:.2f} GiB; trainer on {args.device}, replicas "
               f"on {', '.join(devices)}; {machine_line()}", flush=True)
+        torch_copy = statistics.median(raw_copy() for _ in range(args.repeats))
+        print(f"{size}: in-process copies of the model's bytes: torch copy_ {torch_copy * 1e3:.0f} ms (the raw-copy "
+              f"baseline), streaming copy+checksum kernel {stream * 1e3:.0f} ms", flush=True)
         for replicas in args.replicas:
             for transport in args.transports:
                 if transport == "tensor-by-tensor" and size == "1B" and not args.slow_contrast:
+                    continue
+                if transport == "gloo-bare":
+                    if args.device != "cpu":
+                        continue
+                    load = load_average()
+                    timed = time_bare_broadcast(raw_copy, replicas, args.repeats)
+                    rows.append(report(size, replicas, transport, timed, nbytes, dtype_name, load))
                     continue
                 if transport == "nccl" and args.device in devices[:replicas]:
                     print(f"{size:>5} R={replicas} {transport:>16}: skipped (NCCL needs the replicas on other GPUs "
@@ -186,22 +271,26 @@ def bench_size(size: str, dtype_name: str, args) -> list[dict]:
                 finally:
                     if "directory" in kwargs:
                         shutil.rmtree(kwargs["directory"], ignore_errors=True)
-                seconds, raw = timed["seconds"], timed["raw"]
-                row = dict(size=size, replicas=replicas, transport=transport, **timed, gbps=nbytes / seconds / 1e9,
-                           deliv=replicas * nbytes / seconds / 1e9, load=load)
-                rows.append(row)
-                key = f"[{size},R{replicas},{transport}]"  # NOTE: compare_commits merges every RESULT line's figures
-                print_result("weight_sync", {f"gbps{key}": row["gbps"], f"xraw{key}": row["xraw"]},
-                             dtype=dtype_name, raw_copy_s=raw, load=load)
-                print(f"{size:>5} R={replicas} {transport:>16} {seconds * 1e3:>9.0f} ms  {row['gbps']:>6.2f} GB/s  "
-                      f"xraw {row['xraw']:>5.2f} (raw copy {raw * 1e3:.0f} ms)  deliv {row['deliv']:>6.2f} GB/s  "
-                      f"(first sync {timed['first'] * 1e3:.0f} ms, load {load:.1f})", flush=True)
+                rows.append(report(size, replicas, transport, timed, nbytes, dtype_name, load))
         for c in clients:
             c.close()
     finally:
         for p in procs:
             p.stop()
     return rows
+
+
+def report(size: str, replicas: int, transport: str, timed: dict, nbytes: int, dtype_name: str, load: float) -> dict:
+    seconds, raw = timed["seconds"], timed["raw"]
+    row = dict(size=size, replicas=replicas, transport=transport, **timed, gbps=nbytes / seconds / 1e9,
+               deliv=replicas * nbytes / seconds / 1e9, load=load)
+    key = f"[{size},R{replicas},{transport}]"  # NOTE: compare_commits merges every RESULT line's figures
+    print_result("weight_sync", {f"gbps{key}": row["gbps"], f"xraw{key}": row["xraw"]},
+                 dtype=dtype_name, raw_copy_s=raw, load=load)
+    print(f"{size:>5} R={replicas} {transport:>16} {seconds * 1e3:>9.0f} ms  {row['gbps']:>6.2f} GB/s  "
+          f"xraw {row['xraw']:>5.2f} (raw copy {raw * 1e3:.0f} ms)  deliv {row['deliv']:>6.2f} GB/s  "
+          f"(first sync {timed['first'] * 1e3:.0f} ms, load {load:.1f})", flush=True)
+    return row
 
 
 def replica_devices(device: str, count: int) -> list[str]:

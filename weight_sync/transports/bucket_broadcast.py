@@ -28,8 +28,8 @@ from weight_sync.buckets import as_bytes, word_sum
 from weight_sync.manifest import ChecksumError, Manifest, align
 from weight_sync.transports.distributed import PIPELINE_DEPTH, ReceiveBuffer, RefusedError, WeightGroup
 
-PIECE_BYTES = 16 * 2**20  # a broadcast: large enough to amortise its latency, small enough to sum in cache
-SMALL_BYTES = 2**20  # tensors below this travel packed together
+PIECE_BYTES = 32 * 2**20  # a broadcast: few of them (each has a fixed cost), the next one summed while one flies
+SMALL_BYTES = 4 * 2**20  # tensors below this travel packed together (a broadcast costs ~1 ms more than its bytes)
 
 
 @dataclass(slots=True)
