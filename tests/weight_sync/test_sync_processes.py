@@ -126,17 +126,24 @@ def test_a_corrupted_bucket_aborts_the_update_on_both_replicas(replicas, models,
     assert [remote_outputs(c) for c in clients] == [expected[2]] * 2
 
 
-def test_a_sender_killed_mid_bucket_leaves_no_replica_on_mixed_weights_nor_blocked(replicas, models):
-    (procs, clients), (dirs, expected) = replicas, models
+def kill_a_trainer_mid_update(procs, clients, dirs, says: str, *how: str):
+    """Sync seed 1, then run a trainer process that syncs seed 2 and kills itself midway (`how`);
+    (the version before, each replica's aborted count before, when the trainer died)."""
     v = max(versions(clients))
     sync(clients, hf_weights(dirs[1]), v + 1)
     aborted = [stat(c, "updates_aborted") for c in clients]
     trainer = subprocess.run(
         [sys.executable, "-m", "tests.weight_sync.trainer_proc", str(dirs[2]), str(v + 2), *(p.address for p in procs),
-         "--die-in-bucket", "2", "--timeout-s", str(TIMEOUT_S)],
-        cwd=ROOT, capture_output=True, text=True, timeout=60)
+         *how, "--timeout-s", str(TIMEOUT_S)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     died = time.monotonic()
-    assert trainer.returncode == -9 and "killed while bucket 2 is on the wire" in trainer.stdout, trainer.stderr
+    assert trainer.returncode == -9 and says in trainer.stdout, trainer.stderr
+    return v, aborted, died
+
+
+def test_a_sender_killed_mid_bucket_leaves_no_replica_on_mixed_weights_nor_blocked(replicas, models):
+    (procs, clients), (dirs, expected) = replicas, models
+    v, aborted, died = kill_a_trainer_mid_update(procs, clients, dirs, "killed while bucket 2 is on the wire",
+                                                 "--die-in-bucket", "2")
     health = [c.health(timeout=2.0) for c in clients]  # answered at once meanwhile: no lane is stuck
     assert all(h.healthy for h in health)
     while [stat(c, "updates_aborted") for c in clients] == aborted:
@@ -157,15 +164,8 @@ def test_a_sender_killed_mid_bucket_leaves_no_replica_on_mixed_weights_nor_block
 
 def test_a_shared_memory_sender_killed_mid_segment_is_noticed_without_waiting_out_the_timeout(replicas, models):
     (procs, clients), (dirs, expected) = replicas, models
-    v = max(versions(clients))
-    sync(clients, hf_weights(dirs[1]), v + 1)
-    aborted = [stat(c, "updates_aborted") for c in clients]
-    trainer = subprocess.run(
-        [sys.executable, "-m", "tests.weight_sync.trainer_proc", str(dirs[2]), str(v + 2), *(p.address for p in procs),
-         "--transport", "shm", "--die-in-piece", "1", "--timeout-s", str(TIMEOUT_S)],
-        cwd=ROOT, capture_output=True, text=True, timeout=60)
-    died = time.monotonic()
-    assert trainer.returncode == -9 and "piece 1 of its segment filled" in trainer.stdout, trainer.stderr
+    v, aborted, died = kill_a_trainer_mid_update(procs, clients, dirs, "piece 1 of its segment filled",
+                                                 "--transport", "shm", "--die-in-piece", "1")
     while [stat(c, "updates_aborted") for c in clients] != [a + 1 for a in aborted]:
         assert time.monotonic() - died < TIMEOUT_S + 5.0, "a replica waited past its timeout"
         time.sleep(0.05)
