@@ -217,7 +217,10 @@ def piece_checksum(data: torch.Tensor) -> int:
         return memcopy.word_sum(data.numpy())
     n = data.numel()
     full = n - n % 8
-    return (word_sum(data[:full]) + memcopy.word_sum(data[full:].cpu().numpy())) % 2**64
+    words = data[:full]
+    if words.storage_offset() % 8:
+        words = words.clone()  # NOTE: a slice of a tensor that starts off a word: viewing it as int64 is refused
+    return (word_sum(words) + memcopy.word_sum(data[full:].cpu().numpy())) % 2**64
 
 
 def send_tensors(group: WeightGroup, tensors: Sequence[torch.Tensor]) -> int:
