@@ -19,9 +19,10 @@ buffer: the steady state is what an RL loop pays each step), then `--repeats` ti
   over gloo in the same pieces to R bare processes that do nothing else (no manifest, checksum,
   staging or commit), so the `gloo` row can be read against what loopback TCP allows here;
 * `raw copy`: every weight tensor `copy_`'d into one flat buffer of the model's bytes (warm) in
-  this process (on the device with `--device cuda`): the ceiling a copy-based transport is
-  measured against. The summary also prints the streaming copy+checksum kernel the transports
-  use (`weight_sync.memcopy`) on the same bytes, as a second, faster reference.
+  this process (on the device with `--device cuda`), what a user writes: the baseline every
+  transport is measured against. The header also prints the streaming copy+checksum kernel the
+  transports use (`weight_sync.memcopy`) on the same bytes, a faster reference (shm can beat a
+  `copy_` with one replica: its trainer and replica each stream the bytes once, overlapped).
 
 GB/s is model bytes / seconds until every replica committed; `xraw` is the raw copy's time over
 the sync's (1.0 = as fast as one in-process copy of the model). A raw copy runs right before
