@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
+from weight_sync import memcopy
 from weight_sync.manifest import ALIGN, Bucket, Layout, Manifest, align, dtype_name, tensor_nbytes
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
@@ -26,12 +26,16 @@ _MASK = 2**64 - 1
 
 
 def word_sum(buf: torch.Tensor) -> int:
-    """Sum mod 2**64 of a flat uint8 buffer (length a multiple of 8) as little-endian 64-bit words."""
-    if buf.numel() == 0:
-        return 0
+    """Sum mod 2**64 of a flat uint8 buffer as little-endian 64-bit words, the last one zero-padded."""
     if buf.device.type == "cpu":
-        return int(np.add.reduce(buf.numpy().view("<u8"), dtype=np.uint64))
-    return int(buf.view(torch.int64).sum().item()) & _MASK
+        return memcopy.word_sum(buf.numpy())
+    n = buf.numel()
+    full = n - n % 8
+    words = buf[:full]
+    if words.storage_offset() % 8:
+        words = words.clone()  # NOTE: a slice that starts off a word: viewing it as int64 is refused
+    total = int(words.view(torch.int64).sum().item()) if full else 0
+    return (total + memcopy.word_sum(buf[full:].cpu().numpy())) & _MASK
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -44,14 +48,7 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def tensor_checksum(t: torch.Tensor) -> int:
     """The tensor's share of a bucket checksum: its bytes as words, the last one zero-padded."""
-    b = as_bytes(t)
-    n = b.numel()
-    full = n - n % 8
-    total = word_sum(b[:full])
-    if n % 8:
-        tail = bytes(b[full:].cpu().numpy().tobytes()) + b"\0" * (8 - n % 8)
-        total += int.from_bytes(tail, "little")
-    return total & _MASK
+    return word_sum(as_bytes(t))
 
 
 def bucket_checksum(buf: torch.Tensor, bucket: Bucket) -> int:

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 from tests.weight_sync.local import LocalControl, engine_of, outputs, tiny_llama
 from weight_sync import WeightReceiver, WeightSender, memcopy
-from weight_sync.buckets import as_bytes, fill_checksums, manifest_for
+from weight_sync.buckets import as_bytes, fill_checksums, manifest_for, word_sum
 from weight_sync.transports import bucket_broadcast
-from weight_sync.transports.bucket_broadcast import PieceScratch, piece_checksum, plan_pieces, wire_bytes
+from weight_sync.transports.bucket_broadcast import PieceScratch, plan_pieces, wire_bytes
 from weight_sync.transports.shm import MIN_PIECE_BYTES, SegmentPlan
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -105,7 +105,7 @@ def check_broadcast_pieces(sizes, bucket_kib, small, piece):
                 assert hi - lo <= piece or (lo == 0 and hi == nbytes[i] < small)
             data = wire_bytes(p, sources, scratch)
             assert data.numel() == p.nbytes
-            total += piece_checksum(data)
+            total += word_sum(data)
             seen += [(i, lo, hi) for i, lo, hi in p.spans]
         assert total % 2**64 == bucket.checksum
         for i in range(bucket.start, bucket.stop):

@@ -23,7 +23,6 @@ from typing import Optional
 
 import torch
 
-from weight_sync import memcopy
 from weight_sync.buckets import as_bytes, word_sum
 from weight_sync.manifest import ChecksumError, Manifest, align
 from weight_sync.transports.distributed import PIPELINE_DEPTH, ReceiveBuffer, RefusedError, WeightGroup
@@ -200,7 +199,7 @@ def _receive_bucket(group: WeightGroup, pieces: list[Piece], targets: dict[int, 
 
     def arrived(k: int, data: torch.Tensor) -> None:
         nonlocal total
-        total += piece_checksum(data)
+        total += word_sum(data)
         if pieces[k].packed:
             at = 0
             for i, lo, hi in pieces[k].spans:
@@ -209,18 +208,6 @@ def _receive_bucket(group: WeightGroup, pieces: list[Piece], targets: dict[int, 
 
     group.pipeline((landing(p) for p in pieces), arrived)
     return total % 2**64
-
-
-def piece_checksum(data: torch.Tensor) -> int:
-    """The checksum of a piece as it arrived (its last word zero-padded)."""
-    if data.device.type == "cpu":
-        return memcopy.word_sum(data.numpy())
-    n = data.numel()
-    full = n - n % 8
-    words = data[:full]
-    if words.storage_offset() % 8:
-        words = words.clone()  # NOTE: a slice of a tensor that starts off a word: viewing it as int64 is refused
-    return (word_sum(words) + memcopy.word_sum(data[full:].cpu().numpy())) % 2**64
 
 
 def send_tensors(group: WeightGroup, tensors: Sequence[torch.Tensor]) -> int:
