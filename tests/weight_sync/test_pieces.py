@@ -8,6 +8,7 @@ pieces small enough that tensors are sliced and land straight in the engines' st
 
 from __future__ import annotations
 
+import threading
 from unittest import mock
 
 import numpy as np
@@ -21,6 +22,7 @@ from weight_sync import WeightReceiver, WeightSender, memcopy
 from weight_sync.buckets import as_bytes, fill_checksums, manifest_for, word_sum
 from weight_sync.transports import bucket_broadcast
 from weight_sync.transports.bucket_broadcast import PieceScratch, plan_pieces, wire_bytes
+from weight_sync.transports.distributed import WeightGroup
 from weight_sync.transports.shm import MIN_PIECE_BYTES, SegmentPlan
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -164,3 +166,35 @@ def test_a_replica_keeps_its_mapping_while_the_sender_keeps_the_segment(engines,
         r._mappings._check()
     assert [r._mappings.mapped for r in receivers] == [None, None]
     assert all(outputs(e) == outputs(engine_of(models[0])) for e in engines)
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+def test_a_pipeline_delivers_every_piece_whole_to_every_replica(replicas):
+    """Broadcast (1 replica) or spread (several: each replica passes its part on), down to pieces
+    of one byte, which leave some replicas no part to pass on."""
+    sizes = [1, 2, 3, 7, 8, 1000, 4097, 70_001]
+    rng = np.random.default_rng(replicas)
+    sent = [torch.from_numpy(rng.integers(0, 256, n, dtype=np.uint8)) for n in sizes]
+    group = WeightGroup.host(world_size=1 + replicas, timeout_s=10.0)
+    received, joined = {}, []
+
+    def replica(rank):
+        member = WeightGroup.join("127.0.0.1", group.port, world_size=1 + replicas, rank=rank, timeout_s=10.0)
+        joined.append(member)
+        got = []
+        member.pipeline((torch.zeros(n, dtype=torch.uint8) for n in sizes), lambda k, piece: got.append(piece))
+        received[rank] = got
+
+    threads = [threading.Thread(target=replica, args=(r,)) for r in range(1, 1 + replicas)]
+    for t in threads:
+        t.start()
+    group.connect()
+    try:
+        group.pipeline(iter(sent))
+        for t in threads:
+            t.join(timeout=20)
+        assert sorted(received) == list(range(1, 1 + replicas))
+        assert all(torch.equal(a, b) for got in received.values() for a, b in zip(got, sent, strict=True))
+    finally:
+        for member in [group, *joined]:
+            member.close()
