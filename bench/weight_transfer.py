@@ -18,8 +18,7 @@ buffer: the steady state is what an RL loop pays each step), then `--repeats` ti
 * `bare-broadcast`: not a sync but its peer at best: the model's bytes, already flat, through
   gloo's own broadcast collective in 32 MiB pieces, 2 in flight, to R bare processes that do
   nothing else (no manifest, checksum, staging or commit): what a framework's bucketed
-  `dist.broadcast` costs before any of its own work. (Our `gloo` sync spreads each piece instead
-  when R > 1: the trainer sends each byte once and the replicas pass parts on to each other.);
+  `dist.broadcast` costs before any of its own work;
 * `raw copy`: every weight tensor `copy_`'d into one flat buffer of the model's bytes (warm) in
   this process (on the device with `--device cuda`), what a user writes: the baseline every
   transport is measured against. The header also prints the streaming copy+checksum kernel the

@@ -170,8 +170,7 @@ def test_a_replica_keeps_its_mapping_while_the_sender_keeps_the_segment(engines,
 
 @pytest.mark.parametrize("replicas", [1, 2, 3])
 def test_a_pipeline_delivers_every_piece_whole_to_every_replica(replicas):
-    """Broadcast (1 replica) or spread (several: each replica passes its part on), down to pieces
-    of one byte, which leave some replicas no part to pass on."""
+    """Pieces of any size, down to one byte, reach every replica whole and in order."""
     sizes = [1, 2, 3, 7, 8, 1000, 4097, 70_001]
     rng = np.random.default_rng(replicas)
     sent = [torch.from_numpy(rng.integers(0, 256, n, dtype=np.uint8)) for n in sizes]

@@ -163,49 +163,20 @@ class WeightGroup:
                  on_piece: Optional[Callable[[int, torch.Tensor], None]] = None) -> None:
         """Broadcast each of `pieces` (flat uint8 tensors, drawn one at a time) from rank 0,
         `PIPELINE_DEPTH` in flight; `on_piece(k, piece)` in order once piece `k` is complete (a
-        receiver sums it while the next ones arrive). Over gloo with several replicas each piece
-        is spread (`_spread`), else broadcast."""
-        start = self._spread if self.backend == "gloo" and self.world_size > 2 else self._broadcast
-        pending: list[tuple[list[Any], int, torch.Tensor]] = []
+        receiver sums it while the next ones arrive)."""
+        pending: list[tuple[Any, int, torch.Tensor]] = []
         for k, piece in enumerate(pieces):
-            pending.append((start(piece, k), k, piece))
+            pending.append((self.broadcast_async(piece), k, piece))
             if len(pending) == PIPELINE_DEPTH:
                 self._finish(pending.pop(0), on_piece)
         while pending:
             self._finish(pending.pop(0), on_piece)
 
     def _finish(self, item, on_piece) -> None:
-        works, k, piece = item
-        for work in works:
-            self._wait(work, "a bucket broadcast")
+        work, k, piece = item
+        self._wait(work, "a bucket broadcast")
         if on_piece is not None:
             on_piece(k, piece)
-
-    def _broadcast(self, piece: torch.Tensor, k: int) -> list[Any]:
-        return [self.broadcast_async(piece)]
-
-    def _spread(self, piece: torch.Tensor, k: int) -> list[Any]:
-        """One piece to every replica as a scatter then an all-gather: rank 0 sends part j of it to
-        replica j only, and each replica forwards its part to the others, so the trainer sends
-        each byte once, not once per replica. (gloo's broadcast has rank 0 send the whole piece to
-        every replica: with 2 replicas its core was the bottleneck, 290-375 ms of CPU per 400 MB
-        against ~80 ms for each receiver, and the spread took 0.55-0.7x its time.) The works to
-        wait for; a replica has waited for its own part already, to forward it."""
-        self._check()
-        replicas = self.world_size - 1
-        size = -(-piece.numel() // replicas)
-        parts = [(j * size, min(piece.numel(), (j + 1) * size)) for j in range(replicas)]
-        scatter, gather = 2 * k, 2 * k + 1  # NOTE: tags; a pipeline's works all end before the next one's
-        if self.rank == 0:
-            return [self.pg.send([piece[lo:hi]], j + 1, scatter) for j, (lo, hi) in enumerate(parts) if hi > lo]
-        lo, hi = parts[self.rank - 1]
-        others = [j + 1 for j in range(replicas) if j + 1 != self.rank]
-        works = [self.pg.recv([piece[parts[r - 1][0] : parts[r - 1][1]]], r, gather) for r in others
-                 if parts[r - 1][1] > parts[r - 1][0]]
-        if hi > lo:
-            self._wait(self.pg.recv([piece[lo:hi]], 0, scatter), "a bucket broadcast")
-            works += [self.pg.send([piece[lo:hi]], r, gather) for r in others]
-        return works
 
     def close(self) -> None:
         pg, self.pg = self.pg, None
