@@ -3,8 +3,10 @@
 Every update goes the same way: the manifest is checked against the engine's model before a byte
 is accepted (a manifest for another model is refused then); a staged update opens
 (`begin_update`, `double` staging by default: the old weights serve until the commit); each bucket
-is checked against its checksum and handed to `load_weights`, which copies it into memory the
-engine owns; the version changes only at `commit_update`. Any failure (a checksum, a missing
+is checked against its checksum and handed to `load_weights`: the bytes either arrived straight in
+buffers the engine handed out for the update (`staging_buffers`: gloo, NCCL and shm into a double
+update the engine can take as named), which it adopts, or it copies them into memory it owns; the
+version changes only at `commit_update`. Any failure (a checksum, a missing
 bucket, a dead sender, a timeout) aborts: `double` leaves the old weights serving, `in_place`
 refuses to generate, with a clear error, until the next complete update. Nothing waits past the
 update's timeout.
