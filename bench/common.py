@@ -115,3 +115,13 @@ class Stopwatch:
         for name in self.seconds:
             self.seconds[name] = 0.0
         return out
+
+
+def llama_spec(hidden: int, layers: int, intermediate: int, vocab: int, dtype: torch.dtype):
+    """A Llama `ModelSpec` of these sizes (64-dim heads, a KV head per 4 query heads), for random
+    `DenseDecoder`s that need no HF module (a 1B HF init alone takes minutes on 2 cores)."""
+    from inference.models.spec import ModelFamily, ModelSpec
+
+    return ModelSpec(family=ModelFamily.LLAMA, vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                     num_layers=layers, num_heads=hidden // 64, num_kv_heads=max(1, hidden // 256), head_dim=64,
+                     dtype=dtype)

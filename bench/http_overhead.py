@@ -33,7 +33,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # NOTE: before torch loads 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.chdir(Path(__file__).resolve().parents[1])
 
-import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
@@ -42,9 +41,21 @@ import time  # noqa: E402
 
 import httpx  # noqa: E402
 import torch  # noqa: E402
-from common import load_average, machine_line, median, print_result  # noqa: E402
+from common import machine_line, print_result  # noqa: E402
 from rollout_workload import FIRST_TOKEN, Budget, Workload, make_workload  # noqa: E402
-from service_overhead import engine_config, pct, run_local, run_remote, samples, server_args, warm  # noqa: E402
+from service_overhead import (  # noqa: E402
+    engine_config,
+    interleaved_throughput,
+    latencies,
+    overhead_parser,
+    pct,
+    run_local,
+    run_remote,
+    run_shape,
+    samples,
+    server_args,
+    warm,
+)
 
 from inference import SamplingParams  # noqa: E402
 from rollout import RolloutClient, RolloutEngine, ServerProcess  # noqa: E402
@@ -169,34 +180,9 @@ def raw_latencies(url: str, concurrency: int, rounds: int, prompt_len: int, toke
     return asyncio.run(go())
 
 
-def latencies(backend, concurrency: int, rounds: int, prompt_len: int, tokens: int) -> list[float]:
-    sampling = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    out = []
-    for r in range(rounds):
-        prompts = [[FIRST_TOKEN + (r * concurrency + i) % 1000] * prompt_len for i in range(concurrency)]
-        start = time.perf_counter()
-        for _ in backend.stream(prompts, 1, sampling):
-            out.append(time.perf_counter() - start)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, help="prompts (default 64; --quick 8)")
-    parser.add_argument("--n", type=int, help="samples per prompt (default 8; --quick 4)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 8 prompts x n=4, outputs 8-32")
-    parser.add_argument("--repeats", type=int, default=2, help="throughput runs per side, interleaved")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads, both sides")
-    parser.add_argument("--latency-rounds", type=int, help="rounds per concurrency (default 40 at 1, 6 at 64)")
-    parser.add_argument("--latency-prompt", type=int, default=32)
-    parser.add_argument("--latency-tokens", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    prompts = args.prompts or (8 if args.quick else 64)
-    n = args.n or (4 if args.quick else 8)
-    prompt_len, output_len = ((32, 64), (8, 32)) if args.quick else ((32, 256), (16, 256))
-    kv_gib = 0.25 if args.quick else 2.0
-    rounds = {1: args.latency_rounds or (10 if args.quick else 40), 64: args.latency_rounds or (2 if args.quick else 6)}
+    args = overhead_parser(__doc__.splitlines()[0]).parse_args(argv)
+    prompts, n, prompt_len, output_len, kv_gib, rounds = run_shape(args)
 
     torch.set_num_threads(args.threads)
     print(f"http overhead: HTTP front vs ZMQ client vs in-process engine; {machine_line()}")
@@ -221,16 +207,8 @@ def main(argv: list[str] | None = None) -> int:
             warm(lambda p, sp: local.engine.generate(p, sp))
             warm(lambda p, sp: client.generate(p, 1, sp))
             asyncio.run(_warm_http(url))
-            walls: dict[str, list[float]] = {side: [] for side in sides}
-            for rep in range(args.repeats):
-                for side, run in sides.items():
-                    load = load_average()
-                    wall, good = run()
-                    ok &= good
-                    walls[side].append(wall)
-                    print(f"  run {rep + 1} {side:<10} {wall:7.2f} s  {work.useful_tokens / wall:8.1f} tok/s  "
-                          f"load {load:.2f}{'' if good else '  TOKEN COUNTS WRONG'}", flush=True)
-            tps = {side: work.useful_tokens / median(w) for side, w in walls.items()}
+            tps, good = interleaved_throughput(sides, args.repeats, work)
+            ok &= good
             print(f"-- throughput, median of {args.repeats}: in-process {tps['in-process']:.1f}, ZMQ {tps['zmq']:.1f}, "
                   f"HTTP {tps['http']:.1f} tok/s: HTTP / ZMQ {tps['http'] / tps['zmq']:.3f}x, HTTP / in-process "
                   f"{tps['http'] / tps['in-process']:.3f}x, ZMQ / in-process {tps['zmq'] / tps['in-process']:.3f}x")

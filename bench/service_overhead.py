@@ -111,13 +111,30 @@ def latencies(backend, concurrency: int, rounds: int, prompt_len: int, tokens: i
     return out
 
 
+def interleaved_throughput(sides, repeats: int, work: Workload) -> tuple[dict[str, float], bool]:
+    """Each side's tok/s, the median of `repeats` runs taken in turn (side after side, so all
+    share the machine's load), and whether every run produced the right token counts."""
+    walls: dict[str, list[float]] = {side: [] for side in sides}
+    ok = True
+    for rep in range(repeats):
+        for side, run in sides.items():
+            load = load_average()
+            wall, good = run()
+            ok &= good
+            walls[side].append(wall)
+            print(f"  run {rep + 1} {side:<10} {wall:7.2f} s  {work.useful_tokens / wall:8.1f} tok/s  "
+                  f"load {load:.2f}{'' if good else '  TOKEN COUNTS WRONG'}", flush=True)
+    return {side: work.useful_tokens / median(w) for side, w in walls.items()}, ok
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def overhead_parser(description: str) -> argparse.ArgumentParser:
+    """The options this bench and `http_overhead` share."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--prompts", type=int, help="prompts (default 64; --quick 8)")
     parser.add_argument("--n", type=int, help="samples per prompt (default 8; --quick 4)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 8 prompts x n=4, outputs 8-32")
@@ -127,14 +144,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--latency-prompt", type=int, default=32)
     parser.add_argument("--latency-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-router", dest="router", action="store_false",
-                        help="skip the router sides (rollout route over 1 and 2 replicas)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def run_shape(args: argparse.Namespace) -> tuple[int, int, tuple[int, int], tuple[int, int], float, dict[int, int]]:
+    """(prompts, n, prompt lengths, output lengths, KV GiB, latency rounds per concurrency) of a run."""
     prompts = args.prompts or (8 if args.quick else 64)
     n = args.n or (4 if args.quick else 8)
     prompt_len, output_len = ((32, 64), (8, 32)) if args.quick else ((32, 256), (16, 256))
     kv_gib = 0.25 if args.quick else 2.0
     rounds = {1: args.latency_rounds or (10 if args.quick else 40), 64: args.latency_rounds or (2 if args.quick else 6)}
+    return prompts, n, prompt_len, output_len, kv_gib, rounds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = overhead_parser(__doc__.splitlines()[0])
+    parser.add_argument("--no-router", dest="router", action="store_false",
+                        help="skip the router sides (rollout route over 1 and 2 replicas)")
+    args = parser.parse_args(argv)
+    prompts, n, prompt_len, output_len, kv_gib, rounds = run_shape(args)
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -168,16 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                     warm(lambda p, sp, rc=rc: rc.generate(p, 1, sp))
                     sides[label] = lambda rc=rc: run_remote(rc, work)
                 print(f"routers up: {', '.join(s for s in sides if s.startswith('router'))}")
-            walls: dict[str, list[float]] = {side: [] for side in sides}
-            for rep in range(args.repeats):
-                for side, run in sides.items():
-                    load = load_average()
-                    wall, good = run()
-                    ok &= good
-                    walls[side].append(wall)
-                    print(f"  run {rep + 1} {side:<10} {wall:7.2f} s  {work.useful_tokens / wall:8.1f} tok/s  "
-                          f"load {load:.2f}{'' if good else '  TOKEN COUNTS WRONG'}", flush=True)
-            tps = {side: work.useful_tokens / median(w) for side, w in walls.items()}
+            tps, good = interleaved_throughput(sides, args.repeats, work)
+            ok &= good
             ratio = tps["remote"] / tps["in-process"]
             print(f"-- throughput, median of {args.repeats}: in-process {tps['in-process']:.1f} tok/s, remote "
                   f"{tps['remote']:.1f} tok/s: remote / in-process {ratio:.3f}x "

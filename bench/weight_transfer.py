@@ -50,9 +50,9 @@ import torch  # noqa: E402
 
 # NOTE: the repository root first, so the replica processes this script starts import this checkout
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import load_average, machine_line, print_result  # noqa: E402
+from common import llama_spec, load_average, machine_line, print_result  # noqa: E402
 
-from inference.models.spec import ModelFamily, ModelSpec  # noqa: E402
+from inference.models.spec import ModelSpec  # noqa: E402
 
 SIZES = {  # name -> (hidden, layers, intermediate, vocab): Llama shapes of ~10M / 99M / 1.03B parameters
     "10M": (256, 8, 1024, 8192),
@@ -64,10 +64,7 @@ TRANSPORTS = ("shm", "gloo", "bare-broadcast", "disk", "tensor-by-tensor")
 
 
 def spec_for(name: str, dtype: torch.dtype) -> ModelSpec:
-    hidden, layers, inter, vocab = SIZES[name]
-    return ModelSpec(family=ModelFamily.LLAMA, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
-                     num_layers=layers, num_heads=hidden // 64, num_kv_heads=max(1, hidden // 256), head_dim=64,
-                     dtype=dtype)
+    return llama_spec(*SIZES[name], dtype)
 
 
 def random_weights(spec, seed: int) -> dict[str, torch.Tensor]:
@@ -134,34 +131,29 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_syncs(sender, weights, raw_copy: RawCopy, repeats: int, first_version: int) -> dict[str, float]:
-    """The first sync's seconds, then `repeats` times a raw copy and a sync back to back: their
-    medians, and the median of each pair's ratio (raw / sync, `xraw`)."""
+def time_pairs(run, raw_copy: RawCopy, repeats: int) -> dict[str, float]:
+    """`run(0)` once, cold (its seconds: `first`), then `repeats` times a raw copy and `run(i)` back
+    to back: their medians, and the median of each pair's ratio (raw / run, `xraw`)."""
     start = time.perf_counter()
-    sender.sync(weights, version=first_version)
+    run(0)
     first = time.perf_counter() - start
-    raws, syncs = [], []
-    for i in range(repeats):
+    raws, runs = [], []
+    for i in range(1, 1 + repeats):
         raws.append(raw_copy())
         start = time.perf_counter()
-        sender.sync(weights, version=first_version + 1 + i)
-        syncs.append(time.perf_counter() - start)
-    return dict(first=first, seconds=statistics.median(syncs), raw=statistics.median(raws),
-                xraw=statistics.median(r / s for r, s in zip(raws, syncs)))
+        run(i)
+        runs.append(time.perf_counter() - start)
+    return dict(first=first, seconds=statistics.median(runs), raw=statistics.median(raws),
+                xraw=statistics.median(r / s for r, s in zip(raws, runs)))
 
 
 BARE_PIECE_BYTES = 32 * 2**20
 
 
 def bare_broadcast(group, buf: torch.Tensor) -> None:
-    """`buf` through gloo's broadcast collective, in pieces, 2 in flight, then one agreement."""
-    pending = []
-    for lo in range(0, buf.numel(), BARE_PIECE_BYTES):
-        pending.append(group.broadcast_async(buf[lo : lo + BARE_PIECE_BYTES]))
-        if len(pending) == 2:
-            pending.pop(0).wait()
-    for work in pending:
-        work.wait()
+    """`buf` through gloo's broadcast collective in pieces (`WeightGroup.pipeline`: 2 in flight),
+    then one agreement."""
+    group.pipeline(buf[lo : lo + BARE_PIECE_BYTES] for lo in range(0, buf.numel(), BARE_PIECE_BYTES))
     group.agree(True)
 
 
@@ -190,29 +182,15 @@ def time_bare_broadcast(raw_copy: RawCopy, replicas: int, repeats: int) -> dict[
              for r in range(1, 1 + replicas)]
     for p in procs:
         p.start()
-
-    def broadcast() -> None:
-        bare_broadcast(group, buf)
-
     try:
         group.connect()
-        start = time.perf_counter()
-        broadcast()
-        first = time.perf_counter() - start
-        raws, syncs = [], []
-        for _ in range(repeats):
-            raws.append(raw_copy())
-            start = time.perf_counter()
-            broadcast()
-            syncs.append(time.perf_counter() - start)
+        return time_pairs(lambda i: bare_broadcast(group, buf), raw_copy, repeats)
     finally:
         group.close()
         for p in procs:
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
-    return dict(first=first, seconds=statistics.median(syncs), raw=statistics.median(raws),
-                xraw=statistics.median(r / s for r, s in zip(raws, syncs)))
 
 
 def streaming_copy_seconds(weights: dict[str, torch.Tensor], repeats: int) -> float:
@@ -279,7 +257,8 @@ def bench_size(size: str, dtype_name: str, args) -> list[dict]:
                     with WeightSender(clients[:replicas], name, tensor_by_tensor=transport == "tensor-by-tensor",
                                       **kwargs) as sender:
                         load = load_average()
-                        timed = time_syncs(sender, weights, raw_copy, args.repeats, version)
+                        timed = time_pairs(lambda i, v=version: sender.sync(weights, version=v + i), raw_copy,
+                                           args.repeats)
                         version += 1 + args.repeats
                 finally:
                     if "directory" in kwargs:

@@ -19,10 +19,11 @@ import statistics
 import time
 
 import torch
+from common import llama_spec
 
 from inference import DynamicInferenceEngine, InferenceConfig
 from inference.models.decoder import DenseDecoder
-from inference.models.spec import ModelFamily, ModelSpec
+from inference.models.spec import ModelSpec
 
 SIZES = {  # name -> (hidden, layers, intermediate, vocab)
     "10M": (256, 8, 1024, 8192),
@@ -32,10 +33,7 @@ SIZES = {  # name -> (hidden, layers, intermediate, vocab)
 
 
 def spec_for(name: str, dtype: torch.dtype) -> ModelSpec:
-    hidden, layers, inter, vocab = SIZES[name]
-    return ModelSpec(family=ModelFamily.LLAMA, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
-                     num_layers=layers, num_heads=hidden // 64, num_kv_heads=max(1, hidden // 256), head_dim=64,
-                     dtype=dtype)
+    return llama_spec(*SIZES[name], dtype)
 
 
 def random_tensors(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:

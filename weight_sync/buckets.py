@@ -13,7 +13,8 @@ arithmetic, defined); on CUDA torch's int64 sum, which wraps the same way on eve
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Optional
 
 import torch
 
@@ -133,14 +134,26 @@ def _copy_summed(src: torch.Tensor, dtype: torch.dtype, dst: torch.Tensor, size:
     return total
 
 
-def unpack_bucket(manifest: Manifest, index: int, buf: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Views of a bucket's tensors in `buf` by name (valid while `buf` is)."""
+def unpack_bucket(manifest: Manifest, index: int, buf: Optional[torch.Tensor],
+                  direct: Optional[Mapping[str, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
+    """Views of a bucket's tensors in `buf` by name (valid while `buf` is); a name in `direct` is
+    that tensor instead (buffers a receiver's engine handed out: `buf` may be None if it has them all)."""
     layout = manifest.layout
     assert layout is not None
     bucket = layout.buckets[index]
     dtypes, sizes = manifest.torch_dtypes, manifest.tensor_bytes()
+    direct = direct or {}
     out = {}
     for i in range(bucket.start, bucket.stop):
-        off = layout.offsets[i]
-        out[manifest.names[i]] = buf[off : off + sizes[i]].view(dtypes[i]).view(manifest.shapes[i])
+        name, off = manifest.names[i], layout.offsets[i]
+        if name in direct:
+            out[name] = direct[name]
+        else:
+            out[name] = buf[off : off + sizes[i]].view(dtypes[i]).view(manifest.shapes[i])
     return out
+
+
+def holds_all(direct: Mapping[str, torch.Tensor], manifest: Manifest, index: int) -> bool:
+    """Whether `direct` has every tensor of bucket `index` (no bucket buffer needed)."""
+    bucket = manifest.layout.buckets[index]
+    return all(name in direct for name in manifest.names[bucket.start : bucket.stop])

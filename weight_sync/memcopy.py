@@ -25,11 +25,8 @@ MASK = 2**64 - 1
 SLOT_WORDS = 2  # a header slot: token, checksum
 
 
-def _lib():
-    return native.library()
-
-
-def _sum_numpy(src: np.ndarray) -> int:
+def word_sum(src: np.ndarray) -> int:
+    """The checksum of `src` (numpy's reduction reads at memory speed: no kernel needed)."""
     n = src.size
     full = n - n % 8
     total = int(np.add.reduce(src[:full].view("<u8"), dtype=np.uint64)) if full else 0
@@ -38,19 +35,14 @@ def _sum_numpy(src: np.ndarray) -> int:
     return total & MASK
 
 
-def word_sum(src: np.ndarray) -> int:
-    """The checksum of `src` (numpy's reduction reads at memory speed: no kernel needed)."""
-    return _sum_numpy(src)
-
-
 def copy_sum(dst: np.ndarray, src: np.ndarray) -> int:
     """Copy `src` into `dst` (same length) and return the checksum of the bytes copied."""
     if dst.size != src.size:
         raise ValueError(f"copy_sum: {src.size} bytes into {dst.size}")
-    lib = _lib()
+    lib = native.library()
     if lib is None or src.size == 0:
         np.copyto(dst, src)
-        return _sum_numpy(dst)
+        return word_sum(dst)
     out = ctypes.c_uint64()
     lib.copy_sum_u64(dst.ctypes.data, src.ctypes.data, src.size, ctypes.byref(out))
     return out.value
@@ -58,7 +50,7 @@ def copy_sum(dst: np.ndarray, src: np.ndarray) -> int:
 
 def publish(header: np.ndarray, slot: int, checksum: int, token: int) -> None:
     """Mark piece `slot` of a `uint64` header written: its checksum, then its token (release)."""
-    lib = _lib()
+    lib = native.library()
     if lib is None:  # NOTE: numpy stores reach memory in program order on x86 and under the GIL's fences
         header[SLOT_WORDS * slot + 1] = checksum
         header[SLOT_WORDS * slot] = token
@@ -68,7 +60,7 @@ def publish(header: np.ndarray, slot: int, checksum: int, token: int) -> None:
 
 def wait(header: np.ndarray, slot: int, token: int, timeout_s: float) -> int | None:
     """Piece `slot`'s checksum once its token shows, or None after `timeout_s` without."""
-    lib = _lib()
+    lib = native.library()
     if lib is None:
         deadline = time.monotonic() + timeout_s
         while int(header[SLOT_WORDS * slot]) != token:

@@ -242,23 +242,19 @@ class WeightReceiver:
         """Pieces straight into the engine's staging buffers where it can take them as they are,
         else into a scratch buffer that `load_weights` copies from."""
         manifest = source.manifest
-        plan = SegmentPlan.of(manifest, source.piece_bytes)
-        typed = manifest.torch_dtypes
-        direct = self._staging_buffers(manifest, torch.device("cpu"))
-        scratch = self._host_buffer.get(plan.data_bytes) if len(direct) < len(manifest.names) else None
-        tensors, sizes = [], manifest.tensor_bytes()
-        for i, name in enumerate(manifest.names):
-            if name in direct:
-                tensors.append(direct[name])
-            else:
-                at = plan.starts[i]
-                tensors.append(scratch[at : at + sizes[i]].view(typed[i]).view(manifest.shapes[i]))
-        destinations = [as_bytes(t).numpy() for t in tensors]
         layout = manifest.layout
+        plan = SegmentPlan.of(manifest, source.piece_bytes)
+        direct = self._staging_buffers(manifest, torch.device("cpu"))
+        scratch = None if len(direct) == len(manifest.names) else self._host_buffer.get(plan.data_bytes)
+        tensors: dict[str, torch.Tensor] = {}
+        for b, (bucket, at) in enumerate(zip(layout.buckets, layout.region_offsets())):
+            tensors.update(unpack_bucket(manifest, b, None if scratch is None else scratch[at : at + bucket.nbytes],
+                                         direct))
+        destinations = [as_bytes(tensors[name]).numpy() for name in manifest.names]
 
         def load(b: int) -> None:
             bucket = layout.buckets[b]
-            self.engine.load_weights({manifest.names[i]: tensors[i] for i in range(bucket.start, bucket.stop)})
+            self.engine.load_weights({n: tensors[n] for n in manifest.names[bucket.start : bucket.stop]})
             self.stats.bytes_received += bucket.nbytes
 
         read_segment(self._mappings, source.segment, plan, source.token, destinations, self.timeout_s, load)

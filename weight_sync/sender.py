@@ -36,7 +36,7 @@ import logging
 import secrets
 import shutil
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Protocol, Union
@@ -195,13 +195,8 @@ class WeightSender:
         futures = self._each(lambda t: t.update_weights_from_distributed(
             manifest.names, manifest.dtypes, manifest.shapes, self.group_name, weight_version=version,
             layout=manifest.layout, policy=policy))
-        try:
-            sent = send_buckets(group, manifest, tensors)
-        except BaseException as exc:
-            self._collect(futures, f"sync to version {version}", exc)
-            raise AssertionError("unreachable") from exc
-        self._collect(futures, f"sync to version {version}")
-        return sent
+        return self._move_then_collect(futures, f"sync to version {version}",
+                                       lambda: send_buckets(group, manifest, tensors))
 
     def _sync_tensor_by_tensor(self, named: list[tuple[str, torch.Tensor]], version: int, policy: Any) -> int:
         sent = 0
@@ -242,13 +237,9 @@ class WeightSender:
         source = SharedMemorySource(manifest=manifest, segment=region.name, token=token, piece_bytes=plan.piece_bytes)
         payload = encode_tensor_payload(source)
         futures = self._each(lambda t: t.update_weights_from_tensor([payload], weight_version=version, policy=policy))
-        try:
-            moved = fill_segment(region, plan, [as_bytes(t).numpy() for t in tensors], token)
-        except BaseException as exc:
-            self._collect(futures, f"sync to version {version}", exc)
-            raise AssertionError("unreachable") from exc
-        self._collect(futures, f"sync to version {version}")
-        return moved
+        sources = [as_bytes(t).numpy() for t in tensors]
+        return self._move_then_collect(futures, f"sync to version {version}",
+                                       lambda: fill_segment(region, plan, sources, token))
 
     def _sync_disk(self, named: list[tuple[str, torch.Tensor]], version: int, policy: Any) -> int:
         path = self.directory / f"v{version:08d}"
@@ -292,6 +283,17 @@ class WeightSender:
 
     def _each(self, call) -> list[concurrent.futures.Future]:
         return [self._pool.submit(call, t) for t in self.targets]
+
+    def _move_then_collect(self, futures: list[concurrent.futures.Future], what: str, move: Callable[[], int]) -> int:
+        """`move()` (the bytes, while the targets handle their call), then every target's answer;
+        a failure of `move` is reported together with theirs (`SyncError`)."""
+        try:
+            moved = move()
+        except BaseException as exc:
+            self._collect(futures, what, exc)
+            raise AssertionError("unreachable: _collect raises with a failure") from exc
+        self._collect(futures, what)
+        return moved
 
     def _collect(self, futures: list[concurrent.futures.Future], what: str,
                  failure: Optional[BaseException] = None) -> list[Any]:

@@ -40,16 +40,16 @@ static inline uint64_t tail_word(const uint8_t *p, int64_t n) {
     return w;
 }
 
-/* The words of [src, src + n) from word `i` on: copied to dst (if not NULL) and summed. */
+/* The words of [src, src + n) from byte `i` on: copied to dst and summed. */
 static uint64_t plain_words(uint8_t *dst, const uint8_t *src, int64_t i, int64_t n) {
     uint64_t acc = 0;
     for (; i + 8 <= n; i += 8) {
         uint64_t w = load_word(src + i);
-        if (dst) memcpy(dst + i, &w, 8);
+        memcpy(dst + i, &w, 8);
         acc += w;
     }
     if (i < n) {
-        if (dst) memcpy(dst + i, src + i, (size_t)(n - i));
+        memcpy(dst + i, src + i, (size_t)(n - i));
         acc += tail_word(src + i, n - i);
     }
     return acc;

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from inference import SamplingParams
+from rollout.http.errors import APIError, from_exception
 from rollout.text import TextCodec
 from rollout.types import Rollout, TokenChunk
 
@@ -152,8 +153,14 @@ class Generation:
             logger.debug("abort after stop strings failed", exc_info=True)
 
     async def run(self) -> list[Sample]:
-        async for _ in self.deltas():
-            pass
+        """Every sample, once all finished; the engine's refusal raised as the HTTP error it means."""
+        try:
+            async for _ in self.deltas():
+                pass
+        except APIError:
+            raise
+        except Exception as exc:  # noqa: BLE001 (the engine's refusal, as the HTTP error it means)
+            raise from_exception(exc) from exc
         return self.samples
 
     async def abort(self) -> None:

@@ -81,7 +81,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     rid = f"cmpl-{spec.rid}"
     if body.stream:
         return _stream(gen, _completion_chunks(front, body, gen, rid))
-    samples = await _run(gen)
+    samples = await gen.run()
     choices = []
     for i, s in enumerate(samples):
         choice = {"index": i, "text": s.text, "logprobs": _completion_logprobs(front, body, s, 0, s.ids),
@@ -157,7 +157,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
     if body.stream:
         return _stream(gen, _chat_chunks(front, body, gen, rid, remember), headers)
-    samples = await _run(gen)
+    samples = await gen.run()
     remember()
     choices = []
     for i, s in enumerate(samples):
@@ -229,15 +229,6 @@ def _spec(front: HttpFront, body: Any, prompts: list[list[int]], max_tokens: int
     return GenSpec(prompts, body.n, sampling, stops=body.stop_strings(), include_stop=body.include_stop_str_in_output,
                    skip_special_tokens=body.skip_special_tokens, stream=body.stream, session_id=session_id,
                    rid=uuid.uuid4().hex)
-
-
-async def _run(gen: Generation) -> list[Sample]:
-    try:
-        return await gen.run()
-    except APIError:
-        raise
-    except Exception as exc:  # noqa: BLE001 (the engine's refusal, as the HTTP error it means)
-        raise from_exception(exc) from exc
 
 
 def _stream(gen: Generation, chunks: AsyncIterator[bytes], headers: Optional[dict[str, str]] = None

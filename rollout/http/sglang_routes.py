@@ -87,20 +87,11 @@ async def generate(body: GenerateReqInput, request: Request) -> Response:
     if body.stream:
         return StreamingResponse(_events(front, body, specs, logprob), media_type="text/event-stream")
     gens = [front.generation(spec) for spec in specs]
-    results = await asyncio.gather(*(_collect(g) for g in gens))  # the batch's prompts run together
+    results = await asyncio.gather(*(g.run() for g in gens))  # the batch's prompts run together
     version = await _version(front, [s for samples in results for s in samples])
     outputs = [_answer(front, body, gen.spec, s, gen.seconds, want, version)
                for gen, samples, want in zip(gens, results, logprob) for s in samples]
     return json_response(outputs if batched or len(outputs) > 1 else outputs[0])
-
-
-async def _collect(gen: Any) -> list[Sample]:
-    try:
-        return await gen.run()
-    except APIError:
-        raise
-    except Exception as exc:  # noqa: BLE001
-        raise from_exception(exc) from exc
 
 
 async def _events(front: HttpFront, body: GenerateReqInput, specs: list[GenSpec], logprob: list[bool]

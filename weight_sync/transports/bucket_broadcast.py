@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from weight_sync.buckets import as_bytes, word_sum
+from weight_sync.buckets import as_bytes, holds_all, unpack_bucket, word_sum
 from weight_sync.manifest import ChecksumError, Manifest, align
 from weight_sync.transports.distributed import PIPELINE_DEPTH, ReceiveBuffer, RefusedError, WeightGroup
 
@@ -86,17 +86,13 @@ class PieceScratch:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.bufs: list[torch.Tensor] = []
+        self.slots = [ReceiveBuffer(device) for _ in range(PIPELINE_DEPTH)]
         self.turn = 0
 
     def next(self, nbytes: int) -> torch.Tensor:
-        slot = self.turn % PIPELINE_DEPTH
+        slot = self.slots[self.turn % PIPELINE_DEPTH]
         self.turn += 1
-        while len(self.bufs) <= slot:
-            self.bufs.append(torch.empty(0, dtype=torch.uint8, device=self.device))
-        if self.bufs[slot].numel() < nbytes:
-            self.bufs[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return self.bufs[slot][:nbytes]
+        return slot.get(nbytes)[:nbytes]
 
 
 def send_buckets(group: WeightGroup, manifest: Manifest, tensors: Sequence[torch.Tensor]) -> int:
@@ -147,9 +143,12 @@ def receive_buckets(group: WeightGroup, manifest: Manifest, accepted: bool, buff
     scratch = PieceScratch(group.device)
     failure: Optional[BaseException] = None
     received = 0
+    direct = direct or {}
     for index, (bucket, pieces) in enumerate(zip(layout.buckets, plan_pieces(manifest))):
-        tensors = _landing_tensors(manifest, index, buffer, direct or {})
-        checksum = _receive_bucket(group, pieces, {i: as_bytes(t) for i, t in tensors.items()}, scratch)
+        buf = None if holds_all(direct, manifest, index) else buffer.get(bucket.nbytes)
+        tensors = unpack_bucket(manifest, index, buf, direct)
+        targets = {i: as_bytes(tensors[manifest.names[i]]) for i in range(bucket.start, bucket.stop)}
+        checksum = _receive_bucket(group, pieces, targets, scratch)
         received += bucket.nbytes
         if failure is not None:
             continue  # NOTE: keep receiving, so the others are not left waiting for this rank
@@ -158,32 +157,12 @@ def receive_buckets(group: WeightGroup, manifest: Manifest, accepted: bool, buff
                                     f"checksum {checksum:#x}, the manifest says {bucket.checksum:#x}")
             continue
         try:
-            load({manifest.names[i]: t for i, t in tensors.items()})
+            load(tensors)
         except Exception as exc:  # noqa: BLE001 (reported after the last bucket, in step with the others)
             failure = exc
     if not group.agree(failure is None):
         raise failure or RefusedError("another replica failed a bucket: no replica commits")
     return received
-
-
-def _landing_tensors(manifest: Manifest, index: int, buffer: ReceiveBuffer,
-                     direct: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
-    """Where bucket `index`'s tensors land, by tensor index: the engine's buffer, else a view of
-    the bucket buffer."""
-    layout = manifest.layout
-    bucket = layout.buckets[index]
-    typed, sizes = manifest.torch_dtypes, manifest.tensor_bytes()
-    indices = range(bucket.start, bucket.stop)
-    buf = None if all(manifest.names[i] in direct for i in indices) else buffer.get(bucket.nbytes)
-    out = {}
-    for i in indices:
-        name = manifest.names[i]
-        if name in direct:
-            out[i] = direct[name]
-        else:
-            off = layout.offsets[i]
-            out[i] = buf[off : off + sizes[i]].view(typed[i]).view(manifest.shapes[i])
-    return out
 
 
 def _receive_bucket(group: WeightGroup, pieces: list[Piece], targets: dict[int, torch.Tensor],

@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, NamedTuple, Optional
 
 import msgspec
 import numpy as np
@@ -78,6 +78,11 @@ def check_segment_name(name: str) -> str:
     if not _SEGMENT.fullmatch(name):
         raise ValueError(f"shared-memory segment {name!r} is not one of ours ({SEGMENT_PREFIX}<pid>-<hex>)")
     return name
+
+
+def sender_pid(name: str) -> int:
+    """The pid of the process that made segment `name` (checked to be one of ours)."""
+    return int(_SEGMENT.fullmatch(check_segment_name(name)).group(1))
 
 
 class SharedRegion:
@@ -186,7 +191,7 @@ def read_segment(mappings: SegmentMappings, name: str, plan: SegmentPlan, token:
     tensor's bytes, flat uint8, memory the receiver owns), checking its checksum; `on_bucket(b)`
     once bucket `b` is complete. Raises `ChecksumError`, `TimeoutError` (nothing published within
     `timeout_s` of the start) or `ConnectionError` (the sender exited first). Returns the bytes."""
-    sender = int(_SEGMENT.fullmatch(check_segment_name(name)).group(1))
+    sender = sender_pid(name)
     watch_sender = _alive(sender)  # NOTE: in another pid namespace the pid means nothing here
     with mappings.use(name, plan.segment_bytes) as mapping:
         whole = np.frombuffer(mapping, dtype=np.uint8, count=plan.segment_bytes)
@@ -210,6 +215,13 @@ def read_segment(mappings: SegmentMappings, name: str, plan: SegmentPlan, token:
     return plan.data_bytes
 
 
+class _Mapped(NamedTuple):
+    name: str
+    inode: int
+    mapping: mmap.mmap
+    nbytes: int
+
+
 class SegmentMappings:
     """A receiver's read-only mapping of its sender's segment, kept from one update to the next.
 
@@ -223,7 +235,7 @@ class SegmentMappings:
     def __init__(self, *, check_every_s: float = 1.0, idle_s: float = 600.0) -> None:
         self.check_every_s, self.idle_s = check_every_s, idle_s
         self._lock = threading.Lock()
-        self._current: Optional[tuple[str, int, int, mmap.mmap]] = None  # name, inode, bytes, mapping
+        self._current: Optional[_Mapped] = None
         self._last_used = 0.0
         self._timer: Optional[threading.Timer] = None
 
@@ -232,15 +244,14 @@ class SegmentMappings:
         with self._lock:
             path = SHM_DIR / check_segment_name(name)
             current = self._current
-            reusable = current is not None and current[0] == name and current[2] >= nbytes
-            if current is not None and not (reusable and _same_file(path, current[1])):
+            reusable = current is not None and current.name == name and current.nbytes >= nbytes
+            if current is not None and not (reusable and _same_file(path, current.inode)):
                 self._close_locked()
                 current = None
             if current is None:
-                inode, mapping = _map_read_only(path, nbytes)
-                current = self._current = (name, inode, nbytes, mapping)
+                current = self._current = _Mapped(name, *_map_read_only(path, nbytes), nbytes)
             try:
-                yield current[3]
+                yield current.mapping
             finally:
                 self._last_used = time.monotonic()
                 self._arm()
@@ -249,7 +260,7 @@ class SegmentMappings:
     def mapped(self) -> Optional[str]:
         """The name of the segment mapped now, if any."""
         current = self._current
-        return current[0] if current is not None else None
+        return current.name if current is not None else None
 
     def close(self) -> None:
         with self._lock:
@@ -274,10 +285,8 @@ class SegmentMappings:
             current = self._current
             if current is None:
                 return
-            name, inode = current[0], current[1]
-            pid = int(_SEGMENT.fullmatch(name).group(1))
             idle = time.monotonic() - self._last_used > self.idle_s
-            if idle or not _same_file(SHM_DIR / name, inode) or not _alive(pid):
+            if idle or not _same_file(SHM_DIR / current.name, current.inode) or not _alive(sender_pid(current.name)):
                 self._close_locked()
             else:
                 self._arm()
@@ -288,7 +297,7 @@ class SegmentMappings:
         current, self._current = self._current, None
         if current is not None:
             try:
-                current[3].close()
+                current.mapping.close()
             except BufferError:  # NOTE: a view lives on in a traceback: the mapping goes with it
                 pass
 
@@ -345,16 +354,9 @@ def remove_stale_segments() -> list[str]:
     """Unlink segments whose sender process no longer exists; their names."""
     removed = []
     for path in SHM_DIR.glob(f"{SEGMENT_PREFIX}*"):
-        m = _SEGMENT.fullmatch(path.name)
-        if m is None:
-            continue
-        try:
-            os.kill(int(m.group(1)), 0)
-        except ProcessLookupError:
+        if _SEGMENT.fullmatch(path.name) and not _alive(sender_pid(path.name)):
             path.unlink(missing_ok=True)
             removed.append(path.name)
-        except PermissionError:
-            continue
     return removed
 
 
