@@ -1,9 +1,14 @@
 """Native CPU kernels (plain C, OpenMP) in `inference/csrc/`, compiled on first use and cached.
 
 Every `csrc/*.c` goes into one shared library, built with the system C compiler (`$CC`, else
-`cc`) for this CPU (`-march=native`) into `$ROLLOUT_ENGINE_CACHE` (default
-`~/.cache/rollout-engine`), keyed by the sources, flags, compiler and CPU, under a file lock so
-that concurrent processes build it once. Kernels are called through ctypes, which releases the
+`cc`) into `$ROLLOUT_ENGINE_CACHE` (default `~/.cache/rollout-engine`), keyed by the sources,
+flags, compiler and CPU, under a file lock so that concurrent processes build it once.
+
+It is built for this CPU (`-march=native`) unless `ROLLOUT_ENGINE_KERNEL_ARCH` names an x86-64
+level (`x86-64-v2`, `-v3`, `-v4`, or just `v2` / `v3` / `v4`): the kernels reassociate their sums
+to vectorise them, so their rounding follows the vector width the compiler chose. Built for one
+named level, they round alike on every CPU that has it, which is how CI simulates other machines.
+A level this CPU lacks is refused (its instructions would fault), like a failed build. Kernels are called through ctypes, which releases the
 GIL. Users: decode attention (`attention/cpu_kernels.py`), the sampler (`sampling_kernel.py`) and
 weight sync's byte moves (`weight_sync/memcopy.py`).
 
@@ -31,8 +36,14 @@ _SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
 # NOTE: never -ffast-math / -funsafe-math-optimizations: linking a shared library with them pulls
 # in crtfastmath, which turns on flush-to-zero for the whole process when the library loads. The
 # flags below allow the vectorised reductions without that.
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+_FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
           "-fno-signed-zeros", "-freciprocal-math", "-fopenmp", "-shared", "-fPIC"]
+# the CPU flags each x86-64 level needs beyond the one below it (the psABI's list, as /proc/cpuinfo names them)
+LEVEL_FLAGS = {
+    "x86-64-v2": {"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"},
+    "x86-64-v3": {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"},
+    "x86-64-v4": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
+}
 I64 = ctypes.c_int64
 PTR = ctypes.c_void_p
 # every exported kernel: its argument types (all return an int status, 0 = done)
@@ -52,19 +63,50 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def _cpu_key() -> str:
+def _cpu_lines() -> list[str]:
     try:
         with open("/proc/cpuinfo") as f:
-            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
+            return [line for line in f if line.startswith(("model name", "flags"))][:2]
     except OSError:
-        lines = []
-    return platform.machine() + "".join(lines)
+        return []
 
 
-def _build(compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+def _cpu_key() -> str:
+    return platform.machine() + "".join(_cpu_lines())
+
+
+def target_arch() -> str:
+    """The `-march` the kernels are built for: `native`, or the x86-64 level the environment names.
+
+    Raises ValueError for a name that is no level, or a level this CPU does not have."""
+    name = os.environ.get("ROLLOUT_ENGINE_KERNEL_ARCH", "").strip().lower() or "native"
+    if name == "native":
+        return name
+    level = f"x86-64-{name}" if name in ("v2", "v3", "v4") else name
+    if level not in LEVEL_FLAGS:
+        raise ValueError(f"ROLLOUT_ENGINE_KERNEL_ARCH={name!r}: expected native, v2, v3 or v4 (x86-64 levels)")
+    if platform.machine() not in ("x86_64", "AMD64"):
+        raise ValueError(f"ROLLOUT_ENGINE_KERNEL_ARCH={name!r} names an x86-64 level; this is {platform.machine()}")
+    flags = next((line.split(":", 1)[1].split() for line in _cpu_lines() if line.startswith("flags")), None)
+    if flags is not None:
+        levels = list(LEVEL_FLAGS)
+        needed = set().union(*(LEVEL_FLAGS[lv] for lv in levels[: levels.index(level) + 1]))
+        missing = sorted(needed - set(flags))
+        if missing:
+            raise ValueError(f"ROLLOUT_ENGINE_KERNEL_ARCH={level}: this CPU lacks {', '.join(missing)}")
+    return level
+
+
+def compiler() -> str | None:
+    """The C compiler the kernels are built with (`$CC`, else `cc` or `gcc`), or None."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _build(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     texts = [source.read_text() for source in _SOURCES]
-    key = hashlib.sha256("\0".join([*texts, " ".join(_FLAGS), version, _cpu_key()]).encode())
+    flags = [f"-march={target_arch()}", *_FLAGS]
+    key = hashlib.sha256("\0".join([*texts, " ".join(flags), version, _cpu_key()]).encode())
     target = _cache_dir() / key.hexdigest()[:16] / "kernels.so"
     if target.exists():
         return target
@@ -74,7 +116,7 @@ def _build(compiler: str) -> Path:
         if not target.exists():
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built = Path(tmp) / "kernels.so"
-                subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(built), "-lm"], check=True,
+                subprocess.run([cc, *flags, *map(str, _SOURCES), "-o", str(built), "-lm"], check=True,
                                capture_output=True, text=True, timeout=300)
                 os.replace(built, target)
     return target
@@ -84,12 +126,15 @@ def _build(compiler: str) -> Path:
 def library():
     if os.environ.get("ROLLOUT_ENGINE_NO_KERNELS"):
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    cc = compiler()
+    if cc is None:
         logger.warning("no C compiler found: CPU attention and sampling use the pure-torch paths (slower)")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = ctypes.CDLL(str(_build(cc)))
+    except ValueError as exc:
+        logger.error("native CPU kernels not built: %s; using the pure-torch paths", exc)
+        return None
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         logger.warning("building the native CPU kernels failed (%s); using the pure-torch paths", detail)

@@ -52,6 +52,7 @@ class GRPOConfig:
     temperature: float = 1.0
     clip_eps: float = 0.2
     max_grad_norm: float = 1.0
+    entropy_coef: float = 0.0  # weight of the token-mean entropy bonus in the loss
     micro_batch_size: Optional[int] = None  # rows per forward/backward (None: the whole batch)
     seed: int = 0
     hidden_size: int = 64  # tiny models only
@@ -239,7 +240,7 @@ def _loop(cfg: GRPOConfig, policy: torch.nn.Module, task: Task, pad_id: int, tra
         with timer("train"):
             stats = grpo_step(policy, optimizer, batch, rewards, clip_eps=cfg.clip_eps,
                               max_grad_norm=cfg.max_grad_norm, micro_batch_size=cfg.micro_batch_size, pad_id=pad_id,
-                              temperature=cfg.temperature)
+                              temperature=cfg.temperature, entropy_coef=cfg.entropy_coef)
         with timer("weight_update"):
             engine.on_weights_updated()  # no bytes move: version + 1, prefix cache reset
         # -----------------------------------------------------------------------------------------
@@ -266,6 +267,9 @@ def _loop(cfg: GRPOConfig, policy: torch.nn.Module, task: Task, pad_id: int, tra
             "loss": stats.loss,
             "grad_norm": stats.grad_norm,
             "clip_fraction": stats.clip_fraction,
+            "entropy": stats.entropy,
+            "signal_fraction": stats.signal_fraction,
+            "advantage_std": stats.advantage_std,
             "completion_tokens": gen.completion_tokens,
             "engine_steps": gen.engine_steps,
             "suspend_freed_bytes": getattr(freed, "buffer_bytes", 0),

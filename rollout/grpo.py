@@ -21,7 +21,8 @@ import torch
 from inference.routing_replay import pad_routes, replay_routing
 from rollout.types import PaddedBatch, RolloutBatch, group_slices
 
-__all__ = ["TrainStats", "gather_logprobs", "group_advantages", "grpo_loss", "grpo_step", "token_logprobs"]
+__all__ = ["TrainStats", "gather_logprobs", "group_advantages", "grpo_loss", "grpo_step", "predicting_logits",
+           "token_entropy", "token_logprobs"]
 
 
 def group_advantages(
@@ -50,7 +51,17 @@ def token_logprobs(
     routes: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Flat `[N]` log-probs (fp32, with grad) of the tokens where `loss_mask` is True, under
-    `softmax(logits / temperature)` (the engine's PROCESSED log-probs when sampling untruncated at T).
+    `softmax(logits / temperature)` (the engine's PROCESSED log-probs when sampling untruncated at T)."""
+    logits, targets = predicting_logits(model, input_ids, loss_mask, temperature, routes)
+    return gather_logprobs(logits, targets)
+
+
+def predicting_logits(
+    model: torch.nn.Module, input_ids: torch.Tensor, loss_mask: torch.Tensor, temperature: float = 1.0,
+    routes: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`[N, vocab]` fp32 logits / temperature, with grad, of the positions predicting the tokens
+    where `loss_mask` is True; `[N]` those tokens), in the row-major order of `loss_mask.nonzero()`.
 
     Only the N predicting positions go through the LM head (a `[N, vocab]` logits matrix, not
     `[B, T, vocab]`). Right padding means no attention mask is needed: a real token never attends
@@ -68,7 +79,7 @@ def token_logprobs(
     with replay:
         hidden = decoder(input_ids=input_ids, use_cache=False).last_hidden_state
     logits = head(hidden[rows, cols - 1]).float()
-    return gather_logprobs(logits if temperature == 1.0 else logits / temperature, targets)
+    return (logits if temperature == 1.0 else logits / temperature), targets
 
 
 def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -80,6 +91,13 @@ def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     """
     shifted = logits - logits.detach().amax(-1, keepdim=True)
     return shifted.gather(-1, targets[:, None]).squeeze(-1) - shifted.exp().sum(-1).log()
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """`[N]` entropy (nats) of `softmax(logits)` per row, differentiable."""
+    logp = logits - logits.detach().amax(-1, keepdim=True)
+    logp = logp - logp.exp().sum(-1, keepdim=True).log()
+    return -(logp.exp() * logp).sum(-1)
 
 
 def grpo_loss(
@@ -103,6 +121,9 @@ class TrainStats:
     mismatch_mean: float  # mean |engine log-prob - trainer log-prob| over sampled tokens
     mismatch_max: float
     tokens: int
+    entropy: float = 0.0  # mean per-token entropy (nats) of the sampling distribution, before the step
+    signal_fraction: float = 0.0  # share of groups whose rewards differ (the others' advantages are 0)
+    advantage_std: float = 0.0  # spread of the per-sample advantages
 
 
 def grpo_step(
@@ -117,6 +138,7 @@ def grpo_step(
     pad_id: int = 0,
     temperature: float = 1.0,
     routed_experts: Optional[Sequence[Optional[np.ndarray]]] = None,
+    entropy_coef: float = 0.0,
 ) -> TrainStats:
     """One GRPO optimizer step on `batch`, in place on `model` (whose parameters the engine may alias).
 
@@ -125,7 +147,8 @@ def grpo_step(
     trainer's recomputation under the same weights, before the step. `temperature` must match
     the log-probs in `batch`: 1 for RAW ones, the sampling temperature for PROCESSED ones.
     `routed_experts` (an MoE policy: each row's `RequestOutput.routed_experts`) replays the
-    engine's routing in the trainer's forward.
+    engine's routing in the trainer's forward. `entropy_coef` adds `-coef x` the token-mean entropy
+    of the sampling distribution to the loss (an exploration bonus).
     """
     device = next(model.parameters()).device
     padded: PaddedBatch = batch.to_padded_tensors(pad_id=pad_id, device=device)
@@ -138,7 +161,7 @@ def grpo_step(
         raise ValueError("grpo_step: the batch has no completion token")
     rows = len(batch)
     step = micro_batch_size or rows
-    loss_sum, clipped, diffs = 0.0, 0, []
+    loss_sum, clipped, entropy_sum, diffs = 0.0, 0, 0.0, []
     optimizer.zero_grad(set_to_none=True)
     for start in range(0, rows, step):
         sl = slice(start, start + step)
@@ -146,18 +169,23 @@ def grpo_step(
         if not mask.any():
             continue
         replayed = {} if routes is None else {"routes": routes[sl]}
-        lp = token_logprobs(model, padded.input_ids[sl], mask, temperature, **replayed)
+        logits, targets = predicting_logits(model, padded.input_ids[sl], mask, temperature, **replayed)
+        lp = gather_logprobs(logits, targets)
         old = padded.old_logprobs[sl][mask]
         adv = adv_rows[sl][:, None].expand_as(mask)[mask]
         per_token, was_clipped = grpo_loss(lp, old, adv, clip_eps=clip_eps)
-        loss = per_token.sum() / total
+        entropy = token_entropy(logits) if entropy_coef else token_entropy(logits.detach())
+        loss = (per_token.sum() - entropy_coef * entropy.sum()) / total if entropy_coef else per_token.sum() / total
         loss.backward()
+        entropy_sum += float(entropy.detach().sum())
         loss_sum += float(loss.detach())
         clipped += int(was_clipped.sum())
         diffs.append((lp.detach() - old).abs())
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     optimizer.step()
     diff = torch.cat(diffs)
+    spans = group_slices(batch.groups)
+    signal = sum(max(rewards[a:b]) != min(rewards[a:b]) for a, b in spans) / max(1, len(spans))
     return TrainStats(
         loss=loss_sum,
         grad_norm=float(grad_norm),
@@ -165,5 +193,8 @@ def grpo_step(
         mismatch_mean=float(diff.mean()),
         mismatch_max=float(diff.max()),
         tokens=total,
+        entropy=entropy_sum / total,
+        signal_fraction=signal,
+        advantage_std=float(adv_rows.std(unbiased=False)),
     )
 
