@@ -8,9 +8,11 @@ It is built for this CPU (`-march=native`) unless `ROLLOUT_ENGINE_KERNEL_ARCH` n
 level (`x86-64-v2`, `-v3`, `-v4`, or just `v2` / `v3` / `v4`): the kernels reassociate their sums
 to vectorise them, so their rounding follows the vector width the compiler chose. Built for one
 named level, they round alike on every CPU that has it, which is how CI simulates other machines.
-A level this CPU lacks is refused (its instructions would fault), like a failed build. Kernels are called through ctypes, which releases the
-GIL. Users: decode attention (`attention/cpu_kernels.py`), the sampler (`sampling_kernel.py`) and
-weight sync's byte moves (`weight_sync/memcopy.py`).
+A level this CPU lacks is refused (its instructions would fault), like a failed build.
+
+Kernels are called through ctypes, which releases the GIL. Users: decode attention
+(`attention/cpu_kernels.py`), the sampler (`sampling_kernel.py`) and weight sync's byte moves
+(`weight_sync/memcopy.py`).
 
 Where no compiler is found or the build fails, `library()` is None (logged once) and every user
 keeps its pure-torch path; `ROLLOUT_ENGINE_NO_KERNELS=1` forces that.

@@ -36,6 +36,12 @@ def _add_grpo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, help=f"AdamW learning rate ({d.lr}; smollm2: 5e-6)")
     parser.add_argument("--temperature", type=float, help=f"sampling temperature ({d.temperature}; smollm2: 0.7)")
     parser.add_argument("--clip-eps", type=float, help=f"PPO clip range ({d.clip_eps})")
+    parser.add_argument("--entropy-coef", type=float,
+                        help=f"entropy bonus at step 0, fading to 0 along a cosine ({d.entropy_coef}; smollm2: 0)")
+    parser.add_argument("--curriculum-pool", type=int, help="draw failing prompts up to this many times as often "
+                        f"(1: off; {d.curriculum_pool}; smollm2: 1)")
+    parser.add_argument("--lr-final", type=float,
+                        help=f"learning rate at the last step, along a cosine from --lr ({d.lr_final}; smollm2: --lr)")
     parser.add_argument("--micro-batch", dest="micro_batch_size", type=int, help="rows per backward (all)")
     parser.add_argument("--seed", type=int, help=f"seed of model init, prompts and sampling ({d.seed})")
     parser.add_argument("--hidden-size", type=int, help=f"tiny model width ({d.hidden_size})")

@@ -26,6 +26,7 @@ from typing import Any, Optional
 import torch
 
 from inference import InferenceConfig, LogprobsMode, SamplingParams
+from rollout.curriculum import Curriculum
 from rollout.engine import RolloutEngine
 from rollout.grpo import grpo_step
 from rollout.tasks import ArithmeticTask, CountingTask, DigitVocab, Problem, Task
@@ -52,7 +53,16 @@ class GRPOConfig:
     temperature: float = 1.0
     clip_eps: float = 0.2
     max_grad_norm: float = 1.0
-    entropy_coef: float = 0.0  # weight of the token-mean entropy bonus in the loss
+    # NOTE: the next five keep the loop out of the trap that stalled seed 0 on some CPUs (a prompt
+    # whose 8 samples all agree on a wrong answer exerts no force; see rollout.curriculum): an
+    # entropy bonus fading to 0 keeps wrong answers from setting early, the curriculum draws failing
+    # prompts up to 4x as often, and the learning rate halves along a cosine for a calm end
+    entropy_coef: float = 0.01  # weight of the token-mean entropy bonus in the loss at step 0
+    entropy_decay: bool = True  # the bonus follows a cosine to 0 at the last step
+    curriculum_pool: int = 4  # > 1: prompts drawn from that many candidates, weighted by reward deficit
+    curriculum_floor: float = 0.2  # a mastered prompt's weight (a failing one's is floor + 1)
+    lr_final: Optional[float] = 5e-4  # cosine decay of the learning rate to this at the last step (None: constant)
+    scale_advantages: bool = True  # divide each group's centred rewards by their std
     micro_batch_size: Optional[int] = None  # rows per forward/backward (None: the whole batch)
     seed: int = 0
     hidden_size: int = 64  # tiny models only
@@ -79,6 +89,15 @@ class GRPOConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"GRPOConfig.{name} must be a positive number, got {value!r}")
+        if not (isinstance(self.entropy_coef, (int, float)) and math.isfinite(self.entropy_coef)
+                and self.entropy_coef >= 0):
+            raise ValueError(f"GRPOConfig.entropy_coef must be a number >= 0, got {self.entropy_coef!r}")
+        if not isinstance(self.curriculum_pool, int) or self.curriculum_pool < 1:
+            raise ValueError(f"GRPOConfig.curriculum_pool must be an int >= 1, got {self.curriculum_pool!r}")
+        if not (isinstance(self.curriculum_floor, (int, float)) and self.curriculum_floor > 0):
+            raise ValueError(f"GRPOConfig.curriculum_floor must be > 0, got {self.curriculum_floor!r}")
+        if self.lr_final is not None and not (isinstance(self.lr_final, (int, float)) and 0 < self.lr_final):
+            raise ValueError(f"GRPOConfig.lr_final must be None or > 0, got {self.lr_final!r}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"GRPOConfig.micro_batch_size must be None or >= 1, got {self.micro_batch_size}")
         if self.threads is not None and self.threads < 1:
@@ -90,8 +109,10 @@ class GRPOConfig:
         model = ModelKind(model)
         base: dict[str, Any] = {"model": model}
         if model is ModelKind.SMOLLM2:
+            # NOTE: its own measured recipe, left as it was (plain GRPO: no bonus, curriculum or schedule)
             base.update(steps=30, prompts_per_step=8, samples_per_prompt=8, lr=5e-6, temperature=0.7,
-                        block_size=16, micro_batch_size=16, table_every=1, eval_every=5, threads=None)
+                        block_size=16, micro_batch_size=16, table_every=1, eval_every=5, threads=None,
+                        entropy_coef=0.0, curriculum_pool=1, lr_final=None)
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)
 
@@ -199,6 +220,29 @@ def _run(cfg: GRPOConfig) -> RunSummary:
     return summary
 
 
+def make_optimizer(cfg: GRPOConfig, policy: torch.nn.Module) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW at `cfg.lr` and its per-step schedule (cosine to `cfg.lr_final` over the run, or constant)."""
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
+    if cfg.lr_final is None:
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    floor = cfg.lr_final / cfg.lr
+    span = max(1, cfg.steps - 1)
+
+    def factor(step: int) -> float:
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(step, span) / span))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def cosine(step: int, steps: int) -> float:
+    """1 at step 0 down to 0 at the last step, along half a cosine."""
+    return 0.5 * (1 + math.cos(math.pi * min(step, steps - 1) / max(1, steps - 1)))
+
+
+def entropy_coef(cfg: GRPOConfig, step: int) -> float:
+    return cfg.entropy_coef * (cosine(step, cfg.steps) if cfg.entropy_decay else 1.0)
+
+
 EVAL_SEED = 987_654_321  # the held-out samples' seed: the same every evaluation, so curves show the policy
 
 
@@ -214,16 +258,17 @@ def _loop(cfg: GRPOConfig, policy: torch.nn.Module, task: Task, pad_id: int, tra
     held_out = task.held_out()
     # -- the colocated loop: this is the whole point ------------------------------------------
     engine = RolloutEngine(policy, engine_config(cfg, task))  # aliases the policy's parameters
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
+    optimizer, schedule = make_optimizer(cfg, policy)
     # log-probs of the distribution sampled from (softmax(logits / T)), which the trainer recomputes
     mode = LogprobsMode.RAW if cfg.temperature == 1.0 else LogprobsMode.PROCESSED
     sampling = SamplingParams(temperature=cfg.temperature, max_tokens=task.max_tokens, logprobs_mode=mode)
     engine.suspend()  # between steps the memory is the trainer's
     checks = LoopChecks()
     first_version = engine.policy_version
+    curriculum = Curriculum(task, pool=cfg.curriculum_pool, floor=cfg.curriculum_floor)
     for step in range(cfg.steps):
         timer = StepTimer()
-        problems = task.sample(rng, cfg.prompts_per_step)
+        problems = curriculum.sample(rng, cfg.prompts_per_step)
         cross_before = engine.stats()["cross_version_prefix_hits"]
         with timer("resume"):
             engine.resume()
@@ -231,16 +276,20 @@ def _loop(cfg: GRPOConfig, policy: torch.nn.Module, task: Task, pad_id: int, tra
             seeded = dataclasses.replace(sampling, seed=cfg.seed * 1_000_003 + step)
             batch = engine.generate([p.prompt_ids for p in problems], n=cfg.samples_per_prompt, sampling=seeded)
         rewards = [task.reward(problems[r.group], r.completion_ids) for r in batch]
+        curriculum.update(problems, batch.groups, rewards)
         evaluation, eval_batches = {}, []
         if held_out and (step % cfg.eval_every == 0 or step == cfg.steps - 1):
             with timer("eval"):
                 evaluation, eval_batches = _evaluate(engine, task, held_out, sampling, cfg.samples_per_prompt)
         with timer("suspend"):
             freed = engine.suspend()
+        lr = schedule.get_last_lr()[0]
         with timer("train"):
             stats = grpo_step(policy, optimizer, batch, rewards, clip_eps=cfg.clip_eps,
                               max_grad_norm=cfg.max_grad_norm, micro_batch_size=cfg.micro_batch_size, pad_id=pad_id,
-                              temperature=cfg.temperature, entropy_coef=cfg.entropy_coef)
+                              temperature=cfg.temperature, entropy_coef=entropy_coef(cfg, step),
+                              scale_advantages=cfg.scale_advantages)
+        schedule.step()
         with timer("weight_update"):
             engine.on_weights_updated()  # no bytes move: version + 1, prefix cache reset
         # -----------------------------------------------------------------------------------------
@@ -270,6 +319,7 @@ def _loop(cfg: GRPOConfig, policy: torch.nn.Module, task: Task, pad_id: int, tra
             "entropy": stats.entropy,
             "signal_fraction": stats.signal_fraction,
             "advantage_std": stats.advantage_std,
+            "lr": lr,
             "completion_tokens": gen.completion_tokens,
             "engine_steps": gen.engine_steps,
             "suspend_freed_bytes": getattr(freed, "buffer_bytes", 0),

@@ -47,7 +47,17 @@ import torch
 
 from inference import LogprobsMode, SamplingParams
 from rollout.client import RolloutClient
-from rollout.colocated import EVAL_SEED, GRPOConfig, RunSummary, build_policy, format_summary, summarize
+from rollout.colocated import (
+    EVAL_SEED,
+    GRPOConfig,
+    RunSummary,
+    build_policy,
+    entropy_coef,
+    format_summary,
+    make_optimizer,
+    summarize,
+)
+from rollout.curriculum import Curriculum
 from rollout.grpo import grpo_step
 from rollout.launch import ServerProcess
 from rollout.route import RouterProcess
@@ -253,8 +263,9 @@ class _Loop:
         cfg, task = self.cfg, self.task
         rng = random.Random(cfg.seed)
         held_out = task.held_out()
-        optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr, weight_decay=0.0)
-        problems = task.sample(rng, cfg.prompts_per_step)
+        optimizer, schedule = make_optimizer(cfg, self.policy)
+        curriculum = Curriculum(task, pool=cfg.curriculum_pool, floor=cfg.curriculum_floor)
+        problems = curriculum.sample(rng, cfg.prompts_per_step)
         pending = self.ahead.submit(self._generate, problems, 0)
         try:
             for step in range(cfg.steps):
@@ -266,14 +277,18 @@ class _Loop:
                 if held_out and (step % cfg.eval_every == 0 or step == cfg.steps - 1):
                     with timer("eval"):
                         evaluation, eval_batches = self._evaluate(held_out)
-                next_problems = task.sample(rng, cfg.prompts_per_step) if step + 1 < cfg.steps else None
+                rewards = [task.reward(problems[r.group], r.completion_ids) for r in batch]
+                curriculum.update(problems, batch.groups, rewards)
+                next_problems = curriculum.sample(rng, cfg.prompts_per_step) if step + 1 < cfg.steps else None
                 if self.dcfg.off_policy and next_problems is not None:  # k+1 runs on version k meanwhile
                     pending = self.ahead.submit(self._generate, next_problems, step + 1)
-                rewards = [task.reward(problems[r.group], r.completion_ids) for r in batch]
+                lr = schedule.get_last_lr()[0]
                 with timer("train"):
                     stats = grpo_step(self.policy, optimizer, batch, rewards, clip_eps=cfg.clip_eps,
                                       max_grad_norm=cfg.max_grad_norm, micro_batch_size=cfg.micro_batch_size,
-                                      pad_id=self.pad_id, temperature=cfg.temperature)
+                                      pad_id=self.pad_id, temperature=cfg.temperature,
+                                      entropy_coef=entropy_coef(cfg, step), scale_advantages=cfg.scale_advantages)
+                schedule.step()
                 if self.dcfg.off_policy and next_problems is not None:
                     with timer("wait"):
                         pending.result()  # NOTE: the replicas finish version k's samples before k+1 lands
@@ -301,6 +316,8 @@ class _Loop:
                     "policy_version": batch.policy_version, "staleness": staleness, "stale_tokens": step_stale,
                     "prefix_hits_cross_version": step_cross, "loss": stats.loss, "grad_norm": stats.grad_norm,
                     "clip_fraction": stats.clip_fraction, "completion_tokens": batch.stats.completion_tokens,
+                    "entropy": stats.entropy, "signal_fraction": stats.signal_fraction,
+                    "advantage_std": stats.advantage_std, "lr": lr,
                 }, example=task.render(problems[batch[0].group], batch[0].completion_ids))
                 problems = next_problems
         finally:

@@ -139,6 +139,7 @@ def grpo_step(
     temperature: float = 1.0,
     routed_experts: Optional[Sequence[Optional[np.ndarray]]] = None,
     entropy_coef: float = 0.0,
+    scale_advantages: bool = True,
 ) -> TrainStats:
     """One GRPO optimizer step on `batch`, in place on `model` (whose parameters the engine may alias).
 
@@ -152,7 +153,7 @@ def grpo_step(
     """
     device = next(model.parameters()).device
     padded: PaddedBatch = batch.to_padded_tensors(pad_id=pad_id, device=device)
-    adv_rows = group_advantages(rewards, batch.groups).to(device)
+    adv_rows = group_advantages(rewards, batch.groups, scale=scale_advantages).to(device)
     if routed_experts is not None and len(routed_experts) != len(batch):
         raise ValueError(f"grpo_step: {len(routed_experts)} routes for {len(batch)} samples")
     routes = None if routed_experts is None else pad_routes(routed_experts, padded.input_ids.shape[1]).to(device)

@@ -93,9 +93,9 @@ def planted_trainer_reads_the_wrong_position(monkeypatch):
     def shifted(model, input_ids, loss_mask, temperature=1.0):
         rows, cols = loss_mask.nonzero(as_tuple=True)
         logits = model(input_ids).logits[rows, cols].float()
-        return gather_logprobs(logits / temperature, input_ids[rows, cols])
+        return logits / temperature, input_ids[rows, cols]
 
-    monkeypatch.setattr("rollout.grpo.token_logprobs", shifted)
+    monkeypatch.setattr("rollout.grpo.predicting_logits", shifted)
 
 
 @pytest.fixture
@@ -124,8 +124,12 @@ def test_gather_logprobs_is_accurate_over_a_large_vocabulary():
     targets = torch.randint(0, 49152, (64,))
     exact = logits.detach().double().log_softmax(-1)[torch.arange(64), targets]
     got = gather_logprobs(logits, targets)
-    # torch's own fp32 log_softmax errs by ~1e-5 here: the engine comparison needs better
+    # NOTE: torch's own fp32 log_softmax errs by ~1e-5 here: the engine comparison needs better.
+    # 3e-6: the log of a 49k-term fp32 sum near e^0..e^16 (relative error ~20 ulp), measured 1-2e-6
     assert (got.detach().double() - exact).abs().max() < 3e-6
     got.sum().backward()
-    expected_grad = torch.nn.functional.one_hot(targets, 49152) - logits.detach().softmax(-1)
-    assert torch.allclose(logits.grad, expected_grad.float(), atol=1e-6)
+    # the gradient of log p[target] against float64: one_hot - softmax, exactly
+    expected_grad = torch.nn.functional.one_hot(targets, 49152).double() - logits.detach().double().softmax(-1)
+    # NOTE: each entry is exp(x - max) / sum in fp32: a few ulp of a value <= 1 (measured ~1.1e-7);
+    # torch's fp32 softmax is itself up to ~1e-5 off here on some CPUs, so it cannot be the reference
+    assert (logits.grad.double() - expected_grad).abs().max() < 1e-6
