@@ -37,7 +37,7 @@ SETTINGS = {
     "2-threads": {"ROLLOUT_ENGINE_DEMO_THREADS": "2"},
 }
 BAR = 0.95
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(os.environ.get("DEMO_SEEDS_ROOT") or Path(__file__).resolve().parents[1])
 
 CHILD = r"""
 import json, os, sys

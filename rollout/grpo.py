@@ -94,10 +94,13 @@ def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """`[N]` entropy (nats) of `softmax(logits)` per row, differentiable."""
+    """`[N]` entropy (nats) of `softmax(logits)` per row, differentiable; -inf logits (masked
+    tokens) count as probability 0, whose p log p is 0."""
     logp = logits - logits.detach().amax(-1, keepdim=True)
     logp = logp - logp.exp().sum(-1, keepdim=True).log()
-    return -(logp.exp() * logp).sum(-1)
+    p = logp.exp()
+    # NOTE: zero the log where p is 0 before the product: 0 x -inf is NaN, in the backward pass too
+    return -(p * torch.where(p > 0, logp, 0.0)).sum(-1)
 
 
 def grpo_loss(

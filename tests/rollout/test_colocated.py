@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from inference import SamplingParams
-from rollout.colocated import GRPOConfig, run_grpo
+from rollout.colocated import GRPOConfig, entropy_coef, make_optimizer, run_grpo
 from rollout.engine import RolloutEngine
 from rollout.grpo import grpo_step, token_logprobs
 from rollout.tasks import DigitVocab
@@ -158,15 +158,39 @@ def test_the_same_run_without_the_planted_bug_passes_its_checks(tmp_path):
 @pytest.mark.slow
 def test_the_demo_learns(tmp_path):
     """The default demo as `make demo` runs it (its task, hyper-parameters and 200 steps): reward
-    from ~0.01 to >= 0.9.
+    from ~0.01 to >= 0.95, held-out greedy >= 0.95.
 
-    NOTE: learning is chaotic in the sampled tokens' log-probs: a change of 1e-7 in them (the
-    native sampler's exp) moved seed 0 at step 150 from >= 0.9 to 0.86, while seeds 1-3 reached
-    0.93-0.98 either way; at the demo's own 200 steps it is 0.98."""
+    NOTE: the bar is the one every seed 0-19 met under two CPU settings (`bench/demo_seeds.py`):
+    the run's outcome no longer hinges on rounding (plain GRPO stalled at 0.84 on seed 0 under
+    ATEN_CPU_CAPABILITY=avx2, see `rollout.curriculum`); seed 0 itself is no special case."""
     cfg = GRPOConfig(threads=1, out_dir=str(tmp_path), run_name="demo", wandb=False, progress=False,
                      table_every=50)
     summary = run_grpo(cfg)
     assert summary.initial_reward < 0.05
-    assert summary.final_reward >= 0.9, summary
+    assert summary.final_reward >= 0.95, summary
     check_run(summary)
-    assert summary.heldout_greedy[1] >= 0.9 and summary.heldout_sampled[1] >= 0.8
+    assert summary.heldout_greedy[1] >= 0.95 and summary.heldout_sampled[1] >= 0.9
+
+
+def test_the_learning_rate_and_the_entropy_bonus_follow_their_cosines():
+    cfg = GRPOConfig(steps=11, lr=1e-3, lr_final=2e-4, entropy_coef=0.01)
+    optimizer, schedule = make_optimizer(cfg, torch.nn.Linear(2, 2))
+    lrs = []
+    for _ in range(cfg.steps):
+        lrs.append(schedule.get_last_lr()[0])
+        optimizer.step()
+        schedule.step()
+    assert lrs[0] == pytest.approx(1e-3) and lrs[-1] == pytest.approx(2e-4) and lrs[5] == pytest.approx(6e-4)
+    assert all(a > b for a, b in zip(lrs, lrs[1:]))
+    coefs = [entropy_coef(cfg, step) for step in range(cfg.steps)]
+    assert coefs[0] == pytest.approx(0.01) and coefs[-1] == pytest.approx(0.0, abs=1e-12)
+    flat = GRPOConfig(steps=11, lr_final=None, entropy_decay=False)
+    _, constant = make_optimizer(flat, torch.nn.Linear(2, 2))
+    assert constant.get_last_lr()[0] == flat.lr and entropy_coef(flat, 10) == flat.entropy_coef
+
+
+@pytest.mark.parametrize("field, value", [("entropy_coef", -0.1), ("curriculum_pool", 0), ("curriculum_floor", 0.0),
+                                          ("lr_final", 0.0)])
+def test_config_refuses_bad_algorithm_settings(field, value):
+    with pytest.raises(ValueError, match=f"GRPOConfig.{field}"):
+        GRPOConfig(**{field: value})

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 import torch
 
 from inference import SamplingParams
 from rollout.engine import RolloutEngine
-from rollout.grpo import gather_logprobs, group_advantages, grpo_loss, grpo_step, token_logprobs
+from rollout.grpo import (
+    gather_logprobs,
+    group_advantages,
+    grpo_loss,
+    grpo_step,
+    predicting_logits,
+    token_entropy,
+    token_logprobs,
+)
 from rollout.types import FinishReason, Rollout, RolloutBatch
 
 from .conftest import small_engine_config
@@ -133,3 +144,47 @@ def test_gather_logprobs_is_accurate_over_a_large_vocabulary():
     # NOTE: each entry is exp(x - max) / sum in fp32: a few ulp of a value <= 1 (measured ~1.1e-7);
     # torch's fp32 softmax is itself up to ~1e-5 off here on some CPUs, so it cannot be the reference
     assert (logits.grad.double() - expected_grad).abs().max() < 1e-6
+
+
+def test_token_entropy_against_float64():
+    torch.manual_seed(1)
+    logits = torch.randn(32, 1000) * 5
+    p = logits.double().softmax(-1)
+    exact = -(p * p.log()).sum(-1)
+    # NOTE: sums of 1000 fp32 terms of size <= ~0.4: ~20 ulp of the entropy (<= ~7 nats), measured ~5e-7
+    assert (token_entropy(logits).double() - exact).abs().max() < 5e-6
+    masked = torch.tensor([[0.0, -float("inf")], [0.0, 0.0]], requires_grad=True)
+    entropy = token_entropy(masked)  # a masked token has probability 0: no entropy, no NaN
+    assert entropy[0].item() == 0.0 and entropy[1].item() == pytest.approx(math.log(2))
+    entropy.sum().backward()
+    assert torch.isfinite(masked.grad).all()
+
+
+def stuck_batch(policy, completion=(9, 9, 9)):
+    """A group whose two samples agree (no signal): only the entropy bonus moves the policy."""
+    prompt = [1, 4]
+    ids = torch.tensor([prompt + list(completion)])
+    mask = torch.tensor([[False] * len(prompt) + [True] * len(completion)])
+    with torch.no_grad():
+        lp = token_logprobs(policy, ids, mask).tolist()
+    rollout = Rollout(prompt, list(completion), lp, [0] * len(completion), FinishReason.LENGTH, group=0)
+    return RolloutBatch([rollout, rollout], group_size=2), ids, mask
+
+
+def test_the_entropy_bonus_moves_a_group_without_signal(policy):
+    batch, ids, mask = stuck_batch(policy)
+    entropy = lambda: float(token_entropy(predicting_logits(policy, ids, mask)[0]).mean().detach())  # noqa: E731
+    before = entropy()
+    stats = grpo_step(policy, torch.optim.SGD(policy.parameters(), lr=0.5), batch, [0.3, 0.3], entropy_coef=0.0)
+    assert stats.signal_fraction == 0.0 and stats.advantage_std == 0.0 and stats.grad_norm == 0.0
+    assert entropy() == before  # no signal, no bonus: nothing moves
+    stats = grpo_step(policy, torch.optim.SGD(policy.parameters(), lr=0.5), batch, [0.3, 0.3], entropy_coef=0.1)
+    assert stats.grad_norm > 0 and stats.entropy == pytest.approx(before, rel=1e-5)
+    assert entropy() > before
+
+
+def test_signal_fraction_counts_groups_whose_rewards_differ(policy):
+    batch, _, _ = stuck_batch(policy)
+    two_groups = RolloutBatch([*batch, *[dataclasses.replace(r, group=1) for r in batch]], group_size=2)
+    stats = grpo_step(policy, torch.optim.SGD(policy.parameters(), lr=0.0), two_groups, [0.3, 0.3, 0.0, 1.0])
+    assert stats.signal_fraction == 0.5 and stats.advantage_std == pytest.approx(0.5 ** 0.5, rel=1e-4)
