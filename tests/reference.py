@@ -7,7 +7,10 @@ ATEN_CPU_CAPABILITY, the build of our C kernels).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
+from collections.abc import Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -32,6 +35,13 @@ class _NoFloat32(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+@contextlib.contextmanager
+def float64_everywhere() -> Iterator[None]:
+    """Within the block, code that asks for fp32 (ours or HF's) computes in float64 instead."""
+    with _NoFloat32():
+        yield
+
+
 def float64_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of an HF model that computes in float64 throughout, with the same weights exactly
     (any float dtype widens losslessly). `model` itself is left as it was.
@@ -45,8 +55,9 @@ def float64_copy(model: torch.nn.Module) -> torch.nn.Module:
         reference.set_experts_implementation("eager")
     forward = reference.forward
 
+    @functools.wraps(forward)  # NOTE: HF's generate reads forward's signature
     def forward_in_float64(*args, **kwargs):
-        with _NoFloat32():
+        with float64_everywhere():
             return forward(*args, **kwargs)
 
     reference.forward = forward_in_float64
