@@ -62,3 +62,16 @@ def float64_copy(model: torch.nn.Module) -> torch.nn.Module:
 
     reference.forward = forward_in_float64
     return reference
+
+
+@torch.no_grad()
+def max_logprob_error(reference: torch.nn.Module, outputs) -> float:
+    """Largest |engine - reference| log-prob over every generated token of `outputs` (engine
+    `RequestOutput`s), the reference (a `float64_copy`) run once over each whole sequence."""
+    worst = 0.0
+    for out in outputs:
+        ids = out.prompt_token_ids + out.generated_token_ids
+        logits = reference(torch.tensor([ids])).logits[0, len(out.prompt_token_ids) - 1 : -1]
+        want = torch.log_softmax(logits.double(), -1).gather(1, torch.tensor(out.generated_token_ids)[:, None])[:, 0]
+        worst = max(worst, (want - torch.tensor(out.logprobs, dtype=torch.float64)).abs().max().item())
+    return worst

@@ -16,7 +16,7 @@ from inference.models.moe_names import localize_expert_tensors
 from inference.parallel.expert_parallel import LocalDispatch
 from tests.inference.engine.conftest import hf_greedy, random_prompts
 from tests.inference.models.moes import FAMILIES, tiny_moe
-from tests.reference import float64_copy
+from tests.reference import float64_copy, max_logprob_error
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -42,17 +42,9 @@ def case(request):
     return request.param, hf, prompts, [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
 
 
-@torch.no_grad()
 def max_logprob_diff(hf, outputs) -> float:
     """Largest |engine - HF| log-prob over every generated token (HF in float64: one forward per sequence)."""
-    reference = float64_copy(hf)
-    worst = 0.0
-    for out in outputs:
-        ids = out.prompt_token_ids + out.generated_token_ids
-        logits = reference(torch.tensor([ids])).logits[0, len(out.prompt_token_ids) - 1 : -1]
-        ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(out.generated_token_ids)[:, None])[:, 0]
-        worst = max(worst, (ref - torch.tensor(out.logprobs, dtype=torch.float64)).abs().max().item())
-    return worst
+    return max_logprob_error(float64_copy(hf), outputs)
 
 
 def test_chunked_prefill_matches_hf(case):
