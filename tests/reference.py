@@ -65,13 +65,15 @@ def float64_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @torch.no_grad()
+def reference_logprobs(reference: torch.nn.Module, prompt: list[int], generated: list[int]) -> torch.Tensor:
+    """float64 `[len(generated)]`: the log-prob of each generated token under `reference` (a
+    `float64_copy`), run once over the whole sequence."""
+    logits = reference(torch.tensor([prompt + generated])).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits.double(), -1).gather(1, torch.tensor(generated)[:, None])[:, 0]
+
+
 def max_logprob_error(reference: torch.nn.Module, outputs) -> float:
     """Largest |engine - reference| log-prob over every generated token of `outputs` (engine
-    `RequestOutput`s), the reference (a `float64_copy`) run once over each whole sequence."""
-    worst = 0.0
-    for out in outputs:
-        ids = out.prompt_token_ids + out.generated_token_ids
-        logits = reference(torch.tensor([ids])).logits[0, len(out.prompt_token_ids) - 1 : -1]
-        want = torch.log_softmax(logits.double(), -1).gather(1, torch.tensor(out.generated_token_ids)[:, None])[:, 0]
-        worst = max(worst, (want - torch.tensor(out.logprobs, dtype=torch.float64)).abs().max().item())
-    return worst
+    `RequestOutput`s)."""
+    return max(((reference_logprobs(reference, o.prompt_token_ids, o.generated_token_ids)
+                 - torch.tensor(o.logprobs, dtype=torch.float64)).abs().max().item() for o in outputs), default=0.0)
