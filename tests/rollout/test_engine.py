@@ -1,4 +1,5 @@
-"""RolloutEngine: n samples per prompt as a RolloutBatch, seeded, with the engine's log-probs."""
+"""RolloutEngine: n samples per prompt as a RolloutBatch, seeded, with the engine's log-probs (those
+the trainer's `token_logprobs` computes, run in float64 as the reference)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,20 @@ from inference import LogprobsMode, SamplingParams
 from rollout.engine import RolloutEngine
 from rollout.grpo import token_logprobs
 from rollout.types import FinishReason
+from tests.reference import float64_copy, float64_everywhere
 
 from .conftest import small_engine_config, tiny_policy
 
 PROMPTS = [[1, 4, 5], [1, 9], [1, 3, 4, 5, 6]]
+# NOTE: |log p| < 4 (16 tokens), where half an fp32 ulp is 2.4e-7: measured max |engine - float64
+# trainer| 9.5e-7 (the shifted weights below; 4e-7 otherwise), the fp32 trainer's own 9.5e-7; 1e-5 is 10x
+LOGPROB_TOL = 1e-5
+
+
+def float64_logprobs(model, padded, temperature: float = 1.0) -> torch.Tensor:
+    """The trainer's log-probs of a padded batch (`rollout.grpo.token_logprobs`), computed in float64."""
+    with torch.no_grad(), float64_everywhere():
+        return token_logprobs(float64_copy(model), padded.input_ids, padded.loss_mask, temperature=temperature)
 
 
 def test_generate_groups_samples_in_prompt_order(policy):
@@ -56,9 +67,8 @@ def test_engine_logprobs_equal_the_trainers(policy):
     engine = RolloutEngine(policy, small_engine_config())
     batch = engine.generate(PROMPTS, n=8, sampling=SamplingParams(max_tokens=10, seed=0))
     padded = batch.to_padded_tensors()
-    with torch.no_grad():
-        trainer = token_logprobs(policy, padded.input_ids, padded.loss_mask)
-    assert (trainer - padded.old_logprobs[padded.loss_mask]).abs().max() <= 1e-5
+    trainer = float64_logprobs(policy, padded)
+    assert (trainer - padded.old_logprobs[padded.loss_mask].double()).abs().max() <= LOGPROB_TOL
 
 
 def test_weights_are_aliased_not_copied(policy):
@@ -74,11 +84,10 @@ def test_processed_logprobs_equal_the_trainers_at_a_temperature(policy):
     sampling = SamplingParams(max_tokens=10, seed=0, temperature=0.7, logprobs_mode=LogprobsMode.PROCESSED)
     batch = engine.generate(PROMPTS, n=8, sampling=sampling)
     padded = batch.to_padded_tensors()
-    with torch.no_grad():
-        trainer = token_logprobs(policy, padded.input_ids, padded.loss_mask, temperature=0.7)
-        raw = token_logprobs(policy, padded.input_ids, padded.loss_mask)
-    engine_lp = padded.old_logprobs[padded.loss_mask]
-    assert (trainer - engine_lp).abs().max() <= 1e-5
+    trainer = float64_logprobs(policy, padded, temperature=0.7)
+    raw = float64_logprobs(policy, padded)
+    engine_lp = padded.old_logprobs[padded.loss_mask].double()
+    assert (trainer - engine_lp).abs().max() <= LOGPROB_TOL
     assert (raw - engine_lp).abs().max() > 1e-3  # the temperature does matter
 
 
@@ -90,14 +99,13 @@ def test_copied_weights_follow_update_weights_and_bind_trainer_model():
     def mismatch():
         batch = engine.generate(PROMPTS, n=4, sampling=sampling)
         padded = batch.to_padded_tensors()
-        with torch.no_grad():
-            lp = token_logprobs(trainer, padded.input_ids, padded.loss_mask)
-        return float((lp - padded.old_logprobs[padded.loss_mask]).abs().max()), batch.versions
+        lp = float64_logprobs(trainer, padded)
+        return float((lp - padded.old_logprobs[padded.loss_mask].double()).abs().max()), batch.versions
 
     assert mismatch()[0] > 1e-2  # another model's weights
     assert engine.update_weights(dict(trainer.named_parameters()), version=7) == 7
     diff, versions = mismatch()
-    assert diff <= 1e-5 and versions == {7} and engine.policy_version == 7
+    assert diff <= LOGPROB_TOL and versions == {7} and engine.policy_version == 7
     with torch.no_grad():
         for p in trainer.parameters():
             p.add_(0.05)  # the engine holds a copy: it does not see this
@@ -108,4 +116,4 @@ def test_copied_weights_follow_update_weights_and_bind_trainer_model():
             p.sub_(0.01)
     engine.on_weights_updated()
     diff, versions = mismatch()
-    assert diff <= 1e-5 and versions == {8}
+    assert diff <= LOGPROB_TOL and versions == {8}

@@ -1,8 +1,8 @@
 """Prompt log-probs cached with their KV blocks (the seed's `PromptLogprobsBlock`).
 
 A request asking for prompt log-probs reuses cached blocks and the scores cached with them: its
-prompt log-probs equal those of an engine without a prefix cache, while the prefill it saved is
-counted. It never gets partial data (fewer alternatives than asked, the last slot of a block
+prompt log-probs equal HF's (computed in float64), as an engine's without a prefix cache do, while
+the prefill it saved is counted. It never gets partial data (fewer alternatives than asked, the last slot of a block
 scoring another continuation), and nothing cached survives the weights that computed it.
 """
 
@@ -13,6 +13,7 @@ import torch
 
 from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams, SuspendPolicy
 from tests.inference.engine.conftest import random_prompts, tiny_llama
+from tests.reference import float64_copy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -35,8 +36,27 @@ def scored(engine, prompt, top_n, n=1):
             after["prompt_logprobs_cached"] - before["prompt_logprobs_cached"])
 
 
-def assert_same_scores(got, want, tol=1e-6):
-    """Same positions, same alternatives, log-probs equal up to float rounding."""
+@torch.no_grad()
+def float64_scores(model, prompt, top_n):
+    """HF's prompt log-probs computed in float64, as the engine reports them: per position after
+    the first, the prompt's token and the top-n alternatives."""
+    logp = torch.log_softmax(float64_copy(model)(torch.tensor([prompt])).logits[0], -1)
+    scores = [None]
+    for t in range(1, len(prompt)):
+        top = torch.topk(logp[t - 1], top_n)
+        alternatives = dict(zip(top.indices.tolist(), top.values.tolist()))
+        scores.append({prompt[t]: logp[t - 1, prompt[t]].item(), **alternatives})
+    return scores
+
+
+# NOTE: |log p| < 7 (384 tokens, tiny logits), where half an fp32 ulp is 2.4e-7: measured max
+# |engine - float64 HF| 7.4e-7 (~3 ulps); 5e-6 is 7x. The closest alternatives (n-th vs n+1-th) are
+# 6e-5 apart, so the sets of alternatives cannot swap on rounding.
+SCORES_TOL = 5e-6
+
+
+def assert_same_scores(got, want, tol=SCORES_TOL):
+    """Same positions, same alternatives, log-probs equal up to fp32 rounding (`want`: float64_scores)."""
     assert len(got) == len(want) and got[0] is None and want[0] is None
     for g, w in zip(got[1:], want[1:]):
         assert g.keys() == w.keys()
@@ -54,7 +74,7 @@ def prompt():
 
 
 def test_a_hit_gives_the_same_prompt_logprobs_and_saves_its_prefill(model, prompt):
-    reference = scored(engine_for(model, enable_prefix_caching=False), prompt, 3)[0][0].prompt_logprobs
+    reference = float64_scores(model, prompt, 3)
     engine = engine_for(model)
     (first,), computed, cached = scored(engine, prompt, 3)
     assert computed == 18 and cached == 0
@@ -76,12 +96,10 @@ def test_a_shared_prefix_is_served_up_to_the_block_whose_last_slot_scores_anothe
     (out,), computed, cached = scored(engine, other, 2)
     # block 2's hash matches, but its last slot scores prompt[12], not other[12]: blocks 0-1 only
     assert cached == 8 and computed == 18 - 8
-    assert_same_scores(out.prompt_logprobs,
-                       scored(engine_for(model, enable_prefix_caching=False), other, 2)[0][0].prompt_logprobs)
+    assert_same_scores(out.prompt_logprobs, float64_scores(model, other, 2))
 
 
 def test_more_alternatives_than_cached_are_computed_never_served_partially(model, prompt):
-    no_cache = engine_for(model, enable_prefix_caching=False)
     engine = engine_for(model)
     engine.generate([prompt], SamplingParams(temperature=0, max_tokens=2))  # blocks cached without scores
     (out,), computed, cached = scored(engine, prompt, 2)
@@ -90,17 +108,17 @@ def test_more_alternatives_than_cached_are_computed_never_served_partially(model
     assert cached == 16
     (out,), computed, cached = scored(engine, prompt, 5)
     assert cached == 0 and computed == 18
-    assert_same_scores(out.prompt_logprobs, scored(no_cache, prompt, 5)[0][0].prompt_logprobs)
+    assert_same_scores(out.prompt_logprobs, float64_scores(model, prompt, 5))
     (out,), computed, cached = scored(engine, prompt, 1)  # fewer than cached: served
     assert cached == 16 and computed == 2
-    assert_same_scores(out.prompt_logprobs, scored(no_cache, prompt, 1)[0][0].prompt_logprobs)
+    assert_same_scores(out.prompt_logprobs, float64_scores(model, prompt, 1))
 
 
 def test_samples_of_a_group_and_recomputed_requests_get_the_prompt_logprobs_once(model, prompt):
     engine = engine_for(model)
     outs, computed, _ = scored(engine, prompt, 2, n=3)
     assert computed == 18 and all(o.prompt_logprobs == outs[0].prompt_logprobs for o in outs)
-    reference = outs[0].prompt_logprobs
+    assert_same_scores(outs[0].prompt_logprobs, float64_scores(model, prompt, 2))
     engine.reset_prefix_cache()
     rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=2))
     engine.step()  # first chunk scored, then recomputed from scratch after the suspend
@@ -110,7 +128,7 @@ def test_samples_of_a_group_and_recomputed_requests_get_the_prompt_logprobs_once
     while engine.has_unfinished_requests():
         outputs += engine.step()
     assert outputs[0].request_id == rid
-    assert_same_scores(outputs[0].prompt_logprobs, reference)
+    assert_same_scores(outputs[0].prompt_logprobs, float64_scores(model, prompt, 2))
 
 
 def test_scores_are_cached_only_by_a_forward_pass_that_succeeded(model, prompt, monkeypatch):
@@ -128,8 +146,7 @@ def test_scores_are_cached_only_by_a_forward_pass_that_succeeded(model, prompt, 
     while engine.has_unfinished_requests():
         outputs += engine.step()
     assert outputs[0].request_id == rid
-    assert_same_scores(outputs[0].prompt_logprobs,
-                       scored(engine_for(model, enable_prefix_caching=False), prompt, 1)[0][0].prompt_logprobs)
+    assert_same_scores(outputs[0].prompt_logprobs, float64_scores(model, prompt, 1))
 
 
 def test_identical_scored_prompts_added_together_compute_the_prompt_once(model, prompt):
@@ -159,8 +176,7 @@ def check_new_weights_get_new_scores(make_engine, prompt):
     assert engine.allocator.state.prompt_logprobs == {}
     (out,), computed, cached = scored(engine, prompt, 2)
     assert cached == 0 and computed == 18
-    assert_same_scores(out.prompt_logprobs,
-                       scored(make_engine(new, enable_prefix_caching=False), prompt, 2)[0][0].prompt_logprobs)
+    assert_same_scores(out.prompt_logprobs, float64_scores(new, prompt, 2))
     assert engine.stats()["cross_version_prefix_hits"] == 0
 
 
@@ -192,10 +208,4 @@ def test_prompt_logprobs_with_cached_scores_match_hf(model, prompt):
     scored(engine, prompt, 3)
     (out,), _, cached = scored(engine, prompt, 3)
     assert cached == 16
-    with torch.no_grad():
-        logp = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
-    for t in range(1, len(prompt)):
-        top = torch.topk(logp[t - 1], 3)
-        want = {prompt[t]: logp[t - 1, prompt[t]].item(), **dict(zip(top.indices.tolist(), top.values.tolist()))}
-        assert out.prompt_logprobs[t].keys() == want.keys()
-        assert all(abs(out.prompt_logprobs[t][k] - v) < 1e-4 for k, v in want.items())
+    assert_same_scores(out.prompt_logprobs, float64_scores(model, prompt, 3))

@@ -178,7 +178,9 @@ def test_thousand_requests_from_eight_threads_with_aborts_pauses_and_suspends(ti
 
 
 def test_six_threads_calling_generate_without_a_loop(tiny):
-    prompts = random_prompts(60, 3, 20, seed=32)
+    # NOTE: greedy tokens compared across batchings: seed 32 had two logits 4.5e-7 apart (float64),
+    # 3x their fp32 error (1.5e-7), which another batching may flip; seed 43's closest pair is 1.9e-4 apart
+    prompts = random_prompts(60, 3, 20, seed=43)
     expected = [o.generated_token_ids for o in DynamicInferenceEngine.from_pretrained(tiny, config()).generate(
         prompts, greedy(10))]
     engine = DynamicInferenceEngine.from_pretrained(tiny, config())
@@ -212,7 +214,7 @@ def test_a_stream_yields_its_first_token_before_the_request_finishes(tiny):
         tokens = [first] + [i for i in rest if isinstance(i, TokenEvent)]
         (final,) = [i for i in rest if isinstance(i, RequestOutput)]
         assert [t.token_id for t in tokens] == final.generated_token_ids
-        assert [t.logprob for t in tokens] == pytest.approx(final.logprobs)
+        assert [t.logprob for t in tokens] == final.logprobs  # the same numbers, streamed
         assert rest[-1] is final
     finally:
         engine.stop()

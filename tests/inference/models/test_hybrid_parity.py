@@ -1,7 +1,7 @@
 """Hybrid attention + Mamba2 models through the engine against HF transformers (fp32, torch path).
 
 For each family (Bamba, Nemotron-H, Falcon-H1), 32 prompts sharing prefixes: greedy tokens equal
-HF `generate`'s and log-probs are within 1e-4 of an HF forward of the same tokens, with chunked
+HF `generate`'s and log-probs are within 5e-6 of an HF forward of the same tokens in float64, with chunked
 prefill and prefix-cache hits that restore Mamba state mid-prompt (counted), and again through a
 pool so small that requests pause and are evicted.
 """
@@ -11,18 +11,20 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams
 from inference.models.hybrid import HybridDecoder
 from tests.inference.engine.conftest import hf_greedy
 from tests.inference.models.hybrids import FAMILIES, VOCAB, tiny_hybrid
+from tests.reference import float64_copy, max_logprob_error
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 NEW_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-TOLERANCE = 1e-4
+# NOTE: |log p| < 8 (384 tokens, logits < 1): a few fp32 roundings of half an ulp (4.8e-7) there.
+# Measured max |engine - float64 HF| 5.7e-7 over the families and the CPU settings CI simulates: 9x.
+TOLERANCE = 5e-6
 MAX_DIFF: dict[str, float] = {}  # family -> max |dlogprob| seen (printed by the last test)
 
 
@@ -45,16 +47,9 @@ def case(request):
     return request.param, hf, prompts, [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
 
 
-@torch.no_grad()
 def max_logprob_diff(hf, outputs) -> float:
-    """Largest |engine - HF| log-prob over every generated token (HF: one forward per sequence)."""
-    worst = 0.0
-    for out in outputs:
-        ids = out.prompt_token_ids + out.generated_token_ids
-        logits = hf(torch.tensor([ids])).logits[0, len(out.prompt_token_ids) - 1 : -1].double()
-        ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(out.generated_token_ids)[:, None])[:, 0]
-        worst = max(worst, (ref - torch.tensor(out.logprobs, dtype=torch.float64)).abs().max().item())
-    return worst
+    """Largest |engine - HF| log-prob over every generated token (HF in float64: one forward per sequence)."""
+    return max_logprob_error(float64_copy(hf), outputs)
 
 
 def config(**overrides) -> InferenceConfig:

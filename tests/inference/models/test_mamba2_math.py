@@ -20,6 +20,7 @@ from inference.models.mamba2 import (
     ssm_step,
 )
 from tests.inference.models.hybrids import tiny_hybrid
+from tests.reference import float64_everywhere
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -46,14 +47,17 @@ def test_chunked_scan_is_the_recurrence(t, chunk, with_h0, seed):
     for i in range(t):
         y_i, state = ssm_step(x[i : i + 1], dt[i : i + 1], A, B[i : i + 1], C[i : i + 1], D, state[None])
         state = state[0]
+        # NOTE: float64 on both sides: ~40 steps of float64 rounding (1e-16 each) are far below 1e-9
         torch.testing.assert_close(y[i], y_i[0], rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(final, state, rtol=1e-9, atol=1e-9)
 
 
 def test_conv_window_carries_a_chunk_into_the_next():
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(11, 6, generator=gen)
-    w, b = torch.randn(6, 4, generator=gen), torch.randn(6, generator=gen)
+    # NOTE: float64, so a whole-prompt and a chunked conv agree to float64 rounding (default tolerance
+    # 1e-7), not to fp32 kernels whose rounding depends on the shape and the CPU
+    x = torch.randn(11, 6, generator=gen, dtype=torch.float64)
+    w, b = torch.randn(6, 4, generator=gen, dtype=torch.float64), torch.randn(6, generator=gen, dtype=torch.float64)
     whole, window = conv_prefill(x, None, w, b)
     first, mid = conv_prefill(x[:5], None, w, b)
     second, end = conv_prefill(x[5:9], mid, w, b)
@@ -76,9 +80,16 @@ def test_a_layer_gives_the_same_rows_however_the_tokens_are_cut(family):
     w: Mamba2Weights = mixer.w
     h = torch.randn(13, dims.hidden_size, generator=torch.Generator().manual_seed(2))
 
-    def pools():
-        return torch.zeros(3, *dims.conv_state_shape), torch.zeros(3, *dims.ssm_state_shape)
+    def pools(dtype=torch.float32):
+        return torch.zeros(3, *dims.conv_state_shape, dtype=dtype), torch.zeros(3, *dims.ssm_state_shape, dtype=dtype)
 
+    # the reference: the whole prompt at once, in float64 (the layer's fp32 upcasts mapped to float64 too)
+    w64 = Mamba2Weights(*(None if getattr(w, n) is None else getattr(w, n).double() for n in Mamba2Weights.__slots__))
+    scale64 = None if model._proj_scale is None else model._proj_scale.double()
+    conv64, ssm64 = pools(torch.float64)
+    with float64_everywhere():
+        want = mamba2_layer(h.double(), w64, dims, conv64, ssm64, torch.tensor([0]), torch.tensor([True]), [0, 13],
+                            0, scale64)
     conv, ssm = pools()
     whole = mamba2_layer(h, w, dims, conv, ssm, torch.tensor([0]), torch.tensor([True]), [0, 13], 0,
                          model._proj_scale)
@@ -90,9 +101,15 @@ def test_a_layer_gives_the_same_rows_however_the_tokens_are_cut(family):
     for i in (11, 12):  # decode steps, batched with nothing else
         parts.append(mamba2_layer(h[i : i + 1], w, dims, conv2, ssm2, torch.tensor([1]), torch.tensor([False]),
                                   [0, 1], 1, model._proj_scale))
-    torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ssm2[1], ssm[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(conv2[1], conv[0])
+    # NOTE: the fp32 rows, SSM states and conv windows, each way, against float64, to 40 fp32 eps
+    # (5e-6) of each one's largest value: measured max 4.0e-7, 2.9e-7 and 2.2e-7 of it
+    def check(got, ref):
+        torch.testing.assert_close(got.double(), ref, rtol=0, atol=5e-6 * ref.abs().max().item())
+
+    for rows, states, window in ((whole, ssm[0], conv[0]), (torch.cat(parts), ssm2[1], conv2[1])):
+        check(rows, want)
+        check(states, ssm64[0])
+        check(window, conv64[0])
 
 
 @pytest.mark.parametrize("overrides, gate", [(dict(mamba_rms_norm=False), GateNorm.GATE_ONLY),

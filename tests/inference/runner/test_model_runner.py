@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams
 from inference.runner.inputs import pick_bucket
 from tests.inference.engine.conftest import random_prompts, tiny_llama
+from tests.reference import float64_copy, max_logprob_error
 
 
 def config(**overrides) -> InferenceConfig:
@@ -61,8 +61,11 @@ def test_padded_bucketed_batches_give_the_same_tokens_and_logprobs(hf):
     assert sum(s.num_padding for s in seen) > 0
     assert {s.input_ids.shape[0] for s in seen} <= {4, 8, 16, 32, 64}
     assert [o.generated_token_ids for o in got] == [o.generated_token_ids for o in want]
-    for g, w in zip(got, want):
-        assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-6, rtol=0)
+    # padding changes the matmuls' shapes, hence their rounding: each run against HF in float64.
+    # NOTE: |log p| < 7 (tiny logits), half an fp32 ulp 2.4e-7 there; measured max 6.2e-7; 5e-6 is 8x
+    reference = float64_copy(hf)
+    for outputs in (want, got):
+        assert max_logprob_error(reference, outputs) < 5e-6
     assert padded.allocator.active == 0
 
 
