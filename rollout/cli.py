@@ -37,7 +37,7 @@ def _add_grpo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, help=f"sampling temperature ({d.temperature}; smollm2: 0.7)")
     parser.add_argument("--clip-eps", type=float, help=f"PPO clip range ({d.clip_eps})")
     parser.add_argument("--entropy-coef", type=float,
-                        help=f"entropy bonus at step 0, fading to 0 along a cosine ({d.entropy_coef}; smollm2: 0)")
+                        help=f"entropy bonus of a sample, x its group's reward deficit ({d.entropy_coef}; smollm2: 0)")
     parser.add_argument("--curriculum-pool", type=int, help="draw failing prompts up to this many times as often "
                         f"(1: off; {d.curriculum_pool}; smollm2: 1)")
     parser.add_argument("--lr-final", type=float,

@@ -31,6 +31,7 @@ from rollout.engine import RolloutEngine
 from rollout.grpo import grpo_step
 from rollout.tasks import ArithmeticTask, CountingTask, DigitVocab, Problem, Task
 from rollout.tracking import StepTimer, Tracker
+from rollout.types import group_slices
 
 logger = logging.getLogger(__name__)
 
@@ -47,18 +48,18 @@ class GRPOConfig:
 
     model: ModelKind = ModelKind.TINY
     steps: int = 200
-    prompts_per_step: int = 32
+    prompts_per_step: int = 64
     samples_per_prompt: int = 8
     lr: float = 1e-3
     temperature: float = 1.0
     clip_eps: float = 0.2
     max_grad_norm: float = 1.0
-    # NOTE: the next five keep the loop out of the trap that stalled seed 0 on some CPUs (a prompt
-    # whose 8 samples all agree on a wrong answer exerts no force; see rollout.curriculum): an
-    # entropy bonus fading to 0 keeps wrong answers from setting early, the curriculum draws failing
-    # prompts up to 4x as often, and the learning rate halves along a cosine for a calm end
-    entropy_coef: float = 0.01  # weight of the token-mean entropy bonus in the loss at step 0
-    entropy_decay: bool = True  # the bonus follows a cosine to 0 at the last step
+    # NOTE: the next four keep the loop out of the trap that stalled seed 0 on some CPUs: a prompt
+    # whose 8 samples all agree on a wrong answer exerts no force (see rollout.curriculum). 64 prompts
+    # a step (32 stalled 1 run in 40) sample the rare long answers twice as often; groups that fall
+    # short keep an entropy bonus; the curriculum draws failing prompts up to 4x as often; the
+    # learning rate halves along a cosine for a calm end
+    entropy_coef: float = 0.05  # entropy bonus of a sample, times its group's reward deficit (0 at the max)
     curriculum_pool: int = 4  # > 1: prompts drawn from that many candidates, weighted by reward deficit
     curriculum_floor: float = 0.2  # a mastered prompt's weight (a failing one's is floor + 1)
     lr_final: Optional[float] = 5e-4  # cosine decay of the learning rate to this at the last step (None: constant)
@@ -226,10 +227,9 @@ def make_optimizer(cfg: GRPOConfig, policy: torch.nn.Module) -> tuple[torch.opti
     if cfg.lr_final is None:
         return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     floor = cfg.lr_final / cfg.lr
-    span = max(1, cfg.steps - 1)
 
     def factor(step: int) -> float:
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(step, span) / span))
+        return floor + (1 - floor) * cosine(step, cfg.steps)
 
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
@@ -239,8 +239,17 @@ def cosine(step: int, steps: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(step, steps - 1) / max(1, steps - 1)))
 
 
-def entropy_coef(cfg: GRPOConfig, step: int) -> float:
-    return cfg.entropy_coef * (cosine(step, cfg.steps) if cfg.entropy_decay else 1.0)
+def entropy_bonus(cfg: GRPOConfig, batch: Any, rewards: list[float], max_reward: float) -> list[float]:
+    """Each sample's entropy coefficient: `cfg.entropy_coef` x how far its group's mean reward is
+    below the task's maximum (a fraction of it), so mastered groups sharpen freely while groups that
+    fall short keep exploring."""
+    out = [0.0] * len(rewards)
+    if not cfg.entropy_coef:
+        return out
+    for start, end in group_slices(batch.groups):
+        deficit = max(0.0, max_reward - sum(rewards[start:end]) / (end - start)) / max_reward
+        out[start:end] = [cfg.entropy_coef * deficit] * (end - start)
+    return out
 
 
 EVAL_SEED = 987_654_321  # the held-out samples' seed: the same every evaluation, so curves show the policy
@@ -287,7 +296,8 @@ def _loop(cfg: GRPOConfig, policy: torch.nn.Module, task: Task, pad_id: int, tra
         with timer("train"):
             stats = grpo_step(policy, optimizer, batch, rewards, clip_eps=cfg.clip_eps,
                               max_grad_norm=cfg.max_grad_norm, micro_batch_size=cfg.micro_batch_size, pad_id=pad_id,
-                              temperature=cfg.temperature, entropy_coef=entropy_coef(cfg, step),
+                              temperature=cfg.temperature,
+                              entropy_coef=entropy_bonus(cfg, batch, rewards, task.max_reward),
                               scale_advantages=cfg.scale_advantages)
         schedule.step()
         with timer("weight_update"):

@@ -52,7 +52,7 @@ from rollout.colocated import (
     GRPOConfig,
     RunSummary,
     build_policy,
-    entropy_coef,
+    entropy_bonus,
     format_summary,
     make_optimizer,
     summarize,
@@ -287,7 +287,8 @@ class _Loop:
                     stats = grpo_step(self.policy, optimizer, batch, rewards, clip_eps=cfg.clip_eps,
                                       max_grad_norm=cfg.max_grad_norm, micro_batch_size=cfg.micro_batch_size,
                                       pad_id=self.pad_id, temperature=cfg.temperature,
-                                      entropy_coef=entropy_coef(cfg, step), scale_advantages=cfg.scale_advantages)
+                                      entropy_coef=entropy_bonus(cfg, batch, rewards, task.max_reward),
+                                      scale_advantages=cfg.scale_advantages)
                 schedule.step()
                 if self.dcfg.off_policy and next_problems is not None:
                     with timer("wait"):

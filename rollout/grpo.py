@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -141,7 +141,7 @@ def grpo_step(
     pad_id: int = 0,
     temperature: float = 1.0,
     routed_experts: Optional[Sequence[Optional[np.ndarray]]] = None,
-    entropy_coef: float = 0.0,
+    entropy_coef: Union[float, Sequence[float]] = 0.0,
     scale_advantages: bool = True,
 ) -> TrainStats:
     """One GRPO optimizer step on `batch`, in place on `model` (whose parameters the engine may alias).
@@ -151,12 +151,19 @@ def grpo_step(
     trainer's recomputation under the same weights, before the step. `temperature` must match
     the log-probs in `batch`: 1 for RAW ones, the sampling temperature for PROCESSED ones.
     `routed_experts` (an MoE policy: each row's `RequestOutput.routed_experts`) replays the
-    engine's routing in the trainer's forward. `entropy_coef` adds `-coef x` the token-mean entropy
-    of the sampling distribution to the loss (an exploration bonus).
+    engine's routing in the trainer's forward. `entropy_coef` (one for all, or one per sample) adds
+    `-coef x` each token's entropy of the sampling distribution to the token-mean loss (an
+    exploration bonus).
     """
     device = next(model.parameters()).device
     padded: PaddedBatch = batch.to_padded_tensors(pad_id=pad_id, device=device)
     adv_rows = group_advantages(rewards, batch.groups, scale=scale_advantages).to(device)
+    per_sample = not isinstance(entropy_coef, (int, float))
+    if per_sample and len(entropy_coef) != len(batch):
+        raise ValueError(f"grpo_step: {len(entropy_coef)} entropy coefficients for {len(batch)} samples")
+    bonus_rows = torch.tensor(entropy_coef if per_sample else [entropy_coef] * len(batch), dtype=torch.float32,
+                              device=device)
+    bonus = bool((bonus_rows != 0).any())
     if routed_experts is not None and len(routed_experts) != len(batch):
         raise ValueError(f"grpo_step: {len(routed_experts)} routes for {len(batch)} samples")
     routes = None if routed_experts is None else pad_routes(routed_experts, padded.input_ids.shape[1]).to(device)
@@ -178,8 +185,10 @@ def grpo_step(
         old = padded.old_logprobs[sl][mask]
         adv = adv_rows[sl][:, None].expand_as(mask)[mask]
         per_token, was_clipped = grpo_loss(lp, old, adv, clip_eps=clip_eps)
-        entropy = token_entropy(logits) if entropy_coef else token_entropy(logits.detach())
-        loss = (per_token.sum() - entropy_coef * entropy.sum()) / total if entropy_coef else per_token.sum() / total
+        entropy = token_entropy(logits if bonus else logits.detach())
+        if bonus:
+            per_token = per_token - bonus_rows[sl][:, None].expand_as(mask)[mask] * entropy
+        loss = per_token.sum() / total
         loss.backward()
         entropy_sum += float(entropy.detach().sum())
         loss_sum += float(loss.detach())

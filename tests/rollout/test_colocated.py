@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from inference import SamplingParams
-from rollout.colocated import GRPOConfig, entropy_coef, make_optimizer, run_grpo
+from rollout.colocated import GRPOConfig, entropy_bonus, make_optimizer, run_grpo
 from rollout.engine import RolloutEngine
 from rollout.grpo import grpo_step, token_logprobs
 from rollout.tasks import DigitVocab
+from rollout.types import FinishReason, Rollout, RolloutBatch
 
 from .conftest import small_engine_config, tiny_policy
 
@@ -172,8 +173,8 @@ def test_the_demo_learns(tmp_path):
     assert summary.heldout_greedy[1] >= 0.95 and summary.heldout_sampled[1] >= 0.9
 
 
-def test_the_learning_rate_and_the_entropy_bonus_follow_their_cosines():
-    cfg = GRPOConfig(steps=11, lr=1e-3, lr_final=2e-4, entropy_coef=0.01)
+def test_the_learning_rate_follows_its_cosine():
+    cfg = GRPOConfig(steps=11, lr=1e-3, lr_final=2e-4)
     optimizer, schedule = make_optimizer(cfg, torch.nn.Linear(2, 2))
     lrs = []
     for _ in range(cfg.steps):
@@ -182,11 +183,19 @@ def test_the_learning_rate_and_the_entropy_bonus_follow_their_cosines():
         schedule.step()
     assert lrs[0] == pytest.approx(1e-3) and lrs[-1] == pytest.approx(2e-4) and lrs[5] == pytest.approx(6e-4)
     assert all(a > b for a, b in zip(lrs, lrs[1:]))
-    coefs = [entropy_coef(cfg, step) for step in range(cfg.steps)]
-    assert coefs[0] == pytest.approx(0.01) and coefs[-1] == pytest.approx(0.0, abs=1e-12)
-    flat = GRPOConfig(steps=11, lr_final=None, entropy_decay=False)
+    flat = GRPOConfig(steps=11, lr_final=None)
     _, constant = make_optimizer(flat, torch.nn.Linear(2, 2))
-    assert constant.get_last_lr()[0] == flat.lr and entropy_coef(flat, 10) == flat.entropy_coef
+    assert constant.get_last_lr()[0] == flat.lr
+
+
+def test_the_entropy_bonus_goes_to_groups_that_fall_short():
+    batch = RolloutBatch([Rollout([1], [2], [0.0], [0], FinishReason.STOP, group=g, sample_index=i)
+                          for g in range(3) for i in range(2)], group_size=2)
+    rewards = [1.0, 1.0, 0.5, 0.0, 0.25, 0.25]
+    coefs = entropy_bonus(GRPOConfig(entropy_coef=0.05), batch, rewards, max_reward=1.0)
+    assert coefs == pytest.approx([0.0, 0.0, 0.0375, 0.0375, 0.0375, 0.0375])
+    assert entropy_bonus(GRPOConfig(entropy_coef=0.0), batch, rewards, 1.0) == [0.0] * 6
+    assert entropy_bonus(GRPOConfig(entropy_coef=0.05), batch, [2 * r for r in rewards], 2.0) == pytest.approx(coefs)
 
 
 @pytest.mark.parametrize("field, value", [("entropy_coef", -0.1), ("curriculum_pool", 0), ("curriculum_floor", 0.0),
