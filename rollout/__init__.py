@@ -5,8 +5,17 @@ from rollout.aclient import AsyncRolloutClient
 from rollout.backend import RolloutBackend, SampleStream
 from rollout.client import RolloutClient
 from rollout.colocated import GRPOConfig, ModelKind, RunSummary, run_grpo
+from rollout.curriculum import Curriculum
 from rollout.engine import RolloutEngine
-from rollout.grpo import TrainStats, gather_logprobs, group_advantages, grpo_loss, grpo_step, token_logprobs
+from rollout.grpo import (
+    TrainStats,
+    gather_logprobs,
+    group_advantages,
+    grpo_loss,
+    grpo_step,
+    shortfall_entropy,
+    token_logprobs,
+)
 from rollout.launch import ServerProcess
 from rollout.route import RouterProcess
 from rollout.router import RolloutRouter, RouterConfig
@@ -19,6 +28,7 @@ __all__ = [
     "AsyncRolloutClient",
     "ClientSecurity",
     "CountingTask",
+    "Curriculum",
     "DigitVocab",
     "FinishReason",
     "GRPOConfig",
@@ -46,5 +56,6 @@ __all__ = [
     "grpo_loss",
     "grpo_step",
     "run_grpo",
+    "shortfall_entropy",
     "token_logprobs",
 ]

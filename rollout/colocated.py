@@ -28,10 +28,9 @@ import torch
 from inference import InferenceConfig, LogprobsMode, SamplingParams
 from rollout.curriculum import Curriculum
 from rollout.engine import RolloutEngine
-from rollout.grpo import grpo_step
+from rollout.grpo import grpo_step, shortfall_entropy
 from rollout.tasks import ArithmeticTask, CountingTask, DigitVocab, Problem, Task
 from rollout.tracking import StepTimer, Tracker
-from rollout.types import group_slices
 
 logger = logging.getLogger(__name__)
 
@@ -239,19 +238,6 @@ def cosine(step: int, steps: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(step, steps - 1) / max(1, steps - 1)))
 
 
-def entropy_bonus(cfg: GRPOConfig, batch: Any, rewards: list[float], max_reward: float) -> list[float]:
-    """Each sample's entropy coefficient: `cfg.entropy_coef` x how far its group's mean reward is
-    below the task's maximum (a fraction of it), so mastered groups sharpen freely while groups that
-    fall short keep exploring."""
-    out = [0.0] * len(rewards)
-    if not cfg.entropy_coef:
-        return out
-    for start, end in group_slices(batch.groups):
-        deficit = max(0.0, max_reward - sum(rewards[start:end]) / (end - start)) / max_reward
-        out[start:end] = [cfg.entropy_coef * deficit] * (end - start)
-    return out
-
-
 EVAL_SEED = 987_654_321  # the held-out samples' seed: the same every evaluation, so curves show the policy
 
 
@@ -297,7 +283,7 @@ def _loop(cfg: GRPOConfig, policy: torch.nn.Module, task: Task, pad_id: int, tra
             stats = grpo_step(policy, optimizer, batch, rewards, clip_eps=cfg.clip_eps,
                               max_grad_norm=cfg.max_grad_norm, micro_batch_size=cfg.micro_batch_size, pad_id=pad_id,
                               temperature=cfg.temperature,
-                              entropy_coef=entropy_bonus(cfg, batch, rewards, task.max_reward),
+                              entropy_coef=shortfall_entropy(rewards, batch.groups, cfg.entropy_coef, task.max_reward),
                               scale_advantages=cfg.scale_advantages)
         schedule.step()
         with timer("weight_update"):

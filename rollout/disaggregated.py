@@ -52,13 +52,12 @@ from rollout.colocated import (
     GRPOConfig,
     RunSummary,
     build_policy,
-    entropy_bonus,
     format_summary,
     make_optimizer,
     summarize,
 )
 from rollout.curriculum import Curriculum
-from rollout.grpo import grpo_step
+from rollout.grpo import grpo_step, shortfall_entropy
 from rollout.launch import ServerProcess
 from rollout.route import RouterProcess
 from rollout.tasks import Problem, Task
@@ -287,7 +286,8 @@ class _Loop:
                     stats = grpo_step(self.policy, optimizer, batch, rewards, clip_eps=cfg.clip_eps,
                                       max_grad_norm=cfg.max_grad_norm, micro_batch_size=cfg.micro_batch_size,
                                       pad_id=self.pad_id, temperature=cfg.temperature,
-                                      entropy_coef=entropy_bonus(cfg, batch, rewards, task.max_reward),
+                                      entropy_coef=shortfall_entropy(rewards, batch.groups, cfg.entropy_coef,
+                                                                     task.max_reward),
                                       scale_advantages=cfg.scale_advantages)
                 schedule.step()
                 if self.dcfg.off_policy and next_problems is not None:

@@ -22,7 +22,7 @@ from inference.routing_replay import pad_routes, replay_routing
 from rollout.types import PaddedBatch, RolloutBatch, group_slices
 
 __all__ = ["TrainStats", "gather_logprobs", "group_advantages", "grpo_loss", "grpo_step", "predicting_logits",
-           "token_entropy", "token_logprobs"]
+           "shortfall_entropy", "token_entropy", "token_logprobs"]
 
 
 def group_advantages(
@@ -44,6 +44,22 @@ def group_advantages(
             centred = centred / (g.std(unbiased=False) + eps)
         out[start:end] = centred
     return out.float()
+
+
+def shortfall_entropy(rewards: Sequence[float], groups: Sequence[int], coef: float,
+                      max_reward: float = 1.0) -> list[float]:
+    """Per-sample entropy coefficients for `grpo_step`: `coef` x how far the sample's group's mean
+    reward falls below `max_reward` (as a fraction of it). Mastered groups get none and sharpen
+    freely; a group that falls short keeps exploring, even when its samples all agree (a group
+    without signal has advantages of 0, so nothing else moves it)."""
+    if len(rewards) != len(groups):
+        raise ValueError(f"shortfall_entropy: {len(rewards)} rewards for {len(groups)} samples")
+    out = [0.0] * len(rewards)
+    if coef:
+        for start, end in group_slices(groups):
+            deficit = max(0.0, max_reward - sum(rewards[start:end]) / (end - start)) / max_reward
+            out[start:end] = [coef * deficit] * (end - start)
+    return out
 
 
 def token_logprobs(

@@ -9,11 +9,10 @@ import pytest
 import torch
 
 from inference import SamplingParams
-from rollout.colocated import GRPOConfig, entropy_bonus, make_optimizer, run_grpo
+from rollout.colocated import GRPOConfig, make_optimizer, run_grpo
 from rollout.engine import RolloutEngine
 from rollout.grpo import grpo_step, token_logprobs
 from rollout.tasks import DigitVocab
-from rollout.types import FinishReason, Rollout, RolloutBatch
 
 from .conftest import small_engine_config, tiny_policy
 
@@ -186,16 +185,6 @@ def test_the_learning_rate_follows_its_cosine():
     flat = GRPOConfig(steps=11, lr_final=None)
     _, constant = make_optimizer(flat, torch.nn.Linear(2, 2))
     assert constant.get_last_lr()[0] == flat.lr
-
-
-def test_the_entropy_bonus_goes_to_groups_that_fall_short():
-    batch = RolloutBatch([Rollout([1], [2], [0.0], [0], FinishReason.STOP, group=g, sample_index=i)
-                          for g in range(3) for i in range(2)], group_size=2)
-    rewards = [1.0, 1.0, 0.5, 0.0, 0.25, 0.25]
-    coefs = entropy_bonus(GRPOConfig(entropy_coef=0.05), batch, rewards, max_reward=1.0)
-    assert coefs == pytest.approx([0.0, 0.0, 0.0375, 0.0375, 0.0375, 0.0375])
-    assert entropy_bonus(GRPOConfig(entropy_coef=0.0), batch, rewards, 1.0) == [0.0] * 6
-    assert entropy_bonus(GRPOConfig(entropy_coef=0.05), batch, [2 * r for r in rewards], 2.0) == pytest.approx(coefs)
 
 
 @pytest.mark.parametrize("field, value", [("entropy_coef", -0.1), ("curriculum_pool", 0), ("curriculum_floor", 0.0),

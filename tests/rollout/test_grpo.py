@@ -16,6 +16,7 @@ from rollout.grpo import (
     grpo_loss,
     grpo_step,
     predicting_logits,
+    shortfall_entropy,
     token_entropy,
     token_logprobs,
 )
@@ -188,3 +189,13 @@ def test_signal_fraction_counts_groups_whose_rewards_differ(policy):
     two_groups = RolloutBatch([*batch, *[dataclasses.replace(r, group=1) for r in batch]], group_size=2)
     stats = grpo_step(policy, torch.optim.SGD(policy.parameters(), lr=0.0), two_groups, [0.3, 0.3, 0.0, 1.0])
     assert stats.signal_fraction == 0.5 and stats.advantage_std == pytest.approx(0.5 ** 0.5, rel=1e-4)
+
+
+def test_the_entropy_bonus_goes_to_groups_that_fall_short():
+    groups, rewards = [0, 0, 1, 1, 2, 2], [1.0, 1.0, 0.5, 0.0, 0.25, 0.25]
+    coefs = shortfall_entropy(rewards, groups, 0.05)
+    assert coefs == pytest.approx([0.0, 0.0, 0.0375, 0.0375, 0.0375, 0.0375])
+    assert shortfall_entropy(rewards, groups, 0.0) == [0.0] * 6
+    assert shortfall_entropy([2 * r for r in rewards], groups, 0.05, max_reward=2.0) == pytest.approx(coefs)
+    with pytest.raises(ValueError, match="rewards"):
+        shortfall_entropy(rewards[:3], groups, 0.05)
