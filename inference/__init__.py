@@ -23,7 +23,7 @@ from inference.errors import (
     TokenOverflowError,
 )
 from inference.request import FinishReason, RequestOutput, TokenEvent
-from inference.sampling_params import LogprobsMode, SamplingParams
+from inference.sampling.params import LogprobsMode, SamplingParams
 from inference.streams import EngineStepError, RequestStream
 from inference.weights import Staging
 

@@ -31,7 +31,7 @@ from inference.core.states import EngineState
 from inference.errors import EngineStateError
 from inference.kv_cache.events import KVEventListener
 from inference.request import RequestOutput, TokenEvent
-from inference.sampling_params import SamplingParams
+from inference.sampling.params import SamplingParams
 from inference.streams import Callback, RequestStream
 from inference.weights import NamedTensors, Staging
 

@@ -11,7 +11,7 @@ named level, they round alike on every CPU that has it, which is how CI simulate
 A level this CPU lacks is refused (its instructions would fault), like a failed build.
 
 Kernels are called through ctypes, which releases the GIL. Users: decode attention
-(`attention/cpu_kernels.py`), the sampler (`sampling_kernel.py`) and weight sync's byte moves
+(`attention/cpu_kernels.py`), the sampler (`sampling/native.py`) and weight sync's byte moves
 (`weight_sync/memcopy.py`).
 
 Where no compiler is found or the build fails, `library()` is None (logged once) and every user

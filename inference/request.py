@@ -16,7 +16,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from inference.sampling_params import SamplingParams
+from inference.sampling.params import SamplingParams
 
 
 class FinishReason(str, enum.Enum):

@@ -18,7 +18,7 @@ import numpy as np
 from msgspec import Meta
 
 from inference.request import FinishReason
-from inference.sampling_params import MAX_LOGPROBS, MAX_TEMPERATURE, MAX_TOP_K, LogprobsMode
+from inference.sampling.params import MAX_LOGPROBS, MAX_TEMPERATURE, MAX_TOP_K, LogprobsMode
 from rollout.packing import as_float32, as_int32, check_non_negative, check_same_length
 from weight_sync.sources import DistributedSource, GroupName, SharedMemorySource
 from weight_sync.transports.distributed import DEFAULT_GROUP

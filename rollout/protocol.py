@@ -41,7 +41,7 @@ import numpy as np
 
 from inference.errors import ContextErrorFactory, ContextOverflowError, EngineStateError
 from inference.request import RequestOutput
-from inference.sampling_params import SamplingParams
+from inference.sampling.params import SamplingParams
 from rollout.messages import (
     MAX_REQUEST_ID_LENGTH,
     PROTOCOL_VERSION,

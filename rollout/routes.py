@@ -98,7 +98,7 @@ class Route:
 def sent_indices(record: Record, owed: list[int]) -> tuple[list[int], Optional[set[int]]]:
     """The record's sample indices to send a replica for `owed` ones, and which of the sent are
     owed (None: all). A seeded sample's random stream is keyed by its index in its Generate
-    (`inference.sampling.sample_seed(seed, index)`): sent alone as a smaller n, owed samples 2 and 3
+    (`inference.sampling.seeds.sample_seed(seed, index)`): sent alone as a smaller n, owed samples 2 and 3
     of a seeded request would replay samples 0 and 1. So a seeded request is sent whole and the
     copies of the samples not owed are dropped (failover and recompute only: rare, and correct
     beats cheap)."""

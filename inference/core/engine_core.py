@@ -38,8 +38,8 @@ from inference.errors import (
 )
 from inference.request import Request, RequestOutput
 from inference.runner.model_runner import ModelRunner
-from inference.sampling import make_generator, sample_seed
-from inference.sampling_params import SamplingParams
+from inference.sampling.params import SamplingParams
+from inference.sampling.seeds import make_generator, sample_seed
 from inference.sched import offload
 from inference.sched.block_registration import register_full_blocks
 from inference.sched.context import DynamicInferenceContext

@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from inference.request import TokenEvent
-from inference.sampling import SamplingBatch, compute_prompt_logprobs
+from inference.sampling.batch import SamplingBatch
+from inference.sampling.sampler import compute_prompt_logprobs
 from inference.sched.context import DynamicInferenceContext
 
 

@@ -24,7 +24,8 @@ from inference.models.protocol import StateBatch
 from inference.runner.buckets import IDLE, BatchDims, BucketPolicy
 from inference.runner.cuda_graphs import PiecewiseGraphs
 from inference.runner.inputs import InputBuffers, StepInputs, fill_dummy_inputs, fill_inputs
-from inference.sampling import Sampler, SamplerOutput, SamplingBatch
+from inference.sampling.batch import SamplingBatch
+from inference.sampling.sampler import Sampler, SamplerOutput
 from inference.sched.context import DynamicInferenceContext
 from inference.sched.scheduler import StepPlan
 

@@ -26,7 +26,7 @@ from inference.errors import BlockOverflowError
 from inference.kv_cache.allocator import KVBlockAllocator
 from inference.kv_cache.hashing import block_hashes
 from inference.request import FinishReason, Request, RequestStatus
-from inference.sampling_params import LogprobsMode
+from inference.sampling.params import LogprobsMode
 from inference.sched.prompt_logprobs import PromptScores, servable_prefix
 from inference.sched.state_prefix import StatePrefixCache
 

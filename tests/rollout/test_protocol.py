@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from inference.errors import ContextOverflowError, EngineStateError, MaxSequenceLengthOverflowError
 from inference.request import FinishReason, RequestOutput
-from inference.sampling_params import MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE, LogprobsMode, SamplingParams
+from inference.sampling.params import MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE, LogprobsMode, SamplingParams
 from rollout.messages import MAX_LEASE_SECONDS, MAX_REQUEST_ID_LENGTH, MAX_SAMPLES
 from rollout.protocol import (
     PROTOCOL_VERSION,

@@ -14,7 +14,7 @@ from inference import (
     SuspendPolicy,
     UpdatePolicy,
 )
-from inference.sampling import sample_seed
+from inference.sampling.seeds import sample_seed
 from rollout import RolloutEngine
 from tests.inference.engine.conftest import random_prompts, tiny_llama
 

@@ -1,7 +1,7 @@
 """Top-k, top-p and min-p as one per-row logit threshold: keep the tokens with x >= thr.
 
 Each truncation keeps an upper set of the logits, so their composition is one threshold per row
-(see the order and the tie rule in sampling.py). Top-k reads the k-th largest logit. Top-p builds
+(see the order and the tie rule in sampler.py). Top-k reads the k-th largest logit. Top-p builds
 a histogram of each row's probability mass over log-probability bins: bins above the one where
 the mass crosses p are kept, bins below are cut, and only the crossing bin's tokens are sorted.
 So a nucleus of any width costs a few passes over the row, never a full sort (a window of the

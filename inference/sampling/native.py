@@ -1,6 +1,6 @@
 """The sampler's native fast path: rows sampled from their untruncated softmax in one C call.
 
-`inference/csrc/sample_rows.c` does per row what `sampling.sample` does with six full passes of
+`inference/csrc/sample_rows.c` does per row what `sampler.sample` does with six full passes of
 torch ops (max, subtract, exp, pad, chunk sums, inverse-CDF search) in one read of the row, on
 torch's threads. Same contract: one uniform `u` per row picks the token whose cumulative weight
 interval holds `u * total`; tokens of weight zero never win. Used for float32 CPU logits without

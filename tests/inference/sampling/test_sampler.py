@@ -8,9 +8,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from inference import sampling, sampling_truncation
-from inference.sampling import Sampler, SamplingBatch, compute_prompt_logprobs, make_generator, sample
-from inference.sampling_params import LogprobsMode, SamplingParams
+from inference.sampling import sampler as sampler_module
+from inference.sampling import truncation
+from inference.sampling.batch import SamplingBatch
+from inference.sampling.params import LogprobsMode, SamplingParams
+from inference.sampling.sampler import Sampler, compute_prompt_logprobs, sample
+from inference.sampling.seeds import make_generator
 
 PROCESSED = LogprobsMode.PROCESSED
 
@@ -72,7 +75,7 @@ def test_truncation_and_processed_logprobs_match_direct_computation(params, voca
     # coarse top-p histograms put many tokens in the crossing bin, a short span most of the row in
     # the overflow bin, one or two rows per pass exercise the chunking
     bins, span, rows = histogram
-    with mock.patch.multiple(sampling_truncation, _HIST_BINS=bins, _HIST_SPAN=span, _HIST_ROWS=rows):
+    with mock.patch.multiple(truncation, _HIST_BINS=bins, _HIST_SPAN=span, _HIST_ROWS=rows):
         out = sample(logits, batch)
     for r, p in enumerate(params):
         keep, logq, ambiguous = reference(logits[r], p)
@@ -271,7 +274,7 @@ def test_prompt_logprobs_equal_log_softmax_in_row_chunks():
     torch.manual_seed(3)
     logits = (torch.randn(37, 400) * 3).bfloat16()
     targets = torch.randint(0, 400, (37,))
-    with mock.patch.object(sampling, "_PROMPT_ROWS", 8):
+    with mock.patch.object(sampler_module, "_PROMPT_ROWS", 8):
         out = compute_prompt_logprobs(logits, targets, num_top=5)
     ref = torch.log_softmax(logits.double(), -1)  # of the same bf16 logits: exact
     # NOTE: |log p| < 16 (bf16 logits x 3 over 400 tokens): three fp32 half-ulps (4.8e-7) and the sum's

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference import sampling_kernel
-from inference.sampling import SamplingBatch, make_generator, sample
-from inference.sampling_params import LogprobsMode, SamplingParams
+from inference.sampling import native
+from inference.sampling.batch import SamplingBatch
+from inference.sampling.params import LogprobsMode, SamplingParams
+from inference.sampling.sampler import sample
+from inference.sampling.seeds import make_generator
 from tests.inference.native_util import needs_compiler
 
 # NOTE: the kernel is tested wherever a C compiler is, whatever ROLLOUT_ENGINE_NO_KERNELS says
@@ -38,7 +40,7 @@ def test_tokens_are_the_inverse_cdf_of_the_uniforms(vocab, temperature):
     logits = torch.randn(rows, vocab, generator=gen) * 4
     inv_t = torch.full((rows,), 1 / temperature)
     u = torch.rand(rows, dtype=torch.float64, generator=gen)
-    tokens, maxes, totals, raw_totals = sampling_kernel.sample_rows(logits, inv_t, u, raw=True)
+    tokens, maxes, totals, raw_totals = native.sample_rows(logits, inv_t, u, raw=True)
     assert tokens.dtype == torch.int64 and ((tokens >= 0) & (tokens < vocab)).all()
     lo, hi = reference_interval(logits, inv_t, tokens)
     # NOTE: the cumulative mass the kernel searches is off by its chunk sums' relative error (< 1e-6,
@@ -58,14 +60,14 @@ def test_tokens_of_zero_weight_never_win():
     logits[:, allowed] = torch.tensor([0.0, 1.0, -200.0, 2.0])  # NOTE: -200 is below exp's range: weight 0
     u = torch.linspace(0, 1, rows + 1, dtype=torch.float64)[:-1]
     u[-1] = 1 - 2**-53  # the top of the mass
-    tokens, _, totals, _ = sampling_kernel.sample_rows(logits, torch.ones(rows), u)
+    tokens, _, totals, _ = native.sample_rows(logits, torch.ones(rows), u)
     assert set(tokens.tolist()) == {5, 1023, 2999}
     assert torch.isfinite(totals).all()
 
 
 def test_a_cold_temperature_keeps_to_the_top_token():
     logits = torch.randn(32, 5000, generator=torch.Generator().manual_seed(1))
-    tokens, _, totals, _ = sampling_kernel.sample_rows(logits, torch.full((32,), 1e4),
+    tokens, _, totals, _ = native.sample_rows(logits, torch.full((32,), 1e4),
                                                        torch.rand(32, dtype=torch.float64))
     assert torch.equal(tokens, logits.argmax(-1)) and torch.isfinite(totals).all()
 
@@ -74,8 +76,8 @@ def test_strided_rows_are_read_in_place():
     full = torch.randn(16, 4000, generator=torch.Generator().manual_seed(2))
     view = full[:, :3000]
     u = torch.rand(16, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
-    assert torch.equal(sampling_kernel.sample_rows(view, torch.ones(16), u)[0],
-                       sampling_kernel.sample_rows(view.contiguous(), torch.ones(16), u)[0])
+    assert torch.equal(native.sample_rows(view, torch.ones(16), u)[0],
+                       native.sample_rows(view.contiguous(), torch.ones(16), u)[0])
 
 
 @pytest.mark.parametrize("mode", [LogprobsMode.RAW, LogprobsMode.PROCESSED])
@@ -85,7 +87,7 @@ def test_both_sampler_paths_give_the_float64_tokens_and_log_probs(monkeypatch, m
     params = [SamplingParams(temperature=t, seed=100 + i, logprobs=3, logprobs_mode=mode)
               for i, t in enumerate(temperatures)]
     native_out = sample(logits, SamplingBatch.from_params(params))
-    monkeypatch.setattr(sampling_kernel, "usable", lambda logits: False)
+    monkeypatch.setattr(native, "usable", lambda logits: False)
     torch_out = sample(logits, SamplingBatch.from_params(params))
     greedy = torch.tensor([t == 0 for t in temperatures])
     inv_t = torch.tensor([t or 1.0 for t in temperatures]).reciprocal()  # float32, as the sampler's

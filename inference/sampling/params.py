@@ -57,7 +57,7 @@ class SamplingParams:
       seed is None or an int in [0, 2**64); max_tokens >= 1; stop_token_ids ints >= 0;
       logprobs / prompt_logprobs are None (not returned) or a top-n count in [0, 100]
       (0 = only the sampled / target token's log-prob).
-    The truncations apply in the order temperature -> top-k -> top-p -> min-p (see sampling.py).
+    The truncations apply in the order temperature -> top-k -> top-p -> min-p (see sampler.py).
     """
 
     n: int = 1

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from inference.sampling_params import MAX_LOGPROBS, LogprobsMode, SamplingParams
+from inference.sampling.params import MAX_LOGPROBS, LogprobsMode, SamplingParams
 
 
 def test_defaults_are_valid_and_cheap_to_read():

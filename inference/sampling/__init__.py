@@ -1,0 +1,1 @@
+"""Sampling: per-request parameters, the vectorised sampler, truncation and its native fast path."""
