@@ -25,7 +25,7 @@ from inference.errors import (
 from inference.request import FinishReason, RequestOutput, TokenEvent
 from inference.sampling.params import LogprobsMode, SamplingParams
 from inference.streams import EngineStepError, RequestStream
-from inference.weights import Staging
+from inference.weights.staging import Staging
 
 __all__ = [
     "ActiveRequestCountOverflowError",

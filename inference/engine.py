@@ -33,7 +33,8 @@ from inference.kv_cache.events import KVEventListener
 from inference.request import RequestOutput, TokenEvent
 from inference.sampling.params import SamplingParams
 from inference.streams import Callback, RequestStream
-from inference.weights import NamedTensors, Staging
+from inference.weights.manager import NamedTensors
+from inference.weights.staging import Staging
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ Importing this package registers the megatron-core weight adapter with `inferenc
 `engine.bind_trainer_model(gpt_model)` and `engine.update_weights(megatron_named_tensors)` work.
 """
 
-from inference.weights import Staging  # how an update is staged (double / in place): part of the wire sources
+from inference.weights.staging import Staging  # how an update is staged (double / in place): part of the wire sources
 from weight_sync import megatron_model  # noqa: F401  (registers the megatron-core adapter)
 from weight_sync.manifest import Manifest, ManifestError, parse_weight_version
 from weight_sync.naming import Naming, detect_naming, hf_to_megatron, megatron_to_hf

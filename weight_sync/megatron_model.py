@@ -33,7 +33,7 @@ import torch
 from inference.models.decoder import alias_blocker
 from inference.models.layers import rope_inv_freq
 from inference.models.spec import ModelSpec, RopeKind
-from inference.weight_adapters import WeightAdapter, register_weight_adapter
+from inference.weights.adapters import WeightAdapter, register_weight_adapter
 from weight_sync.naming import (
     Layout,
     Naming,

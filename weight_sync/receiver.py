@@ -35,7 +35,7 @@ from typing import Any, Optional
 import torch
 
 from inference.errors import EngineStateError
-from inference.weights import Staging
+from inference.weights.staging import Staging
 from weight_sync.buckets import as_bytes, bucket_checksum, unpack_bucket
 from weight_sync.manifest import (
     ChecksumError,

@@ -24,7 +24,7 @@ from typing import Annotated, Optional
 import msgspec
 from msgspec import Meta
 
-from inference.weights import Staging
+from inference.weights.staging import Staging
 from weight_sync.manifest import ALIGN, Manifest, ManifestError
 from weight_sync.transports.distributed import DEFAULT_GROUP
 from weight_sync.transports.shm import DEFAULT_PIECE_BYTES, MIN_PIECE_BYTES, CudaIpcBuffer, check_segment_name

@@ -44,7 +44,8 @@ from inference.sched import offload
 from inference.sched.block_registration import register_full_blocks
 from inference.sched.context import DynamicInferenceContext
 from inference.sched.scheduler import Scheduler
-from inference.weights import NamedTensors, Staging, WeightManager
+from inference.weights.manager import NamedTensors, WeightManager
+from inference.weights.staging import Staging
 
 logger = logging.getLogger(__name__)
 

@@ -107,7 +107,8 @@ def short_run(tmp_path, **overrides):
 @pytest.fixture
 def planted_version_not_bumped(monkeypatch):
     """Planted bug: an update goes in, but the policy version stays."""
-    monkeypatch.setattr("inference.weights.WeightManager.commit_version", lambda self, version=None: self._version)
+    monkeypatch.setattr("inference.weights.manager.WeightManager.commit_version",
+                        lambda self, version=None: self._version)
 
 
 @pytest.fixture

@@ -90,7 +90,7 @@ def test_a_partial_megatron_bucket(old, new):
 @pytest.fixture
 def planted_update_not_applied(monkeypatch):
     """Planted bug: a partial update is validated and versioned but never copied in."""
-    monkeypatch.setattr("inference.weights.WeightManager.apply_update", lambda self, hf: None)
+    monkeypatch.setattr("inference.weights.manager.WeightManager.apply_update", lambda self, hf: None)
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("meg
 
 from inference.models.decoder import DenseDecoder  # noqa: E402
 from inference.models.spec import RopeKind, RopeSpec  # noqa: E402
-from inference.weight_adapters import adapter_for_module, adapter_for_names  # noqa: E402
+from inference.weights.adapters import adapter_for_module, adapter_for_names  # noqa: E402
 from tests.reference import float64_everywhere  # noqa: E402
 from tests.weight_sync.paged import engine_logits, tiny_spec  # noqa: E402
 from weight_sync.megatron_cpu import build_gpt_model, gpt_logits, megatron_cpu  # noqa: E402

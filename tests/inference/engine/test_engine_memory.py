@@ -19,7 +19,7 @@ from inference import (
     SuspendPolicy,
 )
 from inference.cache.manager import CacheManager
-from inference.weights import WeightManager
+from inference.weights.manager import WeightManager
 from tests.inference.engine.conftest import random_prompts, tiny_llama
 from tests.inference.models.recurrent import RecurrentDecoder
 

@@ -21,38 +21,19 @@ then resets the prefix cache, which this class does not own.
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
 from inference.errors import EngineStateError, WeightNameError, WeightShapeError
-from inference.weight_adapters import adapter_for_module, adapter_for_names
+from inference.weights.adapters import adapter_for_module, adapter_for_names
+from inference.weights.staging import StagedUpdate, Staging
 
 logger = logging.getLogger(__name__)
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
-
-
-class Staging(str, enum.Enum):
-    """Where a staged update's tensors go until it commits (see module docstring)."""
-
-    DOUBLE = "double"
-    IN_PLACE = "in_place"
-
-
-@dataclass(slots=True)
-class _StagedUpdate:
-    version: Optional[int]
-    staging: Staging
-    partial: bool
-    retain_staging: bool = False
-    loaded: set[str] = field(default_factory=set)
-    staged: dict[str, torch.Tensor] = field(default_factory=dict)  # DOUBLE: the copies to swap in
-    handed: dict[str, torch.Tensor] = field(default_factory=dict)  # DOUBLE: buffers a transport fills itself
 
 
 class WeightManager:
@@ -68,7 +49,7 @@ class WeightManager:
         self._bound_trainer_tensors: list[torch.Tensor] = []  # the trainer's tensors the model aliases
         self._trainer_refresh = None  # rewrites tensors an adapter had to convert
         self._offloaded: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (name, host copy, tensor)
-        self._update: Optional[_StagedUpdate] = None
+        self._update: Optional[StagedUpdate] = None
         self._broken: Optional[str] = None  # why the live weights are mixed (an aborted in-place update)
         self._spare: dict[str, torch.Tensor] = {}  # DOUBLE staging buffers kept from the last commit
 
@@ -223,7 +204,7 @@ class WeightManager:
         if self._offloaded:
             raise EngineStateError("the engine's weights are offloaded (suspended); resume() first")
         self.check_version(version)
-        self._update = _StagedUpdate(version, staging, partial, retain_staging and staging is Staging.DOUBLE)
+        self._update = StagedUpdate(version, staging, partial, retain_staging and staging is Staging.DOUBLE)
 
     def staging_buffers(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """Buffers the engine owns, by HF name, for a transport to write the open `double` update

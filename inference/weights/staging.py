@@ -1,0 +1,30 @@
+"""How a staged weight update is held until it commits: the staging kind (the wire reuses it) and
+the record of an update in progress."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+class Staging(str, enum.Enum):
+    """Where a staged update's tensors go until it commits (see `manager.py`'s docstring)."""
+
+    DOUBLE = "double"
+    IN_PLACE = "in_place"
+
+
+@dataclass(slots=True)
+class StagedUpdate:
+    """An open staged update, owned by `WeightManager`: what was loaded, and where it went."""
+
+    version: Optional[int]
+    staging: Staging
+    partial: bool
+    retain_staging: bool = False
+    loaded: set[str] = field(default_factory=set)
+    staged: dict[str, torch.Tensor] = field(default_factory=dict)  # DOUBLE: the copies to swap in
+    handed: dict[str, torch.Tensor] = field(default_factory=dict)  # DOUBLE: buffers a transport fills itself
