@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from inference.attention.metadata import AttentionMetadata
-from inference.kv_cache.buffers import KVCacheBuffer
+from inference.cache.kv_buffer import KVCacheBuffer
 
 
 class AttentionBackendKind(enum.Enum):

@@ -20,7 +20,7 @@ import torch
 
 from inference.attention.base import AttentionBackend, AttentionBackendKind
 from inference.attention.metadata import AttentionMetadata, split_decode_prefill
-from inference.kv_cache.buffers import KVCacheBuffer
+from inference.cache.kv_buffer import KVCacheBuffer
 
 _WORKSPACE_BYTES = 128 * 1024 * 1024  # flashinfer's recommended float workspace size
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from inference.attention import cpu_kernels
 from inference.attention.base import AttentionBackend, AttentionBackendKind
 from inference.attention.metadata import AttentionMetadata, BatchSplit, split_decode_prefill
-from inference.kv_cache.buffers import KVCacheBuffer
+from inference.cache.kv_buffer import KVCacheBuffer
 
 
 class _Group:

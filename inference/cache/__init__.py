@@ -1,1 +1,1 @@
-"""Caches a model declares and the engine builds: paged KV and per-request state pools."""
+"""Device memory from the model's cache specs: the paged KV buffer, per-request state pools, snapshots."""

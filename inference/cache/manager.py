@@ -18,12 +18,12 @@ from typing import Optional
 import numpy as np
 import torch
 
+from inference.cache.kv_buffer import KVCacheBuffer
 from inference.cache.snapshots import StateSnapshots
 from inference.cache.specs import CacheSpec, KVCacheSpec, StateSpec
 from inference.cache.state_pool import StatePool
 from inference.config import InferenceConfig
 from inference.kv_cache.allocator import KVBlockAllocator
-from inference.kv_cache.buffers import KVCacheBuffer
 from inference.kv_cache.events import KVEventHub
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@
  * query head scores against them. First pass: scores and their max (a stable softmax); second:
  * the probability-weighted sum of V rows. Work is split over requests.
  *
- * Layout (see inference/kv_cache/buffers.py): a layer's K and V are [num_blocks, block_size,
+ * Layout (see inference/cache/kv_buffer.py): a layer's K and V are [num_blocks, block_size,
  * num_kv_heads, head_dim]; q and out are [num_requests, num_heads, head_dim]; block_tables is
  * [num_requests, table_stride] int32; seq_lens [num_requests] int32. Query head h uses KV head
  * h / (num_heads / num_kv_heads). Threads: `num_threads` of the OpenMP runtime torch already

@@ -1,4 +1,4 @@
-"""Paged KV memory: the block allocator with its prefix cache, block hashes and KV events."""
+"""Prefix-cache bookkeeping of the paged KV memory: the block allocator, block hashes and KV events."""
 
 from inference.kv_cache.allocator import KVBlockAllocator, KVPoolStats
 from inference.kv_cache.block_state import (

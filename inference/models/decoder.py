@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from inference.attention.base import AttentionBackend
 from inference.attention.metadata import AttentionMetadata
 from inference.attention.selector import select_backend
+from inference.cache.kv_buffer import KVCacheBuffer
 from inference.cache.specs import KVCacheSpec
-from inference.kv_cache.buffers import KVCacheBuffer
 from inference.models.layers import RotaryEmbedding, apply_rotary, rms_norm, swiglu
 from inference.models.spec import ModelSpec
 

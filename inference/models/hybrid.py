@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from inference.attention.base import AttentionBackend
 from inference.attention.metadata import AttentionMetadata
 from inference.attention.selector import select_backend
+from inference.cache.kv_buffer import KVCacheBuffer
 from inference.cache.specs import CacheSpec, KVCacheSpec, StateSpec
-from inference.kv_cache.buffers import KVCacheBuffer
 from inference.models import mamba_kernels
 from inference.models.decoder import BindReport, DenseDecoder
 from inference.models.hybrid_spec import HybridSpec, MixerKind, MixerSpec

@@ -16,8 +16,8 @@ import torch
 
 from inference.attention.base import AttentionBackend
 from inference.attention.metadata import AttentionMetadata
+from inference.cache.kv_buffer import KVCacheBuffer
 from inference.cache.specs import CacheSpec
-from inference.kv_cache.buffers import KVCacheBuffer
 
 
 @dataclass(slots=True)

@@ -6,7 +6,7 @@ and every rank routes its own tokens over all `E` experts (the router is replica
 `torch.distributed.all_to_all_single` (gloo on CPU, NCCL on GPU), the owner runs its experts over
 everything it received, and the outputs travel back the same way (*combine*); the caller weights
 and sums them (`moe.combine`). Every rank must call every layer's exchange in the same order, so
-every rank runs every step (see `inference/ep_sync.py`): a rank with no work runs a dummy batch.
+every rank runs every step (see `inference/core/ep_sync.py`): a rank with no work runs a dummy batch.
 
 Two exchanges:
 * variable (eager): rows are sorted by expert (so by destination) and sent with exact split sizes

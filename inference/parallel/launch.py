@@ -19,8 +19,8 @@ from typing import Optional
 import torch.distributed as dist
 
 from inference.config import InferenceConfig
+from inference.core.ep_sync import EPCommunicator
 from inference.engine import DynamicInferenceEngine
-from inference.ep_sync import EPCommunicator
 from inference.models.moe_spec import MoeSpec
 from inference.parallel.expert_parallel import ExpertParallel
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from inference.kv_cache.buffers import KVCacheBuffer
+from inference.cache.kv_buffer import KVCacheBuffer
 from inference.runner.inputs import InputBuffers, StepInputs
 
 PIECES = ("embed", "rope", "attention_inputs", "after_attention", "head", "weights_signature")

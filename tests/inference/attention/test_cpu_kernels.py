@@ -8,7 +8,7 @@ import torch
 from inference import native as native_kernels
 from inference.attention.metadata import AttentionMetadata
 from inference.attention.torch_backend import TorchAttentionBackend
-from inference.kv_cache.buffers import KVCacheBuffer
+from inference.cache.kv_buffer import KVCacheBuffer
 from tests.inference.native_util import needs_compiler
 
 # (atol, rtol) against float64 attention of the same inputs, by (dtype, native kernel or torch path).

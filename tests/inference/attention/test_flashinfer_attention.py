@@ -12,7 +12,7 @@ import torch
 from inference.attention import AttentionBackendKind, AttentionMetadata, select_backend
 from inference.attention.flashinfer_backend import FlashInferAttentionBackend, _page_lists
 from inference.attention.torch_backend import TorchAttentionBackend
-from inference.kv_cache.buffers import KVCacheBuffer
+from inference.cache.kv_buffer import KVCacheBuffer
 
 # (context already cached, new rows): decode rows, a fresh prefill, chunks after context
 REQS = [(37, 1), (0, 19), (5, 1), (40, 9), (0, 1), (3, 4)]

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from inference import native as native_kernels
 from inference.attention.metadata import AttentionMetadata
 from inference.attention.torch_backend import TorchAttentionBackend
-from inference.kv_cache.buffers import KVCacheBuffer
+from inference.cache.kv_buffer import KVCacheBuffer
 from tests.inference.native_util import kernels_on
 
 

@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams
-from inference.ep_sync import EPCommunicator
+from inference.core.ep_sync import EPCommunicator
 from tests.inference.engine.conftest import random_prompts, tiny_llama
 
 BUCKETS = dict(batch_buckets=(8, 16, 32), decode_buckets=(2, 4, 8))

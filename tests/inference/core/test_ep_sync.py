@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from inference.ep_sync import EPCommunicator, EPPeerLostError
+from inference.core.ep_sync import EPCommunicator, EPPeerLostError
 
 
 def address() -> str:

@@ -1,8 +1,5 @@
-"""KVCacheBuffer: layout, slot writes, block copies, offload/restore, (de)allocation.
-
-NOTE: lives beside the attention tests because the kv_cache test folder belongs to another
-work item; it tests `inference/kv_cache/buffers.py`.
-"""
+"""KVCacheBuffer (`inference/cache/kv_buffer.py`): layout, slot writes, block copies,
+offload/restore, (de)allocation."""
 
 from __future__ import annotations
 
@@ -12,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from inference.kv_cache.buffers import KVCacheBuffer
+from inference.cache.kv_buffer import KVCacheBuffer
 
 L, NB, BS, H, D = 2, 6, 4, 2, 3
 
