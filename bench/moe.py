@@ -96,7 +96,7 @@ def ep_requests(args) -> list[list]:
 
 def ep_worker(job_path: str) -> int:
     """One rank (`--ep-worker JOB.json`): serve its requests in lockstep, write timings as JSON."""
-    from inference.parallel.launch import start_ep_rank
+    from inference.ep_launch import start_ep_rank
 
     job = json.loads(Path(job_path).read_text())
     torch.set_num_threads(1)
@@ -215,7 +215,7 @@ def bench_expert_parallel(model, args) -> bool:
 
 @torch.no_grad()
 def bench_routing_replay(args) -> bool:
-    from inference.routing_replay import pad_routes, replay_routing, routing_flips
+    from inference.models.moe.routing_replay import pad_routes, replay_routing, routing_flips
 
     model = moe_model(args.seed, torch.bfloat16)
     import random

@@ -77,7 +77,7 @@ def random_weights(spec, seed: int) -> dict[str, torch.Tensor]:
 
 def replica_main(argv: list[str]) -> int:
     from inference import DynamicInferenceEngine, InferenceConfig
-    from inference.models.decoder import DenseDecoder
+    from inference.models.dense.decoder import DenseDecoder
     from rollout.serve import READY_PREFIX
     from rollout.server import RolloutServer, ServerConfig
 

@@ -22,7 +22,7 @@ import torch
 from common import llama_spec
 
 from inference import DynamicInferenceEngine, InferenceConfig
-from inference.models.decoder import DenseDecoder
+from inference.models.dense.decoder import DenseDecoder
 from inference.models.spec import ModelSpec
 
 SIZES = {  # name -> (hidden, layers, intermediate, vocab)

@@ -83,7 +83,7 @@ class DynamicInferenceEngine:
         expert_parallel: Any = None,
     ) -> DynamicInferenceEngine:
         """Build from an HF model directory or an in-memory transformers `*ForCausalLM`; an MoE
-        model with `expert_parallel` (an `inference.parallel.ExpertParallel`) keeps only this
+        model with `expert_parallel` (an `inference.models.parallel.ExpertParallel`) keeps only this
         rank's experts (then also call `set_ep_communicator`)."""
         from inference.models.loading import load_from_hf_dir, load_from_hf_model
 

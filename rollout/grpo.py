@@ -18,7 +18,7 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
-from inference.routing_replay import pad_routes, replay_routing
+from inference.models.moe.routing_replay import pad_routes, replay_routing
 from rollout.types import PaddedBatch, RolloutBatch, group_slices
 
 __all__ = ["TrainStats", "gather_logprobs", "group_advantages", "grpo_loss", "grpo_step", "predicting_logits",
@@ -84,7 +84,7 @@ def predicting_logits(
     to a later position, so the padding after it is invisible under the causal mask.
 
     With `routes [B, T, moe_layers, k]` (an MoE model), every token goes to the experts the engine
-    chose for it (`inference.routing_replay`).
+    chose for it (`inference.models.moe.routing_replay`).
     """
     if loss_mask[:, 0].any():
         raise ValueError("token_logprobs: the first position has nothing to predict it")

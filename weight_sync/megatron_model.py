@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from inference.models.decoder import alias_blocker
+from inference.models.dense.decoder import alias_blocker
 from inference.models.layers import rope_inv_freq
 from inference.models.spec import ModelSpec, RopeKind
 from inference.weights.adapters import WeightAdapter, register_weight_adapter

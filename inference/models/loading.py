@@ -22,12 +22,12 @@ from typing import Any, Optional
 import torch
 
 from inference.attention.base import AttentionBackend
-from inference.models.decoder import EMBED, LM_HEAD, DenseDecoder, bind_module_tensors
-from inference.models.hybrid import HybridDecoder
-from inference.models.hybrid_loading import is_hybrid_config, load_hybrid_from_dir, load_hybrid_from_module
-from inference.models.moe_decoder import MoeDecoder
-from inference.models.moe_loading import load_moe_from_dir, load_moe_from_module
-from inference.models.moe_spec import is_moe_config
+from inference.models.dense.decoder import EMBED, LM_HEAD, DenseDecoder, bind_module_tensors
+from inference.models.hybrid.decoder import HybridDecoder
+from inference.models.hybrid.loading import is_hybrid_config, load_hybrid_from_dir, load_hybrid_from_module
+from inference.models.moe.decoder import MoeDecoder
+from inference.models.moe.loading import load_moe_from_dir, load_moe_from_module
+from inference.models.moe.spec import is_moe_config
 from inference.models.spec import ModelSpec
 
 logger = logging.getLogger(__name__)

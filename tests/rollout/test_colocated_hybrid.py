@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from inference.models.hybrid import HybridDecoder
+from inference.models.hybrid.decoder import HybridDecoder
 from rollout.colocated import GRPOConfig, ModelKind, build_policy, run_grpo
 from rollout.engine import RolloutEngine
 

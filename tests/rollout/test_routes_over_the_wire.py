@@ -11,7 +11,7 @@ from rollout import RolloutClient, RolloutEngine
 from rollout.messages import RoutedExperts, SampleOutput
 from rollout.protocol import decode, encode
 from rollout.server import RolloutServer
-from tests.inference.models.moes import tiny_moe
+from tests.inference.models.moe.tiny import tiny_moe
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

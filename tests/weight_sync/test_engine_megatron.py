@@ -13,7 +13,7 @@ if importlib.util.find_spec("megatron") is None:
 
 import weight_sync  # noqa: E402,F401  (registers the megatron-core adapter)
 from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams  # noqa: E402
-from inference.models.decoder import DenseDecoder  # noqa: E402
+from inference.models.dense.decoder import DenseDecoder  # noqa: E402
 from tests.reference import float64_everywhere  # noqa: E402
 from tests.weight_sync.paged import tiny_spec  # noqa: E402
 from weight_sync.megatron_cpu import build_gpt_model, gpt_logits, megatron_cpu  # noqa: E402

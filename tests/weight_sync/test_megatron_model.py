@@ -17,7 +17,7 @@ import torch.nn.functional as F
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
     pytest.skip("needs megatron-core", allow_module_level=True)
 
-from inference.models.decoder import DenseDecoder  # noqa: E402
+from inference.models.dense.decoder import DenseDecoder  # noqa: E402
 from inference.models.spec import RopeKind, RopeSpec  # noqa: E402
 from inference.weights.adapters import adapter_for_module, adapter_for_names  # noqa: E402
 from tests.reference import float64_everywhere  # noqa: E402

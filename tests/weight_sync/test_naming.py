@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from inference import errors
-from inference.models.decoder import DenseDecoder
+from inference.models.dense.decoder import DenseDecoder
 from tests.weight_sync.paged import random_hf_tensors, tiny_spec
 from weight_sync.naming import (
     Layout,

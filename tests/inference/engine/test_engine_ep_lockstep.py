@@ -1,5 +1,5 @@
 """Engines in expert-parallel lockstep over a real ZMQ group, in one process (a dense model: the
-lockstep alone, no expert exchange; the MoE exchange across processes: parallel/test_ep_engine.py).
+lockstep alone, no expert exchange; the MoE exchange across processes: models/parallel/test_ep_engine.py).
 A rank without requests runs dummy steps of the agreed bucket and keeps its prefix cache; with
 background loops an idle rank heartbeats, serves its peer's steps, and the group stops together."""
 

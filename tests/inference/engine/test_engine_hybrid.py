@@ -9,7 +9,7 @@ import torch
 from inference import DynamicInferenceEngine, EvictionPolicy, InferenceConfig, SamplingParams, SuspendPolicy
 from inference.core.memory import process_rss_bytes
 from tests.inference.engine.conftest import hf_greedy, random_prompts
-from tests.inference.models.hybrids import tiny_hybrid
+from tests.inference.models.hybrid.tiny import tiny_hybrid
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -11,7 +11,7 @@ import pytest
 from inference import ContextOverflowError, DynamicInferenceEngine, EvictionPolicy, InferenceConfig, SamplingParams
 from tests.inference.engine.test_engine_hybrid import snapshots_match_registry
 from tests.inference.engine.test_engine_stress import check_invariants
-from tests.inference.models.hybrids import VOCAB, tiny_hybrid
+from tests.inference.models.hybrid.tiny import VOCAB, tiny_hybrid
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

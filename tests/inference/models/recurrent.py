@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from inference.cache.specs import StateSpec
-from inference.models.decoder import DenseDecoder
+from inference.models.dense.decoder import DenseDecoder
 from inference.models.loading import load_from_hf_model
 from inference.models.protocol import StateBatch
 

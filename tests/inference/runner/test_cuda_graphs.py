@@ -11,7 +11,7 @@ import torch
 from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams
 from inference.runner.cuda_graphs import eager_piecewise, supports_pieces
 from tests.inference.engine.conftest import random_prompts, tiny_llama
-from tests.inference.models.moes import tiny_moe
+from tests.inference.models.moe.tiny import tiny_moe
 from tests.reference import float64_copy, max_logprob_error
 
 BUCKETS = dict(batch_buckets=(8, 16, 32), decode_buckets=(1, 2, 4, 8))

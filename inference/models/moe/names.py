@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from inference.errors import WeightNameError
-from inference.models.decoder import LM_HEAD
-from inference.models.moe_spec import MoeSpec
+from inference.models.dense.decoder import LM_HEAD
+from inference.models.moe.spec import MoeSpec
 
 _PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
                          r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")

@@ -11,7 +11,7 @@ Experts run per expert over the rows routed to it: `ExpertWeights.sparse` (one m
 expert hit; row counts read on the host) or, where no host sync is allowed (CUDA-graph capture),
 `ExpertWeights.masked` (every expert over every row, each row keeping its own expert's output).
 Where the rows go (this process or other expert-parallel ranks) is the dispatcher's business
-(`inference/parallel/expert_parallel.py`).
+(`inference/models/parallel/expert_parallel.py`).
 """
 
 from __future__ import annotations

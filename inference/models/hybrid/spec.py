@@ -3,7 +3,7 @@
 A hybrid is a stack of residual blocks `x = x + sum_m out_mult_m * mixer_m(norm(x) * in_mult_m)`.
 A block has one mixer (attention, Mamba2 or an MLP) in Bamba and Nemotron-H, or several in
 parallel (Falcon-H1's attention + Mamba2). Every tensor keeps its Hugging Face name, which is
-also the engine's; `hybrid_loading` builds a `HybridSpec` from each family's config.
+also the engine's; `hybrid/loading.py` builds a `HybridSpec` from each family's config.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from inference.models.mamba2 import GateNorm, Mamba2Dims
+from inference.models.hybrid.mamba2 import GateNorm, Mamba2Dims
 from inference.models.spec import RopeSpec
 
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams
-from inference.routing_replay import pad_routes, replay_routing, routing_flips
+from inference.models.moe.routing_replay import pad_routes, replay_routing, routing_flips
 from rollout.grpo import grpo_step
 from rollout.types import Rollout, RolloutBatch
 from tests.inference.engine.conftest import random_prompts
-from tests.inference.models.moes import tiny_moe
+from tests.inference.models.moe.tiny import tiny_moe
 from tests.reference import float64_copy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -5,7 +5,7 @@ and every rank routes its own tokens over all `E` experts (the router is replica
 *dispatches* each (token, choice) pair's hidden row to the owner of its expert with
 `torch.distributed.all_to_all_single` (gloo on CPU, NCCL on GPU), the owner runs its experts over
 everything it received, and the outputs travel back the same way (*combine*); the caller weights
-and sums them (`moe.combine`). Every rank must call every layer's exchange in the same order, so
+and sums them (`moe/layer.py: combine`). Every rank must call every layer's exchange in the same order, so
 every rank runs every step (see `inference/core/ep_sync.py`): a rank with no work runs a dummy batch.
 
 Two exchanges:
@@ -16,7 +16,8 @@ Two exchanges:
 * static (CUDA-graph capture): every rank sends each peer a fixed `T * k` slots (empty ones marked
   with expert -1) and experts run masked (`ExpertWeights.masked`): fixed shapes, no host sync.
   All ranks must then have the same `T`, which the padded-bucket agreement guarantees.
-`LocalDispatch` is the single-process case (no collective), with the same two paths.
+`LocalDispatch` (`models/moe/dispatch.py`) is the single-process case (no collective), with the same two
+paths.
 """
 
 from __future__ import annotations
@@ -24,35 +25,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from inference.models.moe import ExpertWeights
+from inference.models.moe.layer import ExpertWeights
 
 
 class ExpertParallelError(RuntimeError):
     """An expert-parallel collective failed: a peer is gone, or it did not arrive in time."""
-
-
-class LocalDispatch:
-    """All experts live in this process: sort the pairs by expert and run each expert once."""
-
-    world_size = 1
-    rank = 0
-
-    def __init__(self, num_experts: int) -> None:
-        self.num_experts = num_experts
-        self.num_local = num_experts
-        self.first_expert = 0
-
-    def run(self, h: torch.Tensor, ids: torch.Tensor, experts: ExpertWeights, *, static: bool = False) -> torch.Tensor:
-        """Expert outputs `[T * k, H]` of every (token, choice) pair, in (token, choice) order."""
-        k = ids.shape[1]
-        flat = ids.reshape(-1)
-        if static:
-            return experts.masked(h.repeat_interleave(k, dim=0), flat)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        out = torch.empty(flat.numel(), h.shape[1], dtype=h.dtype, device=h.device)
-        out[order] = experts.sparse(h.index_select(0, order // k), counts)
-        return out
 
 
 class ExpertParallel:

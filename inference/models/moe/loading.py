@@ -1,5 +1,5 @@
 """MoE families' weights into a `MoeDecoder`: from a directory or a live `*ForCausalLM`, taking
-only this expert-parallel rank's experts (names: `moe_names.py`).
+only this expert-parallel rank's experts (names: `names.py`).
 
 A directory is read lazily by name, so a rank reads (and keeps) only its own experts when the
 checkpoint names them one by one (what `save_pretrained` writes); a fused checkpoint is sliced and
@@ -16,10 +16,10 @@ from typing import Any, Optional
 import torch
 
 from inference.attention.base import AttentionBackend
-from inference.models.decoder import LM_HEAD, bind_module_tensors
-from inference.models.moe_decoder import MoeDecoder
-from inference.models.moe_names import disk_names, disk_sources, localize_expert_tensors
-from inference.models.moe_spec import MoeSpec
+from inference.models.dense.decoder import LM_HEAD, bind_module_tensors
+from inference.models.moe.decoder import MoeDecoder
+from inference.models.moe.names import disk_names, disk_sources, localize_expert_tensors
+from inference.models.moe.spec import MoeSpec
 
 
 def load_moe_from_dir(path: str | Path, config: dict, *, dtype: Optional[torch.dtype], device: torch.device,

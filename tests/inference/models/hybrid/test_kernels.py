@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference.models import mamba_kernels
-from inference.models.mamba2 import mamba2_layer
+from inference.models.hybrid import kernels as mamba_kernels
+from inference.models.hybrid.mamba2 import mamba2_layer
 
 pytestmark = pytest.mark.gpu
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.skipif(not mamba_kernels.available(torch.device("cuda")), reason="needs CUDA, mamba-ssm, causal-conv1d")
 def test_the_kernel_layer_matches_the_torch_layer():
     from inference import DynamicInferenceEngine, InferenceConfig
-    from tests.inference.models.hybrids import tiny_hybrid
+    from tests.inference.models.hybrid.tiny import tiny_hybrid
 
     model = DynamicInferenceEngine.from_pretrained(
         tiny_hybrid("bamba").to("cuda", torch.bfloat16), InferenceConfig(num_blocks=8, dtype=torch.bfloat16,

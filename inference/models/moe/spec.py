@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from inference.models.moe import RouterSpec, Scoring
+from inference.models.moe.layer import RouterSpec, Scoring
 from inference.models.spec import ModelSpec
 
 

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from inference.config import InferenceConfig
 from inference.core.ep_sync import EPCommunicator
 from inference.engine import DynamicInferenceEngine
-from inference.models.moe_spec import MoeSpec
-from inference.parallel.expert_parallel import ExpertParallel
+from inference.models.moe.spec import MoeSpec
+from inference.models.parallel.expert_parallel import ExpertParallel
 
 
 def start_ep_rank(model_dir: str | Path, config: Optional[InferenceConfig], *, rank: int, world_size: int,

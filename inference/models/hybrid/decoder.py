@@ -20,11 +20,11 @@ from inference.attention.metadata import AttentionMetadata
 from inference.attention.selector import select_backend
 from inference.cache.kv_buffer import KVCacheBuffer
 from inference.cache.specs import CacheSpec, KVCacheSpec, StateSpec
-from inference.models import mamba_kernels
-from inference.models.decoder import BindReport, DenseDecoder
-from inference.models.hybrid_spec import HybridSpec, MixerKind, MixerSpec
+from inference.models.dense.decoder import BindReport, DenseDecoder
+from inference.models.hybrid import kernels as mamba_kernels
+from inference.models.hybrid.mamba2 import Mamba2Weights, mamba2_layer
+from inference.models.hybrid.spec import HybridSpec, MixerKind, MixerSpec
 from inference.models.layers import RotaryEmbedding, apply_rotary, rms_norm
-from inference.models.mamba2 import Mamba2Weights, mamba2_layer
 from inference.models.protocol import StateBatch
 
 CONV_STATE = "conv"

@@ -10,12 +10,12 @@ import torch
 
 from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams
 from inference.models.loading import load_from_hf_dir, read_safetensors
-from inference.models.moe import ExpertWeights, RouterSpec, Scoring, route, weights_for
-from inference.models.moe_decoder import MoeDecoder
-from inference.models.moe_names import localize_expert_tensors
-from inference.parallel.expert_parallel import LocalDispatch
+from inference.models.moe.decoder import MoeDecoder
+from inference.models.moe.dispatch import LocalDispatch
+from inference.models.moe.layer import ExpertWeights, RouterSpec, Scoring, route, weights_for
+from inference.models.moe.names import localize_expert_tensors
 from tests.inference.engine.conftest import hf_greedy, random_prompts
-from tests.inference.models.moes import FAMILIES, tiny_moe
+from tests.inference.models.moe.tiny import FAMILIES, tiny_moe
 from tests.reference import float64_copy, max_logprob_error
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -13,9 +13,9 @@ import random
 import pytest
 
 from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams
-from inference.models.hybrid import HybridDecoder
+from inference.models.hybrid.decoder import HybridDecoder
 from tests.inference.engine.conftest import hf_greedy
-from tests.inference.models.hybrids import FAMILIES, VOCAB, tiny_hybrid
+from tests.inference.models.hybrid.tiny import FAMILIES, VOCAB, tiny_hybrid
 from tests.reference import float64_copy, max_logprob_error
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

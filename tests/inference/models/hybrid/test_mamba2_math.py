@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inference.models.mamba2 import (
+from inference.models.hybrid.mamba2 import (
     GateNorm,
     Mamba2Dims,
     Mamba2Weights,
@@ -19,7 +19,7 @@ from inference.models.mamba2 import (
     ssd_scan,
     ssm_step,
 )
-from tests.inference.models.hybrids import tiny_hybrid
+from tests.inference.models.hybrid.tiny import tiny_hybrid
 from tests.reference import float64_everywhere
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

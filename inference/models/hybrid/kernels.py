@@ -7,7 +7,7 @@ through `mamba_chunk_scan_combined` with the request's state as initial state. T
 imported only when a CUDA model asks for them (`pip install ".[mamba]"`).
 
 NOTE: written against mamba-ssm 2.2 / causal-conv1d 1.5; exercised only by the `gpu`-marked
-test (`tests/inference/models/test_mamba_kernels.py`), which compares it with the torch path.
+test (`tests/inference/models/hybrid/test_kernels.py`), which compares it with the torch path.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from inference.models.mamba2 import Mamba2Dims, Mamba2Weights, conv_prefill, gate_norm
+from inference.models.hybrid.mamba2 import Mamba2Dims, Mamba2Weights, conv_prefill, gate_norm
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ experts (views, no copy) and also accepts the per-expert names checkpoints use o
 
 Routing can be recorded: with `routes` active, every MoE layer writes its chosen experts per token
 into `routes.buffer [moe_layers, tokens, k]`, which the engine hands to the requests that asked
-(routing replay in the trainer, `inference/routing_replay.py`).
+(routing replay in the trainer, `inference/models/moe/routing_replay.py`).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from typing import Any, Optional
 import torch
 
 from inference.attention.base import AttentionBackend
-from inference.models.decoder import BindReport, DenseDecoder
-from inference.models.moe import ExpertWeights, MoeLayer, SharedExpert, combine, route
-from inference.models.moe_names import localize_expert_tensors
-from inference.models.moe_spec import MoeSpec
-from inference.parallel.expert_parallel import LocalDispatch
+from inference.models.dense.decoder import BindReport, DenseDecoder
+from inference.models.moe.dispatch import LocalDispatch
+from inference.models.moe.layer import ExpertWeights, MoeLayer, SharedExpert, combine, route
+from inference.models.moe.names import localize_expert_tensors
+from inference.models.moe.spec import MoeSpec
 
 
 class RouteRecorder:
@@ -80,7 +80,7 @@ class MoeDecoder(DenseDecoder):
     # ---- weights -----------------------------------------------------------------------------
 
     def localize_weights(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Whole-model tensors by name -> this rank's (see `moe_names.localize_expert_tensors`)."""
+        """Whole-model tensors by name -> this rank's (see `names.localize_expert_tensors`)."""
         return localize_expert_tensors(self.spec, tensors)
 
     def bind_weights(self, tensors: Mapping[str, torch.Tensor], *, alias: bool) -> BindReport:

@@ -1,6 +1,6 @@
 """One expert-parallel rank in its own process, driven by a JSON job file; results as msgpack.
 
-`python -m tests.inference.parallel.ep_worker JOB.json` (from the repo root). The job names the
+`python -m tests.inference.models.parallel.ep_worker JOB.json` (from the repo root). The job names the
 model directory, the rank, the group's addresses, the engine config, this rank's requests, and
 optionally a checkpoint to update the weights to (then the same requests again) or a round after
 which the rank kills itself (SIGKILL: no goodbye to its peers). The results: every request's
@@ -25,8 +25,8 @@ def main(job_path: str) -> int:
     import msgpack
 
     from inference import InferenceConfig, SamplingParams
+    from inference.ep_launch import start_ep_rank
     from inference.models.loading import read_safetensors
-    from inference.parallel.launch import start_ep_rank
 
     job = json.loads(open(job_path).read())
     result: dict = {"rank": job["rank"], "error": None}

@@ -17,10 +17,10 @@ import torch
 
 from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams
 from tests.inference.engine.conftest import random_prompts
-from tests.inference.models.moes import tiny_moe
+from tests.inference.models.moe.tiny import tiny_moe
 from tests.reference import float64_copy, reference_logprobs
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 EXPERTS = 8
 CONFIG = dict(block_size=4, num_blocks=96, max_requests=8, max_batch_tokens=32, chunked_prefill_size=16,
               max_sequence_length=64, batch_buckets=(8, 16, 32), decode_buckets=(1, 2, 4, 8))
@@ -81,7 +81,7 @@ def run_group(tmp_path, model_dir, world, requests_of, timeout_s=TIMEOUT_S, **jo
         path = tmp_path / f"job{rank}.json"
         path.write_text(json.dumps(job))
         outs.append(Path(job["out"]))
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests.inference.parallel.ep_worker", str(path)],
+        procs.append(subprocess.Popen([sys.executable, "-m", "tests.inference.models.parallel.ep_worker", str(path)],
                                       cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
     results = []
     try:

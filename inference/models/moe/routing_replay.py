@@ -32,8 +32,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from inference.models.moe import router_scores, weights_for
-from inference.models.moe_spec import MoeSpec
+from inference.models.moe.layer import router_scores, weights_for
+from inference.models.moe.spec import MoeSpec
 
 
 def pad_routes(routes: Sequence[Optional[np.ndarray]], length: int) -> torch.Tensor:

@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from inference.attention.base import AttentionBackend
-from inference.models.decoder import LM_HEAD, bind_module_tensors
-from inference.models.hybrid import HybridDecoder
-from inference.models.hybrid_spec import BlockSpec, HybridFamily, HybridSpec, MixerKind, MixerSpec
-from inference.models.mamba2 import GateNorm, Mamba2Dims
+from inference.models.dense.decoder import LM_HEAD, bind_module_tensors
+from inference.models.hybrid.decoder import HybridDecoder
+from inference.models.hybrid.mamba2 import GateNorm, Mamba2Dims
+from inference.models.hybrid.spec import BlockSpec, HybridFamily, HybridSpec, MixerKind, MixerSpec
 from inference.models.spec import _merge_ids, _parse_dtype, _parse_rope
 
 logger = logging.getLogger(__name__)

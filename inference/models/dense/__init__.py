@@ -1,0 +1,1 @@
+"""Dense decoder-only transformers (Llama, Qwen, SmolLM2 families)."""
