@@ -1,6 +1,6 @@
-"""The import graph of the three packages: no cycle between files, imports only go
-rollout -> weight_sync -> inference. Every import counts, also those inside functions or under
-`if TYPE_CHECKING:`."""
+"""The import graph of the three packages: no cycle between files, none between folders, imports
+only go rollout -> weight_sync -> inference. Every import counts, also those inside functions or
+under `if TYPE_CHECKING:`."""
 
 from __future__ import annotations
 
@@ -87,11 +87,54 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def package_names(root: Path, graph: dict[str, set[str]]) -> set[str]:
+    """The modules of `graph` that are packages (a folder with an `__init__.py`)."""
+    return {name for name in graph if (root / name.replace(".", "/") / "__init__.py").is_file()}
+
+
+def _node_in(prefix: str, module: str, packages: set[str]) -> str:
+    """The node standing for `module` inside the package named by `prefix`: itself or its subfolder."""
+    child = prefix + module[len(prefix):].split(".")[0]
+    return f"{child}/" if child in packages else child
+
+
+def folder_cycles(graph: dict[str, set[str]], packages: set[str]) -> list[tuple[str, list[str]]]:
+    """Cycles between folders, as (package, cycle), looked for inside every package at every depth
+    (and between the top-level packages).
+
+    Inside a package P the nodes are P's own modules, one node each, and P's subpackages, each
+    folded into one node (`name/`) with everything below it, its `__init__` included; an import
+    between two modules of P's tree is an edge between their nodes. So a subfolder may import a
+    module of its parent and the parent's other modules may import the subfolder, as long as no
+    loop closes: `engine.py -> core/ -> config.py` is fine, `core/ -> engine.py -> core/` is a
+    loop, and so is `a/ -> b/ -> a/` with no cycle between their files. A folder loop whose path
+    leaves P's tree shows up in the package where its ends are different nodes. Imports of P's own
+    `__init__` from inside P (`from inference import native`) are left out: they name the package
+    to reach a module in it."""
+    found = []
+    for scope in sorted(packages | {""}):
+        prefix = f"{scope}." if scope else ""
+        folded: dict[str, set[str]] = {}
+        for a, targets in graph.items():
+            if not a.startswith(prefix):
+                continue
+            for b in targets:
+                na, nb = _node_in(prefix, a, packages), _node_in(prefix, b, packages)
+                if b.startswith(prefix) and na != nb:
+                    folded.setdefault(na, set()).add(nb)
+                    folded.setdefault(nb, set())
+        found += [(scope, cycle) for cycle in cycles(folded)]
+    return found
+
+
 def test_no_cycles_and_imports_follow_the_layers():
     graph = import_graph(ROOT)
     assert len(graph) > 30 and "inference.engine" in graph
     assert layering_violations(graph) == []
     assert cycles(graph) == []
+    packages = package_names(ROOT, graph)
+    assert {"inference.models.moe", "inference.sampling", "rollout"} <= packages
+    assert folder_cycles(graph, packages) == []
 
 
 def test_the_checker_catches_a_cycle_and_an_upward_import(tmp_path):
@@ -106,3 +149,41 @@ def test_the_checker_catches_a_cycle_and_an_upward_import(tmp_path):
     graph = import_graph(tmp_path)
     assert layering_violations(graph) == ["weight_sync.w imports rollout.r"]
     assert cycles(graph) == [["inference.a", "inference.b", "inference.a"]]
+
+
+def test_the_checker_catches_folder_loops_without_file_cycles(tmp_path):
+    files = {
+        # allowed: a parent's module above a subfolder and another below it, at two depths
+        "engine.py": "from inference.core.c import step\n",
+        "core/c.py": "from inference.config import Config\n",
+        "config.py": "Config = object\n",
+        "models/loading.py": "from inference.models.moe.k import load\n",
+        "models/layers.py": "def norm(): ...\n",
+        "models/moe/k.py": "from inference.models.layers import norm\n",
+        # planted: two sibling folders inside models/ importing each other (different files)
+        "models/dense/u.py": "from inference.models.par.v import f\n",
+        "models/par/v.py": "def f(): ...\n",
+        "models/par/w.py": "def g():\n    from inference.models.dense import z\n",
+        "models/dense/z.py": "",
+        # planted: m/ -> top.py -> n/ -> m/, again without a cycle between files
+        "m/p.py": "import inference.top\n",
+        "top.py": "from inference.n.q import h\n",
+        "n/q.py": "def h(): ...\n",
+        "n/r.py": "from inference.m.s import i\n",
+        "m/s.py": "def i(): ...\n",
+    }
+    for package in LAYERS:
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    for name, text in files.items():
+        path = tmp_path / "inference" / name
+        for folder in path.relative_to(tmp_path).parents[:-2]:
+            (tmp_path / folder).mkdir(exist_ok=True)
+            (tmp_path / folder / "__init__.py").touch()
+        path.write_text(text)
+    graph = import_graph(tmp_path)
+    assert cycles(graph) == [] and layering_violations(graph) == []
+    assert folder_cycles(graph, package_names(tmp_path, graph)) == [
+        ("inference", ["inference.m/", "inference.top", "inference.n/", "inference.m/"]),
+        ("inference.models", ["inference.models.dense/", "inference.models.par/", "inference.models.dense/"]),
+    ]
