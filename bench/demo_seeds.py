@@ -42,16 +42,16 @@ ROOT = Path(os.environ.get("DEMO_SEEDS_ROOT") or Path(__file__).resolve().parent
 CHILD = r"""
 import json, os, sys
 from rollout.cli import main  # noqa: F401  (the same entry point as `make demo`)
-from rollout.colocated import GRPOConfig
+from rollout.rl.colocated import GRPOConfig
 args, out = json.loads(sys.argv[1]), sys.argv[2]
 threads = os.environ.get("ROLLOUT_ENGINE_DEMO_THREADS")
 disaggregated = args.pop("disaggregated")
 cfg = GRPOConfig.preset(args.pop("model"), **args, threads=int(threads) if threads else None)
 if disaggregated:
-    from rollout.disaggregated import run_disaggregated_grpo
+    from rollout.rl.disaggregated import run_disaggregated_grpo
     s = run_disaggregated_grpo(cfg).run
 else:
-    from rollout.colocated import run_grpo
+    from rollout.rl.colocated import run_grpo
     s = run_grpo(cfg)
 json.dump({"final": s.final_reward, "initial": s.initial_reward, "greedy": s.heldout_greedy[1],
            "sampled": s.heldout_sampled[1], "at_target": s.first_step_at_target, "wall": s.wall_seconds,

@@ -78,8 +78,8 @@ def random_weights(spec, seed: int) -> dict[str, torch.Tensor]:
 def replica_main(argv: list[str]) -> int:
     from inference import DynamicInferenceEngine, InferenceConfig
     from inference.models.dense.decoder import DenseDecoder
-    from rollout.serve import READY_PREFIX
-    from rollout.server import RolloutServer, ServerConfig
+    from rollout.server.serve import READY_PREFIX
+    from rollout.server.server import RolloutServer, ServerConfig
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)

@@ -11,7 +11,7 @@ as `rollout serve` replicas. Every step the trainer's new weights travel to ever
 per replica) before the next generation. Each step checks that every token was sampled by the
 version the trainer planned, and the run ends by checking that every replica's greedy outputs
 equal those of a fresh engine of the trainer's final weights. The loop is
-`rollout.disaggregated.run_disaggregated_grpo` (also `rollout grpo --disaggregated`).
+`rollout.rl.disaggregated.run_disaggregated_grpo` (also `rollout grpo --disaggregated`).
 """
 
 from __future__ import annotations

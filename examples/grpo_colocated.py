@@ -15,7 +15,7 @@ A 2-layer Llama (hidden 64) from random init learns to continue counting up to 9
     engine.on_weights_updated()                       # version + 1, prefix cache reset; no copy
 
 Every 10 steps it also measures the reward on held-out prompts the loop never trains on, greedy
-and sampled. The loop itself is `rollout.colocated.run_grpo` (also `rollout grpo`). Metrics go to
+and sampled. The loop itself is `rollout.rl.colocated.run_grpo` (also `rollout grpo`). Metrics go to
 W&B (offline unless WANDB_MODE=online), to the console, to `runs/<name>/metrics.jsonl` and to a
 PNG of training and held-out reward and train-inference mismatch against step; the paths are
 printed at the end.

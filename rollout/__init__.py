@@ -1,13 +1,13 @@
 """What an RL loop talks to: rollouts as plain data, one backend interface (in process or over
 ZMQ), GRPO pieces."""
 
-from rollout.aclient import AsyncRolloutClient
 from rollout.backend import RolloutBackend, SampleStream
-from rollout.client import RolloutClient
-from rollout.colocated import GRPOConfig, ModelKind, RunSummary, run_grpo
-from rollout.curriculum import Curriculum
-from rollout.engine import RolloutEngine
-from rollout.grpo import (
+from rollout.client.aio import AsyncRolloutClient
+from rollout.client.sync import RolloutClient
+from rollout.local import RolloutEngine
+from rollout.rl.colocated import GRPOConfig, ModelKind, RunSummary, run_grpo
+from rollout.rl.curriculum import Curriculum
+from rollout.rl.grpo import (
     TrainStats,
     gather_logprobs,
     group_advantages,
@@ -16,12 +16,12 @@ from rollout.grpo import (
     shortfall_entropy,
     token_logprobs,
 )
-from rollout.launch import ServerProcess
-from rollout.route import RouterProcess
-from rollout.router import RolloutRouter, RouterConfig
-from rollout.security import ClientSecurity, ServerSecurity
-from rollout.tasks import ArithmeticTask, CountingTask, DigitVocab, Problem, Task
+from rollout.rl.tasks import ArithmeticTask, CountingTask, DigitVocab, Problem, Task
+from rollout.router.process import RouterProcess
+from rollout.router.router import RolloutRouter, RouterConfig
+from rollout.server.process import ServerProcess
 from rollout.types import FinishReason, GenerationStats, PaddedBatch, Rollout, RolloutBatch, TokenChunk
+from rollout.wire.security import ClientSecurity, ServerSecurity
 
 __all__ = [
     "ArithmeticTask",

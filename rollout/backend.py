@@ -52,7 +52,7 @@ class RolloutBackend(Protocol):
         """`n` samples of every prompt, grouped by prompt in prompt order (`sampling.n` is replaced
         by `n`; a seeded `sampling` gives prompt i the seed `seed + i`).
 
-        Routing hints, for a router over replicas (`rollout.router`; one engine has nothing to
+        Routing hints, for a router over replicas (`rollout.router.router`; one engine has nothing to
         route and ignores them): `session_id` keeps a multi-turn agent's calls on one replica,
         `group_id` keeps this call's prompts (and later calls with the same id) on one replica, at
         one policy version."""

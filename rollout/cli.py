@@ -21,7 +21,7 @@ import os
 import sys
 from typing import Optional
 
-from rollout.colocated import GRPOConfig, ModelKind, format_summary, run_grpo
+from rollout.rl.colocated import GRPOConfig, ModelKind, format_summary, run_grpo
 
 
 def _add_grpo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +58,7 @@ def _add_grpo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="no progress bar")
     dis = parser.add_argument_group("disaggregated (the trainer here, engines in `rollout serve` processes)")
     dis.add_argument("--disaggregated", action="store_true", help="run the engines as replica processes and "
-                     "sync the weights into them every step (rollout.disaggregated)")
+                     "sync the weights into them every step (rollout.rl.disaggregated)")
     dis.add_argument("--replicas", type=int, default=2, help="replica processes to start behind a router (2)")
     dis.add_argument("--router", metavar="ADDRESS", help="a running router (`rollout route`) whose replicas serve "
                      "the same model, instead of starting them")
@@ -81,7 +81,7 @@ def config_from_args(args: argparse.Namespace) -> GRPOConfig:
 def grpo_main(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     if getattr(args, "disaggregated", False):
-        from rollout.disaggregated import DisaggregatedConfig, format_disaggregated, run_disaggregated_grpo
+        from rollout.rl.disaggregated import DisaggregatedConfig, format_disaggregated, run_disaggregated_grpo
 
         dcfg = DisaggregatedConfig(replicas=args.replicas, router=args.router, off_policy=args.off_policy,
                                    transport=args.transport, sync_timeout_s=args.sync_timeout_s)
@@ -93,33 +93,33 @@ def grpo_main(args: argparse.Namespace) -> int:
 
 
 def serve_main(args: argparse.Namespace) -> int:
-    from rollout.serve import serve_main as run
+    from rollout.server.serve import serve_main as run
 
     return run(args)
 
 
 def http_main(args: argparse.Namespace) -> int:
-    from rollout.serve import http_main as run
+    from rollout.server.serve import http_main as run
 
     return run(args)
 
 
 def route_main(args: argparse.Namespace) -> int:
-    from rollout.route import route_main as run
+    from rollout.router.process import route_main as run
 
     return run(args)
 
 
 def monitor_main(args: argparse.Namespace) -> int:
-    from rollout.tracking import monitor_service
+    from rollout.rl.tracking import monitor_service
 
     return monitor_service(args.connect, every_s=args.every, count=args.count, use_wandb=args.wandb,
                            out_dir=args.out_dir, token=args.token)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from rollout.route import add_route_arguments
-    from rollout.serve import add_http_arguments, add_serve_arguments
+    from rollout.router.process import add_route_arguments
+    from rollout.server.serve import add_http_arguments, add_serve_arguments
 
     parser = argparse.ArgumentParser(prog="rollout", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -127,13 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "--disaggregated (engines in processes of their own, weights synced every step)")
     _add_grpo_arguments(grpo)
     grpo.set_defaults(func=grpo_main)
-    serve = sub.add_parser("serve", help="serve one engine over ZMQ (see rollout.serve)")
+    serve = sub.add_parser("serve", help="serve one engine over ZMQ (see rollout.server.serve)")
     add_serve_arguments(serve)
     serve.set_defaults(func=serve_main)
     http = sub.add_parser("http", help="OpenAI / SGLang HTTP routes in front of a server or router (rollout.http)")
     add_http_arguments(http)
     http.set_defaults(func=http_main)
-    route = sub.add_parser("route", help="one endpoint over engine replicas: placement, failover (see rollout.route)")
+    route = sub.add_parser("route", help="one endpoint over engine replicas: placement, failover (rollout.router)")
     add_route_arguments(route)
     route.set_defaults(func=route_main)
     monitor = sub.add_parser("monitor", help="poll a server's stats into W&B (offline by default) and the console")

@@ -1,6 +1,6 @@
 """Where an update's bytes come from, as the wire carries it: the payloads of `UpdateWeights`.
 
-Each is a msgspec struct tagged by `type`, so `rollout.messages` puts them in one union with its
+Each is a msgspec struct tagged by `type`, so `rollout.wire.messages` puts them in one union with its
 `SafetensorsDir`. They carry the manifest (`weight_sync.manifest`), checked before a byte moves:
 
 * `DistributedSource`: broadcasts over a weight-update group the replica joined

@@ -25,7 +25,7 @@ from rollout.http.errors import APIError
 from rollout.http.front import HttpFront
 from rollout.http.openai_routes import router as openai_router
 from rollout.http.sglang_routes import router as sglang_router
-from rollout.security import is_loopback
+from rollout.wire.security import is_loopback
 
 logger = logging.getLogger(__name__)
 

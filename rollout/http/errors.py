@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inference.errors import ContextOverflowError, EngineStateError
-from rollout.protocol import ErrorCode, ProtocolError
+from rollout.wire.codec import ErrorCode, ProtocolError
 
 logger = logging.getLogger(__name__)
 

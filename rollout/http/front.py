@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from inference import SamplingParams
-from rollout.aclient import AsyncRolloutClient
+from rollout.client.aio import AsyncRolloutClient
 from rollout.http.errors import APIError
 from rollout.http.generation import Generation, GenSpec
 from rollout.http.sessions import SessionStore

@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from rollout.aclient import AsyncRolloutClient
+from rollout.client.aio import AsyncRolloutClient
 from rollout.http.app import HttpServer, build_app
 from rollout.http.front import FrontConfig, HttpFront
-from rollout.security import ClientSecurity
 from rollout.text import TextCodec
+from rollout.wire.security import ClientSecurity
 
 
 class RunningFront:

@@ -15,7 +15,7 @@ docs/advanced_features/sglang_for_rl (pause / continue, memory occupation, weigh
   requests requeued: `flush_cache` succeeds), `in_place` -> KEEP (requests keep their KV:
   `flush_cache` is refused while they hold it, as in SGLang).
 * `weight_version` is our policy version as a string; `update_weights_*` may set it
-  (`"7"`, `"v7"`, `"step_7"`). The weight routes run `rollout.weight_calls` (weight sync's mapping
+  (`"7"`, `"v7"`, `"step_7"`). The weight routes run `rollout.client.weights` (weight sync's mapping
   of SGLang's calls): `/init_weights_update_group`, `/update_weights_from_distributed` (one
   broadcast per tensor, committed once the model is complete), `/destroy_weights_update_group`.
 """

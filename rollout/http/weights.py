@@ -1,4 +1,4 @@
-"""The weight routes' calls: `rollout.weight_calls.WeightSyncCalls` (SGLang's names and fields
+"""The weight routes' calls: `rollout.client.weights.WeightSyncCalls` (SGLang's names and fields
 mapped onto the wire, owned by the weight-sync side) over the HTTP front's own connection.
 
 Those calls block until the engine answers, so the routes run them on a worker thread; each
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from rollout import messages as wire
-from rollout.client import call_blocking
-from rollout.connection import Connection
-from rollout.weight_calls import WeightSyncCalls
+from rollout.client.connection import Connection
+from rollout.client.sync import call_blocking
+from rollout.client.weights import WeightSyncCalls
+from rollout.wire import messages as wire
 
 
 class WeightCalls(WeightSyncCalls):

@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from inference import InferenceConfig
-from rollout.tasks import DigitVocab
+from rollout.rl.tasks import DigitVocab
 
 
 def tiny_policy(seed: int = 0, hidden: int = 64, layers: int = 2) -> LlamaForCausalLM:
@@ -34,7 +34,7 @@ def policy() -> LlamaForCausalLM:
 @pytest.fixture
 def no_plot(monkeypatch):
     """The PNG takes longer than a short run: for tests that read the summary or the console only."""
-    monkeypatch.setattr("rollout.tracking.plot_history", lambda *args, **kwargs: None)
+    monkeypatch.setattr("rollout.rl.tracking.plot_history", lambda *args, **kwargs: None)
 @pytest.fixture(scope="session")
 def service_model_dir(tmp_path_factory):
     from tests.rollout.service_util import save_tiny_model

@@ -18,7 +18,7 @@ import msgspec
 import numpy as np
 
 from inference import FinishReason, LogprobsMode, Staging
-from rollout import protocol as p
+from rollout.wire import codec as p
 from weight_sync import DistributedSource, SharedMemorySource
 from weight_sync.manifest import Bucket, Layout, Manifest
 from weight_sync.transports.shm import CudaIpcBuffer

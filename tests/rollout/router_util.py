@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from rollout import RolloutClient, ServerProcess
-from rollout.replica_link import HealthConfig, ReplicaState
+from rollout.router.links import HealthConfig, ReplicaState
 from tests.rollout.service_util import HOOKED_ENTRY, SERVER_ARGS, WAIT_S
 
 # polls every 0.1 s; out after 2 s of silence or a loop stalled for 1.5 s (a tiny model's step is ms)

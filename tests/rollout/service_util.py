@@ -64,7 +64,7 @@ def random_prompts(count: int, low: int, high: int, seed: int) -> list[list[int]
 
 
 def _main() -> int:
-    from rollout.serve import add_serve_arguments, serve_main
+    from rollout.server.serve import add_serve_arguments, serve_main
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)

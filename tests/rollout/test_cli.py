@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rollout.cli import build_parser, config_from_args
-from rollout.colocated import GRPOConfig, ModelKind
+from rollout.rl.colocated import GRPOConfig, ModelKind
 
 
 def parse(*argv):

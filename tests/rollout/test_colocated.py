@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from inference import SamplingParams
-from rollout.colocated import GRPOConfig, make_optimizer, run_grpo
-from rollout.engine import RolloutEngine
-from rollout.grpo import grpo_step, token_logprobs
-from rollout.tasks import DigitVocab
+from rollout.local import RolloutEngine
+from rollout.rl.colocated import GRPOConfig, make_optimizer, run_grpo
+from rollout.rl.grpo import grpo_step, token_logprobs
+from rollout.rl.tasks import DigitVocab
 
 from .conftest import small_engine_config, tiny_policy
 
@@ -163,7 +163,7 @@ def test_the_demo_learns(tmp_path):
 
     NOTE: the bar is the one every seed 0-19 met under two CPU settings (`bench/demo_seeds.py`):
     the run's outcome no longer hinges on rounding (plain GRPO stalled at 0.84 on seed 0 under
-    ATEN_CPU_CAPABILITY=avx2, see `rollout.curriculum`); seed 0 itself is no special case."""
+    ATEN_CPU_CAPABILITY=avx2, see `rollout.rl.curriculum`); seed 0 itself is no special case."""
     cfg = GRPOConfig(threads=1, out_dir=str(tmp_path), run_name="demo", wandb=False, progress=False,
                      table_every=50)
     summary = run_grpo(cfg)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from inference.models.hybrid.decoder import HybridDecoder
-from rollout.colocated import GRPOConfig, ModelKind, build_policy, run_grpo
-from rollout.engine import RolloutEngine
+from rollout.local import RolloutEngine
+from rollout.rl.colocated import GRPOConfig, ModelKind, build_policy, run_grpo
 
 
 def test_hybrid_tiny_runs_the_colocated_loop(tmp_path):

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout.curriculum import Curriculum
-from rollout.tasks import CountingTask
+from rollout.rl.curriculum import Curriculum
+from rollout.rl.tasks import CountingTask
 
 
 def test_pool_one_is_the_tasks_own_draw():

@@ -11,8 +11,8 @@ import json
 import pytest
 
 from rollout.cli import main
-from rollout.colocated import GRPOConfig, build_policy
-from rollout.disaggregated import DisaggregatedConfig, Fleet, run_disaggregated_grpo, save_model, serve_args
+from rollout.rl.colocated import GRPOConfig, build_policy
+from rollout.rl.disaggregated import DisaggregatedConfig, Fleet, run_disaggregated_grpo, save_model, serve_args
 
 SMALL = dict(prompts_per_step=8, samples_per_prompt=4, wandb=False, progress=False, table_every=100, eval_every=3)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from inference import LogprobsMode, SamplingParams
-from rollout.engine import RolloutEngine
-from rollout.grpo import token_logprobs
+from rollout.local import RolloutEngine
+from rollout.rl.grpo import token_logprobs
 from rollout.types import FinishReason
 from tests.reference import float64_copy, float64_everywhere
 
@@ -20,7 +20,7 @@ LOGPROB_TOL = 1e-5
 
 
 def float64_logprobs(model, padded, temperature: float = 1.0) -> torch.Tensor:
-    """The trainer's log-probs of a padded batch (`rollout.grpo.token_logprobs`), computed in float64."""
+    """The trainer's log-probs of a padded batch (`rollout.rl.grpo.token_logprobs`), computed in float64."""
     with torch.no_grad(), float64_everywhere():
         return token_logprobs(float64_copy(model), padded.input_ids, padded.loss_mask, temperature=temperature)
 

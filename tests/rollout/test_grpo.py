@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from inference import SamplingParams
-from rollout.engine import RolloutEngine
-from rollout.grpo import (
+from rollout.local import RolloutEngine
+from rollout.rl.grpo import (
     gather_logprobs,
     group_advantages,
     grpo_loss,
@@ -107,7 +107,7 @@ def planted_trainer_reads_the_wrong_position(monkeypatch):
         logits = model(input_ids).logits[rows, cols].float()
         return logits / temperature, input_ids[rows, cols]
 
-    monkeypatch.setattr("rollout.grpo.predicting_logits", shifted)
+    monkeypatch.setattr("rollout.rl.grpo.predicting_logits", shifted)
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ REPLICA_ARGS = ("--threads", "1", "--block-size", "4", "--num-blocks", "1024", "
 
 @pytest.fixture(scope="module")
 def routed_front(tmp_path_factory):
-    from rollout.route import RouterProcess
+    from rollout.router.process import RouterProcess
 
     model = save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat-routed"))
     router = RouterProcess("--spawn", "2", "--model", str(model), "--", *REPLICA_ARGS, ready_timeout=2 * WAIT_S)

@@ -15,8 +15,7 @@ from hypothesis import strategies as st
 from inference.errors import ContextOverflowError, EngineStateError, MaxSequenceLengthOverflowError
 from inference.request import FinishReason, RequestOutput
 from inference.sampling.params import MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE, LogprobsMode, SamplingParams
-from rollout.messages import MAX_LEASE_SECONDS, MAX_REQUEST_ID_LENGTH, MAX_SAMPLES
-from rollout.protocol import (
+from rollout.wire.codec import (
     PROTOCOL_VERSION,
     Abort,
     Continue,
@@ -60,6 +59,7 @@ from rollout.protocol import (
     sampling_params_from_wire,
     sampling_params_to_wire,
 )
+from rollout.wire.messages import MAX_LEASE_SECONDS, MAX_REQUEST_ID_LENGTH, MAX_SAMPLES
 
 
 def examples() -> list:

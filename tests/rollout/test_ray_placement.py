@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 
 from rollout import RolloutClient, RolloutRouter, RouterConfig
-from rollout.replica_link import ReplicaState
+from rollout.router.links import ReplicaState
 from tests.rollout.router_util import HEALTH, wait_for, wait_up
 from tests.rollout.service_util import SERVER_ARGS, WAIT_S, expected_outputs, greedy, random_prompts
 from tests.rollout.test_service import run_concurrent_clients
@@ -33,7 +33,7 @@ def local_ray():
 
 @pytest.fixture(scope="module")
 def ray_router(local_ray, service_model_dir):
-    from rollout.ray_placement import RayReplicas, ReplicaResources
+    from rollout.router.ray import RayReplicas, ReplicaResources
 
     router = RolloutRouter([], RouterConfig(health=HEALTH)).start()
     replicas = RayReplicas(router, service_model_dir, 2, SERVER_ARGS, resources=ReplicaResources(num_cpus=1),

@@ -17,9 +17,9 @@ import pytest
 
 from inference import DynamicInferenceEngine, FinishReason, SamplingParams
 from rollout import AsyncRolloutClient, RolloutClient, RolloutRouter, RouterConfig, RouterProcess, TokenChunk
-from rollout.protocol import ProtocolError
-from rollout.replica_link import ReplicaState
-from rollout.routes import StalePolicy
+from rollout.router.attempts import StalePolicy
+from rollout.router.links import ReplicaState
+from rollout.wire.codec import ProtocolError
 from tests.rollout.router_util import (
     HEALTH,
     name_of,

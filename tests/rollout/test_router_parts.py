@@ -13,9 +13,17 @@ from inference import DynamicInferenceEngine, FinishReason
 from inference.kv_cache import block_hashes
 from inference.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from rollout import RolloutClient, RolloutRouter, RouterConfig
-from rollout.broadcast import Fanout, FleetState, merge_stats, sum_stats
-from rollout.kv_log import KvEventLog
-from rollout.messages import (
+from rollout.router.attempts import Attempt, Route, too_stale
+from rollout.router.broadcast import Fanout, FleetState, merge_stats, sum_stats
+from rollout.router.links import HealthConfig, ReplicaLink, ReplicaState
+from rollout.router.placement import Placement, PlacementConfig, Reason
+from rollout.router.replicas import ReplicaSet
+from rollout.server.kv_log import KvEventLog
+from rollout.server.server import RolloutServer
+from rollout.service.metrics import ServiceMetrics
+from rollout.service.registry import Record
+from rollout.wire.codec import ProtocolError, decode_request
+from rollout.wire.messages import (
     Abort,
     Continue,
     ErrorCode,
@@ -37,14 +45,6 @@ from rollout.messages import (
     TokenDelta,
     UpdateWeights,
 )
-from rollout.metrics import ServiceMetrics
-from rollout.placement import Placement, PlacementConfig, Reason
-from rollout.protocol import ProtocolError, decode_request
-from rollout.registry import Record
-from rollout.replica_link import HealthConfig, ReplicaLink, ReplicaState
-from rollout.replicas import ReplicaSet
-from rollout.routes import Attempt, Route, too_stale
-from rollout.server import RolloutServer
 from tests.rollout.conftest import small_engine_config, tiny_policy
 from tests.rollout.service_util import greedy
 

@@ -8,9 +8,9 @@ import torch
 
 from inference import DynamicInferenceEngine, FinishReason, InferenceConfig, SamplingParams
 from rollout import RolloutClient, RolloutEngine
-from rollout.messages import RoutedExperts, SampleOutput
-from rollout.protocol import decode, encode
-from rollout.server import RolloutServer
+from rollout.server.server import RolloutServer
+from rollout.wire.codec import decode, encode
+from rollout.wire.messages import RoutedExperts, SampleOutput
 from tests.inference.models.moe.tiny import tiny_moe
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -53,7 +53,7 @@ def test_routes_that_do_not_fit_the_sample_are_refused():
 
 
 def test_routes_asked_of_a_dense_model_are_a_typed_refusal_and_the_engine_serves_on(server):
-    from rollout.protocol import ProtocolError
+    from rollout.wire.codec import ProtocolError
     from tests.rollout.service_util import WAIT_S
 
     with RolloutClient(server.address, timeout=WAIT_S) as client:

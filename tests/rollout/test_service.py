@@ -21,9 +21,9 @@ import torch
 
 from inference import FinishReason, MaxSequenceLengthOverflowError, SamplingParams
 from rollout import AsyncRolloutClient, RolloutBackend, RolloutClient, RolloutEngine, TokenChunk
-from rollout.metrics import SERVICE_KEYS
-from rollout.protocol import ErrorCode, ProtocolError
-from rollout.tracking import ServiceLogger, monitor_service
+from rollout.rl.tracking import ServiceLogger, monitor_service
+from rollout.service.metrics import SERVICE_KEYS
+from rollout.wire.codec import ErrorCode, ProtocolError
 from tests.rollout.service_util import (
     HEALTH_DEADLINE_S,
     WAIT_S,

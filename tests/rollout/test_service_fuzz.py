@@ -22,7 +22,8 @@ import torch
 import zmq
 
 from rollout import RolloutClient
-from rollout.messages import (
+from rollout.wire.codec import ProtocolError, decode_reply, decode_request, encode
+from rollout.wire.messages import (
     Abort,
     ErrorReply,
     Generate,
@@ -38,7 +39,6 @@ from rollout.messages import (
     TokenDelta,
     UpdateWeights,
 )
-from rollout.protocol import ProtocolError, decode_reply, decode_request, encode
 from tests.rollout.service_util import FRAME_LIMIT, VOCAB, WAIT_S, expected_outputs, greedy, random_prompts
 
 N_FRAMES = 10_000

@@ -9,9 +9,9 @@ import torch
 from inference import DynamicInferenceEngine, InferenceConfig
 from rollout import ClientSecurity, RolloutClient, ServerSecurity
 from rollout.cli import build_parser
-from rollout.security import InsecureBindError, check_bind, create_keys, is_loopback, public_key
-from rollout.serve import serve_main
-from rollout.server import RolloutServer, ServerConfig
+from rollout.server.serve import serve_main
+from rollout.server.server import RolloutServer, ServerConfig
+from rollout.wire.security import InsecureBindError, check_bind, create_keys, is_loopback, public_key
 from tests.rollout.service_util import greedy
 
 

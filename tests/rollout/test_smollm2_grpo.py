@@ -15,11 +15,11 @@ import math
 import pytest
 import torch
 
-import rollout.colocated as colocated
+import rollout.rl.colocated as colocated
 from inference import LogprobsMode
 from inference.models.smollm2 import INSTALL_COMMAND, SmolLM2NotInstalledError, smollm2_dir
-from rollout.colocated import GRPOConfig, run_grpo
-from rollout.tasks import ArithmeticTask
+from rollout.rl.colocated import GRPOConfig, run_grpo
+from rollout.rl.tasks import ArithmeticTask
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread", "no_plot")]
 

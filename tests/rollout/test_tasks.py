@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from rollout.tasks import ArithmeticTask, CountingTask, DigitVocab, Problem
+from rollout.rl.tasks import ArithmeticTask, CountingTask, DigitVocab, Problem
 
 D, EOS = DigitVocab.digit, DigitVocab.EOS
 

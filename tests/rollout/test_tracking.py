@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from rollout.colocated import summarize
-from rollout.tracking import StepTimer, Tracker, plot_history
+from rollout.rl.colocated import summarize
+from rollout.rl.tracking import StepTimer, Tracker, plot_history
 
 
 def test_tracker_writes_rows_and_plot(tmp_path, capsys):

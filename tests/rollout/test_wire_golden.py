@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout.protocol import PROTOCOL_VERSION, decode, encode
+from rollout.wire.codec import PROTOCOL_VERSION, decode, encode
 
 GOLDEN = json.loads(Path(__file__).with_name("wire_golden.json").read_text())
 

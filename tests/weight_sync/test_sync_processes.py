@@ -17,7 +17,7 @@ import torch
 
 from inference import DynamicInferenceEngine
 from rollout import RolloutClient, ServerProcess
-from rollout.protocol import ErrorCode, ProtocolError
+from rollout.wire.codec import ErrorCode, ProtocolError
 from tests.rollout.service_util import SERVER_ARGS, VOCAB, engine_config, greedy, random_prompts, save_tiny_model
 from tests.weight_sync.local import corrupting_pipeline
 from weight_sync import SyncError, WeightSender

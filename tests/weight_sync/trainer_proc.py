@@ -32,7 +32,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from inference.models.loading import read_safetensors
-    from rollout.client import RolloutClient
+    from rollout.client.sync import RolloutClient
     from weight_sync import WeightSender, memcopy
     from weight_sync.transports import distributed
 

@@ -20,7 +20,7 @@ for those experts, exactly as the engine does (`moe.weights_for`). A given exper
 a position the engine never computed) keeps the router's own choice. `used` collects, per sparse
 layer, the experts each token of each forward actually went to (also without `routes`: then it
 only records, which is how flips are measured). GRPO's step replays through the same hook
-(`rollout.grpo.grpo_step(routed_experts=...)`).
+(`rollout.rl.grpo.grpo_step(routed_experts=...)`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import torch
 
 from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams
 from inference.models.moe.routing_replay import pad_routes, replay_routing, routing_flips
-from rollout.grpo import grpo_step
+from rollout.rl.grpo import grpo_step
 from rollout.types import Rollout, RolloutBatch
 from tests.inference.engine.conftest import random_prompts
 from tests.inference.models.moe.tiny import tiny_moe

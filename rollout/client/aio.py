@@ -1,0 +1,158 @@
+"""AsyncRolloutClient: `RolloutClient` for asyncio code (agent harnesses, async RL loops).
+
+    async with AsyncRolloutClient("tcp://127.0.0.1:5555") as client:
+        batch = await client.generate(prompts, n=8, sampling=params)
+        async for item in client.stream(prompts, tokens=True):
+            ...
+
+Same connection underneath (an I/O thread owns the socket, heartbeats, reconnects); replies reach
+the event loop through `call_soon_threadsafe`. Every awaitable is bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Optional, Union
+
+from inference import PauseMode, SamplingParams, SuspendPolicy, SuspendReport, UpdatePolicy
+from rollout.backend import Prompts, WeightSource, sort_rollouts
+from rollout.client.connection import Connection, ControlPending
+from rollout.client.sync import StreamState, build_generates, control_message, suspend_report
+from rollout.text import TextCodec, token_prompts
+from rollout.types import GenerationStats, Rollout, RolloutBatch, TokenChunk
+from rollout.wire import messages as wire
+from rollout.wire.security import ClientSecurity
+
+
+class AsyncSampleStream(StreamState):
+    """The samples of one `AsyncRolloutClient.stream` call, as an async iterator (see
+    `rollout.backend.SampleStream`); past its deadline the running samples are aborted."""
+
+    def __init__(self, client: AsyncRolloutClient, prompts: Prompts, requests: list[wire.Generate], n: int,
+                 timeout: float) -> None:
+        self._queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        sink = lambda item: loop.call_soon_threadsafe(self._queue.put_nowait, item)  # noqa: E731
+        super().__init__(client, prompts, requests, n, timeout, sink)
+
+    def __aiter__(self) -> AsyncIterator[Union[Rollout, TokenChunk]]:
+        return self
+
+    async def __anext__(self) -> Union[Rollout, TokenChunk]:
+        if self._remaining == 0:
+            raise StopAsyncIteration
+        try:
+            group, payload = await asyncio.wait_for(self._queue.get(), self._wait_s())
+        except asyncio.TimeoutError:
+            raise self._timed_out() from None
+        return self._accept(group, payload)
+
+    async def result(self) -> list[Rollout]:
+        return sort_rollouts([item async for item in self if isinstance(item, Rollout)])
+
+    async def abort(self) -> None:
+        pending = self.unfinished()
+        if pending:
+            await self._client._call(wire.Abort(request_id=self._client.connection.next_id("a"), targets=pending),
+                                     None)
+
+
+class AsyncRolloutClient:
+    """The asyncio twin of `RolloutClient` (same arguments, same calls, awaited)."""
+
+    def __init__(self, address: str, *, timeout: float = 300.0, lease_s: float = 10.0,
+                 security: Optional[ClientSecurity] = None, reconnect_after_s: Optional[float] = None,
+                 tokenizer: Any = None, **connection_options: Any) -> None:
+        self.timeout = timeout
+        self.codec: Optional[TextCodec] = None if tokenizer is None else TextCodec.load(tokenizer)
+        self.connection = Connection(address, security=security, lease_s=lease_s,
+                                     reconnect_after_s=reconnect_after_s, **connection_options)
+
+    async def generate(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
+                       timeout: Optional[float] = None, session_id: Optional[str] = None,
+                       group_id: Optional[str] = None) -> RolloutBatch:
+        start = time.perf_counter()
+        prompts = token_prompts(prompts, self.codec)
+        rollouts = await self.stream(prompts, n, sampling, timeout=timeout, session_id=session_id,
+                                     group_id=group_id).result()
+        stats = GenerationStats(seconds=time.perf_counter() - start, prompt_tokens=sum(len(p) for p in prompts),
+                                completion_tokens=sum(len(r.completion_ids) for r in rollouts))
+        versions = [v for r in rollouts for v in r.versions]
+        version = min(versions) if versions else await self.policy_version()
+        return RolloutBatch(rollouts, group_size=n, policy_version=version, stats=stats)
+
+    def stream(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
+               tokens: bool = False, timeout: Optional[float] = None, session_id: Optional[str] = None,
+               group_id: Optional[str] = None) -> AsyncSampleStream:
+        prompts = token_prompts(prompts, self.codec)
+        requests = build_generates(self.connection, prompts, n, sampling, tokens, session_id, group_id)
+        return AsyncSampleStream(self, prompts, requests, n, self.timeout if timeout is None else timeout)
+
+    async def abort(self, stream: AsyncSampleStream) -> None:
+        await stream.abort()
+
+    async def _call(self, msg: Any, timeout: Optional[float]) -> wire.Result:
+        timeout = self.timeout if timeout is None else timeout
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def settle(fn, value) -> None:
+            if not future.done():
+                fn(value)
+
+        self.connection.send(msg, ControlPending(
+            lambda r: loop.call_soon_threadsafe(settle, future.set_result, r),
+            lambda e: loop.call_soon_threadsafe(settle, future.set_exception, e)))
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            self.connection.forget([msg.request_id])
+            raise TimeoutError(f"{type(msg).__name__} got no reply within {timeout} s") from None
+
+    async def _control(self, kind: str, timeout: Optional[float] = None, **fields: Any) -> wire.Result:
+        return await self._call(control_message(kind, self.connection, **fields), timeout)
+
+    async def pause(self, mode: Union[PauseMode, str] = PauseMode.KEEP, *, timeout: Optional[float] = None) -> None:
+        await self._control("pause", timeout, mode=mode)
+
+    async def continue_(self, *, timeout: Optional[float] = None) -> None:
+        await self._control("continue", timeout)
+
+    async def suspend(self, policy: Optional[SuspendPolicy] = None, *, offload_weights: bool = False,
+                      timeout: Optional[float] = None) -> SuspendReport:
+        result = await self._control("suspend", timeout, policy=policy, offload_weights=offload_weights)
+        return suspend_report(result.stats)
+
+    async def resume(self, *, timeout: Optional[float] = None) -> None:
+        await self._control("resume", timeout)
+
+    async def update_weights(self, source: WeightSource, version: Optional[int] = None, *,
+                             policy: Optional[UpdatePolicy] = None, timeout: Optional[float] = None) -> int:
+        result = await self._control("update_weights", timeout, source=source, version=version, policy=policy)
+        return result.policy_version
+
+    async def reset_prefix_cache(self, *, timeout: Optional[float] = None) -> None:
+        await self._control("reset_prefix_cache", timeout)
+
+    async def policy_version(self, *, timeout: Optional[float] = None) -> int:
+        return (await self.health(timeout=timeout)).policy_version
+
+    async def health(self, *, timeout: Optional[float] = None) -> wire.HealthInfo:
+        return (await self._control("health", timeout)).health
+
+    async def stats(self, *, timeout: Optional[float] = None) -> dict:
+        return dict((await self._control("stats", timeout)).stats or {})
+
+    def reconnect(self) -> None:
+        self.connection.reconnect()
+
+    async def close(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.connection.close)
+
+    async def __aenter__(self) -> AsyncRolloutClient:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()

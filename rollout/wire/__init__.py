@@ -1,0 +1,1 @@
+"""The wire: message kinds and schemas, the codec, packed arrays, socket security, the mailbox."""

@@ -1,0 +1,311 @@
+"""Wire protocol of the ZMQ rollout service: framing, versioning, encode / decode, converters.
+
+Framing. A client's DEALER socket sends one message per ZMQ frame; the server's ROUTER sees
+`[identity, frame]` and answers with `[identity, frame]`. A frame is one msgpack map encoded
+from one of the `msgspec.Struct`s of `rollout.wire.messages` (re-exported here: the schema is the
+type); its `kind` field (a `Kind`: requests below 64, replies from 64) selects the schema.
+Token ids, log-probs and versions travel as packed little-endian arrays (`rollout.wire.packing`).
+Never pickle.
+
+Versioning. Every message carries `v`, its writer's `PROTOCOL_VERSION`. Peers must speak the
+same version: any change to a schema (a field or kind added, removed or retyped) bumps it, and
+a message of another version is refused with `BAD_VERSION`, naming both. Unknown fields are
+refused as well, so a mismatch never passes silently.
+
+Size limit. `decode` refuses a frame longer than `max_frame_bytes` (`DEFAULT_MAX_FRAME_BYTES`)
+before parsing a byte of it, and `encode` refuses to write one; the server should give its
+socket the same limit (`zmq.MAXMSGSIZE`).
+
+Conversation. Every request carries a `request_id` chosen by its client, unique within the
+client's session. A `Generate` is answered by `n` `SampleOutput`s, each as its sample finishes,
+preceded by `TokenDelta`s when `stream_tokens` is set; any other request by one `Result`. Any
+request may instead be answered by one `ErrorReply`. Exactly once: a `Generate` whose id the
+server already holds (in flight, or finished and retained) is not run again; its outputs go to
+the newest sender, so a client that resubmits every unanswered request after a reconnect gets
+each sample once (`TokenDelta.start` lets it drop repeated deltas); an id reused for a different
+request is answered `DUPLICATE`. Heartbeats are the client's lease: when none arrives within
+`lease_s`, the server aborts that client's requests.
+
+Errors. `decode` returns a message or raises `ProtocolError`, whatever the bytes. The server
+turns any exception into a reply with `error_reply`; the client turns it back with
+`error_from_reply` (a context overflow comes back as its typed `ContextOverflowError`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import msgspec
+import numpy as np
+
+from inference.errors import ContextErrorFactory, ContextOverflowError, EngineStateError
+from inference.request import RequestOutput
+from inference.sampling.params import SamplingParams
+from rollout.types import Rollout
+from rollout.wire.messages import (
+    MAX_REQUEST_ID_LENGTH,
+    PROTOCOL_VERSION,
+    REPLY_KINDS,
+    REQUEST_KINDS,
+    Abort,
+    Continue,
+    DestroyWeightsUpdateGroup,
+    ErrorCode,
+    ErrorReply,
+    Generate,
+    GetWeightVersion,
+    Health,
+    HealthInfo,
+    Heartbeat,
+    InitWeightsUpdateGroup,
+    Kind,
+    KvEvent,
+    KvEventBatch,
+    KvEvents,
+    KvOp,
+    Message,
+    Pause,
+    PauseMode,
+    ReplyMessage,
+    RequestMessage,
+    ResetPrefixCache,
+    Result,
+    Resume,
+    RoutedExperts,
+    SafetensorsDir,
+    SampleOutput,
+    Sampling,
+    Stats,
+    Suspend,
+    SuspendPolicy,
+    TokenDelta,
+    UpdatePolicy,
+    UpdateWeights,
+    WeightSource,
+    _Message,
+)
+from rollout.wire.packing import dec_hook, enc_hook
+
+__all__ = [
+    "DEFAULT_MAX_FRAME_BYTES", "PROTOCOL_VERSION", "Abort", "Continue", "ErrorCode", "ErrorReply", "Generate",
+    "Health", "HealthInfo", "Heartbeat", "Kind", "KvEvent", "KvEventBatch", "KvEvents", "KvOp", "Message", "Pause",
+    "PauseMode", "ProtocolError", "ReplyMessage", "RequestMessage", "ResetPrefixCache", "Result", "RoutedExperts",
+    "Resume", "SafetensorsDir", "SampleOutput", "Sampling",
+    "Stats", "Suspend", "SuspendPolicy", "TokenDelta", "UpdatePolicy", "UpdateWeights", "WeightSource", "decode",
+    "decode_reply", "decode_request", "encode", "error_from_reply", "error_reply", "output_from_wire", "output_to_wire",
+    "sampling_params_from_wire", "sampling_params_to_wire",
+    # weight sync
+    "DestroyWeightsUpdateGroup", "GetWeightVersion", "InitWeightsUpdateGroup",
+]
+
+DEFAULT_MAX_FRAME_BYTES = 64 * 2**20  # a 32k-token sample with top-20 log-probs is ~6 MiB
+
+
+class ProtocolError(Exception):
+    """A frame or request refused, with a stable `code`, a message naming the problem, and the
+    request id when it could be read (so the server can address its `ErrorReply`)."""
+
+    def __init__(self, code: ErrorCode, message: str, request_id: Optional[str] = None):
+        self.code = ErrorCode(code)
+        self.message = message
+        self.request_id = request_id
+        super().__init__(f"{self.code.name}: {message}")
+
+
+# ---- encode / decode -------------------------------------------------------------------------
+
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=enc_hook)
+_DECODERS = {
+    "message": (msgspec.msgpack.Decoder(Message, dec_hook=dec_hook), frozenset(Kind)),
+    "request": (msgspec.msgpack.Decoder(RequestMessage, dec_hook=dec_hook), REQUEST_KINDS),
+    "reply": (msgspec.msgpack.Decoder(ReplyMessage, dec_hook=dec_hook), REPLY_KINDS),
+}
+_KIND_VALUES = frozenset(k.value for k in Kind)
+
+
+class _Envelope(msgspec.Struct):
+    """The fields read to explain a frame that failed its schema (the others are skipped)."""
+
+    kind: Any = None
+    v: Any = None
+    request_id: Any = None
+
+
+_ENVELOPE = msgspec.msgpack.Decoder(_Envelope)
+# NOTE: besides DecodeError, msgspec raises RecursionError for input nested too deep,
+# UnicodeDecodeError for a map key that is not UTF-8 and TypeError for a map used as a map key
+# (where a field takes any value: the envelope's, or a packed array's before its dec_hook).
+_UNPARSABLE = (msgspec.DecodeError, RecursionError, UnicodeDecodeError, TypeError)
+
+
+def encode(msg: _Message, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytes:
+    """One message as one frame; `ProtocolError(TOO_LARGE)` if the frame would exceed the limit.
+
+    msgspec checks no constraint here (only at decode): build requests from validated values.
+    """
+    if not isinstance(msg, _Message):
+        raise TypeError(f"encode: expected a protocol message, got {type(msg).__name__}")
+    frame = _ENCODER.encode(msg)
+    if len(frame) > max_frame_bytes:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"{type(msg).__name__} encodes to {len(frame)} bytes, "
+                            f"over the frame limit of {max_frame_bytes}", getattr(msg, "request_id", None))
+    return frame
+
+
+def decode(frame: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Message:
+    """Any message from one frame. Raises only `ProtocolError`, whatever the bytes."""
+    return _decode(frame, max_frame_bytes, "message")
+
+
+def decode_request(frame: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> RequestMessage:
+    """A client's request (the server's decoder): a reply kind is refused as UNKNOWN_KIND."""
+    return _decode(frame, max_frame_bytes, "request")
+
+
+def decode_reply(frame: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> ReplyMessage:
+    """A server's reply (the client's decoder): a request kind is refused as UNKNOWN_KIND."""
+    return _decode(frame, max_frame_bytes, "reply")
+
+
+def _decode(frame: bytes, max_frame_bytes: int, expected: str) -> Any:
+    try:
+        size = memoryview(frame).nbytes
+    except TypeError:
+        raise ProtocolError(ErrorCode.MALFORMED, f"a frame is bytes, got {type(frame).__name__}") from None
+    if size > max_frame_bytes:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"frame of {size} bytes is over the limit of {max_frame_bytes}")
+    decoder, kinds = _DECODERS[expected]
+    try:
+        msg = decoder.decode(frame)
+    except msgspec.ValidationError as exc:
+        raise _explain(frame, str(exc), expected, kinds) from None
+    except _UNPARSABLE as exc:
+        raise ProtocolError(ErrorCode.MALFORMED, f"not a msgpack message: {exc}") from None
+    except Exception as exc:  # a bug of ours; the server must still not die of one frame
+        raise ProtocolError(ErrorCode.INTERNAL, f"decoding failed: {type(exc).__name__}: {exc}") from exc
+    if msg.v != PROTOCOL_VERSION:
+        raise _version_error(msg.v, getattr(msg, "request_id", None))
+    return msg
+
+
+def _version_error(v: Any, request_id: Optional[str]) -> ProtocolError:
+    got = "no protocol version `v`" if v is None else f"protocol version {v!r}"
+    return ProtocolError(ErrorCode.BAD_VERSION, f"{got} received, this side speaks version {PROTOCOL_VERSION}",
+                         request_id)
+
+
+def _explain(frame: bytes, problem: str, expected: str, kinds: frozenset) -> ProtocolError:
+    """Tell a wrong version or kind from a wrong field, for a frame that failed its schema."""
+    try:
+        env = _ENVELOPE.decode(frame)
+    except _UNPARSABLE:
+        return ProtocolError(ErrorCode.MALFORMED, f"not a message map: {problem}")
+    rid = env.request_id
+    rid = rid if isinstance(rid, str) and 0 < len(rid) <= MAX_REQUEST_ID_LENGTH else None
+    if type(env.v) is not int or env.v != PROTOCOL_VERSION:
+        return _version_error(env.v, rid)
+    if type(env.kind) is not int or env.kind not in _KIND_VALUES:
+        return ProtocolError(ErrorCode.UNKNOWN_KIND, f"unknown message kind {env.kind!r}", rid)
+    kind = Kind(env.kind)
+    if kind not in kinds:
+        return ProtocolError(ErrorCode.UNKNOWN_KIND, f"kind {kind.value} ({kind.name}) is not a {expected}", rid)
+    return ProtocolError(ErrorCode.BAD_SCHEMA, f"{kind.name}: {problem}", rid)
+
+
+# ---- errors across the wire ------------------------------------------------------------------
+
+
+def error_reply(exc: BaseException, request_id: Optional[str] = None) -> ErrorReply:
+    """The reply for an exception raised while serving a request (the server's side)."""
+    if isinstance(exc, ProtocolError):
+        return ErrorReply(code=exc.code, message=exc.message, request_id=request_id or exc.request_id)
+    if isinstance(exc, ContextOverflowError):
+        return ErrorReply(code=ErrorCode.CONTEXT_OVERFLOW, message=str(exc), request_id=request_id,
+                          context_error=ContextErrorFactory.serialize(exc))
+    if isinstance(exc, EngineStateError):
+        code = ErrorCode.ENGINE_STATE
+    elif isinstance(exc, ValueError):
+        code = ErrorCode.INVALID_REQUEST
+    else:
+        code = ErrorCode.INTERNAL
+    return ErrorReply(code=code, message=f"{type(exc).__name__}: {exc}", request_id=request_id)
+
+
+def error_from_reply(reply: ErrorReply) -> Exception:
+    """The exception an `ErrorReply` stands for (the client's side): a `ContextOverflowError`
+    subclass for CONTEXT_OVERFLOW with a readable `context_error`, else a `ProtocolError`."""
+    if reply.code is ErrorCode.CONTEXT_OVERFLOW and reply.context_error is not None:
+        try:
+            return ContextErrorFactory.deserialize(reply.context_error)
+        except (KeyError, TypeError, ValueError):
+            pass  # an unreadable context error still comes back, as the ProtocolError below
+    return ProtocolError(reply.code, reply.message, reply.request_id)
+
+
+# ---- converters to and from the engine's types -----------------------------------------------
+
+
+def sampling_params_to_wire(params: SamplingParams) -> Sampling:
+    """`SamplingParams` as its wire struct (the same field names, see `Sampling`)."""
+    fields = {name: getattr(params, name) for name in Sampling.__struct_fields__}
+    fields["stop_token_ids"] = [int(t) for t in params.stop_token_ids]
+    return Sampling(**fields)
+
+
+def sampling_params_from_wire(sampling: Sampling) -> SamplingParams:
+    """The engine's `SamplingParams`; its own validation runs, a refusal is INVALID_REQUEST."""
+    fields = {name: getattr(sampling, name) for name in Sampling.__struct_fields__}
+    fields["stop_token_ids"] = list(sampling.stop_token_ids)
+    try:
+        return SamplingParams(**fields)
+    except ValueError as exc:  # the engine's messages start with the field's name
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, f"sampling.{exc}") from None
+
+
+def output_to_wire(out: RequestOutput, request_id: str, *, n: int) -> SampleOutput:
+    """A finished sample as its reply; `request_id` is the client's, `n` its Generate's group size."""
+    return SampleOutput(
+        request_id=request_id,
+        sample_index=out.sample_index,
+        n=n,
+        prompt_len=len(out.prompt_token_ids),
+        token_ids=out.generated_token_ids,
+        logprobs=out.logprobs,
+        versions=out.token_versions,
+        finish_reason=out.finish_reason,
+        top_logprobs=out.top_logprobs,
+        prompt_logprobs=out.prompt_logprobs,
+        ttft=out.time_to_first_token,
+        latency=out.latency,
+        num_preemptions=out.num_preemptions,
+        routed_experts=_routes_to_wire(out.routed_experts),
+    )
+
+
+def _routes_to_wire(routes: Optional[np.ndarray]) -> Optional[RoutedExperts]:
+    if routes is None:
+        return None
+    _, layers, k = routes.shape
+    return RoutedExperts(layers=layers, k=k, experts=np.ascontiguousarray(routes, dtype=np.int32).reshape(-1))
+
+
+def output_from_wire(msg: SampleOutput, prompt_ids: Sequence[int], group: int) -> Rollout:
+    """A received sample as a `Rollout` of the client's prompt `prompt_ids` (group `group`).
+
+    Log-probs come back as float32 values (the engine computes them in float32).
+    """
+    if len(prompt_ids) != msg.prompt_len:
+        raise ValueError(f"output_from_wire: {msg.request_id!r} was sampled from a prompt of {msg.prompt_len} "
+                         f"tokens, got prompt_ids of {len(prompt_ids)}")
+    return Rollout(
+        prompt_ids=[int(t) for t in prompt_ids],
+        completion_ids=msg.token_ids.tolist(),
+        logprobs=msg.logprobs.tolist(),
+        versions=msg.versions.tolist(),
+        finish_reason=msg.finish_reason,
+        group=group,
+        sample_index=msg.sample_index,
+        top_logprobs=None if msg.top_logprobs is None else [dict(d) for d in msg.top_logprobs],
+        routed_experts=None if msg.routed_experts is None else msg.routed_experts.array,
+    )

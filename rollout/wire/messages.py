@@ -1,0 +1,449 @@
+"""The message schemas of the wire protocol (see `rollout.wire.codec` for framing and rules).
+
+One `msgspec.Struct` per message kind, tagged by `kind` (a `Kind`); every message carries the
+writer's protocol version `v`. msgspec checks types and numeric ranges when a frame is decoded;
+`__post_init__` (run at construction and at decode) checks the rest, e.g. packed-array lengths,
+and turns packed fields into numpy arrays (`rollout.wire.packing`). A `ValueError` there names the
+field. Requests have kinds below 64, replies 64 and up.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import Annotated, Any, Literal, Optional, Union
+
+import msgspec
+import numpy as np
+from msgspec import Meta
+
+from inference.request import FinishReason
+from inference.sampling.params import MAX_LOGPROBS, MAX_TEMPERATURE, MAX_TOP_K, LogprobsMode
+from rollout.wire.packing import as_float32, as_int32, check_non_negative, check_same_length
+from weight_sync.sources import DistributedSource, GroupName, SharedMemorySource
+from weight_sync.transports.distributed import DEFAULT_GROUP
+
+PROTOCOL_VERSION = 3  # 2: UpdateWeights.policy; 3: KvEvents, Result.kv_events; weight sync (group kinds,
+# distributed / shared-memory sources)
+MAX_REQUEST_ID_LENGTH = 256
+MAX_SAMPLES = 1024  # n per Generate
+MAX_STOP_TOKENS = 1024
+MAX_ABORT_TARGETS = 65536
+MAX_LEASE_SECONDS = 3600.0
+MAX_KV_EVENTS = 65536  # per KvEvents reply
+
+
+class Kind(enum.IntEnum):
+    """Message kinds. Fixed numbers: never reuse or renumber one (bump PROTOCOL_VERSION)."""
+
+    GENERATE = 1
+    ABORT = 2
+    PAUSE = 3
+    CONTINUE = 4
+    SUSPEND = 5
+    RESUME = 6
+    UPDATE_WEIGHTS = 7
+    RESET_PREFIX_CACHE = 8
+    STATS = 9
+    HEALTH = 10
+    HEARTBEAT = 11
+    KV_EVENTS = 12
+    SAMPLE_OUTPUT = 64
+    TOKEN_DELTA = 65
+    RESULT = 66
+    ERROR = 67
+    # weight sync (requests, kept together; 12 is the router's KV_EVENTS)
+    INIT_WEIGHTS_UPDATE_GROUP = 13
+    DESTROY_WEIGHTS_UPDATE_GROUP = 14
+    GET_WEIGHT_VERSION = 15
+
+
+class ErrorCode(enum.IntEnum):
+    """Why a frame or a request was refused. Stable numbers, as `Kind`."""
+
+    MALFORMED = 1  # not msgpack, truncated, not a map, nested too deep
+    UNKNOWN_KIND = 2  # `kind` missing, not a Kind, or a reply where a request was expected
+    BAD_SCHEMA = 3  # a field missing, unknown, mistyped or out of range
+    TOO_LARGE = 4  # the frame exceeds max_frame_bytes
+    BAD_VERSION = 5  # `v` missing or not PROTOCOL_VERSION
+    INVALID_REQUEST = 6  # well-formed, but the engine's own validation refused it
+    CONTEXT_OVERFLOW = 7  # the engine cannot fit it (now or ever); see ErrorReply.context_error
+    ENGINE_STATE = 8  # not allowed in the engine's state (e.g. generate while suspended)
+    NOT_FOUND = 9  # e.g. aborting an unknown request id
+    DUPLICATE = 10  # a request id reused for a different request
+    INTERNAL = 11  # a bug on the server
+
+
+class PauseMode(str, enum.Enum):
+    """What `Pause` does to requests in flight (admission of new ones stops in every mode).
+
+    ABORT: finish them now with reason `abort`. WAIT: let them run to completion, then idle.
+    KEEP: stop stepping; they keep their KV and go on at `Continue`. RETRACT: free their KV and
+    requeue them; their tokens so far are prefilled again at `Continue`.
+    """
+
+    ABORT = "abort"
+    WAIT = "wait"
+    KEEP = "keep"
+    RETRACT = "retract"
+
+
+class SuspendPolicy(str, enum.Enum):
+    """Requests in flight at `Suspend`; the values are `inference.SuspendPolicy`'s."""
+
+    ABORT = "abort"
+    RECOMPUTE = "recompute"
+    OFFLOAD = "offload"
+
+
+class KvOp(enum.IntEnum):
+    """A prefix-cache event of a replica (`inference.kv_cache.events`), for routers."""
+
+    STORED = 1  # these block hashes became matchable
+    REMOVED = 2  # these are no longer served
+    CLEARED = 3  # nothing announced before is served any more (a reset, a weight update, suspend)
+
+
+class UpdatePolicy(str, enum.Enum):
+    """Requests in flight at `UpdateWeights`; the values are `inference.UpdatePolicy`'s."""
+
+    ABORT = "abort"
+    RECOMPUTE = "recompute"
+    KEEP = "keep"
+
+
+RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID_LENGTH)]
+Hint = Annotated[str, Meta(max_length=MAX_REQUEST_ID_LENGTH)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+TopN = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+TokenLogprobs = Annotated[dict[Annotated[int, Meta(ge=0)], float], Meta(max_length=MAX_LOGPROBS + 1)]
+Seconds = Annotated[float, Meta(ge=0)]
+BlockHash = Annotated[int, Meta(ge=1, le=2**63 - 1)]
+StatValue = Union[int, float, str]
+
+
+def _field_eq(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype \
+            and np.array_equal(a, b, equal_nan=a.dtype.kind == "f")
+    return a == b
+
+
+class _Message(msgspec.Struct, tag_field="kind", forbid_unknown_fields=True, kw_only=True, eq=False):
+    """Base of every message: the `kind` tag (class keyword `tag`) and the writer's version `v`."""
+
+    v: int = PROTOCOL_VERSION
+
+    # NOTE: msgspec's own __eq__ would ask numpy arrays for a single truth value; compare
+    # packed arrays element-wise (dtype included) instead.
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return all(_field_eq(getattr(self, f), getattr(other, f)) for f in self.__struct_fields__)
+
+    # NOTE: msgspec.Struct's own `!=` does not invert the `__eq__` above: define it too
+    def __ne__(self, other: object) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class _Request(_Message):
+    request_id: RequestId
+
+
+# ---- requests --------------------------------------------------------------------------------
+
+
+class Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """`inference.SamplingParams` on the wire: the same fields, names and ranges.
+
+    msgspec refuses NaN against every range below (`ge`, `gt`, ... compare false) and the
+    msgpack format bounds `seed` below 2**64. What a range cannot say (a temperature between 0
+    and `MIN_TEMPERATURE`) the engine's own validation refuses (`sampling_params_from_wire`).
+    """
+
+    n: Annotated[int, Meta(ge=1, le=MAX_SAMPLES)] = 1
+    temperature: Annotated[float, Meta(ge=0, le=MAX_TEMPERATURE)] = 1.0
+    top_k: Annotated[int, Meta(ge=-1, le=MAX_TOP_K)] = 0
+    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
+    min_p: Annotated[float, Meta(ge=0, lt=1)] = 0.0
+    seed: Optional[NonNegInt] = None
+    max_tokens: Annotated[int, Meta(ge=1)] = 16
+    stop_token_ids: Annotated[list[NonNegInt], Meta(max_length=MAX_STOP_TOKENS)] = []
+    ignore_eos: bool = False
+    logprobs: Optional[TopN] = None
+    prompt_logprobs: Optional[TopN] = None
+    logprobs_mode: LogprobsMode = LogprobsMode.RAW
+    return_routed_experts: bool = False
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature):
+            raise ValueError(f"sampling.temperature must be finite, got {self.temperature!r}")
+        if self.seed is not None and self.seed >= 2**64:
+            raise ValueError(f"sampling.seed must be < 2**64, got {self.seed}")
+
+
+class Generate(_Request, tag=Kind.GENERATE.value):
+    """Sample `sampling.n` completions of one prompt; `session_id` / `group_id` are routing hints."""
+
+    prompt_token_ids: np.ndarray  # packed int32, at least one token, ids >= 0
+    sampling: Sampling = msgspec.field(default_factory=Sampling)
+    stream_tokens: bool = False
+    session_id: Optional[Hint] = None
+    group_id: Optional[Hint] = None
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = as_int32("prompt_token_ids", self.prompt_token_ids)
+        if self.prompt_token_ids.size == 0:
+            raise ValueError("prompt_token_ids must not be empty")
+        check_non_negative("prompt_token_ids", self.prompt_token_ids)
+
+
+class Abort(_Request, tag=Kind.ABORT.value):
+    """Finish the `targets` (Generate request ids) now with reason `abort`, partial tokens sent."""
+
+    targets: Annotated[list[RequestId], Meta(min_length=1, max_length=MAX_ABORT_TARGETS)]
+
+
+class Pause(_Request, tag=Kind.PAUSE.value):
+    mode: PauseMode
+
+
+class Continue(_Request, tag=Kind.CONTINUE.value):
+    """Undo `Pause`."""
+
+
+class Suspend(_Request, tag=Kind.SUSPEND.value):
+    """Free the KV / state buffers (and the weights if `offload_weights`) for a colocated trainer."""
+
+    policy: SuspendPolicy = SuspendPolicy.RECOMPUTE
+    offload_weights: bool = False
+
+
+class Resume(_Request, tag=Kind.RESUME.value):
+    """Undo `Suspend`."""
+
+
+class SafetensorsDir(msgspec.Struct, tag_field="type", tag="safetensors_dir", forbid_unknown_fields=True):
+    """Weights from `*.safetensors` files in a directory the server can read (HF names)."""
+
+    path: Annotated[str, Meta(min_length=1, max_length=4096)]
+
+
+# NOTE: a tagged union by `type`: a directory (SGLang's update_weights_from_disk), a broadcast over a
+# weight-update group (update_weights_from_distributed), shared memory (update_weights_from_tensor);
+# the last two carry their manifest (`weight_sync.manifest`), checked before a byte moves
+WeightSource = Union[SafetensorsDir, DistributedSource, SharedMemorySource]
+
+
+class UpdateWeights(_Request, tag=Kind.UPDATE_WEIGHTS.value):
+    """Load new weights and commit them atomically under `target_version` (default: the
+    manifest's, else current + 1); `policy` says what happens to requests in flight (None: the
+    engine's configured default). A distributed source with `finish` False leaves the update
+    open for the next call (the reply's version is still the old one)."""
+
+    source: WeightSource
+    target_version: Optional[NonNegInt] = None
+    policy: Optional[UpdatePolicy] = None
+
+
+# ---- weight sync: the weight-update group (SGLang's calls; sources above) ---------------------
+
+
+class InitWeightsUpdateGroup(_Request, tag=Kind.INIT_WEIGHTS_UPDATE_GROUP.value):
+    """Join the trainer's weight-update group (SGLang's field names): the trainer is rank 0 at
+    `master_address:master_port`; this replica is rank `rank_offset`, or (None) the next free
+    one, so one message broadcast to every replica works. `backend` None: gloo on CPU, nccl on
+    GPU. Every collective of the group times out after `timeout_s` (None: the server's)."""
+
+    master_address: Annotated[str, Meta(min_length=1, max_length=255)]
+    master_port: Annotated[int, Meta(ge=1, le=65535)]
+    world_size: Annotated[int, Meta(ge=2, le=65536)]
+    rank_offset: Optional[Annotated[int, Meta(ge=1)]] = None
+    group_name: GroupName = DEFAULT_GROUP
+    backend: Optional[Literal["gloo", "nccl"]] = None
+    timeout_s: Optional[Annotated[float, Meta(gt=0, le=MAX_LEASE_SECONDS)]] = None
+
+
+class DestroyWeightsUpdateGroup(_Request, tag=Kind.DESTROY_WEIGHTS_UPDATE_GROUP.value):
+    group_name: GroupName = DEFAULT_GROUP
+
+
+class GetWeightVersion(_Request, tag=Kind.GET_WEIGHT_VERSION.value):
+    """The policy version (`Result.policy_version`; SGLang spells it as a string)."""
+
+
+class ResetPrefixCache(_Request, tag=Kind.RESET_PREFIX_CACHE.value):
+    pass
+
+
+class Stats(_Request, tag=Kind.STATS.value):
+    pass
+
+
+class Health(_Request, tag=Kind.HEALTH.value):
+    pass
+
+
+class Heartbeat(_Request, tag=Kind.HEARTBEAT.value):
+    """Renews the sender's lease for `lease_s` seconds (None: the server's default)."""
+
+    lease_s: Optional[Annotated[float, Meta(gt=0, le=MAX_LEASE_SECONDS)]] = None
+
+
+class KvEvents(_Request, tag=Kind.KV_EVENTS.value):
+    """The replica's prefix-cache events numbered `since` and later (at most `max_events`), for a
+    router's prefix-aware placement. Answered without the engine, from the server's event log."""
+
+    since: NonNegInt = 0
+    max_events: Annotated[int, Meta(ge=1, le=MAX_KV_EVENTS)] = 4096
+
+
+# ---- replies ---------------------------------------------------------------------------------
+
+
+class RoutedExperts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """An MoE sample's routing (`return_routed_experts`): the experts chosen at each position fed
+    to the model (prompt + generated but the last), per MoE layer, `k` each: `experts` is the
+    packed int32 array of `[positions, layers, k]` in row-major order."""
+
+    layers: Annotated[int, Meta(ge=1)]
+    k: Annotated[int, Meta(ge=1)]
+    experts: np.ndarray
+
+    def __post_init__(self) -> None:
+        self.experts = as_int32("routed_experts", self.experts)
+        check_non_negative("routed_experts", self.experts)
+        if self.experts.size % (self.layers * self.k):
+            raise ValueError(f"RoutedExperts: {self.experts.size} entries are not whole positions of "
+                             f"{self.layers} layers x {self.k}")
+
+    @property
+    def array(self) -> np.ndarray:
+        return self.experts.reshape(-1, self.layers, self.k)
+
+
+class SampleOutput(_Message, tag=Kind.SAMPLE_OUTPUT.value):
+    """One finished sample of a Generate (`sample_index` of its `n`).
+
+    `token_ids`, `logprobs` (float32) and `versions` (the policy version that sampled each
+    token) are packed arrays, one entry per generated token. `top_logprobs` is None or one dict
+    {token id: log-prob} per generated token; `prompt_logprobs` None or one entry per prompt
+    token (the first None: nothing predicts it). `ttft` / `latency` are seconds since arrival.
+    """
+
+    request_id: RequestId
+    sample_index: NonNegInt
+    n: Annotated[int, Meta(ge=1, le=MAX_SAMPLES)]
+    prompt_len: Annotated[int, Meta(ge=1)]
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    finish_reason: FinishReason
+    top_logprobs: Optional[list[TokenLogprobs]] = None
+    prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
+    ttft: Optional[Seconds] = None
+    latency: Optional[Seconds] = None
+    num_preemptions: NonNegInt = 0
+    routed_experts: Optional[RoutedExperts] = None
+
+    def __post_init__(self) -> None:
+        if self.sample_index >= self.n:
+            raise ValueError(f"sample_index {self.sample_index} must be < n ({self.n})")
+        _unpack_tokens(self, "SampleOutput")
+        self.finish_reason = FinishReason(self.finish_reason)
+        if self.top_logprobs is not None and len(self.top_logprobs) != len(self.token_ids):
+            raise ValueError(f"SampleOutput: top_logprobs ({len(self.top_logprobs)}) must have one entry "
+                             f"per token ({len(self.token_ids)})")
+        if self.prompt_logprobs is not None and len(self.prompt_logprobs) != self.prompt_len:
+            raise ValueError(f"SampleOutput: prompt_logprobs ({len(self.prompt_logprobs)}) must have one "
+                             f"entry per prompt token ({self.prompt_len})")
+        fed = self.prompt_len + max(len(self.token_ids) - 1, 0)
+        if self.routed_experts is not None and len(self.routed_experts.array) != fed:
+            raise ValueError(f"SampleOutput: routed_experts ({len(self.routed_experts.array)} positions) must have "
+                             f"one entry per position fed to the model ({fed})")
+
+
+class TokenDelta(_Message, tag=Kind.TOKEN_DELTA.value):
+    """Tokens a streaming sample generated since its last delta; `start` indexes the first one."""
+
+    request_id: RequestId
+    sample_index: NonNegInt
+    start: NonNegInt
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+
+    def __post_init__(self) -> None:
+        _unpack_tokens(self, "TokenDelta")
+
+
+def _unpack_tokens(msg: Union[SampleOutput, TokenDelta], what: str) -> None:
+    msg.token_ids = as_int32("token_ids", msg.token_ids)
+    msg.logprobs = as_float32("logprobs", msg.logprobs)
+    msg.versions = as_int32("versions", msg.versions)
+    check_non_negative("token_ids", msg.token_ids)
+    check_non_negative("versions", msg.versions)
+    check_same_length(what, token_ids=msg.token_ids, logprobs=msg.logprobs, versions=msg.versions)
+
+
+class HealthInfo(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    healthy: bool
+    seconds_since_loop_tick: Seconds
+    state: Annotated[str, Meta(max_length=64)]
+    policy_version: NonNegInt
+
+
+class KvEvent(msgspec.Struct, forbid_unknown_fields=True, array_like=True):
+    op: KvOp
+    hashes: list[BlockHash] = []
+
+
+class KvEventBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Events `start`, `start + 1`, ... of a replica's log; poll again with `since=next`.
+
+    `reset`: events between the poller's `since` and `start` were lost (the log is bounded, or
+    the replica restarted): drop everything believed about its cache, then apply these. `more`:
+    the log holds events past `next` (the reply was cut to fit a frame). `block_size` is the
+    replica's, which a router needs to hash prompts as it does.
+    """
+
+    block_size: Annotated[int, Meta(ge=1)]
+    start: NonNegInt
+    next: NonNegInt
+    reset: bool = False
+    more: bool = False
+    events: list[KvEvent] = []
+
+
+class Result(_Message, tag=Kind.RESULT.value):
+    """Success of a control request (`request_kind`), with what that kind returns."""
+
+    request_id: RequestId
+    request_kind: Kind
+    policy_version: Optional[NonNegInt] = None
+    stats: Optional[dict[str, StatValue]] = None
+    health: Optional[HealthInfo] = None
+    kv_events: Optional[KvEventBatch] = None
+
+
+class ErrorReply(_Message, tag=Kind.ERROR.value):
+    """A refused frame or request; `context_error` is `ContextErrorFactory.serialize`'s dict."""
+
+    code: ErrorCode
+    message: str
+    request_id: Optional[Hint] = None
+    context_error: Optional[dict[str, Union[str, int, bool, None]]] = None
+
+
+RequestMessage = Union[Generate, Abort, Pause, Continue, Suspend, Resume, UpdateWeights, ResetPrefixCache,
+                       Stats, Health, Heartbeat, KvEvents]
+ReplyMessage = Union[SampleOutput, TokenDelta, Result, ErrorReply]
+# the weight-update group's requests (weight sync)
+RequestMessage = Union[RequestMessage, InitWeightsUpdateGroup, DestroyWeightsUpdateGroup, GetWeightVersion]
+Message = Union[RequestMessage, ReplyMessage]
+
+REQUEST_KINDS = frozenset(k for k in Kind if k < 64)
+REPLY_KINDS = frozenset(k for k in Kind if k >= 64)
