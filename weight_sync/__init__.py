@@ -7,9 +7,9 @@ Importing this package registers the megatron-core weight adapter with `inferenc
 """
 
 from inference.weights.staging import Staging  # how an update is staged (double / in place): part of the wire sources
-from weight_sync import megatron_model  # noqa: F401  (registers the megatron-core adapter)
 from weight_sync.manifest import Manifest, ManifestError, parse_weight_version
-from weight_sync.naming import Naming, detect_naming, hf_to_megatron, megatron_to_hf
+from weight_sync.megatron import model  # noqa: F401  (registers the megatron-core adapter)
+from weight_sync.megatron.names import Naming, detect_naming, hf_to_megatron, megatron_to_hf
 from weight_sync.receiver import WeightReceiver
 from weight_sync.sender import SyncError, WeightControl, WeightSender
 from weight_sync.sources import DistributedSource, SharedMemorySource, decode_tensor_payload, encode_tensor_payload

@@ -34,7 +34,7 @@ from msgspec import Meta
 
 from inference.errors import WeightNameError, WeightShapeError
 from inference.models.spec import ModelSpec
-from weight_sync.naming import LM_HEAD, Naming, detect_naming, validate_megatron
+from weight_sync.megatron.names import LM_HEAD, Naming, detect_naming, validate_megatron
 
 ALIGN = 64  # byte alignment of each tensor in a bucket (a multiple of every dtype's size and of 8)
 MAX_TENSORS = 1 << 20

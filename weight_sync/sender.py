@@ -25,7 +25,7 @@ one broadcast per tensor, no buckets, no checksums; kept as a contrast (the benc
 
 Trainer layouts: a module's `named_parameters()` (HF names, or megatron-core's fused QKV and
 gate/up, which replicas convert), a mapping, or (name, tensor) pairs. A megatron-core model with
-tensor parallelism is gathered on its TP rank 0 first (`weight_sync.tp_gather`); the other TP
+tensor parallelism is gathered on its TP rank 0 first (`weight_sync.megatron.tp_gather`); the other TP
 ranks return None from `sync`.
 """
 
@@ -100,7 +100,7 @@ def named_tensors(weights: Weights, *, tp_group: Any = None) -> Optional[list[tu
     """(name, tensor) pairs of a module, mapping or pairs; a megatron-core model with tensor
     parallelism gathered onto its TP rank 0 (None on the others)."""
     if isinstance(weights, torch.nn.Module):
-        from weight_sync.tp_gather import gather_tensor_parallel, tensor_parallel_size
+        from weight_sync.megatron.tp_gather import gather_tensor_parallel, tensor_parallel_size
 
         if tensor_parallel_size(weights, tp_group) > 1:
             return gather_tensor_parallel(weights, tp_group)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tests.weight_sync.paged import random_hf_tensors, tiny_spec
-from weight_sync.megatron_model import bind_megatron_tensors
-from weight_sync.naming import WeightNameError, hf_to_megatron, megatron_to_hf
+from weight_sync.megatron.model import bind_megatron_tensors
+from weight_sync.megatron.names import WeightNameError, hf_to_megatron, megatron_to_hf
 
 
 @pytest.mark.parametrize("num_kv_heads", [1, 2])

@@ -15,9 +15,9 @@ import weight_sync  # noqa: E402,F401  (registers the megatron-core adapter)
 from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams  # noqa: E402
 from inference.models.dense.decoder import DenseDecoder  # noqa: E402
 from tests.reference import float64_everywhere  # noqa: E402
+from tests.support.megatron_cpu import build_gpt_model, gpt_logits, megatron_cpu  # noqa: E402
 from tests.weight_sync.paged import tiny_spec  # noqa: E402
-from weight_sync.megatron_cpu import build_gpt_model, gpt_logits, megatron_cpu  # noqa: E402
-from weight_sync.megatron_model import bind_megatron_model, spec_from_gpt_model  # noqa: E402
+from weight_sync.megatron.model import bind_megatron_model, spec_from_gpt_model  # noqa: E402
 
 
 @torch.no_grad()

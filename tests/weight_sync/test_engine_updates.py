@@ -11,11 +11,11 @@ import copy
 
 import pytest
 
-import weight_sync.megatron_model as megatron_model
+import weight_sync.megatron.model as megatron_model
 from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams
 from inference.errors import WeightNameError
 from tests.inference.engine.conftest import random_prompts, tiny_llama
-from weight_sync.naming import hf_to_megatron
+from weight_sync.megatron.names import hf_to_megatron
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

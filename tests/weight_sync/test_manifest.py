@@ -30,9 +30,9 @@ from weight_sync.manifest import (
     encode_manifest,
     parse_weight_version,
 )
-from weight_sync.naming import hf_to_megatron
+from weight_sync.megatron.names import hf_to_megatron
+from weight_sync.megatron.tp_gather import merge_shards
 from weight_sync.sources import SharedMemorySource, decode_tensor_payload, encode_tensor_payload
-from weight_sync.tp_gather import merge_shards
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

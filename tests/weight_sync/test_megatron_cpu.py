@@ -12,10 +12,8 @@ import torch.nn.functional as F
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
     pytest.skip("needs megatron-core", allow_module_level=True)
 
-from tests.weight_sync.paged import tiny_spec  # noqa: E402
-
 # NOTE: megatron's modules come through `megatron_cpu`, whose import silences megatron's import noise
-from weight_sync.megatron_cpu import (  # noqa: E402
+from tests.support.megatron_cpu import (  # noqa: E402
     CpuRNGStatesTracker,
     TransformerConfig,
     build_gpt_model,
@@ -23,7 +21,8 @@ from weight_sync.megatron_cpu import (  # noqa: E402
     megatron_random,
     parallel_state,
 )
-from weight_sync.naming import spec_from_megatron_config  # noqa: E402
+from tests.weight_sync.paged import tiny_spec  # noqa: E402
+from weight_sync.megatron.names import spec_from_megatron_config  # noqa: E402
 
 
 def test_shims_apply_inside_the_block_and_are_undone_after():

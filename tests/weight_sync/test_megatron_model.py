@@ -21,10 +21,10 @@ from inference.models.dense.decoder import DenseDecoder  # noqa: E402
 from inference.models.spec import RopeKind, RopeSpec  # noqa: E402
 from inference.weights.adapters import adapter_for_module, adapter_for_names  # noqa: E402
 from tests.reference import float64_everywhere  # noqa: E402
+from tests.support.megatron_cpu import build_gpt_model, gpt_logits, megatron_cpu  # noqa: E402
 from tests.weight_sync.paged import engine_logits, tiny_spec  # noqa: E402
-from weight_sync.megatron_cpu import build_gpt_model, gpt_logits, megatron_cpu  # noqa: E402
-from weight_sync.megatron_model import MEGATRON_ADAPTER, bind_megatron_model, spec_from_gpt_model  # noqa: E402
-from weight_sync.naming import megatron_to_hf  # noqa: E402
+from weight_sync.megatron.model import MEGATRON_ADAPTER, bind_megatron_model, spec_from_gpt_model  # noqa: E402
+from weight_sync.megatron.names import megatron_to_hf  # noqa: E402
 
 # NOTE: fp32 logits of magnitude < 6 (ulp 4.8e-7) after 2 layers of std-0.15 weights: measured max
 # |engine - float64 megatron| 8.3e-6 over the CPU settings CI simulates (vs megatron's fp32: 6e-6); 1e-4 is 12x

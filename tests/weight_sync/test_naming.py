@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from inference import errors
 from inference.models.dense.decoder import DenseDecoder
 from tests.weight_sync.paged import random_hf_tensors, tiny_spec
-from weight_sync.naming import (
+from weight_sync.megatron.names import (
     Layout,
     Naming,
     WeightNameError,

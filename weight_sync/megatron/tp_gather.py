@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from weight_sync.megatron_model import is_gpt_model, unwrap
+from weight_sync.megatron.model import is_gpt_model, unwrap
 
 _GLU_SUFFIXES = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
 

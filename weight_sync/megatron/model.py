@@ -34,7 +34,7 @@ from inference.models.dense.decoder import alias_blocker
 from inference.models.layers import rope_inv_freq
 from inference.models.spec import ModelSpec, RopeKind
 from inference.weights.adapters import WeightAdapter, register_weight_adapter
-from weight_sync.naming import (
+from weight_sync.megatron.names import (
     Layout,
     Naming,
     megatron_to_hf,
