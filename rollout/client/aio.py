@@ -19,7 +19,8 @@ from typing import Any, Optional, Union
 from inference import PauseMode, SamplingParams, SuspendPolicy, SuspendReport, UpdatePolicy
 from rollout.backend import Prompts, WeightSource, sort_rollouts
 from rollout.client.connection import Connection, ControlPending
-from rollout.client.sync import StreamState, build_generates, control_message, suspend_report
+from rollout.client.requests import Requests
+from rollout.client.streams import StreamState, build_generates, suspend_report
 from rollout.text import TextCodec, token_prompts
 from rollout.types import GenerationStats, Rollout, RolloutBatch, TokenChunk
 from rollout.wire import messages as wire
@@ -55,7 +56,7 @@ class AsyncSampleStream(StreamState):
     async def abort(self) -> None:
         pending = self.unfinished()
         if pending:
-            await self._client._call(wire.Abort(request_id=self._client.connection.next_id("a"), targets=pending),
+            await self._client._call(self._client.requests.abort(pending),
                                      None)
 
 
@@ -69,6 +70,7 @@ class AsyncRolloutClient:
         self.codec: Optional[TextCodec] = None if tokenizer is None else TextCodec.load(tokenizer)
         self.connection = Connection(address, security=security, lease_s=lease_s,
                                      reconnect_after_s=reconnect_after_s, **connection_options)
+        self.requests = Requests(self.connection)
 
     async def generate(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
                        timeout: Optional[float] = None, session_id: Optional[str] = None,
@@ -111,39 +113,36 @@ class AsyncRolloutClient:
             self.connection.forget([msg.request_id])
             raise TimeoutError(f"{type(msg).__name__} got no reply within {timeout} s") from None
 
-    async def _control(self, kind: str, timeout: Optional[float] = None, **fields: Any) -> wire.Result:
-        return await self._call(control_message(kind, self.connection, **fields), timeout)
-
     async def pause(self, mode: Union[PauseMode, str] = PauseMode.KEEP, *, timeout: Optional[float] = None) -> None:
-        await self._control("pause", timeout, mode=mode)
+        await self._call(self.requests.pause(mode), timeout)
 
     async def continue_(self, *, timeout: Optional[float] = None) -> None:
-        await self._control("continue", timeout)
+        await self._call(self.requests.continue_(), timeout)
 
     async def suspend(self, policy: Optional[SuspendPolicy] = None, *, offload_weights: bool = False,
                       timeout: Optional[float] = None) -> SuspendReport:
-        result = await self._control("suspend", timeout, policy=policy, offload_weights=offload_weights)
+        result = await self._call(self.requests.suspend(policy, offload_weights), timeout)
         return suspend_report(result.stats)
 
     async def resume(self, *, timeout: Optional[float] = None) -> None:
-        await self._control("resume", timeout)
+        await self._call(self.requests.resume(), timeout)
 
     async def update_weights(self, source: WeightSource, version: Optional[int] = None, *,
                              policy: Optional[UpdatePolicy] = None, timeout: Optional[float] = None) -> int:
-        result = await self._control("update_weights", timeout, source=source, version=version, policy=policy)
+        result = await self._call(self.requests.update_weights(source, version, policy), timeout)
         return result.policy_version
 
     async def reset_prefix_cache(self, *, timeout: Optional[float] = None) -> None:
-        await self._control("reset_prefix_cache", timeout)
+        await self._call(self.requests.reset_prefix_cache(), timeout)
 
     async def policy_version(self, *, timeout: Optional[float] = None) -> int:
         return (await self.health(timeout=timeout)).policy_version
 
     async def health(self, *, timeout: Optional[float] = None) -> wire.HealthInfo:
-        return (await self._control("health", timeout)).health
+        return (await self._call(self.requests.health(), timeout)).health
 
     async def stats(self, *, timeout: Optional[float] = None) -> dict:
-        return dict((await self._control("stats", timeout)).stats or {})
+        return dict((await self._call(self.requests.stats(), timeout)).stats or {})
 
     def reconnect(self) -> None:
         self.connection.reconnect()

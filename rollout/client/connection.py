@@ -30,9 +30,11 @@ from typing import Any, Optional, Protocol
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from rollout.wire.codec import DEFAULT_MAX_FRAME_BYTES, ProtocolError, decode_reply, encode, error_from_reply
+from rollout.wire.codec import DEFAULT_MAX_FRAME_BYTES, ProtocolError, decode_reply, encode
+from rollout.wire.convert import error_from_reply
+from rollout.wire.kinds import MAX_LEASE_SECONDS, Kind
 from rollout.wire.mailbox import Mailbox
-from rollout.wire.messages import MAX_LEASE_SECONDS, Abort, ErrorReply, Generate, Health, Heartbeat, Kind, Stats
+from rollout.wire.messages import Abort, ErrorReply, Generate, Health, Heartbeat, Stats
 from rollout.wire.security import ClientSecurity, secure_client_socket
 
 logger = logging.getLogger(__name__)

@@ -41,12 +41,12 @@ from weight_sync import DEFAULT_GROUP, DistributedSource, Manifest, decode_tenso
 from weight_sync.manifest import Layout
 
 
-def _policy(abort_all_requests: bool, policy: Optional[Union[UpdatePolicy, str]]) -> Optional[wire.UpdatePolicy]:
+def _policy(abort_all_requests: bool, policy: Optional[Union[UpdatePolicy, str]]) -> Optional[UpdatePolicy]:
     if abort_all_requests:
         if policy is not None and UpdatePolicy(policy) is not UpdatePolicy.ABORT:
             raise ValueError(f"abort_all_requests=True contradicts policy={policy!r}")
-        return wire.UpdatePolicy.ABORT
-    return None if policy is None else wire.UpdatePolicy(UpdatePolicy(policy).value)
+        return UpdatePolicy.ABORT
+    return None if policy is None else UpdatePolicy(policy)
 
 
 def _check_load_format(load_format: Optional[str]) -> None:

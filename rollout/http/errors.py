@@ -22,7 +22,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inference.errors import ContextOverflowError, EngineStateError
-from rollout.wire.codec import ErrorCode, ProtocolError
+from rollout.wire.codec import ProtocolError
+from rollout.wire.kinds import ErrorCode
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from rollout.client.connection import Connection
-from rollout.client.sync import call_blocking
+from rollout.client.streams import call_blocking
 from rollout.client.weights import WeightSyncCalls
 from rollout.wire import messages as wire
 

@@ -24,13 +24,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from inference.config import PauseMode
+from rollout.wire.kinds import ErrorCode, Kind
 from rollout.wire.messages import (
     Continue,
-    ErrorCode,
     ErrorReply,
-    Kind,
     Pause,
-    PauseMode,
     RequestMessage,
     Result,
     Resume,

@@ -43,17 +43,8 @@ from rollout.router.placement import Placement
 from rollout.service.metrics import ServiceMetrics
 from rollout.service.registry import Record
 from rollout.wire.codec import ProtocolError, decode_reply, encode
-from rollout.wire.messages import (
-    Abort,
-    ErrorReply,
-    Health,
-    Kind,
-    KvEvents,
-    RequestMessage,
-    Result,
-    SampleOutput,
-    TokenDelta,
-)
+from rollout.wire.kinds import Kind
+from rollout.wire.messages import Abort, ErrorReply, Health, KvEvents, RequestMessage, Result, SampleOutput, TokenDelta
 from rollout.wire.security import ClientSecurity
 
 logger = logging.getLogger(__name__)

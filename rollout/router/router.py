@@ -46,17 +46,17 @@ from rollout.service.leases import Leases
 from rollout.service.metrics import ServiceMetrics
 from rollout.service.registry import Record, RequestRegistry
 from rollout.service.socket import FrontEnd
-from rollout.wire.codec import DEFAULT_MAX_FRAME_BYTES, ProtocolError, encode, sampling_params_from_wire
+from rollout.wire.codec import DEFAULT_MAX_FRAME_BYTES, ProtocolError, encode
+from rollout.wire.convert import sampling_params_from_wire
+from rollout.wire.kinds import ErrorCode, Kind
 from rollout.wire.mailbox import Mailbox
 from rollout.wire.messages import (
     Abort,
-    ErrorCode,
     ErrorReply,
     Generate,
     Health,
     HealthInfo,
     Heartbeat,
-    Kind,
     KvEvents,
     RequestMessage,
     Result,

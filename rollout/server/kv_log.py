@@ -16,7 +16,8 @@ import threading
 from typing import Optional
 
 from inference.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from rollout.wire.messages import MAX_KV_EVENTS, KvEvent, KvEventBatch, KvOp
+from rollout.wire.kinds import MAX_KV_EVENTS
+from rollout.wire.messages import KvEvent, KvEventBatch, KvOp
 
 
 class KvEventLog:

@@ -150,7 +150,7 @@ def serve_main(args: argparse.Namespace, on_ready=None) -> int:
         print(f"{HTTP_READY_PREFIX}{front.url} (model {front.front.config.model_name})", flush=True)
     if on_ready is not None:
         on_ready(server)
-    from rollout.wire.messages import PROTOCOL_VERSION
+    from rollout.wire.kinds import PROTOCOL_VERSION
 
     auth = "token" if security.token else "curve" if security.curve_keys else "none (loopback)"
     print(f"{READY_PREFIX}{server.address} (protocol v{PROTOCOL_VERSION}, auth {auth}, model {args.model}, "

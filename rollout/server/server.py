@@ -34,26 +34,18 @@ from rollout.server.lane import Done, EngineLane, Submitted
 from rollout.service.leases import Leases
 from rollout.service.metrics import ServiceMetrics, _wire_values
 from rollout.service.registry import Record, RequestRegistry
-from rollout.wire.codec import (
-    DEFAULT_MAX_FRAME_BYTES,
-    ProtocolError,
-    decode_request,
-    encode,
-    error_reply,
-    output_to_wire,
-    sampling_params_from_wire,
-)
+from rollout.wire.codec import DEFAULT_MAX_FRAME_BYTES, ProtocolError, decode_request, encode
+from rollout.wire.convert import error_reply, output_to_wire, sampling_params_from_wire
+from rollout.wire.kinds import ErrorCode, Kind
 from rollout.wire.mailbox import Mailbox
 from rollout.wire.messages import (
     Abort,
-    ErrorCode,
     ErrorReply,
     Generate,
     GetWeightVersion,
     Health,
     HealthInfo,
     Heartbeat,
-    Kind,
     KvEvents,
     Pause,
     RequestMessage,

@@ -15,7 +15,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from rollout.wire.messages import ErrorCode
+from rollout.wire.kinds import ErrorCode
 
 StatValue = Union[int, float, str]
 

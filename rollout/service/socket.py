@@ -15,8 +15,10 @@ from typing import Any, Optional
 import zmq
 
 from rollout.service.metrics import ServiceMetrics
-from rollout.wire.codec import ProtocolError, decode_request, encode, error_reply
-from rollout.wire.messages import ErrorCode, ErrorReply, RequestMessage
+from rollout.wire.codec import ProtocolError, decode_request, encode
+from rollout.wire.convert import error_reply
+from rollout.wire.kinds import ErrorCode
+from rollout.wire.messages import ErrorReply, RequestMessage
 from rollout.wire.security import ServerSecurity, check_bind, secure_server_socket
 
 logger = logging.getLogger(__name__)

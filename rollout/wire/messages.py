@@ -1,10 +1,11 @@
 """The message schemas of the wire protocol (see `rollout.wire.codec` for framing and rules).
 
-One `msgspec.Struct` per message kind, tagged by `kind` (a `Kind`); every message carries the
-writer's protocol version `v`. msgspec checks types and numeric ranges when a frame is decoded;
-`__post_init__` (run at construction and at decode) checks the rest, e.g. packed-array lengths,
-and turns packed fields into numpy arrays (`rollout.wire.packing`). A `ValueError` there names the
-field. Requests have kinds below 64, replies 64 and up.
+One `msgspec.Struct` per message kind, tagged by `kind` (a `Kind`, `rollout.wire.kinds`); every
+message carries the writer's protocol version `v`. Enum fields are the engine's own enums.
+msgspec checks types and numeric ranges when a frame is decoded; `__post_init__` (run at
+construction and at decode) checks the rest, e.g. packed-array lengths, and turns packed fields
+into numpy arrays (`rollout.wire.packing`). A `ValueError` there names the field. Requests have
+kinds below 64, replies 64 and up.
 """
 
 from __future__ import annotations
@@ -17,83 +18,23 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
+from inference.config import PauseMode, SuspendPolicy, UpdatePolicy
 from inference.request import FinishReason
 from inference.sampling.params import MAX_LOGPROBS, MAX_TEMPERATURE, MAX_TOP_K, LogprobsMode
+from rollout.wire.kinds import (
+    MAX_ABORT_TARGETS,
+    MAX_KV_EVENTS,
+    MAX_LEASE_SECONDS,
+    MAX_REQUEST_ID_LENGTH,
+    MAX_SAMPLES,
+    MAX_STOP_TOKENS,
+    PROTOCOL_VERSION,
+    ErrorCode,
+    Kind,
+)
 from rollout.wire.packing import as_float32, as_int32, check_non_negative, check_same_length
 from weight_sync.sources import DistributedSource, GroupName, SharedMemorySource
 from weight_sync.transports.distributed import DEFAULT_GROUP
-
-PROTOCOL_VERSION = 3  # 2: UpdateWeights.policy; 3: KvEvents, Result.kv_events; weight sync (group kinds,
-# distributed / shared-memory sources)
-MAX_REQUEST_ID_LENGTH = 256
-MAX_SAMPLES = 1024  # n per Generate
-MAX_STOP_TOKENS = 1024
-MAX_ABORT_TARGETS = 65536
-MAX_LEASE_SECONDS = 3600.0
-MAX_KV_EVENTS = 65536  # per KvEvents reply
-
-
-class Kind(enum.IntEnum):
-    """Message kinds. Fixed numbers: never reuse or renumber one (bump PROTOCOL_VERSION)."""
-
-    GENERATE = 1
-    ABORT = 2
-    PAUSE = 3
-    CONTINUE = 4
-    SUSPEND = 5
-    RESUME = 6
-    UPDATE_WEIGHTS = 7
-    RESET_PREFIX_CACHE = 8
-    STATS = 9
-    HEALTH = 10
-    HEARTBEAT = 11
-    KV_EVENTS = 12
-    SAMPLE_OUTPUT = 64
-    TOKEN_DELTA = 65
-    RESULT = 66
-    ERROR = 67
-    # weight sync (requests, kept together; 12 is the router's KV_EVENTS)
-    INIT_WEIGHTS_UPDATE_GROUP = 13
-    DESTROY_WEIGHTS_UPDATE_GROUP = 14
-    GET_WEIGHT_VERSION = 15
-
-
-class ErrorCode(enum.IntEnum):
-    """Why a frame or a request was refused. Stable numbers, as `Kind`."""
-
-    MALFORMED = 1  # not msgpack, truncated, not a map, nested too deep
-    UNKNOWN_KIND = 2  # `kind` missing, not a Kind, or a reply where a request was expected
-    BAD_SCHEMA = 3  # a field missing, unknown, mistyped or out of range
-    TOO_LARGE = 4  # the frame exceeds max_frame_bytes
-    BAD_VERSION = 5  # `v` missing or not PROTOCOL_VERSION
-    INVALID_REQUEST = 6  # well-formed, but the engine's own validation refused it
-    CONTEXT_OVERFLOW = 7  # the engine cannot fit it (now or ever); see ErrorReply.context_error
-    ENGINE_STATE = 8  # not allowed in the engine's state (e.g. generate while suspended)
-    NOT_FOUND = 9  # e.g. aborting an unknown request id
-    DUPLICATE = 10  # a request id reused for a different request
-    INTERNAL = 11  # a bug on the server
-
-
-class PauseMode(str, enum.Enum):
-    """What `Pause` does to requests in flight (admission of new ones stops in every mode).
-
-    ABORT: finish them now with reason `abort`. WAIT: let them run to completion, then idle.
-    KEEP: stop stepping; they keep their KV and go on at `Continue`. RETRACT: free their KV and
-    requeue them; their tokens so far are prefilled again at `Continue`.
-    """
-
-    ABORT = "abort"
-    WAIT = "wait"
-    KEEP = "keep"
-    RETRACT = "retract"
-
-
-class SuspendPolicy(str, enum.Enum):
-    """Requests in flight at `Suspend`; the values are `inference.SuspendPolicy`'s."""
-
-    ABORT = "abort"
-    RECOMPUTE = "recompute"
-    OFFLOAD = "offload"
 
 
 class KvOp(enum.IntEnum):
@@ -102,14 +43,6 @@ class KvOp(enum.IntEnum):
     STORED = 1  # these block hashes became matchable
     REMOVED = 2  # these are no longer served
     CLEARED = 3  # nothing announced before is served any more (a reset, a weight update, suspend)
-
-
-class UpdatePolicy(str, enum.Enum):
-    """Requests in flight at `UpdateWeights`; the values are `inference.UpdatePolicy`'s."""
-
-    ABORT = "abort"
-    RECOMPUTE = "recompute"
-    KEEP = "keep"
 
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID_LENGTH)]
@@ -439,11 +372,15 @@ class ErrorReply(_Message, tag=Kind.ERROR.value):
 
 
 RequestMessage = Union[Generate, Abort, Pause, Continue, Suspend, Resume, UpdateWeights, ResetPrefixCache,
-                       Stats, Health, Heartbeat, KvEvents]
+                       Stats, Health, Heartbeat, KvEvents, InitWeightsUpdateGroup, DestroyWeightsUpdateGroup,
+                       GetWeightVersion]
 ReplyMessage = Union[SampleOutput, TokenDelta, Result, ErrorReply]
-# the weight-update group's requests (weight sync)
-RequestMessage = Union[RequestMessage, InitWeightsUpdateGroup, DestroyWeightsUpdateGroup, GetWeightVersion]
 Message = Union[RequestMessage, ReplyMessage]
 
-REQUEST_KINDS = frozenset(k for k in Kind if k < 64)
-REPLY_KINDS = frozenset(k for k in Kind if k >= 64)
+REQUEST_TYPES: tuple[type, ...] = RequestMessage.__args__
+REPLY_TYPES: tuple[type, ...] = ReplyMessage.__args__
+
+
+def kind_of(message_type: type) -> Kind:
+    """The `Kind` a message class is tagged with."""
+    return Kind(message_type.__struct_config__.tag)

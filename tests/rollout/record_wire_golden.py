@@ -13,17 +13,22 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import msgspec
 import numpy as np
 
-from inference import FinishReason, LogprobsMode, Staging
-from rollout.wire import codec as p
+from inference import FinishReason, LogprobsMode, PauseMode, Staging, SuspendPolicy, UpdatePolicy
+from rollout.wire import codec, kinds
+from rollout.wire import messages as wire
 from weight_sync import DistributedSource, SharedMemorySource
 from weight_sync.manifest import Bucket, Layout, Manifest
 from weight_sync.transports.shm import CudaIpcBuffer
 
 OUT = Path(__file__).with_name("wire_golden.json")
+# every name the recorder builds with, in one namespace
+p = SimpleNamespace(**{**vars(wire), **vars(kinds), "encode": codec.encode, "PauseMode": PauseMode,
+                       "SuspendPolicy": SuspendPolicy, "UpdatePolicy": UpdatePolicy})
 
 
 def manifest(layout: bool = True) -> Manifest:

@@ -12,15 +12,24 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from inference.config import PauseMode, SuspendPolicy, UpdatePolicy
 from inference.errors import ContextOverflowError, EngineStateError, MaxSequenceLengthOverflowError
 from inference.request import FinishReason, RequestOutput
 from inference.sampling.params import MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE, LogprobsMode, SamplingParams
-from rollout.wire.codec import (
-    PROTOCOL_VERSION,
+from rollout.wire.codec import ProtocolError, decode, decode_reply, decode_request, encode
+from rollout.wire.convert import (
+    error_from_reply,
+    error_reply,
+    output_from_wire,
+    output_to_wire,
+    sampling_params_from_wire,
+    sampling_params_to_wire,
+)
+from rollout.wire.kinds import MAX_LEASE_SECONDS, MAX_REQUEST_ID_LENGTH, MAX_SAMPLES, PROTOCOL_VERSION, ErrorCode, Kind
+from rollout.wire.messages import (
     Abort,
     Continue,
     DestroyWeightsUpdateGroup,
-    ErrorCode,
     ErrorReply,
     Generate,
     GetWeightVersion,
@@ -28,14 +37,11 @@ from rollout.wire.codec import (
     HealthInfo,
     Heartbeat,
     InitWeightsUpdateGroup,
-    Kind,
     KvEvent,
     KvEventBatch,
     KvEvents,
     KvOp,
     Pause,
-    PauseMode,
-    ProtocolError,
     ResetPrefixCache,
     Result,
     Resume,
@@ -44,22 +50,9 @@ from rollout.wire.codec import (
     Sampling,
     Stats,
     Suspend,
-    SuspendPolicy,
     TokenDelta,
-    UpdatePolicy,
     UpdateWeights,
-    decode,
-    decode_reply,
-    decode_request,
-    encode,
-    error_from_reply,
-    error_reply,
-    output_from_wire,
-    output_to_wire,
-    sampling_params_from_wire,
-    sampling_params_to_wire,
 )
-from rollout.wire.messages import MAX_LEASE_SECONDS, MAX_REQUEST_ID_LENGTH, MAX_SAMPLES
 
 
 def examples() -> list:

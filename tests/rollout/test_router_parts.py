@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from inference import DynamicInferenceEngine, FinishReason
+from inference.config import PauseMode
 from inference.kv_cache import block_hashes
 from inference.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from rollout import RolloutClient, RolloutRouter, RouterConfig
@@ -23,19 +24,17 @@ from rollout.server.server import RolloutServer
 from rollout.service.metrics import ServiceMetrics
 from rollout.service.registry import Record
 from rollout.wire.codec import ProtocolError, decode_request
+from rollout.wire.kinds import ErrorCode, Kind
 from rollout.wire.messages import (
     Abort,
     Continue,
-    ErrorCode,
     ErrorReply,
     Generate,
     HealthInfo,
-    Kind,
     KvEvent,
     KvEvents,
     KvOp,
     Pause,
-    PauseMode,
     Result,
     Resume,
     SafetensorsDir,

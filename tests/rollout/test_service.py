@@ -23,7 +23,8 @@ from inference import FinishReason, MaxSequenceLengthOverflowError, SamplingPara
 from rollout import AsyncRolloutClient, RolloutBackend, RolloutClient, RolloutEngine, TokenChunk
 from rollout.rl.tracking import ServiceLogger, monitor_service
 from rollout.service.metrics import SERVICE_KEYS
-from rollout.wire.codec import ErrorCode, ProtocolError
+from rollout.wire.codec import ProtocolError
+from rollout.wire.kinds import ErrorCode
 from tests.rollout.service_util import (
     HEALTH_DEADLINE_S,
     WAIT_S,

@@ -12,13 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from rollout.client.sync import GeneratePending
+from rollout.client.streams import GeneratePending
 from rollout.service.leases import Leases
 from rollout.service.metrics import SERVICE_KEYS, ServiceMetrics
 from rollout.service.registry import RequestRegistry
 from rollout.wire.codec import decode_reply, encode
+from rollout.wire.kinds import ErrorCode, Kind
 from rollout.wire.mailbox import Mailbox
-from rollout.wire.messages import ErrorCode, ErrorReply, Generate, Kind, Result, SampleOutput, Sampling, TokenDelta
+from rollout.wire.messages import ErrorReply, Generate, Result, SampleOutput, Sampling, TokenDelta
 
 PEERS = [b"a", b"b", b"c"]
 

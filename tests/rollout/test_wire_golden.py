@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from rollout.wire.codec import PROTOCOL_VERSION, decode, encode
+from rollout.wire.codec import decode, encode
+from rollout.wire.kinds import PROTOCOL_VERSION
 
 GOLDEN = json.loads(Path(__file__).with_name("wire_golden.json").read_text())
 

@@ -17,7 +17,8 @@ import torch
 
 from inference import DynamicInferenceEngine
 from rollout import RolloutClient, ServerProcess
-from rollout.wire.codec import ErrorCode, ProtocolError
+from rollout.wire.codec import ProtocolError
+from rollout.wire.kinds import ErrorCode
 from tests.rollout.service_util import SERVER_ARGS, VOCAB, engine_config, greedy, random_prompts, save_tiny_model
 from tests.weight_sync.local import corrupting_pipeline
 from weight_sync import SyncError, WeightSender

@@ -1,0 +1,64 @@
+"""The clients' control requests: one builder per message kind, ids from the connection.
+
+Both clients (`RolloutClient`, `AsyncRolloutClient`) and the weight-call facade build their
+requests here, from the engine's own types (`PauseMode`, `SuspendPolicy`, `UpdatePolicy`), which
+the wire carries as they are.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional, Union
+
+from inference import PauseMode, SuspendPolicy, UpdatePolicy
+from rollout.backend import WeightSource
+from rollout.client.connection import Connection
+from rollout.wire import messages as wire
+from weight_sync import DistributedSource, SharedMemorySource
+
+
+class Requests:
+    """Builds each control request with a fresh id of `connection`'s session."""
+
+    def __init__(self, connection: Connection) -> None:
+        self.connection = connection
+
+    def _id(self, prefix: str = "c") -> str:
+        return self.connection.next_id(prefix)
+
+    def pause(self, mode: Union[PauseMode, str]) -> wire.Pause:
+        return wire.Pause(request_id=self._id(), mode=PauseMode(mode))
+
+    def continue_(self) -> wire.Continue:
+        return wire.Continue(request_id=self._id())
+
+    def suspend(self, policy: Optional[Union[SuspendPolicy, str]], offload_weights: bool) -> wire.Suspend:
+        return wire.Suspend(request_id=self._id(), policy=SuspendPolicy(policy or SuspendPolicy.RECOMPUTE),
+                            offload_weights=bool(offload_weights))
+
+    def resume(self) -> wire.Resume:
+        return wire.Resume(request_id=self._id())
+
+    def update_weights(self, source: WeightSource, version: Optional[int],
+                       policy: Optional[Union[UpdatePolicy, str]]) -> wire.UpdateWeights:
+        """A path is a safetensors directory the server reads; else a weight_sync source."""
+        if isinstance(source, (str, os.PathLike)):
+            source = wire.SafetensorsDir(path=str(Path(source).absolute()))
+        elif not isinstance(source, (DistributedSource, SharedMemorySource)):
+            raise TypeError("a remote engine loads weights from a safetensors directory it can read (a path), or a "
+                            f"weight_sync source (weight_sync.WeightSender sends those); got {type(source).__name__}")
+        return wire.UpdateWeights(request_id=self._id(), source=source, target_version=version,
+                                  policy=None if policy is None else UpdatePolicy(policy))
+
+    def reset_prefix_cache(self) -> wire.ResetPrefixCache:
+        return wire.ResetPrefixCache(request_id=self._id())
+
+    def stats(self) -> wire.Stats:
+        return wire.Stats(request_id=self._id())
+
+    def health(self) -> wire.Health:
+        return wire.Health(request_id=self._id())
+
+    def abort(self, targets: list[str]) -> wire.Abort:
+        return wire.Abort(request_id=self._id("a"), targets=targets)

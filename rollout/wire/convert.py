@@ -1,0 +1,122 @@
+"""The one translation layer between the engine's types and the wire's.
+
+Enums need none (the wire carries the engine's own, by value). What does: `SamplingParams` and
+its `Sampling` struct, a finished `RequestOutput` and its `SampleOutput` (packed arrays, routes),
+a received `SampleOutput` and the client's `Rollout`, and exceptions and their `ErrorReply`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional
+
+import numpy as np
+
+from inference.errors import ContextErrorFactory, ContextOverflowError, EngineStateError
+from inference.request import RequestOutput
+from inference.sampling.params import SamplingParams
+from rollout.types import Rollout
+from rollout.wire.codec import ProtocolError
+from rollout.wire.kinds import ErrorCode
+from rollout.wire.messages import ErrorReply, RoutedExperts, SampleOutput, Sampling
+
+__all__ = ["error_from_reply", "error_reply", "output_from_wire", "output_to_wire", "sampling_params_from_wire",
+           "sampling_params_to_wire"]
+
+
+# ---- errors across the wire ------------------------------------------------------------------
+
+
+def error_reply(exc: BaseException, request_id: Optional[str] = None) -> ErrorReply:
+    """The reply for an exception raised while serving a request (the server's side)."""
+    if isinstance(exc, ProtocolError):
+        return ErrorReply(code=exc.code, message=exc.message, request_id=request_id or exc.request_id)
+    if isinstance(exc, ContextOverflowError):
+        return ErrorReply(code=ErrorCode.CONTEXT_OVERFLOW, message=str(exc), request_id=request_id,
+                          context_error=ContextErrorFactory.serialize(exc))
+    if isinstance(exc, EngineStateError):
+        code = ErrorCode.ENGINE_STATE
+    elif isinstance(exc, ValueError):
+        code = ErrorCode.INVALID_REQUEST
+    else:
+        code = ErrorCode.INTERNAL
+    return ErrorReply(code=code, message=f"{type(exc).__name__}: {exc}", request_id=request_id)
+
+
+def error_from_reply(reply: ErrorReply) -> Exception:
+    """The exception an `ErrorReply` stands for (the client's side): a `ContextOverflowError`
+    subclass for CONTEXT_OVERFLOW with a readable `context_error`, else a `ProtocolError`."""
+    if reply.code is ErrorCode.CONTEXT_OVERFLOW and reply.context_error is not None:
+        try:
+            return ContextErrorFactory.deserialize(reply.context_error)
+        except (KeyError, TypeError, ValueError):
+            pass  # an unreadable context error still comes back, as the ProtocolError below
+    return ProtocolError(reply.code, reply.message, reply.request_id)
+
+
+# ---- converters to and from the engine's types -----------------------------------------------
+
+
+def sampling_params_to_wire(params: SamplingParams) -> Sampling:
+    """`SamplingParams` as its wire struct (the same field names, see `Sampling`)."""
+    fields = {name: getattr(params, name) for name in Sampling.__struct_fields__}
+    fields["stop_token_ids"] = [int(t) for t in params.stop_token_ids]
+    return Sampling(**fields)
+
+
+def sampling_params_from_wire(sampling: Sampling) -> SamplingParams:
+    """The engine's `SamplingParams`; its own validation runs, a refusal is INVALID_REQUEST."""
+    fields = {name: getattr(sampling, name) for name in Sampling.__struct_fields__}
+    fields["stop_token_ids"] = list(sampling.stop_token_ids)
+    try:
+        return SamplingParams(**fields)
+    except ValueError as exc:  # the engine's messages start with the field's name
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, f"sampling.{exc}") from None
+
+
+def output_to_wire(out: RequestOutput, request_id: str, *, n: int) -> SampleOutput:
+    """A finished sample as its reply; `request_id` is the client's, `n` its Generate's group size."""
+    return SampleOutput(
+        request_id=request_id,
+        sample_index=out.sample_index,
+        n=n,
+        prompt_len=len(out.prompt_token_ids),
+        token_ids=out.generated_token_ids,
+        logprobs=out.logprobs,
+        versions=out.token_versions,
+        finish_reason=out.finish_reason,
+        top_logprobs=out.top_logprobs,
+        prompt_logprobs=out.prompt_logprobs,
+        ttft=out.time_to_first_token,
+        latency=out.latency,
+        num_preemptions=out.num_preemptions,
+        routed_experts=_routes_to_wire(out.routed_experts),
+    )
+
+
+def _routes_to_wire(routes: Optional[np.ndarray]) -> Optional[RoutedExperts]:
+    if routes is None:
+        return None
+    _, layers, k = routes.shape
+    return RoutedExperts(layers=layers, k=k, experts=np.ascontiguousarray(routes, dtype=np.int32).reshape(-1))
+
+
+def output_from_wire(msg: SampleOutput, prompt_ids: Sequence[int], group: int) -> Rollout:
+    """A received sample as a `Rollout` of the client's prompt `prompt_ids` (group `group`).
+
+    Log-probs come back as float32 values (the engine computes them in float32).
+    """
+    if len(prompt_ids) != msg.prompt_len:
+        raise ValueError(f"output_from_wire: {msg.request_id!r} was sampled from a prompt of {msg.prompt_len} "
+                         f"tokens, got prompt_ids of {len(prompt_ids)}")
+    return Rollout(
+        prompt_ids=[int(t) for t in prompt_ids],
+        completion_ids=msg.token_ids.tolist(),
+        logprobs=msg.logprobs.tolist(),
+        versions=msg.versions.tolist(),
+        finish_reason=msg.finish_reason,
+        group=group,
+        sample_index=msg.sample_index,
+        top_logprobs=None if msg.top_logprobs is None else [dict(d) for d in msg.top_logprobs],
+        routed_experts=None if msg.routed_experts is None else msg.routed_experts.array,
+    )

@@ -1,0 +1,64 @@
+"""The wire's fixed numbers: protocol version, message kinds, error codes, size limits.
+
+Kinds and codes are `IntEnum`s with fixed values: never reuse or renumber one (bump
+PROTOCOL_VERSION instead). The engine's own enums (`PauseMode`, `SuspendPolicy`, `UpdatePolicy`,
+`FinishReason`, `LogprobsMode`, `Staging`) travel as they are, by value: the wire has no twins.
+"""
+
+from __future__ import annotations
+
+import enum
+
+PROTOCOL_VERSION = 3  # 2: UpdateWeights.policy; 3: KvEvents, Result.kv_events; weight sync (group kinds,
+# distributed / shared-memory sources)
+MAX_REQUEST_ID_LENGTH = 256
+MAX_SAMPLES = 1024  # n per Generate
+MAX_STOP_TOKENS = 1024
+MAX_ABORT_TARGETS = 65536
+MAX_LEASE_SECONDS = 3600.0
+MAX_KV_EVENTS = 65536  # per KvEvents reply
+
+
+class Kind(enum.IntEnum):
+    """Message kinds. Fixed numbers: never reuse or renumber one (bump PROTOCOL_VERSION)."""
+
+    GENERATE = 1
+    ABORT = 2
+    PAUSE = 3
+    CONTINUE = 4
+    SUSPEND = 5
+    RESUME = 6
+    UPDATE_WEIGHTS = 7
+    RESET_PREFIX_CACHE = 8
+    STATS = 9
+    HEALTH = 10
+    HEARTBEAT = 11
+    KV_EVENTS = 12
+    SAMPLE_OUTPUT = 64
+    TOKEN_DELTA = 65
+    RESULT = 66
+    ERROR = 67
+    # weight sync (requests, kept together; 12 is the router's KV_EVENTS)
+    INIT_WEIGHTS_UPDATE_GROUP = 13
+    DESTROY_WEIGHTS_UPDATE_GROUP = 14
+    GET_WEIGHT_VERSION = 15
+
+
+class ErrorCode(enum.IntEnum):
+    """Why a frame or a request was refused. Stable numbers, as `Kind`."""
+
+    MALFORMED = 1  # not msgpack, truncated, not a map, nested too deep
+    UNKNOWN_KIND = 2  # `kind` missing, not a Kind, or a reply where a request was expected
+    BAD_SCHEMA = 3  # a field missing, unknown, mistyped or out of range
+    TOO_LARGE = 4  # the frame exceeds max_frame_bytes
+    BAD_VERSION = 5  # `v` missing or not PROTOCOL_VERSION
+    INVALID_REQUEST = 6  # well-formed, but the engine's own validation refused it
+    CONTEXT_OVERFLOW = 7  # the engine cannot fit it (now or ever); see ErrorReply.context_error
+    ENGINE_STATE = 8  # not allowed in the engine's state (e.g. generate while suspended)
+    NOT_FOUND = 9  # e.g. aborting an unknown request id
+    DUPLICATE = 10  # a request id reused for a different request
+    INTERNAL = 11  # a bug on the server
+
+
+REQUEST_KINDS = frozenset(k for k in Kind if k < 64)
+REPLY_KINDS = frozenset(k for k in Kind if k >= 64)
