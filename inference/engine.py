@@ -17,7 +17,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -134,6 +135,43 @@ class DynamicInferenceEngine:
                 return future.result(self.command_timeout)
         with self._lock:
             return fn(*args, **kwargs)
+
+    def post(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn()` between steps without waiting for it: a `Future` of its result.
+
+        With the background loop running, `fn` is a command on its one queue (in order with every
+        other call, also those of other threads); without it, or from the loop itself, it runs at
+        once under the lock. Engine methods called inside `fn` run directly (they are on the loop).
+        A server posts every engine call this way, so its socket thread never waits on a step.
+        """
+        loop = self._loop
+        if loop is not None and not loop.is_loop_thread():
+            future = loop.submit(fn)
+            if future is not None:
+                return future
+        future = Future()
+        try:
+            with self._lock:
+                future.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 (handed to the caller through the future)
+            future.set_exception(exc)
+        return future
+
+    def when(self, condition: Callable[[], bool]) -> Future:
+        """A `Future` resolved once `condition()` holds after a round of the loop (e.g. drained, for
+        a WAIT pause); without the loop, checked once now."""
+        loop = self._loop
+        future = loop.wait_for(condition) if loop is not None else None
+        if future is not None:
+            return future
+        future = Future()
+        with self._lock:
+            holds = condition()
+        if holds:
+            future.set_result(None)
+        else:
+            future.set_exception(EngineStateError("no engine loop runs to wait on (start() it)"))
+        return future
 
     def _route_output(self, output: RequestOutput) -> None:
         channel = self._channels.pop(output.request_id, None)

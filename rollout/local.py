@@ -29,10 +29,10 @@ from inference import (
     TokenEvent,
     UpdatePolicy,
 )
-from inference.models.loading import read_safetensors
 from rollout.backend import Prompts, WeightSource, params_per_prompt, sort_rollouts
 from rollout.text import TextCodec, add_text, has_tokenizer, needs_codec, token_prompts
 from rollout.types import GenerationStats, Rollout, RolloutBatch, TokenChunk
+from weight_sync import DiskSource, WeightReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -224,12 +224,16 @@ class RolloutEngine:
 
     def update_weights(self, source: WeightSource, version: Optional[int] = None, *,
                        policy: Optional[UpdatePolicy] = None, **kwargs: Any) -> int:
-        """Copy weights in (not aliased): a safetensors directory, or named tensors; returns the
-        new policy version."""
+        """Copy weights in (not aliased): a safetensors directory (checked against its manifest and
+        checksums where it has them, like a server's), or named tensors; returns the new version."""
+        policy = None if policy is None else UpdatePolicy(policy)
         if isinstance(source, (str, os.PathLike)):
-            source = read_safetensors(Path(source), None)
-        return self.engine.update_weights(source, version, policy=None if policy is None else UpdatePolicy(policy),
-                                          **kwargs)
+            receiver = WeightReceiver(self.engine)
+            try:
+                return receiver.update(DiskSource(path=str(Path(source).absolute()), version=version), policy)
+            finally:
+                receiver.close()
+        return self.engine.update_weights(source, version, policy=policy, **kwargs)
 
     @property
     def policy_version(self) -> int:

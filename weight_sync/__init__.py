@@ -7,16 +7,27 @@ Importing this package registers the megatron-core weight adapter with `inferenc
 """
 
 from inference.weights.staging import Staging  # how an update is staged (double / in place): part of the wire sources
+from weight_sync.control import WeightControl
 from weight_sync.manifest import Manifest, ManifestError, parse_weight_version
 from weight_sync.megatron import model  # noqa: F401  (registers the megatron-core adapter)
 from weight_sync.megatron.names import Naming, detect_naming, hf_to_megatron, megatron_to_hf
-from weight_sync.receiver import WeightReceiver
-from weight_sync.sender import SyncError, WeightControl, WeightSender
-from weight_sync.sources import DistributedSource, SharedMemorySource, decode_tensor_payload, encode_tensor_payload
+from weight_sync.receiver import UpdateOutcome, WeightReceiver
+from weight_sync.sender import SyncError, WeightSender
+from weight_sync.sources import (
+    DiskSource,
+    DistributedSource,
+    SharedMemorySource,
+    WeightSource,
+    decode_tensor_payload,
+    encode_tensor_payload,
+    source_version,
+    with_version,
+)
 from weight_sync.transports.distributed import DEFAULT_GROUP, WeightGroup
 
 __all__ = [
-    "DEFAULT_GROUP", "DistributedSource", "Manifest", "ManifestError", "Naming", "SharedMemorySource", "Staging",
-    "SyncError", "WeightControl", "WeightGroup", "WeightReceiver", "WeightSender", "decode_tensor_payload",
-    "detect_naming", "encode_tensor_payload", "hf_to_megatron", "megatron_to_hf", "parse_weight_version",
+    "DEFAULT_GROUP", "DiskSource", "DistributedSource", "Manifest", "ManifestError", "Naming", "SharedMemorySource",
+    "Staging", "SyncError", "UpdateOutcome", "WeightControl", "WeightGroup", "WeightReceiver", "WeightSender",
+    "WeightSource", "decode_tensor_payload", "detect_naming", "encode_tensor_payload", "hf_to_megatron",
+    "megatron_to_hf", "parse_weight_version", "source_version", "with_version",
 ]

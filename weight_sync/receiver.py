@@ -19,15 +19,22 @@ update left open longer than the timeout is aborted.
 One update (or group change) runs at a time; a second one meanwhile is refused at once. The
 receiver owns its weight-update groups (`init_group` / `destroy_group`); a group whose collective
 failed is closed and forgotten (the trainer makes a new one).
+
+`apply`, `join_group` and `leave_group` run on the receiver's own worker thread and return a
+`Future`, so a server's socket thread never waits on a transfer. Their failures are the
+receiver's error contract: a `ValueError` is the request's fault (a manifest for another model,
+a path that is no checkpoint, a bad checksum), an `EngineStateError` what left the engine unable
+to complete it (a dead sender, a broken group, a timeout, another update in flight).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -43,12 +50,11 @@ from weight_sync.manifest import (
     ManifestError,
     check_against_model,
     dtype_name,
-    parse_weight_version,
 )
-from weight_sync.sources import DistributedSource, SharedMemorySource
+from weight_sync.sources import DiskSource, DistributedSource, SharedMemorySource, WeightSource, source_version
 from weight_sync.transports import disk
 from weight_sync.transports.bucket_broadcast import receive_buckets, receive_tensors
-from weight_sync.transports.distributed import DEFAULT_GROUP, GroupError, ReceiveBuffer, WeightGroup
+from weight_sync.transports.distributed import DEFAULT_GROUP, GroupError, ReceiveBuffer, RefusedError, WeightGroup
 from weight_sync.transports.shm import SegmentMappings, SegmentPlan, import_cuda, read_segment
 
 logger = logging.getLogger(__name__)
@@ -101,6 +107,41 @@ class WeightReceiver:
         self._buffer = ReceiveBuffer(torch.device("cpu"))  # the group's device
         self._host_buffer = ReceiveBuffer(torch.device("cpu"))
         self._mappings = SegmentMappings()
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weight-receiver")
+
+    # ---- the asynchronous API (the receiver's worker thread) ----------------------------------------
+
+    def apply(self, source: WeightSource, policy: Any = None) -> concurrent.futures.Future:
+        """Update from `source` (checked, staged, committed whole) on the worker: an `UpdateOutcome`."""
+        return self._submit(lambda: self._outcome(self.update(source, policy)))
+
+    def join_group(self, master_address: str, master_port: int, rank_offset: Optional[int], world_size: int,
+                   group_name: str = DEFAULT_GROUP, backend: Optional[str] = None,
+                   timeout_s: Optional[float] = None) -> concurrent.futures.Future:
+        """`init_group` on the worker: this replica's rank."""
+        return self._submit(lambda: self.init_group(master_address, master_port, rank_offset, world_size, group_name,
+                                                    backend, timeout_s))
+
+    def leave_group(self, group_name: str = DEFAULT_GROUP) -> concurrent.futures.Future:
+        """`destroy_group` on the worker: whether there was one."""
+        return self._submit(lambda: self.destroy_group(group_name))
+
+    def _submit(self, call: Callable[[], Any]) -> concurrent.futures.Future:
+        return self._worker.submit(_typed_errors, call)
+
+    def _outcome(self, committed: Optional[int]) -> UpdateOutcome:
+        return UpdateOutcome(committed is not None, self.engine.policy_version, self.stats.bytes_received)
+
+    def update(self, source: WeightSource, policy: Any = None) -> Optional[int]:
+        """Update from any source, on the caller's thread: the new version, or None while a
+        sequence of distributed calls stays open."""
+        if isinstance(source, DiskSource):
+            return self.update_from_disk(source.path, version=source.version, policy=policy)
+        if isinstance(source, DistributedSource):
+            return self.update_from_distributed(source, policy=policy)
+        if isinstance(source, SharedMemorySource):
+            return self.update_from_shared_memory(source, policy=policy)
+        raise TypeError(f"no weight source {type(source).__name__}")
 
     @property
     def spec(self):
@@ -151,14 +192,14 @@ class WeightReceiver:
         return group is not None
 
     def close(self) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)
         for name in list(self._groups):
             self._close_group(name)
         self._mappings.close()
 
     # ---- updates -------------------------------------------------------------------------------
 
-    def update_from_distributed(self, source: DistributedSource, *, version: Optional[int] = None,
-                                policy: Any = None) -> Optional[int]:
+    def update_from_distributed(self, source: DistributedSource, *, policy: Any = None) -> Optional[int]:
         """Receive `source` over its group; the new version once committed, None while a sequence
         stays open (`finish` False, or None with tensors still missing)."""
         manifest = source.manifest
@@ -173,7 +214,7 @@ class WeightReceiver:
             if not sequence and source.finish is None and not _whole_model(manifest, self.spec):
                 sequence = True  # NOTE: SGLang's callers send part of the model per call, and no `finish`
             try:
-                version = _merge_version(version, manifest, opened)
+                version = _sequence_version(manifest, opened)
                 check_against_model(manifest, self.spec, complete=not sequence)
                 accepted = None
             except (ManifestError, KeyError, ValueError) as exc:
@@ -219,16 +260,14 @@ class WeightReceiver:
         self._abort(why)
         raise why
 
-    def update_from_shared_memory(self, source: SharedMemorySource, *, version: Optional[int] = None,
-                                  policy: Any = None) -> int:
+    def update_from_shared_memory(self, source: SharedMemorySource, *, policy: Any = None) -> int:
         """Copy the buckets of a shared-memory source in (checked, staged, committed)."""
         manifest = source.manifest
         with self._exclusive("a weight update"):
-            version = _merge_version(version, manifest, None)
             check_against_model(manifest, self.spec)
             start = time.perf_counter()
             try:
-                self._begin(version, source.staging, "")
+                self._begin(source_version(source), source.staging, "")
                 if source.segment is not None:
                     self._read_segment(source)
                 else:
@@ -296,16 +335,18 @@ class WeightReceiver:
                                     shapes=[list(t.shape) for t in tensors.values()])
                 check_against_model(manifest, self.spec)
                 try:
-                    self._begin(_merge_version(version, manifest, None), staging, "")
+                    self._begin(version, staging, "")
                     self.engine.load_weights(tensors)
                     return self._commit(policy, start)
                 except BaseException as exc:
                     self._abort(exc)
                     raise
-            version = _merge_version(version, manifest, None)
+            if version is not None and manifest.version is not None and version != manifest.version:
+                raise ManifestError(f"{path}: the source says version {version}, the directory's manifest "
+                                    f"{manifest.version}")
             check_against_model(manifest, self.spec)
             try:
-                self._begin(version, staging, "")
+                self._begin(manifest.version if version is None else version, staging, "")
                 for index, bucket in enumerate(manifest.layout.buckets):
                     tensors, checksum = disk.read_bucket(path, manifest, index)
                     if checksum != bucket.checksum:
@@ -375,11 +416,40 @@ class WeightReceiver:
             self._busy.release()
 
 
-def _merge_version(version: Optional[int], manifest: Manifest, opened: Optional[_Open]) -> Optional[int]:
-    candidates = {v for v in (version, manifest.version, opened.version if opened else None) if v is not None}
-    if len(candidates) > 1:
-        raise ManifestError(f"conflicting target versions {sorted(candidates)} (message, manifest, open update)")
-    return parse_weight_version(candidates.pop()) if candidates else None
+def _sequence_version(manifest: Manifest, opened: Optional[_Open]) -> Optional[int]:
+    """The version of a call of a sequence: its manifest's, which a later call must not contradict."""
+    if opened is None:
+        return manifest.version
+    if manifest.version is None or opened.version is None:
+        return opened.version
+    if manifest.version != opened.version:
+        raise ManifestError(f"this call's manifest says version {manifest.version}, the open update's is "
+                            f"{opened.version}")
+    return manifest.version
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateOutcome:
+    """What an `apply` did: whether it committed (False: a sequence stays open), the engine's
+    version after it, and the bytes received so far."""
+
+    committed: bool
+    version: int
+    bytes_received: int
+
+
+def _typed_errors(call: Callable[[], Any]) -> Any:
+    """The receiver's error contract (see module docstring)."""
+    try:
+        return call()
+    except FileNotFoundError as exc:
+        raise ValueError(f"source.path: {exc}") from exc
+    except (GroupError, RefusedError, TimeoutError) as exc:
+        raise EngineStateError(f"weight update aborted: {exc}") from exc
+    except KeyError as exc:  # NOTE: WeightNameError: a manifest for another model
+        raise ValueError(str(exc)) from exc
+    except OSError as exc:  # NOTE: a path the replica cannot read as a checkpoint: the request's fault
+        raise ValueError(f"source.path: {type(exc).__name__}: {exc}") from exc
 
 
 def _verify(view: torch.Tensor, manifest: Manifest, index: int) -> None:
@@ -390,7 +460,7 @@ def _verify(view: torch.Tensor, manifest: Manifest, index: int) -> None:
                             f"{checksum:#x}, the manifest says {bucket.checksum:#x}")
 
 
-__all__ = ["ReceiverStats", "WeightReceiver"]
+__all__ = ["ReceiverStats", "UpdateOutcome", "WeightReceiver"]
 
 
 def _whole_model(manifest: Any, spec: Any) -> bool:

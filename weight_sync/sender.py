@@ -4,13 +4,13 @@ into every replica, or into none.
     sender = WeightSender([RolloutClient(a), RolloutClient(b)], transport="gloo")
     version = sender.sync(policy, version=step + 1)   # returns once every replica committed
 
-Targets are what the replicas (or a router in front of them) answer to: the SGLang-named control
-calls of `WeightControl`, which `rollout.RolloutClient` implements. Each sync builds the manifest
+Targets are what the replicas (or a router in front of them) answer to: `WeightControl`
+(`update(source, policy)`, the group calls), which `rollout.RolloutClient` implements. Each sync builds the manifest
 (names, dtypes, shapes, buckets with their checksums, the version), sends it to every target
 first, then moves the bytes, then waits until every target answered (bounded by `timeout_s`):
 
 * `gloo` / `nccl`: a weight-update group of the trainer (rank 0) and the replicas, made at the
-  first sync (targets are told to join: `init_weights_update_group`) and again after a failure or
+  first sync (targets are told to join: `join_group`) and again after a failure or
   when `regroup()` is called (a replica joined or left); buckets are broadcast
   (`transports.distributed`). A refused manifest stops every rank before a bucket moves; a failed
   bucket on any replica stops every replica from committing;
@@ -39,13 +39,14 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Protocol, Union
+from typing import Any, Optional, Union
 
 import torch
 
 from weight_sync.buckets import DEFAULT_BUCKET_BYTES, as_bytes, fill_checksums, manifest_for, pack_bucket
-from weight_sync.manifest import Manifest, dtype_name, parse_weight_version
-from weight_sync.sources import SharedMemorySource, encode_tensor_payload
+from weight_sync.control import WeightControl
+from weight_sync.manifest import Manifest, dtype_name
+from weight_sync.sources import DiskSource, DistributedSource, SharedMemorySource
 from weight_sync.transports import disk
 from weight_sync.transports.bucket_broadcast import send_buckets, send_tensors
 from weight_sync.transports.distributed import DEFAULT_GROUP, GroupError, WeightGroup
@@ -55,29 +56,6 @@ logger = logging.getLogger(__name__)
 
 Weights = Union[torch.nn.Module, Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
 TRANSPORTS = ("gloo", "nccl", "shm", "disk")
-
-
-class WeightControl(Protocol):
-    """The calls a sender makes on a replica (or a router): SGLang's names, our extensions
-    keyword-only. Each returns once the replica answered (or raises what it answered)."""
-
-    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: Optional[int],
-                                  world_size: int, group_name: str = DEFAULT_GROUP, backend: Optional[str] = None,
-                                  *, timeout_s: Optional[float] = None) -> Any: ...
-
-    def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> Any: ...
-
-    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                        group_name: str = DEFAULT_GROUP, *, weight_version: Any = None,
-                                        layout: Any = None, finish: Optional[bool] = None,
-                                        policy: Any = None) -> int: ...
-
-    def update_weights_from_tensor(self, serialized_named_tensors: list[bytes], *, weight_version: Any = None,
-                                   policy: Any = None) -> int: ...
-
-    def update_weights_from_disk(self, model_path: str, *, weight_version: Any = None, policy: Any = None) -> int: ...
-
-    def get_weight_version(self) -> str: ...
 
 
 class SyncError(RuntimeError):
@@ -178,7 +156,7 @@ class WeightSender:
         if version is not None:
             return version
         if self.version is None:
-            self.version = max(parse_weight_version(t.get_weight_version()) for t in self.targets)
+            self.version = max(int(t.weight_version()) for t in self.targets)
         return self.version + 1
 
     # ---- transports ----------------------------------------------------------------------------
@@ -192,9 +170,8 @@ class WeightSender:
             return self._sync_tensor_by_tensor(named, version, policy)
         manifest = manifest_for(named, bucket_bytes=self.bucket_bytes, version=version)
         fill_checksums(manifest, tensors)  # NOTE: the manifest goes first, so its checksums are computed first
-        futures = self._each(lambda t: t.update_weights_from_distributed(
-            manifest.names, manifest.dtypes, manifest.shapes, self.group_name, weight_version=version,
-            layout=manifest.layout, policy=policy))
+        source = DistributedSource(manifest=manifest, group_name=self.group_name)
+        futures = self._each(lambda t: t.update(source, policy))
         return self._move_then_collect(futures, f"sync to version {version}",
                                        lambda: send_buckets(group, manifest, tensors))
 
@@ -202,9 +179,10 @@ class WeightSender:
         sent = 0
         for i, (name, tensor) in enumerate(named):
             last = i == len(named) - 1
-            futures = self._each(lambda t, name=name, tensor=tensor, last=last: t.update_weights_from_distributed(
-                [name], [dtype_name(tensor.dtype)], [list(tensor.shape)], self.group_name, weight_version=version,
-                finish=last, policy=policy))
+            manifest = Manifest(names=[name], dtypes=[dtype_name(tensor.dtype)], shapes=[list(tensor.shape)],
+                                version=version)
+            source = DistributedSource(manifest=manifest, group_name=self.group_name, finish=last)
+            futures = self._each(lambda t, source=source: t.update(source, policy))
             try:
                 sent += send_tensors(self.group, [tensor])
             except BaseException as exc:
@@ -223,8 +201,7 @@ class WeightSender:
             manifest.layout.buckets[i].checksum = pack_bucket(manifest, i, tensors, buf)
         torch.cuda.current_stream().synchronize()
         source = SharedMemorySource(manifest=manifest, cuda_ipc=[export_cuda(b) for b in self._cuda_buckets])
-        payload = encode_tensor_payload(source)
-        futures = self._each(lambda t: t.update_weights_from_tensor([payload], weight_version=version, policy=policy))
+        futures = self._each(lambda t: t.update(source, policy))
         self._collect(futures, f"sync to version {version}")
         self._cuda_buckets = []  # NOTE: every receiver answered: they copied what they needed
         return manifest.total_bytes
@@ -235,8 +212,7 @@ class WeightSender:
         region = self._regions.get(plan.segment_bytes)
         token = secrets.randbits(63) or 1
         source = SharedMemorySource(manifest=manifest, segment=region.name, token=token, piece_bytes=plan.piece_bytes)
-        payload = encode_tensor_payload(source)
-        futures = self._each(lambda t: t.update_weights_from_tensor([payload], weight_version=version, policy=policy))
+        futures = self._each(lambda t: t.update(source, policy))
         sources = [as_bytes(t).numpy() for t in tensors]
         return self._move_then_collect(futures, f"sync to version {version}",
                                        lambda: fill_segment(region, plan, sources, token))
@@ -244,8 +220,8 @@ class WeightSender:
     def _sync_disk(self, named: list[tuple[str, torch.Tensor]], version: int, policy: Any) -> int:
         path = self.directory / f"v{version:08d}"
         manifest = disk.write_checkpoint(path, named, version=version, bucket_bytes=self.bucket_bytes)
-        futures = self._each(lambda t: t.update_weights_from_disk(str(path.absolute()), weight_version=version,
-                                                                  policy=policy))
+        source = DiskSource(path=str(path.absolute()))  # NOTE: its version is in the manifest it holds
+        futures = self._each(lambda t: t.update(source, policy))
         self._collect(futures, f"sync to version {version}")
         if path not in self._written:
             self._written.append(path)
@@ -264,14 +240,14 @@ class WeightSender:
         group = WeightGroup.host(self.master_address, self.master_port, world_size=world, name=self.group_name,
                                  backend=self.transport, timeout_s=self.timeout_s)
         direct = len(self.targets) == self.replicas  # NOTE: else a router: replicas claim their ranks
-        futures = [self._pool.submit(t.init_weights_update_group, self.master_address, group.port,
-                                     1 + i if direct else None, world, self.group_name, self.transport,
-                                     timeout_s=self.timeout_s) for i, t in enumerate(self.targets)]
+        futures = [self._pool.submit(t.join_group, self.master_address, group.port, 1 + i if direct else None,
+                                     world, self.group_name, self.transport, timeout_s=self.timeout_s)
+                   for i, t in enumerate(self.targets)]
         try:
             group.connect()
         except BaseException as exc:
-            self._collect(futures, "init_weights_update_group", exc)
-        self._collect(futures, "init_weights_update_group")
+            self._collect(futures, "join_group", exc)
+        self._collect(futures, "join_group")
         self.group = group
 
     def _close_group(self) -> None:
@@ -328,4 +304,4 @@ class WeightSender:
         self.close()
 
 
-__all__ = ["SenderStats", "SyncError", "WeightControl", "WeightSender", "named_tensors"]
+__all__ = ["SenderStats", "SyncError", "WeightSender", "named_tensors"]

@@ -19,7 +19,7 @@ Each is a msgspec struct tagged by `type`, so `rollout.wire.messages` puts them 
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated, Optional, Union
 
 import msgspec
 from msgspec import Meta
@@ -31,6 +31,13 @@ from weight_sync.transports.shm import DEFAULT_PIECE_BYTES, MIN_PIECE_BYTES, Cud
 
 GroupName = Annotated[str, Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.\-]+$")]
 MAX_PAYLOAD_BYTES = 64 * 2**20
+
+
+class DiskSource(msgspec.Struct, tag_field="type", tag="safetensors_dir", forbid_unknown_fields=True, kw_only=True):
+    """Weights from the `*.safetensors` files of a directory the replica can read (HF names)."""
+
+    path: Annotated[str, Meta(min_length=1, max_length=4096)]
+    version: Optional[Annotated[int, Meta(ge=0)]] = None
 
 
 class DistributedSource(msgspec.Struct, tag_field="type", tag="distributed", forbid_unknown_fields=True,
@@ -65,6 +72,26 @@ class SharedMemorySource(msgspec.Struct, tag_field="type", tag="shared_memory", 
                 raise ValueError("a shared-memory segment source needs the update's token")
         elif len(self.cuda_ipc) != len(self.manifest.layout.buckets):
             raise ValueError(f"{len(self.cuda_ipc)} CUDA IPC buffers for {len(self.manifest.layout.buckets)} buckets")
+
+
+WeightSource = Union[DiskSource, DistributedSource, SharedMemorySource]
+
+
+def source_version(source: WeightSource) -> Optional[int]:
+    """The version `source` says its update commits under (None: the replica's next)."""
+    return source.version if isinstance(source, DiskSource) else source.manifest.version
+
+
+def with_version(source: WeightSource, version: Optional[int]) -> WeightSource:
+    """`source` committing under `version` (None: as it says); refused if it says another one."""
+    have = source_version(source)
+    if version is None or version == have:
+        return source
+    if have is not None:
+        raise ManifestError(f"version {version} contradicts the source's own version {have}")
+    if isinstance(source, DiskSource):
+        return msgspec.structs.replace(source, version=version)
+    return msgspec.structs.replace(source, manifest=msgspec.structs.replace(source.manifest, version=version))
 
 
 # NOTE: built once at import: msgspec builds a type's decoding info on first use, and two threads

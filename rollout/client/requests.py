@@ -15,7 +15,7 @@ from inference import PauseMode, SuspendPolicy, UpdatePolicy
 from rollout.backend import WeightSource
 from rollout.client.connection import Connection
 from rollout.wire import messages as wire
-from weight_sync import DistributedSource, SharedMemorySource
+from weight_sync import DiskSource, DistributedSource, SharedMemorySource, with_version
 
 
 class Requests:
@@ -44,11 +44,11 @@ class Requests:
                        policy: Optional[Union[UpdatePolicy, str]]) -> wire.UpdateWeights:
         """A path is a safetensors directory the server reads; else a weight_sync source."""
         if isinstance(source, (str, os.PathLike)):
-            source = wire.SafetensorsDir(path=str(Path(source).absolute()))
-        elif not isinstance(source, (DistributedSource, SharedMemorySource)):
+            source = DiskSource(path=str(Path(source).absolute()))
+        elif not isinstance(source, (DiskSource, DistributedSource, SharedMemorySource)):
             raise TypeError("a remote engine loads weights from a safetensors directory it can read (a path), or a "
                             f"weight_sync source (weight_sync.WeightSender sends those); got {type(source).__name__}")
-        return wire.UpdateWeights(request_id=self._id(), source=source, target_version=version,
+        return wire.UpdateWeights(request_id=self._id(), source=with_version(source, version),
                                   policy=None if policy is None else UpdatePolicy(policy))
 
     def reset_prefix_cache(self) -> wire.ResetPrefixCache:

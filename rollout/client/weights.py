@@ -1,7 +1,9 @@
-"""The weight-sync control calls of a remote engine, with SGLang's names and request fields.
+"""The weight-sync calls of a remote engine: `weight_sync.WeightControl`, and SGLang's names.
 
-`RolloutClient` has these (they implement `weight_sync.WeightControl`, what a `WeightSender`
-calls), so an RL framework written against SGLang's engine API finds its calls:
+`RolloutClient` has these. What a `WeightSender` calls is `WeightControl`: `update(source,
+policy)` (the source whole, its version inside its manifest), `join_group` / `leave_group`,
+`weight_version()`. An RL framework written against SGLang's engine API finds its calls too,
+each a facade over those:
 
     client.init_weights_update_group(master_address, master_port, rank_offset, world_size,
                                      group_name="weight_update_group", backend=None)
@@ -37,7 +39,16 @@ from typing import Any, Optional, Union
 
 from inference import Staging, UpdatePolicy
 from rollout.wire import messages as wire
-from weight_sync import DEFAULT_GROUP, DistributedSource, Manifest, decode_tensor_payload, parse_weight_version
+from weight_sync import (
+    DEFAULT_GROUP,
+    DiskSource,
+    DistributedSource,
+    Manifest,
+    WeightSource,
+    decode_tensor_payload,
+    parse_weight_version,
+    with_version,
+)
 from weight_sync.manifest import Layout
 
 
@@ -55,20 +66,22 @@ def _check_load_format(load_format: Optional[str]) -> None:
 
 
 class WeightSyncCalls:
-    """Mixed into `RolloutClient`: needs `connection` and `_call(msg, timeout)`."""
+    """Mixed into `RolloutClient`: `weight_sync.WeightControl` (what a `WeightSender` calls) and
+    SGLang's names over it. Needs the client's `connection` and `_call(msg, timeout)`."""
 
     connection: Any  # NOTE: and `_call(msg, timeout) -> wire.Result`, both the client's
 
-    def _update(self, source: Any, weight_version: Any, abort_all_requests: bool, policy: Any,
-                timeout: Optional[float]) -> int:
+    # ---- weight_sync.WeightControl --------------------------------------------------------------
+
+    def update(self, source: WeightSource, policy: Any = None, *, timeout: Optional[float] = None) -> int:
+        """One whole update from `source` (its version inside it); the policy version after it."""
         msg = wire.UpdateWeights(request_id=self.connection.next_id("c"), source=source,
-                                 target_version=parse_weight_version(weight_version),
-                                 policy=_policy(abort_all_requests, policy))
+                                 policy=None if policy is None else UpdatePolicy(policy))
         return self._call(msg, timeout).policy_version
 
-    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: Optional[int],
-                                  world_size: int, group_name: str = DEFAULT_GROUP, backend: Optional[str] = None,
-                                  *, timeout_s: Optional[float] = None, timeout: Optional[float] = None) -> int:
+    def join_group(self, master_address: str, master_port: int, rank_offset: Optional[int], world_size: int,
+                   group_name: str = DEFAULT_GROUP, backend: Optional[str] = None, *,
+                   timeout_s: Optional[float] = None, timeout: Optional[float] = None) -> int:
         """Join the trainer's weight-update group (it listens at master_address:master_port as
         rank 0); returns this replica's rank (behind a router: the fleet's reply)."""
         msg = wire.InitWeightsUpdateGroup(request_id=self.connection.next_id("c"), master_address=master_address,
@@ -78,10 +91,29 @@ class WeightSyncCalls:
         stats = self._call(msg, timeout).stats or {}
         return int(stats.get("rank", -1))
 
-    def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP, *,
-                                     timeout: Optional[float] = None) -> None:
+    def leave_group(self, group_name: str = DEFAULT_GROUP, *, timeout: Optional[float] = None) -> None:
         self._call(wire.DestroyWeightsUpdateGroup(request_id=self.connection.next_id("c"), group_name=group_name),
                    timeout)
+
+    def weight_version(self, *, timeout: Optional[float] = None) -> int:
+        return int(self._call(wire.GetWeightVersion(request_id=self.connection.next_id("c")), timeout).policy_version)
+
+    # ---- SGLang's names -------------------------------------------------------------------------
+
+    def _sglang_update(self, source: WeightSource, weight_version: Any, abort_all_requests: bool, policy: Any,
+                       timeout: Optional[float]) -> int:
+        source = with_version(source, parse_weight_version(weight_version))
+        return self.update(source, _policy(abort_all_requests, policy), timeout=timeout)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: Optional[int],
+                                  world_size: int, group_name: str = DEFAULT_GROUP, backend: Optional[str] = None,
+                                  *, timeout_s: Optional[float] = None, timeout: Optional[float] = None) -> int:
+        return self.join_group(master_address, master_port, rank_offset, world_size, group_name, backend,
+                               timeout_s=timeout_s, timeout=timeout)
+
+    def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP, *,
+                                     timeout: Optional[float] = None) -> None:
+        self.leave_group(group_name, timeout=timeout)
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         group_name: str = DEFAULT_GROUP, flush_cache: bool = True,
@@ -92,11 +124,10 @@ class WeightSyncCalls:
         """Receive tensors broadcast over `group_name`: buckets by `layout` (weight_sync's
         protocol), else one broadcast per tensor (SGLang's); returns the policy version after it."""
         _check_load_format(load_format)
-        manifest = Manifest(names=list(names), dtypes=list(dtypes), shapes=[list(s) for s in shapes], layout=layout,
-                            version=parse_weight_version(weight_version))
+        manifest = Manifest(names=list(names), dtypes=list(dtypes), shapes=[list(s) for s in shapes], layout=layout)
         source = DistributedSource(manifest=manifest, group_name=group_name, finish=finish,
                                    staging=None if staging is None else Staging(staging))
-        return self._update(source, weight_version, abort_all_requests, policy, timeout)
+        return self._sglang_update(source, weight_version, abort_all_requests, policy, timeout)
 
     def update_weights_from_tensor(self, serialized_named_tensors: list[Union[bytes, str]],
                                    load_format: Optional[str] = None, flush_cache: bool = True,
@@ -108,15 +139,15 @@ class WeightSyncCalls:
             raise ValueError(f"serialized_named_tensors: one entry per engine rank, and this engine has one "
                              f"(got {len(serialized_named_tensors)})")
         source = decode_tensor_payload(serialized_named_tensors[0])
-        return self._update(source, weight_version, abort_all_requests, policy, timeout)
+        return self._sglang_update(source, weight_version, abort_all_requests, policy, timeout)
 
     def update_weights_from_disk(self, model_path: Union[str, Path], load_format: Optional[str] = None,
                                  abort_all_requests: bool = False, weight_version: Any = None, *,
                                  policy: Any = None, timeout: Optional[float] = None) -> int:
         """Load a safetensors directory the engine can read (checked against its manifest if it has one)."""
         _check_load_format(load_format)
-        source = wire.SafetensorsDir(path=str(Path(model_path).absolute()))
-        return self._update(source, weight_version, abort_all_requests, policy, timeout)
+        source = DiskSource(path=str(Path(model_path).absolute()))
+        return self._sglang_update(source, weight_version, abort_all_requests, policy, timeout)
 
     def get_weight_version(self, *, timeout: Optional[float] = None) -> str:
-        return str(self._call(wire.GetWeightVersion(request_id=self.connection.next_id("c")), timeout).policy_version)
+        return str(self.weight_version(timeout=timeout))

@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+import msgspec
+
 from inference.config import PauseMode
 from rollout.wire.kinds import ErrorCode, Kind
 from rollout.wire.messages import (
@@ -33,11 +35,11 @@ from rollout.wire.messages import (
     RequestMessage,
     Result,
     Resume,
-    SafetensorsDir,
     StatValue,
     Suspend,
     UpdateWeights,
 )
+from weight_sync import DiskSource
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +156,7 @@ class FleetState:
         elif isinstance(msg, UpdateWeights):
             # NOTE: only a directory can be read again by one replica later: a broadcast over a
             # weight-update group or a shared-memory segment is gone once the trainer moved on
-            self.last_update = msg if isinstance(msg.source, SafetensorsDir) else None
+            self.last_update = msg if isinstance(msg.source, DiskSource) else None
         if version is not None:
             self.version = version
 
@@ -173,8 +175,8 @@ class FleetState:
             state = "unknown"  # NOTE: resume restores the replica's own state from before its suspend
         if stale:
             update = self.last_update
-            plan.append(UpdateWeights(request_id=next_id(), source=update.source, target_version=self.version,
-                                      policy=update.policy))
+            source = msgspec.structs.replace(update.source, version=self.version)
+            plan.append(UpdateWeights(request_id=next_id(), source=source, policy=update.policy))
         if self.paused is not None and state != "paused":
             # NOTE: nothing of the router's runs there: KEEP pauses it as WAIT would, without a drain
             mode = PauseMode.KEEP if self.paused is PauseMode.WAIT else self.paused

@@ -69,11 +69,12 @@ class ReplicaSet:
     """See module docstring. Invariant: every attempt in `attempts` is in its link's `attempts`
     and its record's route, and its cost is counted in the placement's load of its replica."""
 
-    def __init__(self, ctx: zmq.Context, poller: zmq.Poller, sink: Sink, metrics: ServiceMetrics,
+    def __init__(self, ctx: zmq.Context, watch: Any, sink: Sink, metrics: ServiceMetrics,
                  placement: Placement, health: HealthConfig, *, max_staleness: Optional[int] = None,
                  stale_policy: StalePolicy = StalePolicy.RECOMPUTE, security: Optional[ClientSecurity] = None,
                  max_frame_bytes: int = 64 * 2**20, session: str = "router") -> None:
-        self._ctx, self._poller, self._sink, self.metrics = ctx, poller, sink, metrics
+        # NOTE: `watch` is the endpoint's: it polls each link's socket with its own and calls back
+        self._ctx, self._watch, self._sink, self.metrics = ctx, watch, sink, metrics
         self.placement, self.health = placement, health
         self.max_staleness, self.stale_policy = max_staleness, StalePolicy(stale_policy)
         self.security, self.max_frame_bytes, self._session = security, max_frame_bytes, session
@@ -100,7 +101,7 @@ class ReplicaSet:
         link = ReplicaLink(name, address, self._ctx, self.health, time.monotonic(), security=self.security,
                            max_frame_bytes=self.max_frame_bytes)
         self.links[name] = link
-        self._poller.register(link.socket, zmq.POLLIN)
+        self._watch.watch(link.socket, lambda now, link=link: self.read(link, now))
         self.placement.add(name)
         for what in ("h", "k"):
             self._polls[f"{self._session}-{what}-{name}"] = name
@@ -111,7 +112,7 @@ class ReplicaSet:
         if link is None:
             return
         self.take_out(link, "removed", time.monotonic())
-        self._poller.unregister(link.socket)
+        self._watch.unwatch(link.socket)
         link.close()
         del self.links[name]
         self.placement.remove(name)

@@ -18,8 +18,9 @@ Behind it (`rollout.router.replicas`):
 * partial rollouts: with `max_staleness` set, samples that would span too many policy versions
   are recomputed (or aborted, `StalePolicy`).
 
-One thread (`serve_forever`) owns every socket: the clients' ROUTER and a DEALER per replica;
-other threads reach it through a mailbox (`add_replica`, `replicas`, ...).
+One thread, the service endpoint's (`rollout.service.endpoint`, the same front a server runs:
+exactly-once, leases, housekeeping), owns every socket: the clients' ROUTER and a DEALER per
+replica; other threads reach it through its mailbox (`add_replica`, `replicas`, ...).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import secrets
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,33 +35,37 @@ from typing import Any, Optional
 
 import msgspec
 import numpy as np
-import zmq
 
 from rollout.router.attempts import Route, StalePolicy
 from rollout.router.broadcast import Fanout, merge_stats
 from rollout.router.links import HealthConfig, ReplicaState
 from rollout.router.placement import Placement, PlacementConfig
-from rollout.router.replicas import KINDS, ReplicaSet
-from rollout.service.leases import Leases
-from rollout.service.metrics import ServiceMetrics
-from rollout.service.registry import Record, RequestRegistry
-from rollout.service.socket import FrontEnd
-from rollout.wire.codec import DEFAULT_MAX_FRAME_BYTES, ProtocolError, encode
-from rollout.wire.convert import sampling_params_from_wire
+from rollout.router.replicas import ReplicaSet
+from rollout.service.endpoint import EndpointConfig, ServiceEndpoint
+from rollout.service.registry import Record
+from rollout.wire.codec import DEFAULT_MAX_FRAME_BYTES, ProtocolError
 from rollout.wire.kinds import ErrorCode, Kind
-from rollout.wire.mailbox import Mailbox
 from rollout.wire.messages import (
     Abort,
+    Continue,
+    DestroyWeightsUpdateGroup,
     ErrorReply,
-    Generate,
+    GetWeightVersion,
     Health,
     HealthInfo,
     Heartbeat,
+    InitWeightsUpdateGroup,
     KvEvents,
-    RequestMessage,
+    Pause,
+    ResetPrefixCache,
     Result,
+    Resume,
     SampleOutput,
+    Stats,
+    Suspend,
     TokenDelta,
+    UpdateWeights,
+    kind_of,
 )
 from rollout.wire.security import ClientSecurity, ServerSecurity
 
@@ -121,29 +125,24 @@ class RolloutRouter:
 
     def __init__(self, replicas: Sequence[str] = (), config: Optional[RouterConfig] = None) -> None:
         self.config = config = config or RouterConfig()
-        self._ctx = zmq.Context()
-        try:
-            self.front = FrontEnd(self._ctx, config.host, config.port, config.security, config.max_frame_bytes)
-        except BaseException:
-            self._ctx.term()
-            raise
-        self.address: str = self.front.address
-        self._mailbox = Mailbox()
-        self.registry = RequestRegistry(retain_s=config.retain_s)
-        self.leases = Leases(config.lease_s)
-        self.metrics = ServiceMetrics()
-        self._poller = zmq.Poller()
-        self._poller.register(self.front.socket, zmq.POLLIN)
-        self._poller.register(self._mailbox.fileno(), zmq.POLLIN)
-        self.replica_set = ReplicaSet(self._ctx, self._poller, self, self.metrics, Placement(config.placement),
-                                      config.health, max_staleness=config.max_staleness,
+        broadcast = {t: self._broadcast for t in (Pause, Continue, Suspend, Resume, UpdateWeights, ResetPrefixCache,
+                                                  Stats, InitWeightsUpdateGroup, DestroyWeightsUpdateGroup,
+                                                  GetWeightVersion)}
+        handlers = {**broadcast, Health: self._health, Heartbeat: self._health, Abort: self._abort,
+                    KvEvents: self._kv_events}
+        endpoint_config = EndpointConfig(host=config.host, port=config.port, security=config.security,
+                                         max_frame_bytes=config.max_frame_bytes, lease_s=config.lease_s,
+                                         retain_s=config.retain_s, poll_ms=10)
+        self.endpoint = ServiceEndpoint(endpoint_config, name="rollout-router", handlers=handlers,
+                                        start_generate=self._generate, abort_silent=self._abort_silent,
+                                        on_mail=self._on_mail, tick=self._tick)
+        self.address: str = self.endpoint.address
+        self.registry, self.leases, self.metrics = self.endpoint.registry, self.endpoint.leases, self.endpoint.metrics
+        self.replica_set = ReplicaSet(self.endpoint.ctx, self.endpoint, self, self.metrics,
+                                      Placement(config.placement), config.health, max_staleness=config.max_staleness,
                                       stale_policy=config.stale_policy, security=config.replica_security,
                                       max_frame_bytes=config.max_frame_bytes, session=secrets.token_hex(6))
-        self._stopping = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-        self._closed = False
-        self._next_purge = 0.0
-        self._last_round = time.monotonic()
+        self.endpoint.on_close.append(self.replica_set.close)
         for address in replicas:
             self.replica_set.add(address)
 
@@ -200,41 +199,29 @@ class RolloutRouter:
         return self._ask(matches)
 
     def _ask(self, fn: Callable[[], Any], timeout: float = 30.0) -> Any:
-        thread = self._thread
-        if thread is None or not thread.is_alive() or thread is threading.current_thread():
+        if self.endpoint.on_own_thread():
             return fn()
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._mailbox.put((fn, future))
+        self.endpoint.mailbox.put((fn, future))
         return future.result(timeout)
 
     def start(self) -> RolloutRouter:
-        self._thread = threading.Thread(target=self.serve_forever, name="rollout-router", daemon=True)
-        self._thread.start()
+        self.endpoint.start()
         return self
+
+    def serve_forever(self) -> None:
+        self.endpoint.serve_forever()
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Wait for the loop started by `start()` to end; True once it has."""
-        thread = self._thread
-        if thread is not None:
-            thread.join(timeout)
-        return thread is None or not thread.is_alive()
+        return self.endpoint.wait(timeout)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Ask the loop to end (safe from any thread, and from a signal handler)."""
-        self._stopping.set()
-        self._mailbox.put(None)
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+        self.endpoint.stop(timeout)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self.replica_set.close()
-        self.front.close()
-        self._ctx.term()
-        self._mailbox.close()
+        self.endpoint.close()
 
     def __enter__(self) -> RolloutRouter:
         return self.start()
@@ -243,124 +230,63 @@ class RolloutRouter:
         self.stop()
         self.close()
 
-    # ---- the router thread ---------------------------------------------------------------------
+    # ---- the router's thread -------------------------------------------------------------------
 
-    def serve_forever(self) -> None:
-        try:
-            while not self._stopping.is_set():
-                events = dict(self._poller.poll(10))
-                now = time.monotonic()
-                self._last_round = now
-                try:
-                    if self.front.socket in events:
-                        self._read_clients(now)
-                    for link in list(self.replica_set.links.values()):
-                        if link.socket in events:
-                            self.replica_set.read(link, now)
-                    self._drain_mailbox()
-                    self.replica_set.tick(now)
-                    self._housekeeping(now)
-                except Exception:  # NOTE: a bug of ours; the router must outlive it (logged, counted)
-                    logger.exception("the router's loop failed a round; routing on")
-                    self.metrics.error(ErrorCode.INTERNAL)
-        finally:
-            if self._thread is None or self._thread is threading.current_thread():
-                self.close()
-
-    def _drain_mailbox(self) -> None:
-        for item in self._mailbox.drain():
-            if item is None:
-                continue
-            fn, future = item
+    def _on_mail(self, items: list[Any], now: float) -> None:
+        for fn, future in items:
             try:
                 future.set_result(fn())
             except Exception as exc:  # noqa: BLE001 (handed to the caller)
                 future.set_exception(exc)
 
-    def _housekeeping(self, now: float) -> None:
-        for peer in self.leases.expired(now):
-            records = self.registry.live_of(peer)
-            if records:
-                logger.warning("client %s went silent: aborting its %d requests", peer.hex(), len(records))
-                self.metrics.count("lease_aborted_requests", len(records))
-                msg = Abort(request_id="lease-expired", targets=[r.request_id for r in records])
-                self.replica_set.abort(records, Fanout(None, msg), now)
-        if now >= self._next_purge:
-            self._next_purge = now + 1.0
-            self.registry.purge(now)
+    def _tick(self, now: float) -> None:
+        self.replica_set.tick(now)
 
-    # ---- clients -------------------------------------------------------------------------------
+    def _abort_silent(self, records: list[Record], now: float) -> None:
+        msg = Abort(request_id="lease-expired", targets=[r.request_id for r in records])
+        self.replica_set.abort(records, Fanout(None, msg), now)
 
-    def _read_clients(self, now: float) -> None:
-        for peer, msg, error in self.front.receive():
-            self.metrics.count("frames_received")
-            self.leases.renew(peer, now, msg.lease_s if isinstance(msg, Heartbeat) else None)
-            if error is not None:
-                self.front.send_error(peer, error, self.metrics)
-                continue
-            try:
-                self._dispatch_client(peer, msg, now)
-            except ProtocolError as err:  # refused by rule (not found, duplicate, invalid sampling)
-                self.front.send_error(peer, ErrorReply(code=err.code, message=err.message, request_id=msg.request_id),
-                                      self.metrics)
+    # ---- clients (the handlers of the endpoint's table) ----------------------------------------
 
-    def _dispatch_client(self, peer: bytes, msg: RequestMessage, now: float) -> None:
+    def _health(self, peer: bytes, msg: Any, now: float) -> None:
         replicas = self.replica_set
-        if isinstance(msg, Generate):
-            self._generate(peer, msg, now)
-        elif isinstance(msg, (Health, Heartbeat)):
-            version = replicas.fleet.version or 0
-            health = HealthInfo(healthy=bool(replicas.candidates()) or replicas.updating,
-                                seconds_since_loop_tick=max(0.0, now - self._last_round),
-                                state=replicas.fleet.engine_state, policy_version=version)
-            self.front.send(peer, Result(request_id=msg.request_id, request_kind=KINDS[type(msg)],
-                                         policy_version=version, health=health if isinstance(msg, Health) else None))
-        elif isinstance(msg, Abort):
-            records = [r for r in map(self.registry.get, msg.targets) if r is not None]
-            if not records:
-                raise ProtocolError(ErrorCode.NOT_FOUND, f"no request with id {msg.targets[0]!r}")
-            replicas.abort(records, Fanout(peer, msg), now)
-        elif isinstance(msg, KvEvents):
-            raise ProtocolError(ErrorCode.INVALID_REQUEST, "a router holds no prefix cache: ask its replicas")
-        else:
-            replicas.broadcast(Fanout(peer, msg), now)
+        version = replicas.fleet.version or 0
+        health = HealthInfo(healthy=bool(replicas.candidates()) or replicas.updating,
+                            seconds_since_loop_tick=max(0.0, now - self.endpoint.last_round),
+                            state=replicas.fleet.engine_state, policy_version=version)
+        self.endpoint.send(peer, Result(request_id=msg.request_id, request_kind=kind_of(type(msg)),
+                                        policy_version=version, health=health if isinstance(msg, Health) else None))
 
-    def _generate(self, peer: bytes, msg: Generate, now: float) -> None:
-        self.metrics.count("generates_received")
-        record = self.registry.get(msg.request_id)
-        if record is not None:
-            if record.request != msg:
-                raise ProtocolError(ErrorCode.DUPLICATE,
-                                    f"request id {msg.request_id!r} is in use for a different request")
-            self.metrics.count("resubmits")
-            self.registry.move(record, peer)
-            for frame in record.frames.values():  # NOTE: the client keeps the first copy of each
-                self.front.send_frame(peer, frame)
-            return
-        sampling_params_from_wire(msg.sampling)  # refused here by the engine's rules, before a replica sees it
+    def _abort(self, peer: bytes, msg: Abort, now: float) -> None:
+        records = [r for r in map(self.registry.get, msg.targets) if r is not None]
+        if not records:
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"no request with id {msg.targets[0]!r}")
+        self.replica_set.abort(records, Fanout(peer, msg), now)
+
+    def _kv_events(self, peer: bytes, msg: KvEvents, now: float) -> None:
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, "a router holds no prefix cache: ask its replicas")
+
+    def _broadcast(self, peer: bytes, msg: Any, now: float) -> None:
+        self.replica_set.broadcast(Fanout(peer, msg), now)
+
+    def _generate(self, record: Record, params: Any, now: float) -> None:
+        msg = record.request
         fleet = self.replica_set.fleet.version
         group = self.replica_set.placement.group_of(msg.group_id)
         if group is not None and fleet is not None and group[1] != fleet:
-            raise ProtocolError(ErrorCode.ENGINE_STATE, f"group {msg.group_id!r} started at policy version "
-                                f"{group[1]}, the replicas now serve {fleet}: a group never mixes versions")
-        record = self.registry.add(msg, peer)
+            self.endpoint.refuse(record, ErrorReply(
+                code=ErrorCode.ENGINE_STATE, request_id=msg.request_id,
+                message=f"group {msg.group_id!r} started at policy version {group[1]}, the replicas now serve "
+                        f"{fleet}: a group never mixes versions"))
+            return
         record.stream = Route()
-        self.metrics.count("requests_run")
         self.replica_set.dispatch(record, list(range(record.n)), now)
 
     # ---- the replica set's sink ----------------------------------------------------------------
 
     def deliver(self, record: Record, out: SampleOutput, now: float) -> None:
         """A sample for the client (the first copy of each index is sent; the rest dropped)."""
-        try:
-            frame = encode(out, max_frame_bytes=self.config.max_frame_bytes)
-        except ProtocolError as err:  # a sample too large for one frame: its request hears why
-            frame = encode(ErrorReply(code=err.code, message=err.message, request_id=record.request_id))
-        if self.registry.finish_sample(record, out.sample_index, frame, now):
-            self.metrics.sample_sent(out.versions)
-            self.front.send_frame(record.owner, frame)
-            if record.done:
-                self.metrics.count("requests_finished")
+        self.endpoint.deliver(record, out, now)
 
     def forward_tokens(self, record: Record, delta: TokenDelta) -> None:
         """Streamed tokens, each once: a resubmitted sample's repeats are cut.
@@ -377,16 +303,15 @@ class RolloutRouter:
             return
         cut = max(0, have - delta.start)
         route.sent_tokens[index] = end
-        self.front.send(record.owner, msgspec.structs.replace(
+        self.endpoint.send(record.owner, msgspec.structs.replace(
             delta, request_id=record.request_id, start=delta.start + cut, token_ids=delta.token_ids[cut:],
             logprobs=delta.logprobs[cut:], versions=delta.versions[cut:]))
 
     def refused(self, record: Record, reply: ErrorReply) -> None:
-        self.registry.drop(record)
-        self.front.send_error(record.owner, reply, self.metrics)
+        self.endpoint.refuse(record, reply)
 
     def control_done(self, fan: Fanout) -> None:
-        kind = KINDS[type(fan.msg)]
+        kind = kind_of(type(fan.msg))
         fleet = self.replica_set.fleet
         if kind is Kind.STATS:
             reply = self._stats_reply(fan)
@@ -398,7 +323,10 @@ class RolloutRouter:
             if kind in (Kind.PAUSE, Kind.SUSPEND, Kind.RESUME, Kind.UPDATE_WEIGHTS):
                 self.metrics.count({Kind.PAUSE: "pauses", Kind.SUSPEND: "suspends", Kind.RESUME: "resumes",
                                     Kind.UPDATE_WEIGHTS: "weight_updates"}[kind])
-        self.front.send(fan.peer, reply)
+        if isinstance(reply, ErrorReply):
+            self.endpoint.send_error(fan.peer, reply)
+        else:
+            self.endpoint.send(fan.peer, reply)
 
     # ---- figures -------------------------------------------------------------------------------
 
@@ -417,7 +345,7 @@ class RolloutRouter:
                 extra[prefix + "policy_version"] = info.policy_version
             extra.update({f"{prefix}routed_{reason}": n for reason, n in info.routed.items()})
         held = sum(len(indices) for _, indices in self.replica_set.held)
-        stats = self.metrics.snapshot(merged, lane_depth=held, requests_in_flight=self.registry.num_live,
+        stats = self.metrics.snapshot(merged, held=held, requests_in_flight=self.registry.num_live,
                                       clients=len(self.leases), extra=extra)
         return Result(request_id=fan.msg.request_id, request_kind=Kind.STATS, policy_version=fleet.version or 0,
                       stats=stats)

@@ -1,15 +1,16 @@
 """RolloutServer: one engine behind a ZMQ ROUTER socket, safe against whatever arrives on it.
 
-Threads (ZMQ sockets are not thread-safe: only the socket thread touches the ROUTER):
+Threads (ZMQ sockets are not thread-safe: only the endpoint's thread touches the ROUTER):
 
-* the socket thread (`serve_forever`) reads frames, decodes and checks them, keeps the request
-  registry (exactly-once, `rollout.service.registry`) and the client leases (`rollout.service.leases`), and
-  encodes and sends every reply. It never waits on the engine: Health is answered from the
-  loop's last tick, KvEvents from the prefix-cache event log (`rollout.server.kv_log`, for routers),
-  everything that needs the engine goes to the lane;
-* the engine lane (`rollout.server.lane`) makes the engine calls in arrival order;
-* the engine's own background loop steps; its stream callbacks only put `(record, item)` into
-  the server's mailbox, which wakes the socket thread (`rollout.wire.mailbox`).
+* the endpoint's thread (`rollout.service.endpoint`) reads frames, decodes and checks them,
+  keeps the request registry (exactly-once) and the client leases, and encodes and sends every
+  reply. It never waits on the engine: Health is answered from the loop's last tick, KvEvents
+  from the prefix-cache event log (`rollout.server.kv_log`, for routers), and every engine call
+  is posted to the engine's loop (`rollout.server.dispatch`), its one command queue;
+* the engine's own loop steps and runs those calls between steps; its stream callbacks and the
+  calls' done-callbacks only put items into the endpoint's mailbox, which wakes its thread;
+* the weight receiver's worker runs weight transfers (which wait on their sender), so
+  generation goes on until the commit.
 
 Every frame gets an answer: a bad one an `ErrorReply` naming the problem (and the request id
 when it could be read), a Generate its `n` `SampleOutput`s (after `TokenDelta`s if it asked),
@@ -21,47 +22,24 @@ any other request one `Result`. Nothing else in flight is touched by a bad frame
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import zmq
-
-from inference import DynamicInferenceEngine, RequestOutput, TokenEvent
+from inference import DynamicInferenceEngine, RequestOutput, SamplingParams, TokenEvent
+from rollout.server.dispatch import COUNTED, Reply, ServerCalls
 from rollout.server.kv_log import KvEventLog
-from rollout.server.lane import Done, EngineLane, Submitted
-from rollout.service.leases import Leases
-from rollout.service.metrics import ServiceMetrics, _wire_values
-from rollout.service.registry import Record, RequestRegistry
-from rollout.wire.codec import DEFAULT_MAX_FRAME_BYTES, ProtocolError, decode_request, encode
-from rollout.wire.convert import error_reply, output_to_wire, sampling_params_from_wire
-from rollout.wire.kinds import ErrorCode, Kind
-from rollout.wire.mailbox import Mailbox
-from rollout.wire.messages import (
-    Abort,
-    ErrorReply,
-    Generate,
-    GetWeightVersion,
-    Health,
-    HealthInfo,
-    Heartbeat,
-    KvEvents,
-    Pause,
-    RequestMessage,
-    Result,
-    Resume,
-    Stats,
-    Suspend,
-    TokenDelta,
-    UpdateWeights,
-)
-from rollout.wire.security import ServerSecurity, check_bind, secure_server_socket
+from rollout.service.endpoint import EndpointConfig, ServiceEndpoint
+from rollout.service.metrics import _wire_values
+from rollout.service.registry import Record
+from rollout.wire.codec import DEFAULT_MAX_FRAME_BYTES
+from rollout.wire.convert import error_reply, output_to_wire
+from rollout.wire.messages import Abort, HealthInfo, Result, TokenDelta, kind_of
+from rollout.wire.security import ServerSecurity
 from weight_sync import Staging, WeightReceiver
 
 logger = logging.getLogger(__name__)
 
-_COUNTED = {Pause: "pauses", Suspend: "suspends", Resume: "resumes", UpdateWeights: "weight_updates"}
+MAX_BATCH = 1024  # Generates handed to the engine in one command
 
 
 @dataclass(slots=True)
@@ -97,6 +75,10 @@ class ServerConfig:
         if self.max_frame_bytes < 1024:
             raise ValueError(f"ServerConfig.max_frame_bytes must be >= 1024, got {self.max_frame_bytes!r}")
 
+    def endpoint(self) -> EndpointConfig:
+        return EndpointConfig(host=self.host, port=self.port, security=self.security,
+                              max_frame_bytes=self.max_frame_bytes, lease_s=self.lease_s, retain_s=self.retain_s)
+
 
 class RolloutServer:
     """Serves `engine` on `config.host:config.port` (see module docstring).
@@ -109,182 +91,95 @@ class RolloutServer:
 
     def __init__(self, engine: DynamicInferenceEngine, config: Optional[ServerConfig] = None) -> None:
         self.config = config = config or ServerConfig()
-        check_bind(config.host, config.security)
         self.engine = engine
-        self._ctx = zmq.Context()
-        self._router = self._ctx.socket(zmq.ROUTER)
-        self._router.linger = 0
-        self._router.sndhwm = 0  # NOTE: never drop a reply for a slow reader: samples are owed exactly once
-        self._router.maxmsgsize = 2 * config.max_frame_bytes
-        if ":" in config.host:
-            self._router.ipv6 = True
-        self._auth = secure_server_socket(self._ctx, self._router, config.security)
-        host = f"[{config.host}]" if ":" in config.host else config.host
-        try:
-            self._router.bind(f"tcp://{host}:{config.port or '*'}")
-        except zmq.ZMQError:
-            self._close_sockets()
-            raise
-        self.address: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._mailbox = Mailbox()
-        self.registry = RequestRegistry(retain_s=config.retain_s)
-        self.leases = Leases(config.lease_s)
-        self.metrics = ServiceMetrics()
+        self.calls = ServerCalls(self)
+        self._queued: list[tuple[Record, SamplingParams]] = []  # Generates read this round, not yet posted
+        self.endpoint = ServiceEndpoint(config.endpoint(), name="rollout-server", handlers=self.calls.table(),
+                                        start_generate=self._queue_generate, abort_silent=self._abort_silent,
+                                        on_mail=self._on_mail, tick=lambda now: self.flush_generates())
+        self.address: str = self.endpoint.address
+        self.registry, self.leases, self.metrics = self.endpoint.registry, self.endpoint.leases, self.endpoint.metrics
         self.kv_log = KvEventLog(engine.config.block_size)
         engine.add_kv_event_listener(self.kv_log)
         self._owns_loop = not engine.loop_running
         if self._owns_loop:
             engine.start()
         self.receiver = WeightReceiver(engine, staging=config.weight_staging, timeout_s=config.weight_sync_timeout_s)
-        self._lane = EngineLane(engine, self._mailbox.put, receiver=self.receiver)
-        self._stopping = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-        self._closed = False
-        self._next_purge = 0.0
+        self.endpoint.on_close.append(self._close_parts)
 
     # ---- life cycle ----------------------------------------------------------------------------
 
     def start(self) -> RolloutServer:
         """Serve on a background thread (in-process use); `stop()` ends it."""
-        self._thread = threading.Thread(target=self.serve_forever, name="rollout-server", daemon=True)
-        self._thread.start()
+        self.endpoint.start()
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
         """Ask the socket loop to end (safe from any thread, and from a signal handler)."""
-        self._stopping.set()
-        self._mailbox.put(None)
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+        self.endpoint.stop(timeout)
 
     def serve_forever(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._mailbox.fileno(), zmq.POLLIN)
-        try:
-            while not self._stopping.is_set():
-                events = dict(poller.poll(100))
-                now = time.monotonic()
-                try:
-                    if self._router in events:
-                        self._read_router(now)
-                    self._drain_mailbox(now)
-                    self._housekeeping(now)
-                except Exception:  # NOTE: a bug of ours; the server must outlive it (it is logged and counted)
-                    logger.exception("the server's socket loop failed a round; serving on")
-                    self.metrics.error(ErrorCode.INTERNAL)
-        finally:
-            self.close()
+        self.endpoint.serve_forever()
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._lane.stop()
+        self.endpoint.close()
+
+    def _close_parts(self) -> None:
         self.receiver.close()
         if self._owns_loop:
             try:
                 self.engine.stop()
             except TimeoutError:
                 logger.warning("the engine loop did not stop (wedged?); leaving it")
-        self._close_sockets()
-        self._mailbox.close()
 
-    def _close_sockets(self) -> None:
-        self._router.close(linger=0)
-        if self._auth is not None:
-            self._auth.stop()
-        self._ctx.term()
+    # ---- generation ----------------------------------------------------------------------------
 
-    # ---- incoming ------------------------------------------------------------------------------
+    def _queue_generate(self, record: Record, params: SamplingParams, now: float) -> None:
+        self._queued.append((record, params))
+        if len(self._queued) >= MAX_BATCH:
+            self.flush_generates()
 
-    def _read_router(self, now: float, budget: int = 256) -> None:
-        for _ in range(budget):
-            try:
-                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self._handle(frames[0].bytes, frames[1:], now)
-
-    def _handle(self, peer: bytes, body: list[Any], now: float) -> None:
-        self.metrics.count("frames_received")
-        try:
-            if len(body) != 1:
-                raise ProtocolError(ErrorCode.MALFORMED,
-                                    f"a request is one frame after the routing id, got {len(body)}")
-            msg = decode_request(body[0].buffer, self.config.max_frame_bytes)
-        except ProtocolError as err:
-            self.leases.renew(peer, now)
-            self._send_error(peer, error_reply(err))
+    def flush_generates(self) -> None:
+        """Post the Generates read so far to the engine's loop as one `submit_each`."""
+        if not self._queued:
             return
-        self.leases.renew(peer, now, msg.lease_s if isinstance(msg, Heartbeat) else None)
-        try:
-            self._dispatch(peer, msg, now)
-        except ProtocolError as err:  # refused by rule (not found, duplicate, invalid sampling)
-            self._send_error(peer, error_reply(err, msg.request_id))
-        except Exception as exc:  # noqa: BLE001 (a bug of ours must not end the server; the sender hears it)
-            logger.exception("serving %s failed", type(msg).__name__)
-            self._send_error(peer, error_reply(exc, msg.request_id))
+        batch, self._queued = self._queued, []
+        engine, post = self.engine, self.endpoint.mailbox.put
 
-    def _dispatch(self, peer: bytes, msg: RequestMessage, now: float) -> None:
-        if isinstance(msg, Generate):
-            self._generate(peer, msg)
-        elif isinstance(msg, GetWeightVersion):  # NOTE: answered without the engine, as Health
-            self._send(peer, Result(request_id=msg.request_id, request_kind=Kind.GET_WEIGHT_VERSION,
-                                    policy_version=self.engine.policy_version))
-        elif isinstance(msg, Health):
-            self._send(peer, Result(request_id=msg.request_id, request_kind=Kind.HEALTH,
-                                    policy_version=self.engine.policy_version, health=self.health()))
-        elif isinstance(msg, KvEvents):
-            # NOTE: a hash takes at most 9 bytes of msgpack, an event's framing 3 more
-            batch = self.kv_log.read(msg.since, msg.max_events, max_hashes=(self.config.max_frame_bytes - 512) // 12)
-            self._send(peer, Result(request_id=msg.request_id, request_kind=Kind.KV_EVENTS,
-                                    policy_version=self.engine.policy_version, kv_events=batch))
-        elif isinstance(msg, Heartbeat):
-            self._send(peer, Result(request_id=msg.request_id, request_kind=Kind.HEARTBEAT,
-                                    policy_version=self.engine.policy_version))
-        elif isinstance(msg, Abort):
-            known = [r for r in map(self.registry.get, msg.targets) if r is not None]
-            if not known:
-                raise ProtocolError(ErrorCode.NOT_FOUND, f"no request with id {msg.targets[0]!r}"
-                                    + (f" (nor {len(msg.targets) - 1} more)" if len(msg.targets) > 1 else ""))
-            self._lane.control(peer, msg, known)
-        else:
-            self._lane.control(peer, msg)
+        def submit() -> list[Any]:  # NOTE: on the loop: each record's stream is set before any later call runs
+            results = engine.submit_each(
+                [r.request.prompt_token_ids.tolist() for r, _ in batch], [p for _, p in batch],
+                stream_tokens=[r.request.stream_tokens for r, _ in batch],
+                callbacks=[lambda item, record=r: post((record, item)) for r, _ in batch])
+            for (record, _), result in zip(batch, results):
+                if not isinstance(result, Exception):
+                    record.stream = result
+            return results
 
-    def _generate(self, peer: bytes, msg: Generate) -> None:
-        self.metrics.count("generates_received")
-        record = self.registry.get(msg.request_id)
-        if record is not None:
-            if record.request != msg:
-                raise ProtocolError(ErrorCode.DUPLICATE,
-                                    f"request id {msg.request_id!r} is in use for a different request")
-            self.metrics.count("resubmits")
-            self.registry.move(record, peer)
-            for frame in record.frames.values():  # NOTE: the client keeps the first copy of each
-                self._send_frame(peer, frame)
-            return
-        params = sampling_params_from_wire(msg.sampling)
-        record = self.registry.add(msg, peer)
-        self.metrics.count("requests_run")
-        post = self._mailbox.put
-        self._lane.generate(record, msg.prompt_token_ids.tolist(), params,
-                            lambda item, record=record: post((record, item)))
+        self.engine.post(submit).add_done_callback(lambda f: post(_Submitted(batch, f)))
 
     def health(self) -> HealthInfo:
         """From the loop's last tick; never waits for the engine (a wedged loop must show)."""
         since = self.engine.seconds_since_loop_tick()
         since = float("inf") if since is None else since
-        healthy = since <= self.config.health_deadline_s and self._lane.alive
-        return HealthInfo(healthy=healthy, seconds_since_loop_tick=min(since, 1e9), state=self.engine.state.value,
-                          policy_version=self.engine.policy_version)
+        return HealthInfo(healthy=since <= self.config.health_deadline_s, seconds_since_loop_tick=min(since, 1e9),
+                          state=self.engine.state.value, policy_version=self.engine.policy_version)
 
-    # ---- from the engine and the lane ----------------------------------------------------------
+    def stats_snapshot(self, figures: dict) -> dict:
+        endpoint = self.endpoint
+        return endpoint.metrics.snapshot(figures, held=len(self._queued),
+                                         requests_in_flight=endpoint.registry.num_live,
+                                         clients=len(endpoint.leases), extra=self.receiver.stats.wire())
 
-    def _drain_mailbox(self, now: float) -> None:
+    def _abort_silent(self, records: list[Record], now: float) -> None:
+        self.calls.abort(None, Abort(request_id="lease-expired", targets=[r.request_id for r in records]), now,
+                         records)
+
+    # ---- the mailbox (the endpoint's thread) ---------------------------------------------------
+
+    def _on_mail(self, items: list[Any], now: float) -> None:
         tokens: dict[tuple[int, int], tuple[Record, list[TokenEvent]]] = {}
-        for item in self._mailbox.drain():
+        for item in items:
             try:
                 if type(item) is tuple:
                     record, out = item
@@ -293,13 +188,12 @@ class RolloutServer:
                         continue
                     self._flush_tokens(tokens)
                     self._sample_finished(record, out, now)
-                elif isinstance(item, Submitted):
+                elif isinstance(item, _Submitted):
                     self._submitted(item)
-                elif isinstance(item, Done):
-                    self._done(item)
+                elif isinstance(item, Reply):
+                    self._reply(item)
             except Exception:  # NOTE: one item's failure must not lose the others drained with it
                 logger.exception("handling %s failed", type(item).__name__)
-                self.metrics.error(ErrorCode.INTERNAL)
         self._flush_tokens(tokens)
 
     def _flush_tokens(self, tokens: dict[tuple[int, int], tuple[Record, list[TokenEvent]]]) -> None:
@@ -307,78 +201,38 @@ class RolloutServer:
             delta = TokenDelta(request_id=record.request_id, sample_index=events[0].sample_index,
                                start=events[0].index, token_ids=[e.token_id for e in events],
                                logprobs=[e.logprob for e in events], versions=[e.version for e in events])
-            self._send(record.owner, delta)
+            self.endpoint.send(record.owner, delta)
         tokens.clear()
 
     def _sample_finished(self, record: Record, out: RequestOutput, now: float) -> None:
-        wire = output_to_wire(out, record.request_id, n=record.n)
-        try:
-            frame = encode(wire, max_frame_bytes=self.config.max_frame_bytes)
-        except ProtocolError as err:  # a sample too large for one frame: its request hears why
-            frame = encode(error_reply(err, record.request_id))
-        if self.registry.finish_sample(record, out.sample_index, frame, now):
-            self.metrics.sample_sent(wire.versions)
-            self._send_frame(record.owner, frame)
-            if record.done:
-                self.metrics.count("requests_finished")
+        self.endpoint.deliver(record, output_to_wire(out, record.request_id, n=record.n), now)
 
-    def _submitted(self, item: Submitted) -> None:
-        if item.error is None:
-            return
-        record = item.record
-        self.registry.drop(record)
-        self._send_error(record.owner, error_reply(item.error, record.request_id))
+    def _submitted(self, item: _Submitted) -> None:
+        error = item.future.exception()
+        results = [error] * len(item.batch) if error is not None else item.future.result()
+        for (record, _), result in zip(item.batch, results):
+            if isinstance(result, Exception):
+                self.endpoint.refuse(record, error_reply(result, record.request_id))
 
-    def _done(self, item: Done) -> None:
-        msg = item.msg
+    def _reply(self, item: Reply) -> None:
+        error = item.future.exception()
         if item.peer is None:  # an abort of a silent client's requests: nobody to answer
             return
-        if item.error is not None:
-            self._send_error(item.peer, error_reply(item.error, msg.request_id))
+        if error is not None:
+            self.endpoint.send_error(item.peer, error_reply(error, item.msg.request_id))
             return
-        name = _COUNTED.get(type(msg))
+        name = COUNTED.get(type(item.msg))
         if name:
             self.metrics.count(name)
-        result = Result(request_id=msg.request_id, request_kind=_KINDS[type(msg)],
-                        policy_version=self.engine.policy_version)
-        if isinstance(msg, Stats):
-            result.stats = self.metrics.snapshot(item.value, lane_depth=self._lane.depth(),
-                                                 requests_in_flight=self.registry.num_live,
-                                                 clients=len(self.leases), extra=self.receiver.stats.wire())
-        elif isinstance(item.value, dict):
-            result.stats = _wire_values(item.value)
-        self._send(item.peer, result)
-
-    # ---- housekeeping --------------------------------------------------------------------------
-
-    def _housekeeping(self, now: float) -> None:
-        for peer in self.leases.expired(now):
-            records = self.registry.live_of(peer)
-            self.metrics.count("lease_expiries")
-            if records:
-                logger.warning("client %s went silent: aborting its %d requests", peer.hex(), len(records))
-                self.metrics.count("lease_aborted_requests", len(records))
-                self._lane.control(None, Abort(request_id="lease-expired", targets=[r.request_id for r in records]),
-                                   records)
-        if now >= self._next_purge:
-            self._next_purge = now + 1.0
-            self.registry.purge(now)
-
-    # ---- outgoing ------------------------------------------------------------------------------
-
-    def _send(self, peer: bytes, msg: Any) -> None:
-        self._send_frame(peer, encode(msg, max_frame_bytes=self.config.max_frame_bytes))
-
-    def _send_error(self, peer: bytes, reply: ErrorReply) -> None:
-        self.metrics.error(reply.code)
-        self._send_frame(peer, encode(reply))
-
-    def _send_frame(self, peer: bytes, frame: bytes) -> None:
-        try:
-            self._router.send_multipart([peer, frame], zmq.NOBLOCK, copy=len(frame) < 65536)
-        except zmq.ZMQError as exc:  # NOTE: a ROUTER drops frames to unknown peers silently; this is rarer
-            logger.warning("reply to %s dropped: %s", peer.hex(), exc)
+        stats = item.render(item.future.result())
+        self.endpoint.send(item.peer, Result(request_id=item.msg.request_id, request_kind=kind_of(type(item.msg)),
+                                             policy_version=self.engine.policy_version,
+                                             stats=None if stats is None else _wire_values(stats)))
 
 
-_KINDS = {cls: Kind(cls.__struct_config__.tag) for cls in RequestMessage.__args__}
+@dataclass(slots=True)
+class _Submitted:
+    """The engine took (or refused, one by one) a batch of Generates."""
 
+    batch: list[tuple[Record, SamplingParams]]
+    future: Any

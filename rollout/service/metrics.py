@@ -67,7 +67,7 @@ class ServiceMetrics:
         while self._recent and self._recent[0][0] < now - self.window_s:
             self._recent_tokens -= self._recent.popleft()[1]
 
-    def snapshot(self, engine_stats: Mapping[str, Any], *, lane_depth: int = 0, requests_in_flight: int = 0,
+    def snapshot(self, engine_stats: Mapping[str, Any], *, held: int = 0, requests_in_flight: int = 0,
                  clients: int = 0, extra: Optional[Mapping[str, Any]] = None) -> dict[str, StatValue]:
         """Wire-ready stats: the engine's figures (None dropped, bools as ints), this server's
         counters, and the headline keys of `SERVICE_KEYS`."""
@@ -78,7 +78,7 @@ class ServiceMetrics:
         waiting = int(engine_stats.get("waiting", 0) or 0)
         out.update(
             tokens_per_s=float(self.tokens_per_s()),
-            queue_depth=waiting + lane_depth,
+            queue_depth=waiting + held,  # held: requests a front holds before the engine (or a replica) has them
             requests_in_flight=requests_in_flight,
             clients=clients,
             kv_utilization=float(engine_stats.get("kv_utilization", engine_stats.get("allocated_utilization", 0.0))),

@@ -12,7 +12,8 @@ answered without running it again:
 * an id already held for a different request is refused (`DUPLICATE`).
 
 Pure bookkeeping on the server's socket thread (no locks, clock passed in). The engine-side
-handle (`Record.stream`) is written by the engine lane, which runs the record's calls in order.
+handle (`Record.stream`) is written by the engine call that submits it, on the engine's loop, before
+any later call on the record (an Abort) runs there.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class Record:
     owner: bytes
     n: int
     frames: dict[int, bytes] = field(default_factory=dict)  # sample index -> encoded SampleOutput
-    stream: Any = None  # the engine's RequestStream; written by the engine lane only
+    stream: Any = None  # the engine's RequestStream (a router's Route); written on the engine's loop
     finished_at: Optional[float] = None
 
     @property

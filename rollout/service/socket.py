@@ -1,8 +1,8 @@
-"""FrontEnd: a router's client-facing ROUTER socket, bound and secured as a server's.
+"""ServiceSocket: a service's client-facing ROUTER socket, bound and secured.
 
-Binding refuses a non-loopback address without credentials (`rollout.wire.security`), frames are
-decoded and checked by the server's rules (a bad one is answered by an `ErrorReply` naming the
-problem), replies never block and are never dropped for a slow reader. The router's thread
+Binding refuses a non-loopback address without credentials (`rollout.wire.security`); frames are
+decoded and checked by the wire's rules (a bad one comes back as the `ErrorReply` naming the
+problem); replies never block and are never dropped for a slow reader. The endpoint's thread
 alone touches it.
 """
 
@@ -14,7 +14,6 @@ from typing import Any, Optional
 
 import zmq
 
-from rollout.service.metrics import ServiceMetrics
 from rollout.wire.codec import ProtocolError, decode_request, encode
 from rollout.wire.convert import error_reply
 from rollout.wire.kinds import ErrorCode
@@ -24,7 +23,9 @@ from rollout.wire.security import ServerSecurity, check_bind, secure_server_sock
 logger = logging.getLogger(__name__)
 
 
-class FrontEnd:
+class ServiceSocket:
+    """The ROUTER socket at `address` (see module docstring)."""
+
     def __init__(self, ctx: zmq.Context, host: str, port: int, security: ServerSecurity, max_frame_bytes: int) -> None:
         check_bind(host, security)
         self.max_frame_bytes = max_frame_bytes
@@ -61,11 +62,6 @@ class FrontEnd:
 
     def send(self, peer: bytes, msg: Any) -> None:
         self.send_frame(peer, encode(msg, max_frame_bytes=self.max_frame_bytes))
-
-    def send_error(self, peer: bytes, reply: ErrorReply, metrics: Optional[ServiceMetrics] = None) -> None:
-        if metrics is not None:
-            metrics.error(reply.code)
-        self.send_frame(peer, encode(reply))
 
     def send_frame(self, peer: bytes, frame: bytes) -> None:
         try:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import enum
 
-PROTOCOL_VERSION = 3  # 2: UpdateWeights.policy; 3: KvEvents, Result.kv_events; weight sync (group kinds,
-# distributed / shared-memory sources)
+PROTOCOL_VERSION = 4  # 2: UpdateWeights.policy; 3: KvEvents, Result.kv_events; weight sync (group kinds,
+# distributed / shared-memory sources); 4: an update's version lives in its source alone (UpdateWeights
+# has no target_version; the disk source says the version of a plain checkpoint)
 MAX_REQUEST_ID_LENGTH = 256
 MAX_SAMPLES = 1024  # n per Generate
 MAX_STOP_TOKENS = 1024

@@ -33,7 +33,7 @@ from rollout.wire.kinds import (
     Kind,
 )
 from rollout.wire.packing import as_float32, as_int32, check_non_negative, check_same_length
-from weight_sync.sources import DistributedSource, GroupName, SharedMemorySource
+from weight_sync.sources import GroupName, WeightSource
 from weight_sync.transports.distributed import DEFAULT_GROUP
 
 
@@ -159,26 +159,13 @@ class Resume(_Request, tag=Kind.RESUME.value):
     """Undo `Suspend`."""
 
 
-class SafetensorsDir(msgspec.Struct, tag_field="type", tag="safetensors_dir", forbid_unknown_fields=True):
-    """Weights from `*.safetensors` files in a directory the server can read (HF names)."""
-
-    path: Annotated[str, Meta(min_length=1, max_length=4096)]
-
-
-# NOTE: a tagged union by `type`: a directory (SGLang's update_weights_from_disk), a broadcast over a
-# weight-update group (update_weights_from_distributed), shared memory (update_weights_from_tensor);
-# the last two carry their manifest (`weight_sync.manifest`), checked before a byte moves
-WeightSource = Union[SafetensorsDir, DistributedSource, SharedMemorySource]
-
-
 class UpdateWeights(_Request, tag=Kind.UPDATE_WEIGHTS.value):
-    """Load new weights and commit them atomically under `target_version` (default: the
-    manifest's, else current + 1); `policy` says what happens to requests in flight (None: the
-    engine's configured default). A distributed source with `finish` False leaves the update
-    open for the next call (the reply's version is still the old one)."""
+    """Load new weights from `source` (`weight_sync.sources`) and commit them atomically under the
+    version it says (its manifest's; None: current + 1); `policy` says what happens to requests in
+    flight (None: the engine's configured default). A distributed source with `finish` False leaves
+    the update open for the next call (the reply's version is still the old one)."""
 
     source: WeightSource
-    target_version: Optional[NonNegInt] = None
     policy: Optional[UpdatePolicy] = None
 
 

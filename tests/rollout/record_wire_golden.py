@@ -21,7 +21,7 @@ import numpy as np
 from inference import FinishReason, LogprobsMode, PauseMode, Staging, SuspendPolicy, UpdatePolicy
 from rollout.wire import codec, kinds
 from rollout.wire import messages as wire
-from weight_sync import DistributedSource, SharedMemorySource
+from weight_sync import DiskSource, DistributedSource, SharedMemorySource
 from weight_sync.manifest import Bucket, Layout, Manifest
 from weight_sync.transports.shm import CudaIpcBuffer
 
@@ -52,9 +52,9 @@ def messages() -> dict[str, tuple[msgspec.Struct, list[str]]]:
         "suspend_minimal": (p.Suspend(request_id="c2"), ["request_id"]),
         "suspend_full": (p.Suspend(request_id="c3", policy=p.SuspendPolicy.OFFLOAD, offload_weights=True), []),
         "resume": (p.Resume(request_id="c4"), ["request_id"]),
-        "update_disk_minimal": (p.UpdateWeights(request_id="u1", source=p.SafetensorsDir(path="/w")),
+        "update_disk_minimal": (p.UpdateWeights(request_id="u1", source=DiskSource(path="/w")),
                                 ["request_id", "source"]),
-        "update_disk_full": (p.UpdateWeights(request_id="u2", source=p.SafetensorsDir(path="/w"), target_version=3,
+        "update_disk_full": (p.UpdateWeights(request_id="u2", source=DiskSource(path="/w", version=3),
                                              policy=p.UpdatePolicy.KEEP), []),
         "update_distributed": (p.UpdateWeights(request_id="u3", source=DistributedSource(
             manifest=manifest(), group_name="g1", finish=True, staging=Staging.IN_PLACE),

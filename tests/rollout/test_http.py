@@ -306,25 +306,27 @@ class HttpWeightControl:
             raise RuntimeError(f"{route}: {r.status_code} {r.text}")
         return r.json()
 
-    def init_weights_update_group(self, master_address, master_port, rank_offset, world_size,
-                                  group_name="weight_update_group", backend=None, *, timeout_s=None):
+    def join_group(self, master_address, master_port, rank_offset, world_size, group_name="weight_update_group",
+                   backend=None, *, timeout_s=None):
         return self._post("/init_weights_update_group", {
             "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
             "world_size": world_size, "group_name": group_name, "backend": backend})
 
-    def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group", *,
-                                        weight_version=None, layout=None, finish=None, policy=None):
-        assert layout is None  # SGLang's way: one broadcast per tensor
-        return self._post("/update_weights_from_distributed", {
-            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-            "weight_version": None if weight_version is None else f"v{weight_version}"})
+    def update(self, source, policy=None) -> int:
+        manifest = source.manifest
+        assert manifest.layout is None  # SGLang's way: one broadcast per tensor
+        self._post("/update_weights_from_distributed", {
+            "names": manifest.names, "dtypes": manifest.dtypes, "shapes": manifest.shapes,
+            "group_name": source.group_name,
+            "weight_version": None if manifest.version is None else f"v{manifest.version}"})
+        return self.weight_version()
 
-    def destroy_weights_update_group(self, group_name="weight_update_group"):
+    def leave_group(self, group_name="weight_update_group"):
         return self._post("/destroy_weights_update_group", {"group_name": group_name})
 
-    def get_weight_version(self) -> str:
+    def weight_version(self) -> int:
         with httpx.Client(base_url=self.url, timeout=WAIT_S) as web:
-            return web.get("/get_weight_version").json()["weight_version"]
+            return int(web.get("/get_weight_version").json()["weight_version"])
 
 
 def test_weights_from_distributed_over_http(web, http_server, model_dir, tmp_path, reference):

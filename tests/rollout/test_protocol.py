@@ -45,7 +45,6 @@ from rollout.wire.messages import (
     ResetPrefixCache,
     Result,
     Resume,
-    SafetensorsDir,
     SampleOutput,
     Sampling,
     Stats,
@@ -53,6 +52,7 @@ from rollout.wire.messages import (
     TokenDelta,
     UpdateWeights,
 )
+from weight_sync import DiskSource
 
 
 def examples() -> list:
@@ -68,8 +68,7 @@ def examples() -> list:
         Continue(request_id="c-3"),
         Suspend(request_id="c-4", policy=SuspendPolicy.OFFLOAD, offload_weights=True),
         Resume(request_id="c-5"),
-        UpdateWeights(request_id="c-6", source=SafetensorsDir(path="/ckpt/step-7"), target_version=7,
-                      policy=UpdatePolicy.KEEP),
+        UpdateWeights(request_id="c-6", source=DiskSource(path="/ckpt/step-7", version=7), policy=UpdatePolicy.KEEP),
         ResetPrefixCache(request_id="c-7"),
         Stats(request_id="c-8"),
         Health(request_id="c-9"),
@@ -155,7 +154,7 @@ def test_packed_arrays_are_little_endian_views_with_their_dtypes():
 
 
 def test_weight_source_is_tagged_for_later_transports():
-    assert raw(EXAMPLES[6])["source"] == {"type": "safetensors_dir", "path": "/ckpt/step-7"}
+    assert raw(EXAMPLES[6])["source"] == {"type": "safetensors_dir", "path": "/ckpt/step-7", "version": 7}
 
 
 # ---- converters ------------------------------------------------------------------------------
@@ -270,7 +269,6 @@ def test_generate_fields_are_refused_naming_the_field(field, value):
     (EXAMPLES[10], "lease_s", NAN), (EXAMPLES[10], "lease_s", INF), (EXAMPLES[10], "lease_s", 0.0),
     (EXAMPLES[10], "lease_s", MAX_LEASE_SECONDS + 1), (EXAMPLES[2], "mode", "sideways"),
     (EXAMPLES[4], "policy", "keep"), (EXAMPLES[6], "policy", "offload"), (EXAMPLES[1], "targets", []),
-    (EXAMPLES[6], "target_version", -1),
     (EXAMPLES[11], "logprobs", np.array([-1.0], "<f4").tobytes()),  # 1 log-prob for 2 tokens
     (EXAMPLES[11], "versions", b"\x00" * 7), (EXAMPLES[11], "top_logprobs", [{7: -0.5}]),
     (EXAMPLES[11], "prompt_logprobs", [None]), (EXAMPLES[11], "sample_index", 4),
@@ -405,9 +403,15 @@ def weight_sources() -> list:
 
 @pytest.mark.parametrize("source", weight_sources(), ids=lambda s: type(s).__name__)
 def test_weight_sources_round_trip_in_update_weights(source):
-    msg = UpdateWeights(request_id="c-6", source=source, target_version=9)
+    msg = UpdateWeights(request_id="c-6", source=source)
     back = decode(encode(msg))
     assert back == msg and back.source.manifest.total_bytes == source.manifest.total_bytes
+
+
+def test_a_disk_source_with_a_negative_version_is_refused():
+    frame = raw(EXAMPLES[6])
+    frame["source"]["version"] = -1
+    assert "version" in refused(frame).message
 
 
 def test_bad_weight_sources_are_refused_by_schema():

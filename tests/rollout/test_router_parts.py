@@ -37,7 +37,6 @@ from rollout.wire.messages import (
     Pause,
     Result,
     Resume,
-    SafetensorsDir,
     SampleOutput,
     Sampling,
     Suspend,
@@ -46,6 +45,7 @@ from rollout.wire.messages import (
 )
 from tests.rollout.conftest import small_engine_config, tiny_policy
 from tests.rollout.service_util import greedy
+from weight_sync import DiskSource
 
 # ---- placement -----------------------------------------------------------------------------------
 
@@ -177,11 +177,11 @@ def test_fleet_sync_plans_bring_a_replica_in_step():
     fleet = FleetState(version=3)
     assert fleet.sync_plan(3, "running", ids) == []
     assert fleet.sync_plan(0, "running", ids) is None  # another version and no update known to replay
-    fleet.applied(UpdateWeights(request_id="u", source=SafetensorsDir(path="/w")), 4)
+    fleet.applied(UpdateWeights(request_id="u", source=DiskSource(path="/w")), 4)
     fleet.applied(Pause(request_id="p", mode=PauseMode.WAIT), None)
     plan = fleet.sync_plan(0, "suspended", ids)
     assert [type(m) for m in plan] == [Resume, UpdateWeights, Pause]
-    assert plan[1].target_version == 4 and plan[1].source.path == "/w" and plan[2].mode is PauseMode.KEEP
+    assert plan[1].source.version == 4 and plan[1].source.path == "/w" and plan[2].mode is PauseMode.KEEP
     fleet.applied(Continue(request_id="c"), None)
     fleet.applied(Suspend(request_id="s"), None)
     assert fleet.engine_state == "suspended" and fleet.sync_plan(4, "suspended", ids) == []
@@ -193,7 +193,7 @@ def test_a_weight_sync_broadcast_is_never_replayed_to_a_lagging_replica():
 
     ids = iter(f"s{i}" for i in range(100)).__next__
     fleet = FleetState(version=3)
-    fleet.applied(UpdateWeights(request_id="u", source=SafetensorsDir(path="/w")), 4)
+    fleet.applied(UpdateWeights(request_id="u", source=DiskSource(path="/w")), 4)
     assert [type(m) for m in fleet.sync_plan(3, "running", ids)] == [UpdateWeights]
     # a group broadcast (or a shared-memory segment) is gone once the trainer moved on: a replica
     # left behind waits for the next update instead of blocking on a transfer nobody sends
@@ -307,11 +307,19 @@ class _Sink:
     def control_done(self, fan) -> None: ...
 
 
+class _Unwatched:
+    """The endpoint's `watch` side, for replica sets whose sockets nobody reads here."""
+
+    def watch(self, socket, on_readable) -> None: ...
+
+    def unwatch(self, socket) -> None: ...
+
+
 @pytest.mark.parametrize("policy", ["recompute", "abort"])
 def test_a_finished_sample_spanning_too_many_versions(policy):
     ctx = zmq.Context()
     sink = _Sink()
-    replicas = ReplicaSet(ctx, zmq.Poller(), sink, ServiceMetrics(), Placement(), HealthConfig(), max_staleness=0,
+    replicas = ReplicaSet(ctx, _Unwatched(), sink, ServiceMetrics(), Placement(), HealthConfig(), max_staleness=0,
                           stale_policy=policy)
     record = Record("c-1", Generate(request_id="c-1", prompt_token_ids=[1, 2, 3], sampling=Sampling(n=2)), b"p", 2)
     record.stream = Route()
@@ -351,7 +359,7 @@ def test_owed_samples_of_a_seeded_request_keep_their_indices(seed):
     just what is owed."""
     ctx = zmq.Context()
     sink = _Sink()
-    replicas = ReplicaSet(ctx, zmq.Poller(), sink, ServiceMetrics(), Placement(), HealthConfig())
+    replicas = ReplicaSet(ctx, _Unwatched(), sink, ServiceMetrics(), Placement(), HealthConfig())
     record = Record("c-1", Generate(request_id="c-1", prompt_token_ids=[1, 2, 3],
                                     sampling=Sampling(n=4, seed=seed)), b"p", 4)
     record.stream = Route()

@@ -182,7 +182,7 @@ def test_metrics_snapshot_is_wire_ready_with_the_headline_keys():
     metrics.error(ErrorCode.MALFORMED)
     engine = {"waiting": 3, "preemptions": 2, "prefix_hit_rate": 0.5, "kv_utilization": 0.25, "policy_version": 1,
               "pause_mode": None, "prefix_caching": True, "state": "running"}
-    snap = metrics.snapshot(engine, lane_depth=2, requests_in_flight=4)
+    snap = metrics.snapshot(engine, held=2, requests_in_flight=4)
     assert set(SERVICE_KEYS) <= set(snap)
     assert (snap["queue_depth"], snap["evictions"], snap["pauses"], snap["kv_utilization"]) == (5, 2, 1, 0.25)
     assert (snap["tokens_v0"], snap["tokens_v1"], snap["errors/MALFORMED"]) == (2, 1, 1)

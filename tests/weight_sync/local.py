@@ -1,16 +1,14 @@
-"""Test helpers: engines of a tiny Llama, and `LocalControl`, the SGLang-named calls of
-`weight_sync.WeightControl` made on an in-process `WeightReceiver` (what a server's lane does)."""
+"""Test helpers: engines of a tiny Llama, and `LocalControl`, `weight_sync.WeightControl` made on
+an in-process `WeightReceiver` (what a server does on its receiver's worker)."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams
-from weight_sync.manifest import Layout, Manifest, parse_weight_version
 from weight_sync.receiver import WeightReceiver
-from weight_sync.sources import DistributedSource, decode_tensor_payload
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[1, 5, 9, 13], [1, 7, 7], [2, 3, 4, 5, 6, 7]]
@@ -40,32 +38,19 @@ class LocalControl:
     def __init__(self, receiver: WeightReceiver) -> None:
         self.receiver = receiver
 
-    def init_weights_update_group(self, master_address, master_port, rank_offset, world_size,
-                                  group_name="weight_update_group", backend=None, *, timeout_s=None):
+    def join_group(self, master_address, master_port, rank_offset, world_size, group_name="weight_update_group",
+                   backend=None, *, timeout_s=None):
         return self.receiver.init_group(master_address, master_port, rank_offset, world_size, group_name, backend,
                                         timeout_s)
 
-    def destroy_weights_update_group(self, group_name="weight_update_group"):
+    def leave_group(self, group_name="weight_update_group"):
         return self.receiver.destroy_group(group_name)
 
-    def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group", *,
-                                        weight_version=None, layout: Optional[Layout] = None, finish=None,
-                                        policy=None, staging=None) -> Any:
-        manifest = Manifest(names=names, dtypes=dtypes, shapes=shapes, layout=layout,
-                            version=parse_weight_version(weight_version))
-        source = DistributedSource(manifest=manifest, group_name=group_name, finish=finish, staging=staging)
-        return self.receiver.update_from_distributed(source, policy=policy)
+    def update(self, source, policy=None) -> Any:
+        return self.receiver.update(source, policy)
 
-    def update_weights_from_tensor(self, serialized_named_tensors, *, weight_version=None, policy=None):
-        (payload,) = serialized_named_tensors
-        return self.receiver.update_from_shared_memory(decode_tensor_payload(payload),
-                                                       version=parse_weight_version(weight_version), policy=policy)
-
-    def update_weights_from_disk(self, model_path, *, weight_version=None, policy=None):
-        return self.receiver.update_from_disk(model_path, version=parse_weight_version(weight_version), policy=policy)
-
-    def get_weight_version(self) -> str:
-        return self.receiver.weight_version
+    def weight_version(self) -> int:
+        return self.receiver.engine.policy_version
 
 
 def corrupting_pipeline(bucket: int):

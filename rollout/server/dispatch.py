@@ -1,0 +1,169 @@
+"""ServerCalls: a server's request handlers, one per message class, each an engine call posted to
+the engine's loop (its one command queue) or answered without the engine.
+
+Nothing here waits: an engine call is `engine.post(...)`, a weight call the receiver's
+`apply` / `join_group` / `leave_group`; each returns a `Future` whose done-callback puts a `Reply`
+into the endpoint's mailbox, and the socket thread sends the answer when it drains it. So a WAIT
+pause (answered once the engine drained) and a weight update (answered at its commit) never hold
+up the calls behind them. Order is the loop's: a control call posted after a Generate runs after
+it (queued Generates are handed to the engine first, in one `submit_each`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from inference import PauseMode
+from rollout.service.metrics import _wire_values
+from rollout.wire.codec import ProtocolError
+from rollout.wire.kinds import ErrorCode
+from rollout.wire.messages import (
+    Abort,
+    Continue,
+    DestroyWeightsUpdateGroup,
+    GetWeightVersion,
+    Health,
+    Heartbeat,
+    InitWeightsUpdateGroup,
+    KvEvents,
+    Pause,
+    RequestMessage,
+    ResetPrefixCache,
+    Result,
+    Resume,
+    Stats,
+    Suspend,
+    UpdateWeights,
+    kind_of,
+)
+
+# the calls that change the engine's state, counted when they succeed
+COUNTED = {Pause: "pauses", Suspend: "suspends", Resume: "resumes", UpdateWeights: "weight_updates"}
+
+
+@dataclass(slots=True)
+class Reply:
+    """A posted call finished: `render(value)` is the reply's `stats` (None: none)."""
+
+    peer: Optional[bytes]
+    msg: RequestMessage
+    future: Future
+    render: Callable[[Any], Optional[dict]]
+
+
+class ServerCalls:
+    """The handlers of `RolloutServer` (a table by message class, `table()`); `server` is the
+    owner: its engine, receiver, KV log, endpoint and the flush of queued Generates."""
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+        self.engine = server.engine
+
+    def table(self) -> dict[type, Callable[[bytes, Any, float], None]]:
+        return {
+            Abort: self.abort, Pause: self.pause, Continue: self.simple, Suspend: self.suspend, Resume: self.simple,
+            ResetPrefixCache: self.simple, Stats: self.stats, UpdateWeights: self.update_weights,
+            InitWeightsUpdateGroup: self.join_group, DestroyWeightsUpdateGroup: self.leave_group,
+            Health: self.health, Heartbeat: self.heartbeat, GetWeightVersion: self.heartbeat,
+            KvEvents: self.kv_events,
+        }
+
+    # ---- answered without the engine -----------------------------------------------------------
+
+    def _result(self, msg: RequestMessage, **fields: Any) -> Result:
+        return Result(request_id=msg.request_id, request_kind=kind_of(type(msg)),
+                      policy_version=self.engine.policy_version, **fields)
+
+    def health(self, peer: bytes, msg: Health, now: float) -> None:
+        self.server.endpoint.send(peer, self._result(msg, health=self.server.health()))
+
+    def heartbeat(self, peer: bytes, msg: Any, now: float) -> None:
+        self.server.endpoint.send(peer, self._result(msg))
+
+    def kv_events(self, peer: bytes, msg: KvEvents, now: float) -> None:
+        # NOTE: a hash takes at most 9 bytes of msgpack, an event's framing 3 more
+        limit = (self.server.endpoint.config.max_frame_bytes - 512) // 12
+        batch = self.server.kv_log.read(msg.since, msg.max_events, max_hashes=limit)
+        self.server.endpoint.send(peer, self._result(msg, kv_events=batch))
+
+    # ---- posted to the engine's loop -----------------------------------------------------------
+
+    def _post(self, peer: Optional[bytes], msg: RequestMessage, call: Callable[[], Any],
+              render: Callable[[Any], Optional[dict]] = lambda value: None) -> None:
+        self.server.flush_generates()
+        self._answer(peer, msg, self.engine.post(call), render)
+
+    def _answer(self, peer: Optional[bytes], msg: RequestMessage, future: Future,
+                render: Callable[[Any], Optional[dict]] = lambda value: None) -> None:
+        mailbox = self.server.endpoint.mailbox
+        future.add_done_callback(lambda f: mailbox.put(Reply(peer, msg, f, render)))
+
+    def simple(self, peer: bytes, msg: Any, now: float) -> None:
+        engine = self.engine
+        call = {Continue: engine.continue_, Resume: engine.resume, ResetPrefixCache: engine.reset_prefix_cache}
+        self._post(peer, msg, call[type(msg)])
+
+    def abort(self, peer: Optional[bytes], msg: Abort, now: float, records: Optional[list] = None) -> None:
+        if records is None:
+            records = [r for r in map(self.server.endpoint.registry.get, msg.targets) if r is not None]
+            if not records:
+                raise ProtocolError(ErrorCode.NOT_FOUND, f"no request with id {msg.targets[0]!r}"
+                                    + (f" (nor {len(msg.targets) - 1} more)" if len(msg.targets) > 1 else ""))
+
+        def call() -> dict:  # NOTE: on the loop, after the Generates posted before it set their streams
+            ids = [rid for r in records if r.stream is not None for rid in r.stream.request_ids]
+            return {"aborted": self.engine.abort_many(ids)}
+
+        self._post(peer, msg, call, lambda value: value)
+
+    def pause(self, peer: bytes, msg: Pause, now: float) -> None:
+        engine = self.engine
+        if msg.mode is not PauseMode.WAIT:
+            self._post(peer, msg, lambda: engine.pause(msg.mode))
+            return
+        self.server.flush_generates()
+        drained: Future = Future()
+
+        def wait_drained(paused: Future) -> None:  # NOTE: on the loop, once the pause took effect
+            if paused.exception() is not None:
+                drained.set_exception(paused.exception())
+                return
+            engine.when(engine.core.drained).add_done_callback(
+                lambda f: drained.set_exception(f.exception()) if f.exception() else drained.set_result(None))
+
+        engine.post(lambda: engine.pause(PauseMode.WAIT, wait=False)).add_done_callback(wait_drained)
+        self._answer(peer, msg, drained)
+
+    def suspend(self, peer: bytes, msg: Suspend, now: float) -> None:
+        engine = self.engine
+        self._post(peer, msg, lambda: engine.suspend(msg.policy, offload_weights=msg.offload_weights),
+                   lambda report: _wire_values(dataclasses.asdict(report)))
+
+    def stats(self, peer: bytes, msg: Stats, now: float) -> None:
+        engine = self.engine
+
+        def call() -> dict:
+            figures = engine.stats()
+            figures["kv_utilization"] = engine.kv_utilization()
+            return figures
+
+        self._post(peer, msg, call, self.server.stats_snapshot)
+
+    # ---- the receiver's worker -----------------------------------------------------------------
+
+    def update_weights(self, peer: bytes, msg: UpdateWeights, now: float) -> None:
+        self.server.flush_generates()
+        outcome = self.server.receiver.apply(msg.source, msg.policy)
+        self._answer(peer, msg, outcome, lambda o: {"committed": int(o.committed), "bytes_received": o.bytes_received})
+
+    def join_group(self, peer: bytes, msg: InitWeightsUpdateGroup, now: float) -> None:
+        rank = self.server.receiver.join_group(msg.master_address, msg.master_port, msg.rank_offset, msg.world_size,
+                                               msg.group_name, msg.backend, msg.timeout_s)
+        self._answer(peer, msg, rank, lambda r: {"rank": r})
+
+    def leave_group(self, peer: bytes, msg: DestroyWeightsUpdateGroup, now: float) -> None:
+        self._answer(peer, msg, self.server.receiver.leave_group(msg.group_name), lambda d: {"destroyed": int(d)})
