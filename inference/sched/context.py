@@ -393,6 +393,8 @@ class DynamicInferenceContext:
         while self.paused and (self.paused_block_count() > budget or (force_one and not evicted)):
             slot = self.paused[-1]
             evicted.extend(self.release_memory_blocks_from_request_indexes([slot]))
+            # NOTE: the blocks just freed let older paused ones go on, instead of evicting them too (a livelock)
+            self.resume_paused_requests()
         return evicted
 
     def reset(self, preserve_prefix_cache: bool = False) -> None:

@@ -187,7 +187,7 @@ class Scheduler:
         ctx = self.ctx
         evicted: list[Request] = []
         ctx.resume_paused_requests()
-        decode = self._schedule_decodes()
+        decode = self._schedule_decodes(evicted)
         evicted += ctx.evict_overflow_paused_requests()
         budget = self.config.max_batch_tokens - len(decode)
         prefill_slots, prefill_lens = self._schedule_prefills(budget, admit_new)
@@ -203,7 +203,9 @@ class Scheduler:
         lens[len(decode) :] = prefill_lens
         return StepPlan(slots, lens, len(decode), evicted)
 
-    def _schedule_decodes(self) -> list[int]:
+    def _schedule_decodes(self, evicted: list[Request]) -> list[int]:
+        """Decode-ready slots that have the block of their next token; the others are paused.
+        Prefills evicted to make room for an older decode are appended to `evicted`."""
         ctx = self.ctx
         if not ctx.active:
             return []
@@ -214,9 +216,14 @@ class Scheduler:
             return ready.tolist()
         paused = set()
         for slot in needs_block.tolist():
-            if not ctx.grow(slot, int(ctx.kv_len[slot]) + 1):
-                ctx.pause(slot)
-                paused.add(slot)
+            while not ctx.grow(slot, int(ctx.kv_len[slot]) + 1):
+                # NOTE: a newer request's prefill yields to an older one's next token (else they can livelock)
+                newer = [s for s in ctx.active[ctx.active.index(slot) + 1:] if ctx.seq_len[s] - ctx.kv_len[s] > 1]
+                if not newer:
+                    ctx.pause(slot)
+                    paused.add(slot)
+                    break
+                evicted += ctx.release_memory_blocks_from_request_indexes([newer[-1]])
         return [s for s in ready.tolist() if s not in paused]
 
     def _schedule_prefills(self, budget: int, admit_new: bool) -> tuple[list[int], list[int]]:

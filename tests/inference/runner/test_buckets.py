@@ -1,6 +1,6 @@
 """Batch buckets, padding and dummy steps on CPU: what CUDA-graph replay and expert-parallel lockstep
 rely on, run eagerly (the graphs themselves: test_cuda_graphs.py, gpu; engines in lockstep:
-engine/test_engine_ep_lockstep.py)."""
+core/test_ep_step.py)."""
 
 from __future__ import annotations
 

@@ -29,6 +29,11 @@ def config(**overrides) -> InferenceConfig:
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_llama()
+
+
 def test_failed_resume_does_not_offload_weights_that_suspend_kept(llama, monkeypatch):
     engine = DynamicInferenceEngine.from_pretrained(llama, config())
     expected = engine.generate([[5, 6, 7]], GREEDY)[0].generated_token_ids
