@@ -138,6 +138,10 @@ class AsyncRolloutClient:
     async def policy_version(self, *, timeout: Optional[float] = None) -> int:
         return (await self.health(timeout=timeout)).policy_version
 
+    async def is_sleeping(self, *, timeout: Optional[float] = None) -> bool:
+        """Whether the engine is suspended (through a router: every replica that answered is)."""
+        return bool((await self._call(self.requests.is_sleeping(), timeout)).sleeping)
+
     async def health(self, *, timeout: Optional[float] = None) -> wire.HealthInfo:
         return (await self._call(self.requests.health(), timeout)).health
 

@@ -57,6 +57,9 @@ class Requests:
     def stats(self) -> wire.Stats:
         return wire.Stats(request_id=self._id())
 
+    def is_sleeping(self) -> wire.IsSleeping:
+        return wire.IsSleeping(request_id=self._id())
+
     def health(self) -> wire.Health:
         return wire.Health(request_id=self._id())
 

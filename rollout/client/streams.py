@@ -35,25 +35,37 @@ class GeneratePending:
         self.next_token: dict[int, int] = {}
 
     def on_reply(self, msg: Any) -> bool:
-        if isinstance(msg, wire.SampleOutput):
-            if msg.sample_index not in self.samples:
-                self.samples.add(msg.sample_index)
-                self.sink((self.group, msg))
-            return len(self.samples) >= self.n
-        if isinstance(msg, wire.TokenDelta):
-            have = self.next_token.get(msg.sample_index, 0)
-            end = msg.start + len(msg.token_ids)
-            if end > have and msg.sample_index not in self.samples:
-                self.next_token[msg.sample_index] = end
-                self.sink((self.group, (msg, max(0, have - msg.start))))
-            return False
-        if isinstance(msg, wire.ErrorReply):
-            self.sink((self.group, error_from_reply(msg)))
-            return True
+        """Whether the Generate is answered in full now (every sample, or an error)."""
+        handle = _ON_REPLY.get(type(msg))
+        return handle(self, msg) if handle is not None else False
+
+    def _sample(self, msg: wire.SampleOutput) -> bool:
+        if msg.sample_index not in self.samples:
+            self.samples.add(msg.sample_index)
+            self.sink((self.group, msg))
+        return len(self.samples) >= self.n
+
+    def _tokens(self, msg: wire.TokenDelta) -> bool:
+        have = self.next_token.get(msg.sample_index, 0)
+        end = msg.start + len(msg.token_ids)
+        if end > have and msg.sample_index not in self.samples:
+            self.next_token[msg.sample_index] = end
+            self.sink((self.group, (msg, max(0, have - msg.start))))
         return False
+
+    def _refused(self, msg: wire.ErrorReply) -> bool:
+        self.sink((self.group, error_from_reply(msg)))
+        return True
 
     def on_failure(self, error: BaseException) -> None:
         self.sink((self.group, error))
+
+
+# the replies a Generate gets, each to its one handler (a Result is not one: ignored)
+_ON_REPLY: dict[type, Callable[[GeneratePending, Any], bool]] = {
+    wire.SampleOutput: GeneratePending._sample, wire.TokenDelta: GeneratePending._tokens,
+    wire.ErrorReply: GeneratePending._refused,
+}
 
 
 def build_generates(conn: Connection, prompts: Prompts, n: int, sampling: Optional[SamplingParams],

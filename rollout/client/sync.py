@@ -144,6 +144,10 @@ class RolloutClient(WeightSyncCalls):
     def policy_version(self) -> int:
         return self.health().policy_version
 
+    def is_sleeping(self, *, timeout: Optional[float] = None) -> bool:
+        """Whether the engine is suspended (through a router: every replica that answered is)."""
+        return bool(self._call(self.requests.is_sleeping(), timeout).sleeping)
+
     def health(self, *, timeout: Optional[float] = None) -> wire.HealthInfo:
         """Answered without the engine: whether its loop went round within the server's deadline."""
         return self._call(self.requests.health(), timeout).health

@@ -3,9 +3,9 @@
 `Fanout` collects the replies of the replicas a request went to; it is done when each has
 answered or was taken out (a replica that dies mid-broadcast does not hold the answer up). Its
 `outcome()` is one reply: the common `Result` (policy version of the fleet; suspend reports and
-abort counts summed), or, if every replica refused, the first refusal. Replicas that refused
-while others succeeded are named in `failed`; the router takes them out of rotation and brings
-them in line later.
+abort counts summed; asleep if every replica that answered is), or, if every replica refused,
+the first refusal. Replicas that refused while others succeeded are named in `failed`; the router
+takes them out of rotation and brings them in line later.
 
 `FleetState` is what every replica should be in: policy version, paused (and how), suspended,
 and the last weight update, replayed to a replica that comes back (or joins) on an older
@@ -95,7 +95,9 @@ class Fanout:
             return ErrorReply(code=ErrorCode.ENGINE_STATE, request_id=rid,
                               message=f"{request_kind.name}: no replica is up to apply it")
         stats = sum_stats([r.stats for r in ok if r.stats]) if any(r.stats for r in ok) else None
-        return Result(request_id=rid, request_kind=request_kind, policy_version=fleet_version, stats=stats)
+        asleep = [r.sleeping for r in ok if r.sleeping is not None]
+        return Result(request_id=rid, request_kind=request_kind, policy_version=fleet_version, stats=stats,
+                      sleeping=all(asleep) if asleep else None)
 
 
 def sum_stats(dicts: list[dict[str, StatValue]]) -> dict[str, StatValue]:
@@ -145,20 +147,28 @@ class FleetState:
 
     def applied(self, msg: RequestMessage, version: Optional[int]) -> None:
         """A broadcast of `msg` succeeded (on at least one replica), the fleet now at `version`."""
-        if isinstance(msg, Pause):
-            self.paused = msg.mode
-        elif isinstance(msg, Continue):
-            self.paused = None
-        elif isinstance(msg, Suspend):
-            self.suspended = msg
-        elif isinstance(msg, Resume):
-            self.suspended = None
-        elif isinstance(msg, UpdateWeights):
-            # NOTE: only a directory can be read again by one replica later: a broadcast over a
-            # weight-update group or a shared-memory segment is gone once the trainer moved on
-            self.last_update = msg if isinstance(msg.source, DiskSource) else None
+        change = _STATE_CHANGES.get(type(msg))
+        if change is not None:
+            change(self, msg)
         if version is not None:
             self.version = version
+
+    def _paused(self, msg: Pause) -> None:
+        self.paused = msg.mode
+
+    def _continued(self, msg: Continue) -> None:
+        self.paused = None
+
+    def _suspended(self, msg: Suspend) -> None:
+        self.suspended = msg
+
+    def _resumed(self, msg: Resume) -> None:
+        self.suspended = None
+
+    def _updated(self, msg: UpdateWeights) -> None:
+        # NOTE: only a directory can be read again by one replica later: a broadcast over a
+        # weight-update group or a shared-memory segment is gone once the trainer moved on
+        self.last_update = msg if isinstance(msg.source, DiskSource) else None
 
     def sync_plan(self, version: Optional[int], engine_state: Optional[str], next_id: Any) -> Optional[list]:
         """The messages that bring a replica at `version` in `engine_state` in line with the
@@ -187,3 +197,10 @@ class FleetState:
             plan.append(Suspend(request_id=next_id(), policy=self.suspended.policy,
                                 offload_weights=self.suspended.offload_weights))
         return plan
+
+
+# the broadcasts that change what every replica should be in (the others leave it as it is)
+_STATE_CHANGES: dict[type, Callable[[FleetState, Any], None]] = {
+    Pause: FleetState._paused, Continue: FleetState._continued, Suspend: FleetState._suspended,
+    Resume: FleetState._resumed, UpdateWeights: FleetState._updated,
+}

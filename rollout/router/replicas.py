@@ -22,6 +22,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Optional, Protocol
 
 import msgspec
@@ -395,40 +396,47 @@ class ReplicaSet:
                 link.next_kv = now
 
     def _attempt_reply(self, attempt: Attempt, msg: Any, now: float) -> None:
+        handle = _ATTEMPT_REPLIES.get(type(msg))
+        if handle is not None:
+            handle(self, attempt, msg, now)
+
+    def _attempt_sample(self, attempt: Attempt, msg: SampleOutput, now: float) -> None:
         record = attempt.record
-        if isinstance(msg, SampleOutput):
-            j = msg.sample_index
-            if j not in attempt.left:
+        j = msg.sample_index
+        if j not in attempt.left:
+            return
+        before = attempt.cost
+        attempt.left.discard(j)
+        self.placement.release(attempt.replica, before - attempt.cost)
+        if not attempt.left:
+            self._retire(attempt)
+            if attempt.runs_extra:  # NOTE: nobody waits for the rest of it: free the replica
+                self.links[attempt.replica].send(encode(Abort(request_id=self.next_id("x"), targets=[attempt.id])))
+        index = attempt.indices[j]
+        if index in record.frames:
+            return
+        reason = msg.finish_reason
+        if reason is not FinishReason.ABORT and too_stale(msg.versions, self.max_staleness):
+            if self.stale_policy is StalePolicy.RECOMPUTE and not record.stream.aborted:
+                self.metrics.count("stale_recomputed")
+                self.dispatch(record, [index], now)
                 return
-            before = attempt.cost
-            attempt.left.discard(j)
-            self.placement.release(attempt.replica, before - attempt.cost)
-            if not attempt.left:
-                self._retire(attempt)
-                if attempt.runs_extra:  # NOTE: nobody waits for the rest of it: free the replica
-                    self.links[attempt.replica].send(encode(Abort(request_id=self.next_id("x"), targets=[attempt.id])))
-            index = attempt.indices[j]
-            if index in record.frames:
-                return
-            reason = msg.finish_reason
-            if reason is not FinishReason.ABORT and too_stale(msg.versions, self.max_staleness):
-                if self.stale_policy is StalePolicy.RECOMPUTE and not record.stream.aborted:
-                    self.metrics.count("stale_recomputed")
-                    self.dispatch(record, [index], now)
-                    return
-                self.metrics.count("stale_aborted")
-                reason = FinishReason.ABORT
-            self._sink.deliver(record, msgspec.structs.replace(msg, request_id=record.request_id, sample_index=index,
-                                                               n=record.n, finish_reason=reason), now)
-        elif isinstance(msg, TokenDelta):
-            if msg.sample_index not in attempt.left:  # a sample it runs for nobody (`sent_indices`)
-                return
-            index = attempt.indices[msg.sample_index]
-            self._sink.forward_tokens(record, msgspec.structs.replace(msg, sample_index=index))
-        elif isinstance(msg, ErrorReply):  # the replica refused the request itself: the client hears why
-            for other in list(record.stream.attempts.values()):
-                self._retire(other)
-            self._sink.refused(record, msgspec.structs.replace(msg, request_id=record.request_id))
+            self.metrics.count("stale_aborted")
+            reason = FinishReason.ABORT
+        self._sink.deliver(record, msgspec.structs.replace(msg, request_id=record.request_id, sample_index=index,
+                                                           n=record.n, finish_reason=reason), now)
+
+    def _attempt_tokens(self, attempt: Attempt, msg: TokenDelta, now: float) -> None:
+        if msg.sample_index not in attempt.left:  # a sample it runs for nobody (`sent_indices`)
+            return
+        index = attempt.indices[msg.sample_index]
+        self._sink.forward_tokens(attempt.record, msgspec.structs.replace(msg, sample_index=index))
+
+    def _attempt_refused(self, attempt: Attempt, msg: ErrorReply, now: float) -> None:
+        record = attempt.record  # the replica refused the request itself: the client hears why
+        for other in list(record.stream.attempts.values()):
+            self._retire(other)
+        self._sink.refused(record, msgspec.structs.replace(msg, request_id=record.request_id))
 
     # ---- introspection -------------------------------------------------------------------------
 
@@ -437,3 +445,9 @@ class ReplicaSet:
         return [(name, link, self.placement.load.get(name, 0), self.placement.routed_to(name))
                 for name, link in self.links.items()]
 
+
+# a replica's replies to an attempt, each to its one handler (a Result is not one: ignored)
+_ATTEMPT_REPLIES: dict[type, Callable[[ReplicaSet, Attempt, Any, float], None]] = {
+    SampleOutput: ReplicaSet._attempt_sample, TokenDelta: ReplicaSet._attempt_tokens,
+    ErrorReply: ReplicaSet._attempt_refused,
+}

@@ -55,6 +55,7 @@ from rollout.wire.messages import (
     HealthInfo,
     Heartbeat,
     InitWeightsUpdateGroup,
+    IsSleeping,
     KvEvents,
     Pause,
     ResetPrefixCache,
@@ -127,7 +128,7 @@ class RolloutRouter:
         self.config = config = config or RouterConfig()
         broadcast = {t: self._broadcast for t in (Pause, Continue, Suspend, Resume, UpdateWeights, ResetPrefixCache,
                                                   Stats, InitWeightsUpdateGroup, DestroyWeightsUpdateGroup,
-                                                  GetWeightVersion)}
+                                                  GetWeightVersion, IsSleeping)}
         handlers = {**broadcast, Health: self._health, Heartbeat: self._health, Abort: self._abort,
                     KvEvents: self._kv_events}
         endpoint_config = EndpointConfig(host=config.host, port=config.port, security=config.security,

@@ -17,8 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from inference import PauseMode
-from rollout.service.metrics import _wire_values
+from inference import EngineState, PauseMode
 from rollout.wire.codec import ProtocolError
 from rollout.wire.kinds import ErrorCode
 from rollout.wire.messages import (
@@ -29,6 +28,7 @@ from rollout.wire.messages import (
     Health,
     Heartbeat,
     InitWeightsUpdateGroup,
+    IsSleeping,
     KvEvents,
     Pause,
     RequestMessage,
@@ -47,12 +47,13 @@ COUNTED = {Pause: "pauses", Suspend: "suspends", Resume: "resumes", UpdateWeight
 
 @dataclass(slots=True)
 class Reply:
-    """A posted call finished: `render(value)` is the reply's `stats` (None: none)."""
+    """A posted call finished: `render(value)` is what the reply's `Result` carries beyond its
+    version (`stats`, `sleeping`; empty: nothing)."""
 
     peer: Optional[bytes]
     msg: RequestMessage
     future: Future
-    render: Callable[[Any], Optional[dict]]
+    render: Callable[[Any], dict]
 
 
 class ServerCalls:
@@ -69,7 +70,7 @@ class ServerCalls:
             ResetPrefixCache: self.simple, Stats: self.stats, UpdateWeights: self.update_weights,
             InitWeightsUpdateGroup: self.join_group, DestroyWeightsUpdateGroup: self.leave_group,
             Health: self.health, Heartbeat: self.heartbeat, GetWeightVersion: self.heartbeat,
-            KvEvents: self.kv_events,
+            KvEvents: self.kv_events, IsSleeping: self.is_sleeping,
         }
 
     # ---- answered without the engine -----------------------------------------------------------
@@ -93,12 +94,12 @@ class ServerCalls:
     # ---- posted to the engine's loop -----------------------------------------------------------
 
     def _post(self, peer: Optional[bytes], msg: RequestMessage, call: Callable[[], Any],
-              render: Callable[[Any], Optional[dict]] = lambda value: None) -> None:
+              render: Callable[[Any], dict] = lambda value: {}) -> None:
         self.server.flush_generates()
         self._answer(peer, msg, self.engine.post(call), render)
 
     def _answer(self, peer: Optional[bytes], msg: RequestMessage, future: Future,
-                render: Callable[[Any], Optional[dict]] = lambda value: None) -> None:
+                render: Callable[[Any], dict] = lambda value: {}) -> None:
         mailbox = self.server.endpoint.mailbox
         future.add_done_callback(lambda f: mailbox.put(Reply(peer, msg, f, render)))
 
@@ -118,7 +119,7 @@ class ServerCalls:
             ids = [rid for r in records if r.stream is not None for rid in r.stream.request_ids]
             return {"aborted": self.engine.abort_many(ids)}
 
-        self._post(peer, msg, call, lambda value: value)
+        self._post(peer, msg, call, lambda value: {"stats": value})
 
     def pause(self, peer: bytes, msg: Pause, now: float) -> None:
         engine = self.engine
@@ -141,7 +142,7 @@ class ServerCalls:
     def suspend(self, peer: bytes, msg: Suspend, now: float) -> None:
         engine = self.engine
         self._post(peer, msg, lambda: engine.suspend(msg.policy, offload_weights=msg.offload_weights),
-                   lambda report: _wire_values(dataclasses.asdict(report)))
+                   lambda report: {"stats": dataclasses.asdict(report)})
 
     def stats(self, peer: bytes, msg: Stats, now: float) -> None:
         engine = self.engine
@@ -151,19 +152,26 @@ class ServerCalls:
             figures["kv_utilization"] = engine.kv_utilization()
             return figures
 
-        self._post(peer, msg, call, self.server.stats_snapshot)
+        self._post(peer, msg, call, lambda figures: {"stats": self.server.stats_snapshot(figures)})
+
+    def is_sleeping(self, peer: bytes, msg: IsSleeping, now: float) -> None:
+        # NOTE: posted, so it answers after every call this client sent before it (a suspend) took effect
+        engine = self.engine
+        self._post(peer, msg, lambda: engine.state is EngineState.SUSPENDED, lambda asleep: {"sleeping": asleep})
 
     # ---- the receiver's worker -----------------------------------------------------------------
 
     def update_weights(self, peer: bytes, msg: UpdateWeights, now: float) -> None:
         self.server.flush_generates()
         outcome = self.server.receiver.apply(msg.source, msg.policy)
-        self._answer(peer, msg, outcome, lambda o: {"committed": int(o.committed), "bytes_received": o.bytes_received})
+        self._answer(peer, msg, outcome, lambda o: {"stats": {"committed": int(o.committed),
+                                                                  "bytes_received": o.bytes_received}})
 
     def join_group(self, peer: bytes, msg: InitWeightsUpdateGroup, now: float) -> None:
         rank = self.server.receiver.join_group(msg.master_address, msg.master_port, msg.rank_offset, msg.world_size,
                                                msg.group_name, msg.backend, msg.timeout_s)
-        self._answer(peer, msg, rank, lambda r: {"rank": r})
+        self._answer(peer, msg, rank, lambda r: {"stats": {"rank": r}})
 
     def leave_group(self, peer: bytes, msg: DestroyWeightsUpdateGroup, now: float) -> None:
-        self._answer(peer, msg, self.server.receiver.leave_group(msg.group_name), lambda d: {"destroyed": int(d)})
+        left = self.server.receiver.leave_group(msg.group_name)
+        self._answer(peer, msg, left, lambda d: {"stats": {"destroyed": int(d)}})

@@ -19,6 +19,9 @@ from inference.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStore
 from rollout.wire.kinds import MAX_KV_EVENTS
 from rollout.wire.messages import KvEvent, KvEventBatch, KvOp
 
+# the engine's KV events as the wire spells them (other events are not logged)
+_OPS = {BlockStored: KvOp.STORED, BlockRemoved: KvOp.REMOVED, AllBlocksCleared: KvOp.CLEARED}
+
 
 class KvEventLog:
     """Numbered events, oldest first; thread-safe (one writer, the engine loop; readers anywhere).
@@ -38,14 +41,10 @@ class KvEventLog:
 
     def __call__(self, event: KVEvent) -> None:
         """The engine's listener (on its loop thread): keep `event` as wire data."""
-        if isinstance(event, BlockStored):
-            wire = KvEvent(KvOp.STORED, list(event.block_hashes))
-        elif isinstance(event, BlockRemoved):
-            wire = KvEvent(KvOp.REMOVED, list(event.block_hashes))
-        elif isinstance(event, AllBlocksCleared):
-            wire = KvEvent(KvOp.CLEARED)
-        else:
+        op = _OPS.get(type(event))
+        if op is None:
             return
+        wire = KvEvent(KvOp.CLEARED) if op is KvOp.CLEARED else KvEvent(op, list(event.block_hashes))
         with self._lock:
             self._events.append(wire)
             if len(self._events) >= 2 * self.capacity:  # NOTE: trimmed in halves: appends stay O(1) amortised

@@ -22,6 +22,7 @@ any other request one `Result`. Nothing else in flight is touched by a bad frame
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -188,10 +189,8 @@ class RolloutServer:
                         continue
                     self._flush_tokens(tokens)
                     self._sample_finished(record, out, now)
-                elif isinstance(item, _Submitted):
-                    self._submitted(item)
-                elif isinstance(item, Reply):
-                    self._reply(item)
+                else:
+                    _MAIL[type(item)](self, item)
             except Exception:  # NOTE: one item's failure must not lose the others drained with it
                 logger.exception("handling %s failed", type(item).__name__)
         self._flush_tokens(tokens)
@@ -224,10 +223,11 @@ class RolloutServer:
         name = COUNTED.get(type(item.msg))
         if name:
             self.metrics.count(name)
-        stats = item.render(item.future.result())
+        fields = item.render(item.future.result())
+        if "stats" in fields:
+            fields["stats"] = _wire_values(fields["stats"])
         self.endpoint.send(item.peer, Result(request_id=item.msg.request_id, request_kind=kind_of(type(item.msg)),
-                                             policy_version=self.engine.policy_version,
-                                             stats=None if stats is None else _wire_values(stats)))
+                                             policy_version=self.engine.policy_version, **fields))
 
 
 @dataclass(slots=True)
@@ -236,3 +236,9 @@ class _Submitted:
 
     batch: list[tuple[Record, SamplingParams]]
     future: Any
+
+
+# the posted calls' mail, each to its one handler (a sample's output or tokens: `_on_mail` itself)
+_MAIL: dict[type, Callable[[RolloutServer, Any], None]] = {
+    _Submitted: RolloutServer._submitted, Reply: RolloutServer._reply,
+}

@@ -11,7 +11,7 @@ import enum
 
 PROTOCOL_VERSION = 4  # 2: UpdateWeights.policy; 3: KvEvents, Result.kv_events; weight sync (group kinds,
 # distributed / shared-memory sources); 4: an update's version lives in its source alone (UpdateWeights
-# has no target_version; the disk source says the version of a plain checkpoint)
+# has no target_version; the disk source says the version of a plain checkpoint); IsSleeping, Result.sleeping
 MAX_REQUEST_ID_LENGTH = 256
 MAX_SAMPLES = 1024  # n per Generate
 MAX_STOP_TOKENS = 1024
@@ -43,6 +43,7 @@ class Kind(enum.IntEnum):
     INIT_WEIGHTS_UPDATE_GROUP = 13
     DESTROY_WEIGHTS_UPDATE_GROUP = 14
     GET_WEIGHT_VERSION = 15
+    IS_SLEEPING = 16  # vLLM's is_sleeping: suspended (our sleep) or not
 
 
 class ErrorCode(enum.IntEnum):

@@ -195,6 +195,10 @@ class GetWeightVersion(_Request, tag=Kind.GET_WEIGHT_VERSION.value):
     """The policy version (`Result.policy_version`; SGLang spells it as a string)."""
 
 
+class IsSleeping(_Request, tag=Kind.IS_SLEEPING.value):
+    """Whether the engine is suspended (`Result.sleeping`; through a router: every replica is)."""
+
+
 class ResetPrefixCache(_Request, tag=Kind.RESET_PREFIX_CACHE.value):
     pass
 
@@ -347,6 +351,7 @@ class Result(_Message, tag=Kind.RESULT.value):
     stats: Optional[dict[str, StatValue]] = None
     health: Optional[HealthInfo] = None
     kv_events: Optional[KvEventBatch] = None
+    sleeping: Optional[bool] = None
 
 
 class ErrorReply(_Message, tag=Kind.ERROR.value):
@@ -360,7 +365,7 @@ class ErrorReply(_Message, tag=Kind.ERROR.value):
 
 RequestMessage = Union[Generate, Abort, Pause, Continue, Suspend, Resume, UpdateWeights, ResetPrefixCache,
                        Stats, Health, Heartbeat, KvEvents, InitWeightsUpdateGroup, DestroyWeightsUpdateGroup,
-                       GetWeightVersion]
+                       GetWeightVersion, IsSleeping]
 ReplyMessage = Union[SampleOutput, TokenDelta, Result, ErrorReply]
 Message = Union[RequestMessage, ReplyMessage]
 

@@ -37,6 +37,7 @@ from rollout.wire.messages import (
     HealthInfo,
     Heartbeat,
     InitWeightsUpdateGroup,
+    IsSleeping,
     KvEvent,
     KvEventBatch,
     KvEvents,
@@ -81,11 +82,13 @@ def examples() -> list:
                stats={"steps": 3, "rate": 0.5, "mode": "x"},
                health=HealthInfo(healthy=True, seconds_since_loop_tick=0.01, state="running", policy_version=7),
                kv_events=KvEventBatch(block_size=16, start=5, next=8, reset=True, more=True, events=[
-                   KvEvent(KvOp.STORED, [2**63 - 1, 1]), KvEvent(KvOp.REMOVED, [7]), KvEvent(KvOp.CLEARED)])),
+                   KvEvent(KvOp.STORED, [2**63 - 1, 1]), KvEvent(KvOp.REMOVED, [7]), KvEvent(KvOp.CLEARED)]),
+               sleeping=False),
         ErrorReply(code=ErrorCode.CONTEXT_OVERFLOW, message="too long", request_id="g-1",
                    context_error={"type": "BlockOverflowError", "request_id": None, "message": "m",
                                   "is_transient": True}),
         KvEvents(request_id="c-11", since=5, max_events=128),
+        IsSleeping(request_id="c-12"),
     ]
 
 
@@ -125,7 +128,8 @@ def test_kinds_have_fixed_numbers_requests_low_replies_high():
         "GENERATE": 1, "ABORT": 2, "PAUSE": 3, "CONTINUE": 4, "SUSPEND": 5, "RESUME": 6, "UPDATE_WEIGHTS": 7,
         "RESET_PREFIX_CACHE": 8, "STATS": 9, "HEALTH": 10, "HEARTBEAT": 11, "KV_EVENTS": 12,
         "SAMPLE_OUTPUT": 64, "TOKEN_DELTA": 65, "RESULT": 66, "ERROR": 67,
-    } | {"INIT_WEIGHTS_UPDATE_GROUP": 13, "DESTROY_WEIGHTS_UPDATE_GROUP": 14, "GET_WEIGHT_VERSION": 15}
+    } | {"INIT_WEIGHTS_UPDATE_GROUP": 13, "DESTROY_WEIGHTS_UPDATE_GROUP": 14, "GET_WEIGHT_VERSION": 15,
+                                                                                   "IS_SLEEPING": 16}
     assert sorted(raw(m)["kind"] for m in EXAMPLES) == sorted(k.value for k in Kind)
 
 

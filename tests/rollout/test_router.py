@@ -98,10 +98,10 @@ def test_a_client_cannot_tell_it_from_a_server(router, client, reference):
 
     async def main():
         async with AsyncRolloutClient(router.address, timeout=WAIT_S) as c:
-            return await asyncio.gather(c.generate([prompt], n=2, sampling=greedy(12)), c.health())
+            return await asyncio.gather(c.generate([prompt], n=2, sampling=greedy(12)), c.health(), c.is_sleeping())
 
-    batch, health = asyncio.run(main())
-    assert [r.completion_ids for r in batch] == want and health.healthy
+    batch, health, asleep = asyncio.run(main())
+    assert [r.completion_ids for r in batch] == want and health.healthy and asleep is False
     stream = client.stream([[5, 6, 7], [8, 9]], n=2, sampling=greedy(1500))
     wait_for(lambda: client.stats()["engine/active_request_count"] >= 1)
     client.abort(stream)  # the running samples finish now, with their partial tokens
@@ -201,11 +201,14 @@ def test_control_is_broadcast_and_versions_reported(router, client, service_mode
     client.pause("keep")
     assert all(replica_stats_state(router, n) == "paused" for n in router.replicas())
     client.continue_()
+    assert client.is_sleeping() is False
     report = client.suspend()
-    assert report.buffer_bytes > 0 and client.health().state == "suspended"
+    assert report.buffer_bytes > 0 and client.health().state == "suspended" and client.is_sleeping() is True
+    assert all(replica_is_sleeping(router, n) for n in router.replicas())
     with pytest.raises(Exception, match="suspended"):
         client.generate([[5, 6, 7]], 1, greedy(2))
     client.resume()
+    assert client.is_sleeping() is False
     version = client.policy_version
     assert client.update_weights(service_model_dir) == version + 1
     stats = client.stats()
@@ -217,6 +220,11 @@ def test_control_is_broadcast_and_versions_reported(router, client, service_mode
 def replica_stats_state(router, name: str) -> str:
     with RolloutClient(router.replicas()[name].address, timeout=WAIT_S) as c:
         return c.health().state
+
+
+def replica_is_sleeping(router, name: str) -> bool:
+    with RolloutClient(router.replicas()[name].address, timeout=WAIT_S) as c:
+        return c.is_sleeping()
 
 
 def _partial_rollout(client, router, new_weights, tokens: int = 300) -> tuple[int, list]:

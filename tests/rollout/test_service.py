@@ -147,11 +147,13 @@ def test_control_messages(client, reference, service_model_dir, tmp_path):
     assert len(stream.result(1.0)[0].completion_ids) == 600
     client.continue_()
     # suspend refuses new work, resume serves again
+    assert client.is_sleeping() is False
     report = client.suspend()
-    assert report.buffer_bytes > 0
+    assert report.buffer_bytes > 0 and client.is_sleeping() is True
     with pytest.raises(Exception, match="suspended"):
         client.generate([prompt], 1, greedy(2))
     client.resume()
+    assert client.is_sleeping() is False
     assert client.generate([prompt], 1, greedy(4))[0].completion_ids == expected_outputs(
         reference, [prompt], [greedy(4)])[0][0]
     # weights from a safetensors directory: a new version, outputs of the new weights; then back
@@ -202,11 +204,15 @@ def test_async_client(server, reference):
                       if isinstance(i, TokenChunk)]
             await c.pause("keep")
             await c.continue_()
-            return batch, health, tokens
+            await c.suspend()
+            asleep = [await c.is_sleeping()]
+            await c.resume()
+            return batch, health, tokens, asleep + [await c.is_sleeping()]
 
-    batch, health, tokens = asyncio.run(main())
+    batch, health, tokens, asleep = asyncio.run(main())
     assert [r.completion_ids for r in batch] == [s for group in want for s in group]
     assert health.healthy and sum(len(t.token_ids) for t in tokens) == 5
+    assert asleep == [True, False]
 
 
 def test_reconnect_resubmits_and_each_sample_arrives_once(client, reference):
