@@ -13,7 +13,7 @@ EXCERPTS = ("gpt_model", "start_ep_rank")  # need a trainer from elsewhere (mega
 # (expert parallelism): read, not run
 SLOW = ("grpo_step",)
 HTTP = ("http_url",)  # SmolLM2 behind `rollout serve --http` (~15 s on 2 cores): run by `make stress`; the same
-# calls run under `slow` in tests/rollout/test_http_smollm2.py
+# calls run under `slow` in tests/rollout/http/test_http_smollm2.py
 RAY = ("RayReplicas",)  # starts a local Ray instance (~15 s on 2 cores): run by `make stress`
 
 

@@ -1,6 +1,6 @@
 """Records `wire_golden.json`: every wire message as its bytes, to pin the protocol across refactors.
 
-    python -m tests.rollout.record_wire_golden      # rewrites tests/rollout/wire_golden.json
+    python -m tests.rollout.wire.record_wire_golden      # rewrites tests/rollout/wire/wire_golden.json
 
 Run once, at the commit whose bytes are the reference (the file says which); `test_wire_golden.py`
 checks the current code against it. Each entry is one message: its frame (hex), and the fields it

@@ -21,8 +21,7 @@ from rollout.rl.grpo import (
     token_logprobs,
 )
 from rollout.types import FinishReason, Rollout, RolloutBatch
-
-from .conftest import small_engine_config
+from tests.rollout.conftest import small_engine_config
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

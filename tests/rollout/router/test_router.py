@@ -20,7 +20,7 @@ from rollout import AsyncRolloutClient, RolloutClient, RolloutRouter, RouterConf
 from rollout.router.attempts import StalePolicy
 from rollout.router.links import ReplicaState
 from rollout.wire.codec import ProtocolError
-from tests.rollout.router_util import (
+from tests.rollout.router.router_util import (
     HEALTH,
     name_of,
     replica_stats,
@@ -30,8 +30,8 @@ from tests.rollout.router_util import (
     wait_for,
     wait_up,
 )
+from tests.rollout.server.test_service import run_concurrent_clients
 from tests.rollout.service_util import WAIT_S, engine_config, expected_outputs, greedy, random_prompts, save_tiny_model
-from tests.rollout.test_service import run_concurrent_clients
 
 
 @pytest.fixture(scope="module")

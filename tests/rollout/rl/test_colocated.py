@@ -13,8 +13,7 @@ from rollout.local import RolloutEngine
 from rollout.rl.colocated import GRPOConfig, make_optimizer, run_grpo
 from rollout.rl.grpo import grpo_step, token_logprobs
 from rollout.rl.tasks import DigitVocab
-
-from .conftest import small_engine_config, tiny_policy
+from tests.rollout.conftest import small_engine_config, tiny_policy
 
 D = DigitVocab.digit
 # distinct prompts with full KV blocks (block size 2), so a cross-version prefix hit could show
