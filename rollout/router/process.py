@@ -122,9 +122,3 @@ def route_main(args: argparse.Namespace) -> int:
         router.close()
     print("rollout route: stopped", flush=True)
     return 0
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="rollout route", description=__doc__.split("\n")[0])
-    add_route_arguments(parser)
-    return route_main(parser.parse_args(argv))

@@ -21,7 +21,6 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Optional
 
 from rollout.wire.security import InsecureBindError, ServerSecurity, check_bind
 
@@ -186,9 +185,3 @@ def http_main(args: argparse.Namespace) -> int:
     front.stop()
     print("rollout http: stopped", flush=True)
     return 0
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="rollout serve", description=__doc__.split("\n")[0])
-    add_serve_arguments(parser)
-    return serve_main(parser.parse_args(argv))

@@ -46,6 +46,33 @@ def engine_config():
                            max_sequence_length=2048)
 
 
+def wait_for(condition, timeout: float = WAIT_S, every: float = 0.02):
+    """`condition()`'s first truthy value, polled every `every` s; fails after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"condition not met within {timeout} s")
+
+
+def assert_tokens_then_samples(client, prompt: list[int], want: list[list[int]], max_tokens: int) -> None:
+    """A token stream of n=len(want) greedy samples: each sample's tokens arrive in order, without
+    repeats, before the sample itself, and add up to it."""
+    from rollout import TokenChunk
+
+    chunks: dict[int, list[int]] = {i: [] for i in range(len(want))}
+    finals = {}
+    for item in client.stream([prompt], n=len(want), sampling=greedy(max_tokens), tokens=True):
+        if isinstance(item, TokenChunk):
+            assert item.start == len(chunks[item.sample_index]) and item.sample_index not in finals
+            chunks[item.sample_index] += item.token_ids
+        else:
+            finals[item.sample_index] = item.completion_ids
+    assert chunks == finals == dict(enumerate(want))
+
+
 def greedy(max_tokens: int, n: int = 1):
     from inference import SamplingParams
 

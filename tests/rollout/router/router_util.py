@@ -4,13 +4,12 @@ them that answers fast, and waits that never hang."""
 from __future__ import annotations
 
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from rollout import RolloutClient, ServerProcess
 from rollout.router.links import HealthConfig, ReplicaState
-from tests.rollout.service_util import HOOKED_ENTRY, SERVER_ARGS, WAIT_S
+from tests.rollout.service_util import HOOKED_ENTRY, SERVER_ARGS, WAIT_S, wait_for
 
 # polls every 0.1 s; out after 2 s of silence or a loop stalled for 1.5 s (a tiny model's step is ms)
 HEALTH = HealthConfig(every_s=0.1, dead_after_s=2.0, stall_deadline_s=1.5, kv_every_s=0.03)
@@ -36,16 +35,6 @@ def start_replicas(model_dir: Path, slow_files: list[Path]) -> list[ServerProces
             p.stop(grace_s=5.0)
         raise errors[0]
     return procs
-
-
-def wait_for(condition, timeout: float = WAIT_S, every: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"condition not met within {timeout} s")
 
 
 def wait_up(router, count: int, timeout: float = WAIT_S) -> dict:

@@ -13,9 +13,9 @@ import pytest
 
 from rollout import RolloutClient, RolloutRouter, RouterConfig
 from rollout.router.links import ReplicaState
-from tests.rollout.router.router_util import HEALTH, wait_for, wait_up
+from tests.rollout.router.router_util import HEALTH, wait_up
 from tests.rollout.server.test_service import run_concurrent_clients
-from tests.rollout.service_util import SERVER_ARGS, WAIT_S, expected_outputs, greedy, random_prompts
+from tests.rollout.service_util import SERVER_ARGS, WAIT_S, expected_outputs, greedy, random_prompts, wait_for
 
 ray = pytest.importorskip("ray")
 

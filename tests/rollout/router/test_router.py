@@ -16,7 +16,7 @@ from collections import Counter
 import pytest
 
 from inference import DynamicInferenceEngine, FinishReason, SamplingParams
-from rollout import AsyncRolloutClient, RolloutClient, RolloutRouter, RouterConfig, RouterProcess, TokenChunk
+from rollout import AsyncRolloutClient, RolloutClient, RolloutRouter, RouterConfig, RouterProcess
 from rollout.router.attempts import StalePolicy
 from rollout.router.links import ReplicaState
 from rollout.wire.codec import ProtocolError
@@ -27,11 +27,19 @@ from tests.rollout.router.router_util import (
     routed,
     start_replica,
     start_replicas,
-    wait_for,
     wait_up,
 )
 from tests.rollout.server.test_service import run_concurrent_clients
-from tests.rollout.service_util import WAIT_S, engine_config, expected_outputs, greedy, random_prompts, save_tiny_model
+from tests.rollout.service_util import (
+    WAIT_S,
+    assert_tokens_then_samples,
+    engine_config,
+    expected_outputs,
+    greedy,
+    random_prompts,
+    save_tiny_model,
+    wait_for,
+)
 
 
 @pytest.fixture(scope="module")
@@ -86,15 +94,7 @@ def test_four_clients_five_thousand_requests_through_two_replicas(router, refere
 def test_a_client_cannot_tell_it_from_a_server(router, client, reference):
     prompt = [5, 6, 7, 8]
     (want,) = expected_outputs(reference, [prompt], [greedy(12, n=2)])
-    chunks: dict[int, list[int]] = {0: [], 1: []}
-    finals = {}
-    for item in client.stream([prompt], n=2, sampling=greedy(12), tokens=True):  # tokens as sampled, then each sample
-        if isinstance(item, TokenChunk):
-            assert item.start == len(chunks[item.sample_index]) and item.sample_index not in finals
-            chunks[item.sample_index] += item.token_ids
-        else:
-            finals[item.sample_index] = item.completion_ids
-    assert chunks == finals == dict(enumerate(want))
+    assert_tokens_then_samples(client, prompt, want, 12)  # tokens as sampled, then each sample
 
     async def main():
         async with AsyncRolloutClient(router.address, timeout=WAIT_S) as c:

@@ -28,11 +28,13 @@ from rollout.wire.kinds import ErrorCode
 from tests.rollout.service_util import (
     HEALTH_DEADLINE_S,
     WAIT_S,
+    assert_tokens_then_samples,
     engine_config,
     expected_outputs,
     greedy,
     random_prompts,
     save_tiny_model,
+    wait_for,
 )
 
 
@@ -111,22 +113,14 @@ def test_four_clients_five_thousand_requests(server, reference):
 def test_token_streaming_then_each_sample(client, reference):
     prompt = [5, 6, 7, 8]
     (want,) = expected_outputs(reference, [prompt], [greedy(12, n=2)])
-    chunks: dict[int, list[int]] = {0: [], 1: []}
-    finals = {}
-    for item in client.stream([prompt], n=2, sampling=greedy(12), tokens=True):
-        if isinstance(item, TokenChunk):
-            assert item.start == len(chunks[item.sample_index]) and item.sample_index not in finals
-            chunks[item.sample_index] += item.token_ids
-        else:
-            finals[item.sample_index] = item.completion_ids
-    assert chunks == finals == dict(enumerate(want))
+    assert_tokens_then_samples(client, prompt, want, 12)
 
 
 def test_control_messages(client, reference, service_model_dir, tmp_path):
     prompt, long = [9, 8, 7], greedy(600)
     # KEEP: a request admitted before the pause is frozen, then finishes after continue
     stream = client.stream([prompt], 1, long)
-    _wait_for(lambda: client.stats()["engine/active_request_count"] >= 1)
+    wait_for(lambda: client.stats()["engine/active_request_count"] >= 1)
     client.pause("keep")
     frozen = client.stats()["engine/generated_tokens"]
     time.sleep(0.2)
@@ -135,13 +129,13 @@ def test_control_messages(client, reference, service_model_dir, tmp_path):
     assert len(stream.result(WAIT_S)[0].completion_ids) == 600
     # ABORT finishes what runs with its partial tokens; WAIT returns once drained
     stream = client.stream([prompt], 2, long)
-    _wait_for(lambda: client.stats()["engine/active_request_count"] >= 1)
+    wait_for(lambda: client.stats()["engine/active_request_count"] >= 1)
     client.pause("abort")
     aborted = stream.result(WAIT_S)
     assert all(r.finish_reason is FinishReason.ABORT and len(r.completion_ids) < 600 for r in aborted)
     client.continue_()
     stream = client.stream([prompt], 1, long)
-    _wait_for(lambda: client.stats()["engine/active_request_count"] >= 1)  # admitted, so WAIT lets it finish
+    wait_for(lambda: client.stats()["engine/active_request_count"] >= 1)  # admitted, so WAIT lets it finish
     client.pause("wait")
     assert client.stats()["requests_in_flight"] == 0
     assert len(stream.result(1.0)[0].completion_ids) == 600
@@ -234,14 +228,14 @@ def test_reconnect_resubmits_and_each_sample_arrives_once(client, reference):
 
 def test_abort_and_per_call_timeouts(client):
     stream = client.stream([[5, 6, 7], [8, 9]], n=2, sampling=greedy(1500))
-    _wait_for(lambda: client.stats()["engine/active_request_count"] >= 1)
+    wait_for(lambda: client.stats()["engine/active_request_count"] >= 1)
     client.abort(stream)  # the running samples finish now, with their partial tokens
     rollouts = stream.result(WAIT_S)
     assert [(r.group, r.sample_index) for r in rollouts] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert all(r.finish_reason is FinishReason.ABORT and len(r.completion_ids) < 1500 for r in rollouts)
     with pytest.raises(TimeoutError, match="aborted"):
         client.generate([[5, 6, 7]], 1, greedy(1500), timeout=0.05)  # past its deadline: aborted on the server
-    _wait_for(lambda: client.stats()["requests_in_flight"] == 0)
+    wait_for(lambda: client.stats()["requests_in_flight"] == 0)
 
 
 def test_bad_requests_are_refused_by_name_and_others_go_on(client, reference):
@@ -295,7 +289,7 @@ def test_killed_client_blocks_return_after_its_lease(server, client):
         proc.send_signal(signal.SIGKILL)
         proc.wait(WAIT_S)
         killed = time.monotonic()
-        stats = _wait_for(lambda: (s := client.stats())["requests_in_flight"] == 0
+        stats = wait_for(lambda: (s := client.stats())["requests_in_flight"] == 0
                           and s["engine/kv_utilization"] == 0 and s)
         assert time.monotonic() - killed <= lease_s + 2.0
         assert stats["lease_aborted_requests"] - before.get("lease_aborted_requests", 0) == 2
@@ -313,12 +307,12 @@ def test_wedged_loop_is_unhealthy_within_the_deadline(server, client, reference)
     try:
         wedged = time.monotonic()
         stream = client.stream([[4, 4, 4]], 1, greedy(3))
-        health = _wait_for(lambda: (h := client.health(timeout=5.0)) and not h.healthy and h, timeout=10.0)
+        health = wait_for(lambda: (h := client.health(timeout=5.0)) and not h.healthy and h, timeout=10.0)
         assert time.monotonic() - wedged <= HEALTH_DEADLINE_S + 1.5
         assert health.seconds_since_loop_tick > HEALTH_DEADLINE_S
     finally:
         os.kill(server.pid, signal.SIGUSR2)
-    _wait_for(lambda: client.health().healthy)
+    wait_for(lambda: client.health().healthy)
     assert stream.result(WAIT_S)[0].completion_ids == expected_outputs(reference, [[4, 4, 4]], [greedy(3)])[0][0]
 
 
@@ -331,11 +325,3 @@ def _readline(proc: subprocess.Popen, timeout: float) -> str:
     return out[0]
 
 
-def _wait_for(condition, timeout: float = WAIT_S, every: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"condition not met within {timeout} s")
