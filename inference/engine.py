@@ -1,10 +1,11 @@
 """DynamicInferenceEngine: the in-process client of one `EngineCore`, safe from any thread.
 
-Every public call is safe from any thread:
+Every public call is safe from any thread (`inference.calls`):
 * without a background loop, a call applies at once under the engine's lock, between steps;
 * after `start()`, a background thread steps the core, and calls from other threads become
   commands that the loop applies between steps, each returning through a future (bounded by
-  `command_timeout`); `step()` raises while the loop runs; `stop()` ends it cleanly.
+  `command_timeout`); `post(fn)` hands one over without waiting; `step()` raises while the
+  loop runs; `stop()` ends it cleanly.
 
 Each request's outputs go through exactly one channel, chosen when it is added: `step()`'s
 return value for `add_request` (callers who drive `step()` themselves), or the `RequestStream`
@@ -15,7 +16,6 @@ that `submit()` returns (tokens as they are sampled, then the final `RequestOutp
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
@@ -24,9 +24,9 @@ from typing import Any, Optional, Union
 
 import torch
 
+from inference.calls import CoreCalls
 from inference.config import InferenceConfig, PauseMode, SuspendPolicy, UpdatePolicy
 from inference.core.engine_core import EngineCore
-from inference.core.loop import EngineLoop
 from inference.core.memory import SuspendReport
 from inference.core.states import EngineState
 from inference.errors import EngineStateError
@@ -67,12 +67,10 @@ class DynamicInferenceEngine:
     def __init__(self, model: Any, config: Optional[InferenceConfig] = None, *,
                  command_timeout: float = 300.0) -> None:
         self.config = config or InferenceConfig()
-        self.command_timeout = command_timeout
-        self._lock = threading.RLock()
         self._channels: dict[int, Union[_StepChannel, RequestStream]] = {}
         self._step_channel = _StepChannel()
         self.core = EngineCore(model, self.config, self._route_output, self._route_tokens)
-        self._loop: Optional[EngineLoop] = None
+        self.calls = CoreCalls(self.core, self._on_step_error, command_timeout=command_timeout)
 
     @classmethod
     def from_pretrained(
@@ -127,15 +125,6 @@ class DynamicInferenceEngine:
 
     # ---- calls: at once under the lock, or as a command on the loop --------------------------
 
-    def _call(self, fn, *args, **kwargs):
-        loop = self._loop
-        if loop is not None and not loop.is_loop_thread():
-            future = loop.submit(lambda: fn(*args, **kwargs))
-            if future is not None:
-                return future.result(self.command_timeout)
-        with self._lock:
-            return fn(*args, **kwargs)
-
     def post(self, fn: Callable[[], Any]) -> Future:
         """Run `fn()` between steps without waiting for it: a `Future` of its result.
 
@@ -144,34 +133,12 @@ class DynamicInferenceEngine:
         once under the lock. Engine methods called inside `fn` run directly (they are on the loop).
         A server posts every engine call this way, so its socket thread never waits on a step.
         """
-        loop = self._loop
-        if loop is not None and not loop.is_loop_thread():
-            future = loop.submit(fn)
-            if future is not None:
-                return future
-        future = Future()
-        try:
-            with self._lock:
-                future.set_result(fn())
-        except BaseException as exc:  # noqa: BLE001 (handed to the caller through the future)
-            future.set_exception(exc)
-        return future
+        return self.calls.post(fn)
 
     def when(self, condition: Callable[[], bool]) -> Future:
         """A `Future` resolved once `condition()` holds after a round of the loop (e.g. drained, for
         a WAIT pause); without the loop, checked once now."""
-        loop = self._loop
-        future = loop.wait_for(condition) if loop is not None else None
-        if future is not None:
-            return future
-        future = Future()
-        with self._lock:
-            holds = condition()
-        if holds:
-            future.set_result(None)
-        else:
-            future.set_exception(EngineStateError("no engine loop runs to wait on (start() it)"))
-        return future
+        return self.calls.when(condition)
 
     def _route_output(self, output: RequestOutput) -> None:
         channel = self._channels.pop(output.request_id, None)
@@ -196,7 +163,7 @@ class DynamicInferenceEngine:
         typed permanent error. Either way nothing already in the engine is touched. While the
         background loop runs there is no `step()` to return outputs: use `submit()`.
         """
-        if self._loop is not None:
+        if self.calls.loop is not None:
             raise EngineStateError("the background loop is running: add requests with submit()")
 
         def add() -> list[int]:
@@ -206,7 +173,7 @@ class DynamicInferenceEngine:
                 self._channels[rid] = self._step_channel
             return ids
 
-        ids = self._call(add)
+        ids = self.calls.run(add)
         return ids[0] if len(ids) == 1 else ids
 
     def submit(self, prompt_token_ids: Prompt, sampling_params: Optional[SamplingParams] = None, *,
@@ -224,7 +191,7 @@ class DynamicInferenceEngine:
             checked = [self.core.check_request(p, sp) for p, sp in zip(prompts, params_list)]
             return [self._add_stream(prompt, params, stream_tokens, callback) for prompt, params in checked]
 
-        return self._call(add_all)
+        return self.calls.run(add_all)
 
     def _add_stream(self, prompt: list[int], params: SamplingParams, stream_tokens: bool,
                     callback: Optional[Callback]) -> RequestStream:
@@ -261,7 +228,7 @@ class DynamicInferenceEngine:
                 out.append(self._add_stream(checked_prompt, checked_params, stream_tokens_, callback))
             return out
 
-        return self._call(add_each)
+        return self.calls.run(add_each)
 
     @staticmethod
     def _params_per_prompt(prompts: Sequence[Prompt], sampling_params: ParamsArg) -> list[Optional[SamplingParams]]:
@@ -274,14 +241,14 @@ class DynamicInferenceEngine:
 
     def abort(self, request_id: int) -> bool:
         """Finish a request now with reason `abort` (partial tokens kept); False if unknown/done."""
-        return self._call(self.core.abort, request_id)
+        return self.calls.run(self.core.abort, request_id)
 
     def abort_many(self, request_ids: Sequence[int]) -> int:
         """Abort several requests in one call; how many were still live."""
-        return self._call(lambda: sum(self.core.abort(rid) for rid in request_ids))
+        return self.calls.run(lambda: sum(self.core.abort(rid) for rid in request_ids))
 
     def has_unfinished_requests(self) -> bool:
-        return self._call(self.core.has_unfinished_requests)
+        return self.calls.run(self.core.has_unfinished_requests)
 
     def generate(self, prompts: Sequence[Prompt], sampling_params: ParamsArg = None, *,
                  use_tqdm: bool = False, timeout: Optional[float] = None) -> list[RequestOutput]:
@@ -318,9 +285,9 @@ class DynamicInferenceEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the outputs of `add_request`ed requests that finished since the
         last call (aborted ones included). Streams get theirs directly."""
-        if self._loop is not None:
+        if self.calls.loop is not None:
             raise EngineStateError("the background loop is running; step() is its job (stop() it first)")
-        with self._lock:
+        with self.calls.lock:
             self.core.step()
             outbox, self._step_channel.outbox = self._step_channel.outbox, []
             return outbox
@@ -329,7 +296,7 @@ class DynamicInferenceEngine:
         """Step in lockstep with the other ranks of an expert-parallel group (see
         `inference/core/ep_step.py`). Every rank must then keep stepping while any has work: run
         the background loop (`start()`), or drive it with `step_until_ep_idle()`."""
-        with self._lock:
+        with self.calls.lock:
             self.core.set_ep_communicator(communicator, heartbeat_s=heartbeat_s)
 
     def step_until_ep_idle(self) -> list[RequestOutput]:
@@ -346,45 +313,25 @@ class DynamicInferenceEngine:
                 return outputs
 
     def step_for_waiter(self) -> None:
-        """Without a loop, a thread waiting on a stream makes progress itself: one step, or a
-        short sleep when nothing can run (another thread may continue or resume the engine)."""
-        with self._lock:
-            if self._loop is None and self.core.can_step():
-                self.core.step()
-                return
-        time.sleep(0.002)
+        """Without a loop, a thread waiting on a stream makes progress itself (one step or a nap)."""
+        self.calls.step_for_waiter()
 
     @property
     def loop_running(self) -> bool:
-        return self._loop is not None
+        return self.calls.loop is not None
 
     def start(self, *, idle_wait: float = 0.005) -> None:
         """Run the step loop in a background thread; calls from other threads become commands."""
-        with self._lock:
-            if self._loop is not None:
-                raise EngineStateError("the background loop is already running")
-            self._loop = EngineLoop(self._lock, self.core.step, self.core.can_step, self._on_step_error,
-                                    idle_wait=idle_wait)
+        self.calls.start(idle_wait)
 
     def stop(self, timeout: float = 30.0) -> None:
         """End the background loop after the commands already queued; requests stay in flight.
         An expert-parallel rank first stops its group with it (every rank's loop then idles)."""
-        loop = self._loop
-        if loop is None:
-            return
-        ep = self.core.ep
-        if ep is not None and not ep.stopped:
-            ep.leave()
-            done = loop.wait_for(lambda: ep.stopped)
-            if done is not None:
-                done.result(timeout)
-        loop.stop(timeout)
-        self._loop = None
+        self.calls.stop(timeout)
 
     def seconds_since_loop_tick(self) -> Optional[float]:
         """How long ago the background loop last went round (None without a loop)."""
-        loop = self._loop
-        return None if loop is None else loop.seconds_since_tick()
+        return self.calls.seconds_since_tick()
 
     def _on_step_error(self, error: BaseException) -> None:
         """A step failed on the loop: fail the streams in flight and abort their requests, so no
@@ -402,64 +349,45 @@ class DynamicInferenceEngine:
         once what was admitted has finished (stepping itself if no loop runs); with `wait=False`
         at once, and `wait_drained()` waits."""
         mode = PauseMode(mode)
-        self._call(self.core.pause, mode)
+        self.calls.run(self.core.pause, mode)
         if mode is PauseMode.WAIT and wait:
             self.wait_drained(timeout)
 
     def wait_drained(self, timeout: Optional[float] = None) -> None:
         """Return once nothing admitted is still in flight (what a WAIT pause waits for);
         `TimeoutError` after `timeout` seconds."""
-        self._wait_until(self.core.drained, timeout)
+        self.calls.wait_until(self.core.drained, timeout)
 
     def continue_(self) -> None:
         """Generate again after `pause()`."""
-        self._call(self.core.continue_)
+        self.calls.run(self.core.continue_)
 
     resume_generation = continue_
 
-    def _wait_until(self, condition, timeout: Optional[float]) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            loop = self._loop
-            if loop is not None and not loop.is_loop_thread():
-                future = loop.wait_for(condition)
-                if future is not None:
-                    future.result(timeout if timeout is not None else self.command_timeout)
-                    return
-            with self._lock:
-                if condition():
-                    return
-                if self._loop is None and self.core.can_step():
-                    self.core.step()
-                    continue
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"condition not reached within {timeout} s")
-            time.sleep(0.002)
-
     def suspend(self, policy: Optional[SuspendPolicy] = None, *, offload_weights: bool = False) -> SuspendReport:
         """Free the KV buffer and step workspaces (and, if asked, the engine's own weights)."""
-        return self._call(self.core.suspend, policy, offload_weights=offload_weights)
+        return self.calls.run(self.core.suspend, policy, offload_weights=offload_weights)
 
     def resume(self) -> None:
         """Re-allocate what suspend freed; `ResumeMemoryError` (still suspended) if it can't."""
-        self._call(self.core.resume)
+        self.calls.run(self.core.resume)
 
     # ---- weights -----------------------------------------------------------------------------
 
     def bind_trainer_model(self, module: Any) -> Any:
         """Alias the trainer's parameters (HF `*ForCausalLM`, or megatron-core via `weight_sync`);
         returns the bind report. Call `on_weights_updated()` after each optimizer step."""
-        return self._call(self.core.bind_trainer_model, module)
+        return self.calls.run(self.core.bind_trainer_model, module)
 
     def on_weights_updated(self, policy: Optional[UpdatePolicy] = None) -> int:
         """The aliased weights changed in place: version + 1, prefix cache reset; no bytes move."""
-        return self._call(self.core.on_weights_updated, policy)
+        return self.calls.run(self.core.on_weights_updated, policy)
 
     def update_weights(self, named_tensors: NamedTensors, version: Optional[int] = None, *,
                        policy: Optional[UpdatePolicy] = None, partial: bool = False) -> int:
         """Copy weights in (HF or megatron-core names), committed under a new version (returned).
         Names, shapes and dtypes are all checked first: on a typed error nothing changed."""
-        return self._call(self.core.update_weights, named_tensors, version, policy=policy, partial=partial)
+        return self.calls.run(self.core.update_weights, named_tensors, version, policy=policy, partial=partial)
 
     def begin_update(self, version: Optional[int] = None, staging: Staging = Staging.DOUBLE, *,
                      partial: bool = False, retain_staging: bool = False) -> None:
@@ -467,33 +395,33 @@ class DynamicInferenceEngine:
         `in_place` writes into the live ones and refuses to generate until a complete commit.
         `retain_staging` (double): the replaced weights become the next update's buffers (no
         allocation per update; a second copy of the weights is held until `suspend`)."""
-        self._call(self.core.begin_update, version, staging, partial=partial, retain_staging=retain_staging)
+        self.calls.run(self.core.begin_update, version, staging, partial=partial, retain_staging=retain_staging)
 
     def load_weights(self, named_tensors: NamedTensors) -> int:
         """One bucket of the open update (checked before it is written); names loaded so far."""
-        return self._call(self.core.load_weights, named_tensors)
+        return self.calls.run(self.core.load_weights, named_tensors)
 
     def staging_buffers(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """The open double-staged update's buffers by name, for a transport to write into
         directly; `load_weights` of these very tensors then adopts them without a copy."""
-        return self._call(self.core.staging_buffers, names)
+        return self.calls.run(self.core.staging_buffers, names)
 
     def commit_update(self, policy: Optional[UpdatePolicy] = None) -> int:
         """Make the loaded weights live; version changes and the prefix cache resets, once."""
-        return self._call(self.core.commit_update, policy)
+        return self.calls.run(self.core.commit_update, policy)
 
     def abort_update(self) -> None:
         """Drop the open update (see `begin_update` for what each staging leaves behind)."""
-        self._call(self.core.abort_update)
+        self.calls.run(self.core.abort_update)
 
     def reset_prefix_cache(self) -> None:
-        self._call(self.core.reset_prefix_cache)
+        self.calls.run(self.core.reset_prefix_cache)
 
     def add_kv_event_listener(self, listener: KVEventListener) -> None:
         """Call `listener(event)` for each prefix-cache event from now on (stored, removed, all
         cleared; `inference.kv_cache.events`), on the thread that steps. A listener that raises is
         logged and never stops inference; keep it quick (it runs inside the step)."""
-        self._call(self.core.allocator.events.add_listener, listener)
+        self.calls.run(self.core.allocator.events.add_listener, listener)
 
     # ---- introspection -----------------------------------------------------------------------
 
@@ -503,7 +431,7 @@ class DynamicInferenceEngine:
 
     def peak_kv_utilization(self, since_step: int = 0) -> float:
         """Largest fraction of KV blocks in use during any step since `since_step`."""
-        return self._call(self.core.peak_kv_utilization, since_step)
+        return self.calls.run(self.core.peak_kv_utilization, since_step)
 
     def stats(self) -> dict:
-        return self._call(self.core.stats)
+        return self.calls.run(self.core.stats)

@@ -102,17 +102,17 @@ def _main() -> int:
 
         def wedge(*_):
             hold.clear()
-            server.engine._loop.hold = hold
+            server.engine.calls.loop.hold = hold
 
         def release(*_):
-            server.engine._loop.hold = None
+            server.engine.calls.loop.hold = None
             hold.set()
 
         signal.signal(signal.SIGUSR1, wedge)
         signal.signal(signal.SIGUSR2, release)
         slow_file = os.environ.get("ROLLOUT_TEST_SLOW_FILE")
         if slow_file:
-            loop = server.engine._loop
+            loop = server.engine.calls.loop
             step = loop._step
 
             def slowed() -> None:
