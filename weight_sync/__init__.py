@@ -14,6 +14,7 @@ from weight_sync.megatron.names import Naming, detect_naming, hf_to_megatron, me
 from weight_sync.receiver import UpdateOutcome, WeightReceiver
 from weight_sync.sender import SyncError, WeightSender
 from weight_sync.sources import (
+    DEFAULT_GROUP,
     DiskSource,
     DistributedSource,
     SharedMemorySource,
@@ -23,11 +24,12 @@ from weight_sync.sources import (
     source_version,
     with_version,
 )
-from weight_sync.transports.distributed import DEFAULT_GROUP, WeightGroup
+from weight_sync.transports import Transport
+from weight_sync.transports.distributed import WeightGroup
 
 __all__ = [
     "DEFAULT_GROUP", "DiskSource", "DistributedSource", "Manifest", "ManifestError", "Naming", "SharedMemorySource",
-    "Staging", "SyncError", "UpdateOutcome", "WeightControl", "WeightGroup", "WeightReceiver", "WeightSender",
-    "WeightSource", "decode_tensor_payload", "detect_naming", "encode_tensor_payload", "hf_to_megatron",
+    "Staging", "SyncError", "Transport", "UpdateOutcome", "WeightControl", "WeightGroup", "WeightReceiver",
+    "WeightSender", "WeightSource", "decode_tensor_payload", "detect_naming", "encode_tensor_payload", "hf_to_megatron",
     "megatron_to_hf", "parse_weight_version", "source_version", "with_version",
 ]
