@@ -37,7 +37,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -45,7 +45,8 @@ import torch
 
 from inference.errors import EngineStateError
 from inference.weights.staging import Staging
-from weight_sync.manifest import Manifest, check_against_model
+from weight_sync.manifest import Manifest, Naming, check_against_model
+from weight_sync.megatron.model import MEGATRON_ADAPTER
 from weight_sync.sources import DEFAULT_GROUP, WeightSource
 from weight_sync.transports.distributed import GroupError, ReceiveBuffer, RefusedError, WeightGroup
 from weight_sync.transports.shm import SegmentMappings
@@ -261,6 +262,10 @@ class WeightReceiver:
         except Exception:  # noqa: BLE001 (the original failure is what the caller hears)
             logger.exception("aborting the weight update failed")
         logger.warning("weight update aborted: %s", self.stats.last_error)
+
+    def load(self, named: Mapping[str, torch.Tensor], naming: Naming) -> None:
+        """Tensors into the open update; megatron-core names through their adapter."""
+        self.engine.load_weights(named, MEGATRON_ADAPTER if naming is Naming.MEGATRON else None)
 
     def staging_buffers(self, manifest: Manifest, device: torch.device) -> dict[str, torch.Tensor]:
         """The engine's own buffers for the manifest's tensors it holds as named, in its dtype, on

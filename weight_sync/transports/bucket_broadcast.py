@@ -274,7 +274,7 @@ class DistributedTransport:
             sequence = True  # NOTE: SGLang's callers send part of the model per call, and no `finish`
         try:
             version = _sequence_version(manifest, opened)
-            check_against_model(manifest, receiver.spec, complete=not sequence)
+            naming = check_against_model(manifest, receiver.spec, complete=not sequence)
             accepted = None
         except (ManifestError, KeyError, ValueError) as exc:
             accepted = exc
@@ -287,7 +287,9 @@ class DistributedTransport:
             elif opened.group != source.group_name:
                 raise ValueError(f"the open update came over group {opened.group!r}, this call over "
                                  f"{source.group_name!r}")
-            load = receiver.engine.load_weights
+            def load(named: dict[str, torch.Tensor]) -> None:
+                receiver.load(named, naming)
+
             if manifest.layout is None:
                 received = receive_tensors(group, manifest, load)
             else:

@@ -136,12 +136,12 @@ class DiskTransport:
             tensors = read_safetensors(path, None)
             manifest = Manifest(names=list(tensors), dtypes=[dtype_name(t.dtype) for t in tensors.values()],
                                 shapes=[list(t.shape) for t in tensors.values()])
-            check_against_model(manifest, receiver.spec)
-            return receiver.staged(version, None, policy, lambda: receiver.engine.load_weights(tensors))
+            naming = check_against_model(manifest, receiver.spec)
+            return receiver.staged(version, None, policy, lambda: receiver.load(tensors, naming))
         if version is not None and manifest.version is not None and version != manifest.version:
             raise ManifestError(f"{path}: the source says version {version}, the directory's manifest "
                                 f"{manifest.version}")
-        check_against_model(manifest, receiver.spec)
+        naming = check_against_model(manifest, receiver.spec)
 
         def load() -> None:
             for index, bucket in enumerate(manifest.layout.buckets):
@@ -149,7 +149,7 @@ class DiskTransport:
                 if checksum != bucket.checksum:
                     raise ChecksumError(f"{bucket_file(index, manifest.num_buckets)}: checksum {checksum:#x}, the "
                                         f"manifest says {bucket.checksum:#x}")
-                receiver.engine.load_weights(tensors)
+                receiver.load(tensors, naming)
                 receiver.stats.bytes_received += bucket.nbytes
 
         return receiver.staged(manifest.version if version is None else version, None, policy, load)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from weight_sync.buckets import as_bytes, bucket_checksum, manifest_for, pack_bucket, unpack_bucket
-from weight_sync.manifest import ChecksumError, Manifest, check_against_model
+from weight_sync.manifest import ChecksumError, Manifest, Naming, check_against_model
 from weight_sync.sources import SharedMemorySource, source_version
 from weight_sync.transports import Transport
 from weight_sync.transports.shm import SegmentPlan, export_cuda, fill_segment, import_cuda, read_segment
@@ -55,12 +55,12 @@ class SharedMemoryTransport:
 
     def receive(self, receiver: Any, source: SharedMemorySource, policy: Any) -> int:
         """Copy the buckets in (checked, staged, committed)."""
-        check_against_model(source.manifest, receiver.spec)
+        naming = check_against_model(source.manifest, receiver.spec)
         read = _read_segment if source.segment is not None else _read_cuda_ipc
-        return receiver.staged(source_version(source), source.staging, policy, lambda: read(receiver, source))
+        return receiver.staged(source_version(source), source.staging, policy, lambda: read(receiver, source, naming))
 
 
-def _read_segment(receiver: Any, source: SharedMemorySource) -> None:
+def _read_segment(receiver: Any, source: SharedMemorySource, naming: Naming) -> None:
     """Pieces straight into the engine's staging buffers where it can take them as they are,
     else into a scratch buffer that `load_weights` copies from."""
     manifest = source.manifest
@@ -76,13 +76,13 @@ def _read_segment(receiver: Any, source: SharedMemorySource) -> None:
 
     def load(b: int) -> None:
         bucket = layout.buckets[b]
-        receiver.engine.load_weights({n: tensors[n] for n in manifest.names[bucket.start : bucket.stop]})
+        receiver.load({n: tensors[n] for n in manifest.names[bucket.start : bucket.stop]}, naming)
         receiver.stats.bytes_received += bucket.nbytes
 
     read_segment(receiver.mappings, source.segment, plan, source.token, destinations, receiver.timeout_s, load)
 
 
-def _read_cuda_ipc(receiver: Any, source: SharedMemorySource) -> None:
+def _read_cuda_ipc(receiver: Any, source: SharedMemorySource, naming: Naming) -> None:
     manifest = source.manifest
     for index, bucket in enumerate(manifest.layout.buckets):
         view = import_cuda(source.cuda_ipc[index], bucket.nbytes)
@@ -90,6 +90,6 @@ def _read_cuda_ipc(receiver: Any, source: SharedMemorySource) -> None:
         if checksum != bucket.checksum:
             raise ChecksumError(f"bucket {index} of {manifest.num_buckets} ({bucket.nbytes} bytes): checksum "
                                 f"{checksum:#x}, the manifest says {bucket.checksum:#x}")
-        receiver.engine.load_weights(unpack_bucket(manifest, index, view))
+        receiver.load(unpack_bucket(manifest, index, view), naming)
         receiver.stats.bytes_received += bucket.nbytes
         del view  # NOTE: the engine copied every byte; the mapping goes with the last view
