@@ -211,7 +211,7 @@ def streaming_copy_seconds(weights: dict[str, torch.Tensor], repeats: int) -> fl
 
 def bench_size(size: str, dtype_name: str, args) -> list[dict]:
     from rollout import RolloutClient, ServerProcess
-    from weight_sync import WeightSender
+    from weight_sync import Transport, WeightSender
 
     dtype = getattr(torch, dtype_name)
     spec = spec_for(size, dtype)
@@ -252,9 +252,9 @@ def bench_size(size: str, dtype_name: str, args) -> list[dict]:
                 kwargs = dict(bucket_bytes=args.bucket_mib * 2**20, timeout_s=600)
                 if transport == "disk":  # NOTE: one version directory on disk at a time
                     kwargs.update(directory=tempfile.mkdtemp(dir=args.disk_dir, prefix="bench-wsync-"), keep_last=1)
-                name = "gloo" if transport == "tensor-by-tensor" else transport
+                over = Transport.GLOO if transport == "tensor-by-tensor" else Transport(transport)
                 try:
-                    with WeightSender(clients[:replicas], name, tensor_by_tensor=transport == "tensor-by-tensor",
+                    with WeightSender(clients[:replicas], over, tensor_by_tensor=transport == "tensor-by-tensor",
                                       **kwargs) as sender:
                         load = load_average()
                         timed = time_pairs(lambda i, v=version: sender.sync(weights, version=v + i), raw_copy,

@@ -34,6 +34,7 @@ from inference.kv_cache.events import KVEventListener
 from inference.request import RequestOutput, TokenEvent
 from inference.sampling.params import SamplingParams
 from inference.streams import Callback, RequestStream
+from inference.weights.adapters import WeightAdapter
 from inference.weights.manager import NamedTensors
 from inference.weights.staging import Staging
 
@@ -374,20 +375,24 @@ class DynamicInferenceEngine:
 
     # ---- weights -----------------------------------------------------------------------------
 
-    def bind_trainer_model(self, module: Any) -> Any:
-        """Alias the trainer's parameters (HF `*ForCausalLM`, or megatron-core via `weight_sync`);
-        returns the bind report. Call `on_weights_updated()` after each optimizer step."""
-        return self.calls.run(self.core.bind_trainer_model, module)
+    def bind_trainer_model(self, module: Any, adapter: Optional[WeightAdapter] = None) -> Any:
+        """Alias the trainer's parameters (an HF `*ForCausalLM`, or another layout through its
+        `adapter`: megatron-core's is `weight_sync.MEGATRON_ADAPTER`); returns the bind report.
+        Call `on_weights_updated()` after each optimizer step."""
+        return self.calls.run(self.core.bind_trainer_model, module, adapter)
 
     def on_weights_updated(self, policy: Optional[UpdatePolicy] = None) -> int:
         """The aliased weights changed in place: version + 1, prefix cache reset; no bytes move."""
         return self.calls.run(self.core.on_weights_updated, policy)
 
     def update_weights(self, named_tensors: NamedTensors, version: Optional[int] = None, *,
-                       policy: Optional[UpdatePolicy] = None, partial: bool = False) -> int:
-        """Copy weights in (HF or megatron-core names), committed under a new version (returned).
-        Names, shapes and dtypes are all checked first: on a typed error nothing changed."""
-        return self.calls.run(self.core.update_weights, named_tensors, version, policy=policy, partial=partial)
+                       policy: Optional[UpdatePolicy] = None, partial: bool = False,
+                       adapter: Optional[WeightAdapter] = None) -> int:
+        """Copy weights in (HF names, or another layout's through its `adapter`), committed under a
+        new version (returned). Names, shapes and dtypes are all checked first: on a typed error
+        nothing changed."""
+        return self.calls.run(self.core.update_weights, named_tensors, version, policy=policy, partial=partial,
+                          adapter=adapter)
 
     def begin_update(self, version: Optional[int] = None, staging: Staging = Staging.DOUBLE, *,
                      partial: bool = False, retain_staging: bool = False) -> None:
@@ -397,9 +402,10 @@ class DynamicInferenceEngine:
         allocation per update; a second copy of the weights is held until `suspend`)."""
         self.calls.run(self.core.begin_update, version, staging, partial=partial, retain_staging=retain_staging)
 
-    def load_weights(self, named_tensors: NamedTensors) -> int:
-        """One bucket of the open update (checked before it is written); names loaded so far."""
-        return self.calls.run(self.core.load_weights, named_tensors)
+    def load_weights(self, named_tensors: NamedTensors, adapter: Optional[WeightAdapter] = None) -> int:
+        """One bucket of the open update (checked before it is written; another layout's names
+        through its `adapter`); names loaded so far."""
+        return self.calls.run(self.core.load_weights, named_tensors, adapter)
 
     def staging_buffers(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """The open double-staged update's buffers by name, for a transport to write into

@@ -29,6 +29,7 @@ from inference import (
     TokenEvent,
     UpdatePolicy,
 )
+from inference.weights.adapters import WeightAdapter
 from rollout.backend import Prompts, WeightSource, params_per_prompt, sort_rollouts
 from rollout.text import TextCodec, add_text, has_tokenizer, needs_codec, token_prompts
 from rollout.types import GenerationStats, Rollout, RolloutBatch, TokenChunk
@@ -214,9 +215,11 @@ class RolloutEngine:
     def resume(self) -> None:
         self.engine.resume()
 
-    def bind_trainer_model(self, module: torch.nn.Module) -> Any:
-        """Alias `module`'s parameters (no copy); returns the bind report (aliased / copied names)."""
-        return self.engine.bind_trainer_model(module)
+    def bind_trainer_model(self, module: torch.nn.Module, adapter: Optional[WeightAdapter] = None) -> Any:
+        """Alias `module`'s parameters (no copy; another layout than HF's through its `adapter`,
+        megatron-core's: `weight_sync.MEGATRON_ADAPTER`); returns the bind report (aliased / copied
+        names)."""
+        return self.engine.bind_trainer_model(module, adapter)
 
     def on_weights_updated(self) -> int:
         """The aliased parameters changed in place: bump the version, drop the prefix cache."""

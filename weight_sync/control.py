@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Protocol
 
-from weight_sync.sources import WeightSource
-from weight_sync.transports.distributed import DEFAULT_GROUP
+from weight_sync.sources import DEFAULT_GROUP, WeightSource
 
 
 class WeightControl(Protocol):

@@ -1,21 +1,22 @@
 """WeightSender: the trainer side of weight sync: one call per RL step moves the new weights
 into every replica, or into none.
 
-    sender = WeightSender([RolloutClient(a), RolloutClient(b)], transport="gloo")
+    sender = WeightSender([RolloutClient(a), RolloutClient(b)], Transport.GLOO)
     version = sender.sync(policy, version=step + 1)   # returns once every replica committed
 
 Targets are what the replicas (or a router in front of them) answer to: `WeightControl`
 (`update(source, policy)`, the group calls), which `rollout.RolloutClient` implements. Each sync builds the manifest
 (names, dtypes, shapes, buckets with their checksums, the version), sends it to every target
-first, then moves the bytes, then waits until every target answered (bounded by `timeout_s`):
+first, then moves the bytes, then waits until every target answered (bounded by `timeout_s`).
+What moves them is the `Transport`'s object (`weight_sync.transports.table`):
 
 * `gloo` / `nccl`: a weight-update group of the trainer (rank 0) and the replicas, made at the
   first sync (targets are told to join: `join_group`) and again after a failure or
   when `regroup()` is called (a replica joined or left); buckets are broadcast
-  (`transports.distributed`). A refused manifest stops every rank before a bucket moves; a failed
+  (`transports.bucket_broadcast`). A refused manifest stops every rank before a bucket moves; a failed
   bucket on any replica stops every replica from committing;
 * `shm`: buckets in a shared-memory segment that the replicas copy from while the sender fills
-  it, `piece_bytes` at a time (CUDA IPC buffers on GPU) (`transports.shm`); same host only;
+  it, `piece_bytes` at a time (CUDA IPC buffers on GPU) (`transports.shared_memory`); same host only;
 * `disk`: a safetensors directory per version under `directory` (`transports.disk`); with
   `keep_last=k` the sender deletes the directories it wrote beyond the last k, once every
   replica committed a newer one (None keeps them all: checkpoints).
@@ -33,8 +34,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import secrets
-import shutil
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -43,19 +42,18 @@ from typing import Any, Optional, Union
 
 import torch
 
-from weight_sync.buckets import DEFAULT_BUCKET_BYTES, as_bytes, fill_checksums, manifest_for, pack_bucket
+from weight_sync.buckets import DEFAULT_BUCKET_BYTES
 from weight_sync.control import WeightControl
-from weight_sync.manifest import Manifest, dtype_name
-from weight_sync.sources import DiskSource, DistributedSource, SharedMemorySource
-from weight_sync.transports import disk
-from weight_sync.transports.bucket_broadcast import send_buckets, send_tensors
-from weight_sync.transports.distributed import DEFAULT_GROUP, GroupError, WeightGroup
-from weight_sync.transports.shm import DEFAULT_PIECE_BYTES, RegionPool, SegmentPlan, export_cuda, fill_segment
+from weight_sync.sources import DEFAULT_GROUP, DEFAULT_PIECE_BYTES
+from weight_sync.transports import Transport
+from weight_sync.transports.distributed import GroupError, WeightGroup
+from weight_sync.transports.shm import RegionPool
+from weight_sync.transports.table import BY_TRANSPORT
 
 logger = logging.getLogger(__name__)
 
+_DISTRIBUTED = (Transport.GLOO, Transport.NCCL)  # over a weight-update group: `regroup`, `tensor_by_tensor`
 Weights = Union[torch.nn.Module, Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
-TRANSPORTS = ("gloo", "nccl", "shm", "disk")
 
 
 class SyncError(RuntimeError):
@@ -90,19 +88,22 @@ def named_tensors(weights: Weights, *, tp_group: Any = None) -> Optional[list[tu
 class WeightSender:
     """See module docstring. `replicas`: how many engines the targets stand for (a router is one
     target for all of its replicas); `dtype`: cast every tensor to it on the way (e.g. bfloat16
-    replicas of an fp32 trainer)."""
+    replicas of an fp32 trainer). `transport` is a `Transport` (its string converts here, the
+    one place a plain string is taken).
 
-    def __init__(self, targets: Sequence[WeightControl], transport: str = "gloo", *,
+    The state a transport keeps between syncs lives here, one sender's: `group` (gloo / nccl),
+    `regions` and `cuda_buckets` (shm), `written` (disk)."""
+
+    def __init__(self, targets: Sequence[WeightControl], transport: Transport = Transport.GLOO, *,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 60.0, replicas: Optional[int] = None,
                  dtype: Optional[torch.dtype] = None, master_address: str = "127.0.0.1", master_port: int = 0,
                  group_name: str = DEFAULT_GROUP, directory: Optional[str | Path] = None,
                  tensor_by_tensor: bool = False, policy: Any = None, tp_group: Any = None,
                  keep_last: Optional[int] = None, piece_bytes: int = DEFAULT_PIECE_BYTES) -> None:
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-        if transport == "disk" and directory is None:
+        transport = Transport(transport)
+        if transport is Transport.DISK and directory is None:
             raise ValueError("the disk transport needs a directory the replicas can read")
-        if tensor_by_tensor and transport not in ("gloo", "nccl"):
+        if tensor_by_tensor and transport not in _DISTRIBUTED:
             raise ValueError("tensor_by_tensor is a torch.distributed mode (gloo / nccl)")
         if not targets:
             raise ValueError("a sender needs at least one target")
@@ -117,14 +118,14 @@ class WeightSender:
         self.tensor_by_tensor = tensor_by_tensor
         self.keep_last = keep_last
         self.piece_bytes = piece_bytes
-        self._written: list[Path] = []  # the disk transport's version directories, oldest first
+        self.written: list[Path] = []  # the disk transport's version directories, oldest first
         self.version: Optional[int] = None
         self.stats = SenderStats()
         self.group: Optional[WeightGroup] = None
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(2, len(self.targets)),
                                                            thread_name_prefix="weight-sender")
-        self._regions = RegionPool()
-        self._cuda_buckets: list[torch.Tensor] = []
+        self.regions = RegionPool()
+        self.cuda_buckets: list[torch.Tensor] = []  # shm on GPU: alive until every receiver answered
 
     # ---- the one call --------------------------------------------------------------------------
 
@@ -139,12 +140,7 @@ class WeightSender:
         version = self._next_version(version)
         policy = policy if policy is not None else self.policy
         start = time.perf_counter()
-        if self.transport in ("gloo", "nccl"):
-            moved = self._sync_distributed(named, version, policy)
-        elif self.transport == "shm":
-            moved = self._sync_shared_memory(named, version, policy)
-        else:
-            moved = self._sync_disk(named, version, policy)
+        moved = BY_TRANSPORT[self.transport].send(self, named, version, policy)
         self.version = version
         self.stats.syncs += 1
         self.stats.bytes_sent += moved
@@ -159,95 +155,25 @@ class WeightSender:
             self.version = max(int(t.weight_version()) for t in self.targets)
         return self.version + 1
 
-    # ---- transports ----------------------------------------------------------------------------
-
-    def _sync_distributed(self, named: list[tuple[str, torch.Tensor]], version: int, policy: Any) -> int:
-        if self.group is None or self.group.broken is not None:
-            self.regroup()
-        group = self.group
-        tensors = [t for _, t in named]
-        if self.tensor_by_tensor:
-            return self._sync_tensor_by_tensor(named, version, policy)
-        manifest = manifest_for(named, bucket_bytes=self.bucket_bytes, version=version)
-        fill_checksums(manifest, tensors)  # NOTE: the manifest goes first, so its checksums are computed first
-        source = DistributedSource(manifest=manifest, group_name=self.group_name)
-        futures = self._each(lambda t: t.update(source, policy))
-        return self._move_then_collect(futures, f"sync to version {version}",
-                                       lambda: send_buckets(group, manifest, tensors))
-
-    def _sync_tensor_by_tensor(self, named: list[tuple[str, torch.Tensor]], version: int, policy: Any) -> int:
-        sent = 0
-        for i, (name, tensor) in enumerate(named):
-            last = i == len(named) - 1
-            manifest = Manifest(names=[name], dtypes=[dtype_name(tensor.dtype)], shapes=[list(tensor.shape)],
-                                version=version)
-            source = DistributedSource(manifest=manifest, group_name=self.group_name, finish=last)
-            futures = self._each(lambda t, source=source: t.update(source, policy))
-            try:
-                sent += send_tensors(self.group, [tensor])
-            except BaseException as exc:
-                self._collect(futures, f"tensor {name}", exc)
-            self._collect(futures, f"tensor {name}")
-        return sent
-
-    def _sync_shared_memory(self, named: list[tuple[str, torch.Tensor]], version: int, policy: Any) -> int:
-        manifest = manifest_for(named, bucket_bytes=self.bucket_bytes, version=version)
-        tensors = [t for _, t in named]
-        if not tensors or tensors[0].device.type != "cuda":
-            return self._fill_shared_memory(manifest, tensors, version, policy)
-        self._cuda_buckets = [torch.empty(b.nbytes, dtype=torch.uint8, device=tensors[0].device)
-                              for b in manifest.layout.buckets]
-        for i, buf in enumerate(self._cuda_buckets):
-            manifest.layout.buckets[i].checksum = pack_bucket(manifest, i, tensors, buf)
-        torch.cuda.current_stream().synchronize()
-        source = SharedMemorySource(manifest=manifest, cuda_ipc=[export_cuda(b) for b in self._cuda_buckets])
-        futures = self._each(lambda t: t.update(source, policy))
-        self._collect(futures, f"sync to version {version}")
-        self._cuda_buckets = []  # NOTE: every receiver answered: they copied what they needed
-        return manifest.total_bytes
-
-    def _fill_shared_memory(self, manifest: Manifest, tensors: list[torch.Tensor], version: int, policy: Any) -> int:
-        """The source goes first; the segment is filled while the replicas copy it (`shm`)."""
-        plan = SegmentPlan.of(manifest, self.piece_bytes)
-        region = self._regions.get(plan.segment_bytes)
-        token = secrets.randbits(63) or 1
-        source = SharedMemorySource(manifest=manifest, segment=region.name, token=token, piece_bytes=plan.piece_bytes)
-        futures = self._each(lambda t: t.update(source, policy))
-        sources = [as_bytes(t).numpy() for t in tensors]
-        return self._move_then_collect(futures, f"sync to version {version}",
-                                       lambda: fill_segment(region, plan, sources, token))
-
-    def _sync_disk(self, named: list[tuple[str, torch.Tensor]], version: int, policy: Any) -> int:
-        path = self.directory / f"v{version:08d}"
-        manifest = disk.write_checkpoint(path, named, version=version, bucket_bytes=self.bucket_bytes)
-        source = DiskSource(path=str(path.absolute()))  # NOTE: its version is in the manifest it holds
-        futures = self._each(lambda t: t.update(source, policy))
-        self._collect(futures, f"sync to version {version}")
-        if path not in self._written:
-            self._written.append(path)
-        while self.keep_last is not None and len(self._written) > self.keep_last:
-            shutil.rmtree(self._written.pop(0), ignore_errors=True)  # NOTE: every replica committed a newer one
-        return manifest.total_bytes
-
     # ---- the group -----------------------------------------------------------------------------
 
     def regroup(self) -> None:
         """(Re)make the weight-update group with every target (a replica joined or left)."""
-        if self.transport not in ("gloo", "nccl"):
+        if self.transport not in _DISTRIBUTED:
             return
         self._close_group()
         world = 1 + self.replicas
         group = WeightGroup.host(self.master_address, self.master_port, world_size=world, name=self.group_name,
-                                 backend=self.transport, timeout_s=self.timeout_s)
+                                 backend=self.transport.value, timeout_s=self.timeout_s)
         direct = len(self.targets) == self.replicas  # NOTE: else a router: replicas claim their ranks
         futures = [self._pool.submit(t.join_group, self.master_address, group.port, 1 + i if direct else None,
-                                     world, self.group_name, self.transport, timeout_s=self.timeout_s)
+                                     world, self.group_name, self.transport.value, timeout_s=self.timeout_s)
                    for i, t in enumerate(self.targets)]
         try:
             group.connect()
         except BaseException as exc:
-            self._collect(futures, "join_group", exc)
-        self._collect(futures, "join_group")
+            self.collect(futures, "join_group", exc)
+        self.collect(futures, "join_group")
         self.group = group
 
     def _close_group(self) -> None:
@@ -255,24 +181,25 @@ class WeightSender:
         if group is not None:
             group.close()
 
-    # ---- helpers -------------------------------------------------------------------------------
+    # ---- what the transports' send sides call --------------------------------------------------
 
-    def _each(self, call) -> list[concurrent.futures.Future]:
+    def each(self, call: Callable[[WeightControl], Any]) -> list[concurrent.futures.Future]:
+        """`call(target)` for every target at once, on the sender's threads."""
         return [self._pool.submit(call, t) for t in self.targets]
 
-    def _move_then_collect(self, futures: list[concurrent.futures.Future], what: str, move: Callable[[], int]) -> int:
+    def move_then_collect(self, futures: list[concurrent.futures.Future], what: str, move: Callable[[], int]) -> int:
         """`move()` (the bytes, while the targets handle their call), then every target's answer;
         a failure of `move` is reported together with theirs (`SyncError`)."""
         try:
             moved = move()
         except BaseException as exc:
-            self._collect(futures, what, exc)
-            raise AssertionError("unreachable: _collect raises with a failure") from exc
-        self._collect(futures, what)
+            self.collect(futures, what, exc)
+            raise AssertionError("unreachable: collect raises with a failure") from exc
+        self.collect(futures, what)
         return moved
 
-    def _collect(self, futures: list[concurrent.futures.Future], what: str,
-                 failure: Optional[BaseException] = None) -> list[Any]:
+    def collect(self, futures: list[concurrent.futures.Future], what: str,
+                failure: Optional[BaseException] = None) -> list[Any]:
         """Every target's answer; `SyncError` naming each refusal (and `failure`, ours) if any."""
         deadline = time.monotonic() + self.timeout_s + 5.0
         replies, errors = [], []
@@ -294,7 +221,7 @@ class WeightSender:
 
     def close(self) -> None:
         self._close_group()
-        self._regions.close()
+        self.regions.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> WeightSender:

@@ -19,6 +19,7 @@ Each is a msgspec struct tagged by `type`, so `rollout.wire.messages` puts them 
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Optional, Union
 
 import msgspec
@@ -26,11 +27,39 @@ from msgspec import Meta
 
 from inference.weights.staging import Staging
 from weight_sync.manifest import ALIGN, Manifest, ManifestError
-from weight_sync.transports.distributed import DEFAULT_GROUP
-from weight_sync.transports.shm import DEFAULT_PIECE_BYTES, MIN_PIECE_BYTES, CudaIpcBuffer, check_segment_name
 
+# NOTE: the wire's types and limits live here, not in `weight_sync.transports` (whose transports
+# import these sources), so that no import loop closes between this file and that folder
+DEFAULT_GROUP = "weight_update_group"
 GroupName = Annotated[str, Meta(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.\-]+$")]
 MAX_PAYLOAD_BYTES = 64 * 2**20
+SEGMENT_PREFIX = "rollout-wsync-"
+SEGMENT_NAME = re.compile(rf"{SEGMENT_PREFIX}(\d+)-[0-9a-f]{{8,32}}")  # the sender's pid, then random hex
+DEFAULT_PIECE_BYTES = 8 * 2**20  # small enough that replicas start copying early, large enough to amortise a wait
+MIN_PIECE_BYTES = 64 * 2**10
+
+
+def check_segment_name(name: str) -> str:
+    """`name` if it is a segment of ours (a receiver opens nothing else)."""
+    if not SEGMENT_NAME.fullmatch(name):
+        raise ValueError(f"shared-memory segment {name!r} is not one of ours ({SEGMENT_PREFIX}<pid>-<hex>)")
+    return name
+
+
+class CudaIpcBuffer(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """One bucket's device memory: what `torch.UntypedStorage._share_cuda_()` says of its storage
+    (`handle` names the allocator's whole block, `storage_offset` is where the storage starts in
+    it, in bytes), and `tensor_offset`, where the bucket starts in the storage, in bytes."""
+
+    device: Annotated[int, Meta(ge=0)]
+    handle: bytes
+    storage_size: Annotated[int, Meta(ge=0)]
+    storage_offset: Annotated[int, Meta(ge=0)]
+    tensor_offset: Annotated[int, Meta(ge=0)]
+    ref_counter_handle: bytes
+    ref_counter_offset: Annotated[int, Meta(ge=0)]
+    event_handle: bytes
+    event_sync_required: bool
 
 
 class DiskSource(msgspec.Struct, tag_field="type", tag="safetensors_dir", forbid_unknown_fields=True, kw_only=True):
@@ -126,7 +155,7 @@ def decode_tensor_payload(data: bytes | str) -> SharedMemorySource:
     if data.startswith(_PICKLE_MARKERS):
         raise ManifestError("serialized_named_tensors: a pickled payload (SGLang's MultiprocessingSerializer) is "
                             "refused, since unpickling runs arbitrary code; send weight_sync's msgpack shared-memory "
-                            "handle instead (WeightSender with SharedMemoryTransport, or encode_tensor_payload)")
+                            "handle instead (WeightSender with Transport.SHM, or encode_tensor_payload)")
     try:
         return _PAYLOAD_DECODER.decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:

@@ -44,6 +44,7 @@ from inference.sched import offload
 from inference.sched.block_registration import register_full_blocks
 from inference.sched.context import DynamicInferenceContext
 from inference.sched.scheduler import Scheduler
+from inference.weights.adapters import WeightAdapter
 from inference.weights.manager import NamedTensors, WeightManager
 from inference.weights.staging import Staging
 
@@ -355,8 +356,8 @@ class EngineCore:
         self.caches.reset_prefix_cache()  # KV blocks and state snapshots
         self.context.break_hash_chains()
 
-    def bind_trainer_model(self, module: Any) -> Any:
-        report = self.weights.bind_trainer_model(module)
+    def bind_trainer_model(self, module: Any, adapter: Optional[WeightAdapter] = None) -> Any:
+        report = self.weights.bind_trainer_model(module, adapter)
         self.runner.weights_changed()
         self.reset_prefix_cache()
         return report
@@ -370,12 +371,13 @@ class EngineCore:
         return version
 
     def update_weights(self, named_tensors: NamedTensors, version: Optional[int] = None, *,
-                       policy: Optional[UpdatePolicy] = None, partial: bool = False) -> int:
+                       policy: Optional[UpdatePolicy] = None, partial: bool = False,
+                       adapter: Optional[WeightAdapter] = None) -> int:
         """Copy new weights in (HF or megatron-core names); commit them under a new version.
 
         Everything is checked before a byte is copied: on a typed error nothing changed.
         """
-        hf = self.weights.prepare_update(named_tensors, partial=partial)
+        hf = self.weights.prepare_update(named_tensors, partial=partial, adapter=adapter)
         self.weights.check_version(version)
         self._apply_update_policy(policy)
         self.weights.apply_update(hf)
@@ -389,8 +391,8 @@ class EngineCore:
         """Open a staged update (see `WeightManager`); `load_weights` buckets, then commit / abort."""
         self.weights.begin_update(version, staging, partial=partial, retain_staging=retain_staging)
 
-    def load_weights(self, named_tensors: NamedTensors) -> int:
-        return self.weights.load(named_tensors)
+    def load_weights(self, named_tensors: NamedTensors, adapter: Optional[WeightAdapter] = None) -> int:
+        return self.weights.load(named_tensors, adapter)
 
     def staging_buffers(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         return self.weights.staging_buffers(names)

@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 
 from inference.errors import EngineStateError, WeightNameError, WeightShapeError
-from inference.weights.adapters import adapter_for_module, adapter_for_names
+from inference.weights.adapters import WeightAdapter
 from inference.weights.staging import StagedUpdate, Staging
 
 logger = logging.getLogger(__name__)
@@ -78,8 +78,9 @@ class WeightManager:
         """Record trainer tensors the model already aliases (`from_pretrained(share_weights=True)`)."""
         self._bound_trainer_tensors = list(tensors)
 
-    def bind_trainer_model(self, module: Any) -> Any:
-        """Alias the trainer's parameters (HF `*ForCausalLM`, or megatron-core via `weight_sync`).
+    def bind_trainer_model(self, module: Any, adapter: Optional[WeightAdapter] = None) -> Any:
+        """Alias the trainer's parameters: an HF `*ForCausalLM`, or another layout through its
+        `adapter` (megatron-core: `weight_sync.MEGATRON_ADAPTER`).
 
         Tensors whose layout or dtype prevents aliasing are copied, and the report says so.
         """
@@ -89,12 +90,10 @@ class WeightManager:
         if params and all(n in params for n in expected):  # an HF *ForCausalLM: native names
             tensors = {n: params[n] for n in expected}
         else:
-            adapter = adapter_for_module(module)
             if adapter is None:
                 raise TypeError(
-                    f"bind_trainer_model: {type(module).__name__} is neither an HF *ForCausalLM with this "
-                    "model's parameter names nor a layout with a registered adapter (`import weight_sync` "
-                    "registers megatron-core's)"
+                    f"bind_trainer_model: {type(module).__name__} is not an HF *ForCausalLM with this model's "
+                    "parameter names; pass the adapter of its layout (megatron-core: weight_sync.MEGATRON_ADAPTER)"
                 )
             binding = adapter.module_to_hf(module, self.model.spec)
             tensors = dict(binding)
@@ -117,8 +116,10 @@ class WeightManager:
 
     # ---- copied updates ----------------------------------------------------------------------
 
-    def prepare_update(self, named_tensors: NamedTensors, *, partial: bool = False) -> dict[str, torch.Tensor]:
-        """HF-named tensors of an update, every name, shape and dtype checked; nothing changes.
+    def prepare_update(self, named_tensors: NamedTensors, *, partial: bool = False,
+                       adapter: Optional[WeightAdapter] = None) -> dict[str, torch.Tensor]:
+        """HF-named tensors of an update (names of another layout converted by its `adapter`),
+        every name, shape and dtype checked; nothing changes.
 
         Raises `WeightNameError` / `WeightShapeError`, or `EngineStateError` when the model
         aliases the trainer's parameters (an update would write into them).
@@ -134,7 +135,7 @@ class WeightManager:
             if len(set(names)) != len(names):
                 raise WeightNameError("update_weights: a tensor name appears twice")
             pairs = list(localize(dict(pairs)).items())
-        hf = self._to_hf_names(pairs)
+        hf = self._to_hf_names(pairs, adapter)
         self._validate(hf, partial)
         return hf
 
@@ -159,17 +160,18 @@ class WeightManager:
         self._version = version if version is not None else self._version + 1
         return self._version
 
-    def _to_hf_names(self, pairs: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def _to_hf_names(self, pairs: list[tuple[str, torch.Tensor]],
+                     adapter: Optional[WeightAdapter]) -> dict[str, torch.Tensor]:
         names = [n for n, _ in pairs]
         if len(set(names)) != len(names):
             raise WeightNameError("update_weights: a tensor name appears twice")
         expected = self.model.spec.weight_shapes()
         if all(n in expected or n == "lm_head.weight" for n in names):
             return dict(pairs)
-        adapter = adapter_for_names(names)
         if adapter is None:
             unknown = [n for n in names if n not in expected][:8]
-            raise WeightNameError(f"update_weights: unknown tensor names {unknown}")
+            raise WeightNameError(f"update_weights: unknown tensor names {unknown} (names of another layout need "
+                                  "its adapter, megatron-core's: weight_sync.MEGATRON_ADAPTER)")
         return dict(adapter.names_to_hf(dict(pairs), self.model.spec))
 
     def _validate(self, hf: dict[str, torch.Tensor], partial: bool) -> None:
@@ -234,7 +236,7 @@ class WeightManager:
             out[name] = buf
         return out
 
-    def load(self, named_tensors: NamedTensors) -> int:
+    def load(self, named_tensors: NamedTensors, adapter: Optional[WeightAdapter] = None) -> int:
         """Load a bucket of tensors into the open update; returns how many names are loaded so far.
 
         Every name, shape and dtype of the bucket is checked before any of it is written; a name
@@ -244,7 +246,7 @@ class WeightManager:
         update = self._update
         if update is None:
             raise EngineStateError("load() without begin_update()")
-        hf = self.prepare_update(named_tensors, partial=True)
+        hf = self.prepare_update(named_tensors, partial=True, adapter=adapter)
         again = sorted(set(hf) & update.loaded)
         if again:
             raise WeightNameError(f"load: tensors loaded twice in one update: {again[:8]}")

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import enum
 import random
 import shutil
 import statistics
@@ -63,15 +62,9 @@ from rollout.rl.tracking import StepTimer, Tracker
 from rollout.router.process import RouterProcess
 from rollout.server.process import ServerProcess
 from rollout.types import RolloutBatch
-from weight_sync import WeightSender
+from weight_sync import Transport, WeightSender
 
 STARTUP_TIMEOUT_S = 180.0
-
-
-class Transport(str, enum.Enum):
-    GLOO = "gloo"
-    SHM = "shm"
-    DISK = "disk"
 
 
 @dataclass(slots=True)
@@ -81,7 +74,7 @@ class DisaggregatedConfig:
     replicas: int = 2  # spawned behind a router of our own (ignored with `router`)
     router: Optional[str] = None  # a running router's address (`rollout route`) instead; its replicas serve the model
     off_policy: int = 0  # 0: generate, train, sync in turn; 1: generation of k+1 overlaps training on k
-    transport: Transport = Transport.GLOO
+    transport: Transport = Transport.GLOO  # a string from the CLI or a config converts here
     sync_timeout_s: float = 60.0  # bound of every wait of a weight sync, both sides
     replica_threads: int = 1  # torch threads per replica (the demo's ops are too small to split)
 
@@ -237,7 +230,7 @@ class _Loop:
         self.tracker, self.fleet = tracker, fleet
         directory = {"directory": work / "sync", "keep_last": 1} if dcfg.transport is Transport.DISK else {}
         # NOTE: one target, the router, standing for `fleet.replicas` engines (each claims its rank)
-        self.sender = WeightSender([fleet.client], dcfg.transport.value, replicas=fleet.replicas,
+        self.sender = WeightSender([fleet.client], dcfg.transport, replicas=fleet.replicas,
                                    timeout_s=dcfg.sync_timeout_s, **directory)
         mode = LogprobsMode.RAW if cfg.temperature == 1.0 else LogprobsMode.PROCESSED
         self.sampling = SamplingParams(temperature=cfg.temperature, max_tokens=task.max_tokens, logprobs_mode=mode)
@@ -373,5 +366,5 @@ def format_disaggregated(s: DisaggregatedSummary) -> str:
     ])
 
 
-__all__ = ["DisaggregatedConfig", "DisaggregatedSummary", "Fleet", "Transport", "format_disaggregated",
-           "run_disaggregated_grpo", "save_model", "serve_args"]
+__all__ = ["DisaggregatedConfig", "DisaggregatedSummary", "Fleet", "format_disaggregated", "run_disaggregated_grpo",
+           "save_model", "serve_args"]

@@ -33,8 +33,7 @@ from rollout.wire.kinds import (
     Kind,
 )
 from rollout.wire.packing import as_float32, as_int32, check_non_negative, check_same_length
-from weight_sync.sources import GroupName, WeightSource
-from weight_sync.transports.distributed import DEFAULT_GROUP
+from weight_sync.sources import DEFAULT_GROUP, GroupName, WeightSource
 
 
 class KvOp(enum.IntEnum):

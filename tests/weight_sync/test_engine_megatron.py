@@ -11,13 +11,12 @@ import torch.nn.functional as F
 if importlib.util.find_spec("megatron") is None:
     pytest.skip("megatron-core is not installed", allow_module_level=True)
 
-import weight_sync  # noqa: E402,F401  (registers the megatron-core adapter)
 from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams  # noqa: E402
 from inference.models.dense.decoder import DenseDecoder  # noqa: E402
 from tests.reference import float64_everywhere  # noqa: E402
 from tests.support.megatron_cpu import build_gpt_model, gpt_logits, megatron_cpu  # noqa: E402
 from tests.weight_sync.paged import tiny_spec  # noqa: E402
-from weight_sync.megatron.model import bind_megatron_model, spec_from_gpt_model  # noqa: E402
+from weight_sync.megatron.model import MEGATRON_ADAPTER, bind_megatron_model, spec_from_gpt_model  # noqa: E402
 
 
 @torch.no_grad()
@@ -44,7 +43,9 @@ def test_engine_follows_a_megatron_model_through_a_training_step():
         spec = spec_from_gpt_model(gpt)
         engine = DynamicInferenceEngine(DenseDecoder(spec, dict(bind_megatron_model(gpt))), InferenceConfig(
             block_size=4, num_blocks=64, max_requests=4, max_batch_tokens=64, max_sequence_length=64))
-        report = engine.bind_trainer_model(gpt)
+        with pytest.raises(TypeError, match="MEGATRON_ADAPTER"):  # NOTE: explicit: no adapter is found by itself
+            engine.bind_trainer_model(gpt)
+        report = engine.bind_trainer_model(gpt, adapter=MEGATRON_ADAPTER)
         assert report.aliased and any("q_proj" in n for n in report.copied)  # said loudly, not hidden
         prompts = [[5, 9, 14, 3, 7], [11, 2, 8]]
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

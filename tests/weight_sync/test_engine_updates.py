@@ -33,11 +33,11 @@ def generated(engine):
     return [o.generated_token_ids for o in outs], [o.logprobs for o in outs], versions
 
 
-def check_update(old_model, target_model, named_tensors, *, partial):
+def check_update(old_model, target_model, named_tensors, *, partial, adapter=None):
     """Update an engine of `old_model` with `named_tensors`; it must behave as `target_model`."""
     engine = DynamicInferenceEngine.from_pretrained(old_model, config())
     before, _, _ = generated(engine)
-    version = engine.update_weights(named_tensors, partial=partial)
+    version = engine.update_weights(named_tensors, partial=partial, adapter=adapter)
     assert version == engine.policy_version == 1
     tokens, logprobs, versions = generated(engine)
     want_tokens, want_logprobs, _ = generated(DynamicInferenceEngine.from_pretrained(target_model, config()))
@@ -74,7 +74,10 @@ def test_a_partial_update_changes_only_what_it_names(old, new):
 def test_megatron_core_names_update_the_engine(old, new):
     engine = DynamicInferenceEngine.from_pretrained(old, config())
     hf = {n: p.detach() for n, p in new.named_parameters()}
-    check_update(old, new, hf_to_megatron(hf, engine.model.spec), partial=False)
+    megatron = hf_to_megatron(hf, engine.model.spec)
+    with pytest.raises(WeightNameError, match="MEGATRON_ADAPTER"):  # NOTE: explicit: no adapter is found by itself
+        engine.update_weights(megatron)
+    check_update(old, new, megatron, partial=False, adapter=megatron_model.MEGATRON_ADAPTER)
 
 
 def test_a_partial_megatron_bucket(old, new):
@@ -84,7 +87,7 @@ def test_a_partial_megatron_bucket(old, new):
     assert all(n.startswith("decoder.layers.1.") or n == "output_layer.weight" for n in bucket)
     target = copy.deepcopy(old)
     target.load_state_dict(subset, strict=False)
-    check_update(old, target, bucket, partial=True)
+    check_update(old, target, bucket, partial=True, adapter=megatron_model.MEGATRON_ADAPTER)
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import torch
 from inference import DynamicInferenceEngine
 from rollout import RolloutClient, ServerProcess
 from tests.rollout.service_util import SERVER_ARGS, engine_config, greedy, random_prompts, save_tiny_model
-from weight_sync import SyncError, WeightSender
+from weight_sync import SyncError, Transport, WeightSender
 
 pytestmark = pytest.mark.gpu
 
@@ -57,7 +57,7 @@ def test_cuda_ipc_buckets_reach_a_gpu_replica_and_a_corrupted_one_aborts(models,
     expected = {seed: fresh_outputs(models[seed], "cuda") for seed in (1, 2)}
     with replica(models[0], "cuda") as proc, RolloutClient(proc.address, timeout=60) as client:
         # small buckets: several IPC handles, most of them at an offset inside the allocator's block
-        with WeightSender([client], "shm", timeout_s=TIMEOUT_S, bucket_bytes=64 * 1024) as sender:
+        with WeightSender([client], Transport.SHM, timeout_s=TIMEOUT_S, bucket_bytes=64 * 1024) as sender:
             assert sender.sync(weights_of(models[1], "cuda"), version=1) == 1
             assert remote_outputs(client) == expected[1]
             real = sender_module.pack_bucket
@@ -80,7 +80,7 @@ def test_cuda_ipc_buckets_reach_a_gpu_replica_and_a_corrupted_one_aborts(models,
 def test_gloo_from_a_cpu_trainer_into_a_gpu_replica(models):
     expected = fresh_outputs(models[1], "cuda")
     with replica(models[0], "cuda") as proc, RolloutClient(proc.address, timeout=60) as client:
-        with WeightSender([client], "gloo", timeout_s=TIMEOUT_S, bucket_bytes=64 * 1024) as sender:
+        with WeightSender([client], Transport.GLOO, timeout_s=TIMEOUT_S, bucket_bytes=64 * 1024) as sender:
             assert sender.sync(weights_of(models[1], "cpu"), version=1) == 1
         assert remote_outputs(client) == expected
 
@@ -89,7 +89,7 @@ def test_gloo_from_a_cpu_trainer_into_a_gpu_replica(models):
 def test_nccl_broadcast_from_a_trainer_gpu_into_a_replica_on_another_gpu(models):
     expected = fresh_outputs(models[1], "cuda:1")
     with replica(models[0], "cuda:1") as proc, RolloutClient(proc.address, timeout=60) as client:
-        with WeightSender([client], "nccl", timeout_s=TIMEOUT_S, bucket_bytes=64 * 1024) as sender:
+        with WeightSender([client], Transport.NCCL, timeout_s=TIMEOUT_S, bucket_bytes=64 * 1024) as sender:
             assert sender.sync(weights_of(models[1], "cuda:0"), version=1) == 1
             assert sender.group is not None and sender.group.backend == "nccl"
         assert remote_outputs(client) == expected

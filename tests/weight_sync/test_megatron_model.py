@@ -19,7 +19,6 @@ if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("meg
 
 from inference.models.dense.decoder import DenseDecoder  # noqa: E402
 from inference.models.spec import RopeKind, RopeSpec  # noqa: E402
-from inference.weights.adapters import adapter_for_module, adapter_for_names  # noqa: E402
 from tests.reference import float64_everywhere  # noqa: E402
 from tests.support.megatron_cpu import build_gpt_model, gpt_logits, megatron_cpu  # noqa: E402
 from tests.weight_sync.paged import engine_logits, tiny_spec  # noqa: E402
@@ -158,13 +157,11 @@ def test_one_training_step_then_parity(variant):
     assert worst_diff(engine, model, batch(3)) <= TOL
 
 
-def test_the_engine_adapter_is_registered():
+def test_the_engine_adapter_converts_the_module_and_its_names():
     model = tiny_gpt()
-    assert adapter_for_module(model) is MEGATRON_ADAPTER
-    names = [n for n, _ in model.named_parameters()]
-    assert adapter_for_names(names) is MEGATRON_ADAPTER
-    assert adapter_for_names(list(spec_from_gpt_model(model).weight_shapes())) is None
     spec = spec_from_gpt_model(model)
+    names = {n: p.detach() for n, p in model.named_parameters()}
+    assert set(MEGATRON_ADAPTER.names_to_hf(names, spec)) == set(spec.weight_shapes())
     tensors = MEGATRON_ADAPTER.module_to_hf(model, spec)
     assert set(tensors) == set(spec.weight_shapes())
     other = tiny_spec(rms_norm_eps=1e-5)

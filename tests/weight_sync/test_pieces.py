@@ -18,12 +18,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.weight_sync.local import LocalControl, engine_of, outputs, tiny_llama
-from weight_sync import WeightReceiver, WeightSender, memcopy
+from weight_sync import Transport, WeightReceiver, WeightSender, memcopy
 from weight_sync.buckets import as_bytes, fill_checksums, manifest_for, word_sum
+from weight_sync.sources import MIN_PIECE_BYTES
 from weight_sync.transports import bucket_broadcast
 from weight_sync.transports.bucket_broadcast import PieceScratch, plan_pieces, wire_bytes
 from weight_sync.transports.distributed import WeightGroup
-from weight_sync.transports.shm import MIN_PIECE_BYTES, SegmentPlan
+from weight_sync.transports.shm import SegmentPlan
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
@@ -133,7 +134,7 @@ def engines(models):
         r.close()
 
 
-@pytest.mark.parametrize("transport", ["gloo", "shm"])
+@pytest.mark.parametrize("transport", [Transport.GLOO, Transport.SHM])
 def test_sliced_pieces_land_in_the_engines_own_buffers(engines, models, transport, monkeypatch):
     engines, receivers = engines
     expected = outputs(engine_of(models[1]))
@@ -155,16 +156,16 @@ def test_sliced_pieces_land_in_the_engines_own_buffers(engines, models, transpor
 
 def test_a_replica_keeps_its_mapping_while_the_sender_keeps_the_segment(engines, models):
     engines, receivers = engines
-    with WeightSender([LocalControl(r) for r in receivers], "shm", timeout_s=3.0, bucket_bytes=2**20,
+    with WeightSender([LocalControl(r) for r in receivers], Transport.SHM, timeout_s=3.0, bucket_bytes=2**20,
                       piece_bytes=MIN_PIECE_BYTES) as sender:
         sender.sync(models[1], version=1)
-        name = sender._regions.region.name
-        assert [r._mappings.mapped for r in receivers] == [name, name]
+        name = sender.regions.region.name
+        assert [r.mappings.mapped for r in receivers] == [name, name]
         sender.sync(models[0], version=2)  # the same segment, the same mappings
-        assert [r._mappings.mapped for r in receivers] == [name, name]
+        assert [r.mappings.mapped for r in receivers] == [name, name]
     for r in receivers:  # the sender unlinked it: each mapping goes within its check period
-        r._mappings._check()
-    assert [r._mappings.mapped for r in receivers] == [None, None]
+        r.mappings._check()
+    assert [r.mappings.mapped for r in receivers] == [None, None]
     assert all(outputs(e) == outputs(engine_of(models[0])) for e in engines)
 
 

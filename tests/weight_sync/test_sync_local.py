@@ -7,17 +7,29 @@ from __future__ import annotations
 
 import threading
 import time
+import typing
 
 import pytest
 import torch
 
 from inference import EngineStateError, Staging
 from tests.weight_sync.local import LocalControl, corrupting_pipeline, engine_of, outputs, tiny_llama
-from weight_sync import SyncError, WeightReceiver, WeightSender, hf_to_megatron, memcopy
+from weight_sync import (
+    DiskSource,
+    DistributedSource,
+    SyncError,
+    Transport,
+    WeightReceiver,
+    WeightSender,
+    WeightSource,
+    hf_to_megatron,
+    memcopy,
+)
 from weight_sync.buckets import manifest_for
 from weight_sync.transports import disk, distributed
 from weight_sync.transports.bucket_broadcast import send_tensors
 from weight_sync.transports.distributed import WeightGroup
+from weight_sync.transports.table import BY_SOURCE, BY_TRANSPORT
 
 TIMEOUT_S = 3.0
 
@@ -48,12 +60,18 @@ def replicas(old):
 
 
 def sender_for(receivers, transport, tmp_path, **kwargs) -> WeightSender:
-    extra = {"directory": tmp_path} if transport == "disk" else {}
+    extra = {"directory": tmp_path} if transport is Transport.DISK else {}
     return WeightSender([LocalControl(r) for r in receivers], transport, timeout_s=TIMEOUT_S, bucket_bytes=16384,
                         **extra, **kwargs)
 
 
-@pytest.mark.parametrize("transport", ["gloo", "shm", "disk"])
+def test_every_transport_and_every_source_has_its_transport_object():
+    assert set(BY_TRANSPORT) == set(Transport)
+    assert set(BY_SOURCE) == set(typing.get_args(WeightSource))
+    assert all(BY_SOURCE[obj.source_type] is obj for obj in BY_TRANSPORT.values())
+
+
+@pytest.mark.parametrize("transport", [Transport.GLOO, Transport.SHM, Transport.DISK])
 def test_every_transport_equals_a_fresh_engine_both_ways(replicas, new, old, expected, transport, tmp_path):
     engines, receivers = replicas
     before, after = expected
@@ -68,11 +86,11 @@ def test_every_transport_equals_a_fresh_engine_both_ways(replicas, new, old, exp
 
 def test_the_disk_sender_keeps_its_last_directories_only_when_asked(replicas, new, old, tmp_path):
     receivers = replicas[1]
-    with sender_for(receivers, "disk", tmp_path, keep_last=1) as sender:
+    with sender_for(receivers, Transport.DISK, tmp_path, keep_last=1) as sender:
         for version, weights in ((1, new), (2, old), (3, new)):
             sender.sync(weights, version=version)
             assert sorted(p.name for p in tmp_path.iterdir()) == [f"v{version:08d}"]  # the older ones are gone
-    with sender_for(receivers, "disk", tmp_path / "all") as sender:
+    with sender_for(receivers, Transport.DISK, tmp_path / "all") as sender:
         sender.sync(old, version=4)
         sender.sync(new, version=5)
     assert sorted(p.name for p in (tmp_path / "all").iterdir()) == ["v00000004", "v00000005"]  # checkpoints stay
@@ -82,7 +100,7 @@ def test_megatron_names_are_converted_by_the_replica(replicas, new, expected, tm
     engines, receivers = replicas
     spec = engines[0].model.spec
     megatron = hf_to_megatron({n: p.detach() for n, p in new.named_parameters()}, spec)
-    with sender_for(receivers, "gloo", tmp_path) as sender:
+    with sender_for(receivers, Transport.GLOO, tmp_path) as sender:
         sender.sync(megatron, version=1)
     assert all(outputs(e) == expected[1] for e in engines)
 
@@ -90,14 +108,14 @@ def test_megatron_names_are_converted_by_the_replica(replicas, new, expected, tm
 def test_tensor_by_tensor_calls_are_one_update_committed_by_the_last(replicas, new, expected, tmp_path):
     engines, receivers = replicas
     seen = []
-    real = receivers[0].update_from_distributed
+    real = receivers[0].update
 
-    def spy(source, **kwargs):
+    def spy(source, policy=None):
         seen.append((engines[0].policy_version, outputs(engines[0]) == expected[0]))
-        return real(source, **kwargs)
+        return real(source, policy)
 
-    receivers[0].update_from_distributed = spy
-    with sender_for(receivers, "gloo", tmp_path, tensor_by_tensor=True) as sender:
+    receivers[0].update = spy
+    with sender_for(receivers, Transport.GLOO, tmp_path, tensor_by_tensor=True) as sender:
         sender.sync(new, version=2)
     assert len(seen) == len(list(new.named_parameters())) and set(seen) == {(0, True)}  # old weights until the last
     assert all(outputs(e) == expected[1] and e.policy_version == 2 for e in engines)
@@ -109,7 +127,7 @@ def _call_each(receivers, source_of):
 
     def run(i):
         try:
-            results[i] = receivers[i].update_from_distributed(source_of(i))
+            results[i] = receivers[i].update(source_of(i))
         except Exception as exc:  # noqa: BLE001
             results[i] = exc
 
@@ -160,7 +178,7 @@ def test_a_corrupted_bucket_aborts_on_every_replica(replicas, new, expected, tmp
     receivers[1].staging = Staging.IN_PLACE
     corrupt, real = corrupting_pipeline(bucket=1)
     monkeypatch.setattr(distributed.WeightGroup, "pipeline", corrupt)
-    with sender_for(receivers, "gloo", tmp_path) as sender:
+    with sender_for(receivers, Transport.GLOO, tmp_path) as sender:
         with pytest.raises(SyncError, match="checksum") as info:
             sender.sync(new, version=3)
         assert len(info.value.replies) == 2
@@ -181,23 +199,23 @@ def test_a_missing_or_tampered_checkpoint_file_aborts(replicas, new, expected, t
     data = victim.read_bytes()
     victim.write_bytes(data[:-4] + bytes(b ^ 1 for b in data[-4:]))
     with pytest.raises(ValueError, match="checksum"):
-        receivers[0].update_from_disk(tmp_path / "v1")
+        receivers[0].update(DiskSource(path=str(tmp_path / "v1")))
     victim.unlink()
     with pytest.raises(FileNotFoundError, match="missing"):
-        receivers[0].update_from_disk(tmp_path / "v1")
+        receivers[0].update(DiskSource(path=str(tmp_path / "v1")))
     assert outputs(engines[0]) == expected[0] and engines[0].policy_version == 0
 
 
 def test_the_receivers_copy_out_of_shared_memory(replicas, new, expected, tmp_path):
     engines, receivers = replicas
-    with sender_for(receivers, "shm", tmp_path) as sender:
+    with sender_for(receivers, Transport.SHM, tmp_path) as sender:
         sender.sync(new, version=1)
-        region = sender._regions.region
+        region = sender.regions.region
         name = region.name
         region.tensor.fill_(0)  # the sender reuses its region: the engines must not see it
         assert all(outputs(e) == expected[1] for e in engines)
         sender.sync(new, version=2)
-        assert sender._regions.region.name == name  # reused, not reallocated
+        assert sender.regions.region.name == name  # reused, not reallocated
     assert not (region.path.exists())  # closed with the sender
     engine_tensors = [t for e in engines for t in e.model.named_tensors().values()]
     assert all(t.untyped_storage().filename is None for t in engine_tensors)
@@ -207,7 +225,7 @@ def test_a_busy_receiver_refuses_a_second_update_at_once(replicas):
     _, receivers = replicas
     with receivers[0]._exclusive("test"):
         with pytest.raises(EngineStateError, match="in flight"):
-            receivers[0].update_from_disk("/nonexistent")
+            receivers[0].update(DiskSource(path="/nonexistent"))
 
 
 def test_bad_calls_are_refused_before_anything_changes(replicas, tmp_path):
@@ -215,11 +233,9 @@ def test_bad_calls_are_refused_before_anything_changes(replicas, tmp_path):
     named = [(n, torch.zeros_like(p)) for n, p in tiny_llama(seed=0, hidden=64).named_parameters()]
     disk.write_checkpoint(tmp_path / "other", named, version=1)
     with pytest.raises(ValueError, match="another model"):
-        receivers[0].update_from_disk(tmp_path / "other")
-    from weight_sync import DistributedSource
-
+        receivers[0].update(DiskSource(path=str(tmp_path / "other")))
     with pytest.raises(EngineStateError, match="init_weights_update_group first"):
-        receivers[0].update_from_distributed(DistributedSource(manifest=manifest_for(named)))
+        receivers[0].update(DistributedSource(manifest=manifest_for(named)))
     assert engines[0].policy_version == 0 and receivers[0].stats.updates_committed == 0
 
 
@@ -233,7 +249,7 @@ def test_a_shared_memory_piece_that_does_not_match_its_checksum_aborts_everywher
         real(header, slot, checksum ^ 1, token)
 
     monkeypatch.setattr(memcopy, "publish", publish)
-    with sender_for(receivers, "shm", tmp_path) as sender:
+    with sender_for(receivers, Transport.SHM, tmp_path) as sender:
         with pytest.raises(SyncError, match="checksum") as info:
             sender.sync(new, version=3)
         assert all("piece 0" in str(r) for r in info.value.replies)

@@ -21,7 +21,7 @@ from rollout.wire.codec import ProtocolError
 from rollout.wire.kinds import ErrorCode
 from tests.rollout.service_util import SERVER_ARGS, VOCAB, engine_config, greedy, random_prompts, save_tiny_model
 from tests.weight_sync.local import corrupting_pipeline
-from weight_sync import SyncError, WeightSender
+from weight_sync import SyncError, Transport, WeightSender
 from weight_sync.transports import distributed
 from weight_sync.transports.shm import remove_stale_segments
 
@@ -63,7 +63,7 @@ def replicas(models):
             c.close()
 
 
-def sync(clients, weights, version, transport="gloo", **kwargs) -> int:
+def sync(clients, weights, version, transport=Transport.GLOO, **kwargs) -> int:
     with WeightSender(clients, transport, timeout_s=TIMEOUT_S, bucket_bytes=32 * 1024, **kwargs) as sender:
         return sender.sync(weights, version=version)
 
@@ -79,12 +79,12 @@ def stat(client: RolloutClient, name: str):
 def test_after_a_sync_both_replicas_equal_a_fresh_engine_of_the_trainers_weights(replicas, models, tmp_path):
     (procs, clients), (dirs, expected) = replicas, models
     base = max(versions(clients))
-    for step, (transport, seed) in enumerate([("gloo", 1), ("shm", 2), ("disk", 1)], start=1):
-        extra = {"directory": tmp_path} if transport == "disk" else {}
+    for step, (transport, seed) in enumerate([(Transport.GLOO, 1), (Transport.SHM, 2), (Transport.DISK, 1)], start=1):
+        extra = {"directory": tmp_path} if transport is Transport.DISK else {}
         assert sync(clients, hf_weights(dirs[seed]), base + step, transport, **extra) == base + step
         assert versions(clients) == [base + step] * 2
         assert [remote_outputs(c) for c in clients] == [expected[seed]] * 2, transport
-        if transport == "shm":  # the sender unlinked its segment: within a second or two no replica maps it
+        if transport is Transport.SHM:  # the sender unlinked its segment: within a second or two no replica maps it
             deadline = time.monotonic() + 5.0
             while any("rollout-wsync-" in Path(f"/proc/{p.pid}/maps").read_text() for p in procs):
                 assert time.monotonic() < deadline, "a replica kept the segment of a sender that closed it"
@@ -100,7 +100,7 @@ def test_a_manifest_for_another_model_is_rejected_before_any_byte_moves(replicas
 
     other = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2))
-    with WeightSender(clients, "gloo", timeout_s=TIMEOUT_S) as sender:
+    with WeightSender(clients, Transport.GLOO, timeout_s=TIMEOUT_S) as sender:
         with pytest.raises(SyncError, match="another model") as info:
             sender.sync(other, version=before_v[0] + 1)
         assert sender.stats.bytes_sent == 0 and sender.group is not None and sender.group.broken is None

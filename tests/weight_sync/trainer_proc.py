@@ -33,7 +33,7 @@ def main() -> int:
 
     from inference.models.loading import read_safetensors
     from rollout.client.sync import RolloutClient
-    from weight_sync import WeightSender, memcopy
+    from weight_sync import Transport, WeightSender, memcopy
     from weight_sync.transports import distributed
 
     weights = read_safetensors(Path(args.weights), None)
@@ -62,7 +62,7 @@ def main() -> int:
 
         memcopy.publish = publish_or_die
     clients = [RolloutClient(a, timeout=30) for a in args.addresses]
-    sender = WeightSender(clients, args.transport, timeout_s=args.timeout_s, bucket_bytes=args.bucket_bytes,
+    sender = WeightSender(clients, Transport(args.transport), timeout_s=args.timeout_s, bucket_bytes=args.bucket_bytes,
                           piece_bytes=args.piece_bytes)
     print(f"trainer: synced version {sender.sync(weights, version=args.version)}", flush=True)
     sender.close()

@@ -17,8 +17,10 @@ engine holding them sees new values without a rebind: call it after each optimiz
 Replacing a parameter (`param.data = ...`, e.g. by a DDP wrapper built later) breaks aliases:
 bind after wrapping, and again after such a change.
 
-Importing this module registers the megatron-core `WeightAdapter` with `inference`, so the
-engine's `bind_trainer_model` / `update_weights` accept GPTModels and megatron-named updates.
+`MEGATRON_ADAPTER` is the engine's `WeightAdapter` for megatron-core, passed where it is used:
+`engine.bind_trainer_model(gpt_model, adapter=MEGATRON_ADAPTER)`,
+`engine.update_weights(megatron_named_tensors, adapter=MEGATRON_ADAPTER)` (a `WeightReceiver` passes
+it for a manifest of megatron-core names). Importing this module registers nothing.
 """
 
 from __future__ import annotations
@@ -33,12 +35,10 @@ import torch
 from inference.models.dense.decoder import alias_blocker
 from inference.models.layers import rope_inv_freq
 from inference.models.spec import ModelSpec, RopeKind
-from inference.weights.adapters import WeightAdapter, register_weight_adapter
+from inference.weights.adapters import WeightAdapter
 from weight_sync.megatron.names import (
     Layout,
-    Naming,
     megatron_to_hf,
-    naming_of,
     spec_from_megatron_config,
     strided_parts,
     validate_megatron,
@@ -217,9 +217,6 @@ def _names_to_hf(named: Mapping[str, torch.Tensor], spec: ModelSpec) -> dict[str
 
 MEGATRON_ADAPTER = WeightAdapter(
     name="megatron-core",
-    matches_module=is_gpt_model,
-    matches_names=lambda names: any(naming_of(n) is Naming.MEGATRON for n in names),
     module_to_hf=lambda module, spec: bind_megatron_model(module, spec),
     names_to_hf=_names_to_hf,
 )
-register_weight_adapter(MEGATRON_ADAPTER)

@@ -13,19 +13,25 @@ One bucketed update, every rank in step (`send_buckets` / `receive_buckets`):
 
 Without a layout (SGLang's calls) only broadcasts happen, one per tensor, in manifest order
 (`send_tensors` / `receive_tensors`).
+
+`DistributedTransport` is the `gloo` / `nccl` transport: these steps, with the control calls that
+tell each replica what comes (`send`), and a replica's side of them (`receive`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
-from weight_sync.buckets import as_bytes, holds_all, unpack_bucket, word_sum
-from weight_sync.manifest import ChecksumError, Manifest, align
-from weight_sync.transports.distributed import PIPELINE_DEPTH, ReceiveBuffer, RefusedError, WeightGroup
+from weight_sync.buckets import as_bytes, fill_checksums, holds_all, manifest_for, unpack_bucket, word_sum
+from weight_sync.manifest import ChecksumError, Manifest, ManifestError, align, check_against_model, dtype_name
+from weight_sync.sources import DistributedSource
+from weight_sync.transports import Transport
+from weight_sync.transports.distributed import PIPELINE_DEPTH, GroupError, ReceiveBuffer, RefusedError, WeightGroup
 
 PIECE_BYTES = 32 * 2**20  # a broadcast: few of them (each has a fixed cost), the next one summed while one flies
 SMALL_BYTES = 4 * 2**20  # tensors below this travel packed together (a broadcast costs ~1 ms more than its bytes)
@@ -216,3 +222,120 @@ def receive_tensors(group: WeightGroup, manifest: Manifest,
     if failure is not None:
         raise failure
     return received
+
+
+# ---- the transport: both sides of one update -----------------------------------------------------
+
+
+class DistributedTransport:
+    """`gloo` / `nccl`: the manifest to every replica (a `DistributedSource`), then the buckets
+    broadcast over the sender's weight-update group. `send` on the trainer (a `WeightSender`),
+    `receive` on a replica (a `WeightReceiver`, which owns the staged update and its groups)."""
+
+    transports = (Transport.GLOO, Transport.NCCL)
+    source_type = DistributedSource
+
+    def send(self, sender: Any, named: list[tuple[str, torch.Tensor]], version: int, policy: Any) -> int:
+        """The bytes moved; made (again) first: the group, when there is none or it broke."""
+        if sender.group is None or sender.group.broken is not None:
+            sender.regroup()
+        if sender.tensor_by_tensor:
+            return self._send_tensor_by_tensor(sender, named, version, policy)
+        group = sender.group
+        tensors = [t for _, t in named]
+        manifest = manifest_for(named, bucket_bytes=sender.bucket_bytes, version=version)
+        fill_checksums(manifest, tensors)  # NOTE: the manifest goes first, so its checksums are computed first
+        source = DistributedSource(manifest=manifest, group_name=sender.group_name)
+        futures = sender.each(lambda t: t.update(source, policy))
+        return sender.move_then_collect(futures, f"sync to version {version}",
+                                        lambda: send_buckets(group, manifest, tensors))
+
+    @staticmethod
+    def _send_tensor_by_tensor(sender: Any, named: list[tuple[str, torch.Tensor]], version: int, policy: Any) -> int:
+        sent = 0
+        for i, (name, tensor) in enumerate(named):
+            last = i == len(named) - 1
+            manifest = Manifest(names=[name], dtypes=[dtype_name(tensor.dtype)], shapes=[list(tensor.shape)],
+                                version=version)
+            source = DistributedSource(manifest=manifest, group_name=sender.group_name, finish=last)
+            futures = sender.each(lambda t, source=source: t.update(source, policy))
+            sent += sender.move_then_collect(futures, f"tensor {name}",
+                                             lambda t=tensor: send_tensors(sender.group, [t]))
+        return sent
+
+    def receive(self, receiver: Any, source: DistributedSource, policy: Any) -> Optional[int]:
+        """Receive `source` over its group; the new version once committed, None while a sequence
+        stays open (`finish` False, or None with tensors still missing)."""
+        manifest = source.manifest
+        opened = receiver.open_update()
+        group = receiver.group(source.group_name)
+        sequence = opened is not None or source.finish is False
+        if not sequence and source.finish is None and not _whole_model(manifest, receiver.spec):
+            sequence = True  # NOTE: SGLang's callers send part of the model per call, and no `finish`
+        try:
+            version = _sequence_version(manifest, opened)
+            naming = check_against_model(manifest, receiver.spec, complete=not sequence)
+            accepted = None
+        except (ManifestError, KeyError, ValueError) as exc:
+            accepted = exc
+        if accepted is not None:
+            _refuse(receiver, group, manifest, accepted)
+        start = time.perf_counter()
+        try:
+            if opened is None:
+                opened = receiver.begin(version, source.staging, source.group_name)
+            elif opened.group != source.group_name:
+                raise ValueError(f"the open update came over group {opened.group!r}, this call over "
+                                 f"{source.group_name!r}")
+            def load(named: dict[str, torch.Tensor]) -> None:
+                receiver.load(named, naming)
+
+            if manifest.layout is None:
+                received = receive_tensors(group, manifest, load)
+            else:
+                direct = receiver.staging_buffers(manifest, group.device)
+                received = receive_buckets(group, manifest, True, receiver.group_buffer, load, direct)
+            receiver.stats.bytes_received += received
+            opened.add(manifest)
+            if source.finish is False or (source.finish is None and not receiver.complete(opened)):
+                receiver.keep_open(opened)
+                return None
+            return receiver.commit(policy, start)
+        except BaseException as exc:
+            receiver.abort(exc)
+            if isinstance(exc, GroupError):
+                receiver.close_group(source.group_name)
+            raise
+
+
+def _refuse(receiver: Any, group: WeightGroup, manifest: Manifest, why: BaseException) -> None:
+    """Say no in step with the sender, so it is not left waiting, then raise `why`."""
+    try:
+        if manifest.layout is not None:
+            group.agree(False)
+        else:  # NOTE: SGLang's calls have no handshake: drain the broadcasts it will send anyway
+            receive_tensors(group, manifest, lambda named: None)
+    except GroupError:
+        receiver.close_group(group.name)
+    receiver.abort(why)
+    raise why
+
+
+def _sequence_version(manifest: Manifest, opened: Any) -> Optional[int]:
+    """The version of a call of a sequence: its manifest's, which a later call must not contradict."""
+    if opened is None:
+        return manifest.version
+    if manifest.version is None or opened.version is None:
+        return opened.version
+    if manifest.version != opened.version:
+        raise ManifestError(f"this call's manifest says version {manifest.version}, the open update's is "
+                            f"{opened.version}")
+    return manifest.version
+
+
+def _whole_model(manifest: Manifest, spec: Any) -> bool:
+    try:
+        check_against_model(manifest, spec, complete=True)
+    except (ManifestError, KeyError, ValueError):
+        return False
+    return True

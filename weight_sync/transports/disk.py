@@ -6,7 +6,8 @@ manifest (`weight_sync_manifest.json`: names, shapes, dtypes, buckets with their
 version). It writes into a hidden temporary directory and renames it into place at the end, so a
 reader never sees half a checkpoint. `read_bucket` reads one bucket's file back; a receiver checks
 the manifest against its model first, then each file against its checksum as it reads it. A
-directory without the manifest (any HF checkpoint) is read whole, unchecked.
+directory without the manifest (any HF checkpoint) is read whole, unchecked. `DiskTransport` is
+the `disk` transport: a sender writes such a directory per version, a replica reads it.
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ import secrets
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import msgspec
 import torch
 
 from weight_sync.buckets import DEFAULT_BUCKET_BYTES, fill_checksums, manifest_for, tensor_checksum
-from weight_sync.manifest import Manifest, ManifestError
+from weight_sync.manifest import ChecksumError, Manifest, ManifestError, check_against_model, dtype_name
+from weight_sync.sources import DiskSource
+from weight_sync.transports import Transport
 
 MANIFEST_FILE = "weight_sync_manifest.json"
 INDEX_FILE = "model.safetensors.index.json"
@@ -97,3 +100,56 @@ def read_bucket(directory: str | Path, manifest: Manifest, index: int) -> tuple[
             out[name] = tensor
             total += tensor_checksum(tensor)
     return out, total % 2**64
+
+
+# ---- the transport: both sides of one update -----------------------------------------------------
+
+
+class DiskTransport:
+    """`send` writes a version's directory under the sender's `directory` (deleting the oldest
+    beyond `keep_last`, once every replica committed a newer one) and names it to every replica
+    (a `DiskSource`); `receive` loads one bucket file at a time against its checksum."""
+
+    transports = (Transport.DISK,)
+    source_type = DiskSource
+
+    def send(self, sender: Any, named: list[tuple[str, torch.Tensor]], version: int, policy: Any) -> int:
+        path = sender.directory / f"v{version:08d}"
+        manifest = write_checkpoint(path, named, version=version, bucket_bytes=sender.bucket_bytes)
+        source = DiskSource(path=str(path.absolute()))  # NOTE: its version is in the manifest it holds
+        futures = sender.each(lambda t: t.update(source, policy))
+        sender.collect(futures, f"sync to version {version}")
+        if path not in sender.written:
+            sender.written.append(path)
+        while sender.keep_last is not None and len(sender.written) > sender.keep_last:
+            shutil.rmtree(sender.written.pop(0), ignore_errors=True)  # NOTE: every replica committed a newer one
+        return manifest.total_bytes
+
+    def receive(self, receiver: Any, source: DiskSource, policy: Any) -> int:
+        """Bucket by bucket against the directory's manifest if it has one, else whole (any HF
+        checkpoint, unchecked)."""
+        path, version = Path(source.path), source.version
+        manifest = read_manifest(path)
+        if manifest is None:
+            from inference.models.loading import read_safetensors
+
+            tensors = read_safetensors(path, None)
+            manifest = Manifest(names=list(tensors), dtypes=[dtype_name(t.dtype) for t in tensors.values()],
+                                shapes=[list(t.shape) for t in tensors.values()])
+            naming = check_against_model(manifest, receiver.spec)
+            return receiver.staged(version, None, policy, lambda: receiver.load(tensors, naming))
+        if version is not None and manifest.version is not None and version != manifest.version:
+            raise ManifestError(f"{path}: the source says version {version}, the directory's manifest "
+                                f"{manifest.version}")
+        naming = check_against_model(manifest, receiver.spec)
+
+        def load() -> None:
+            for index, bucket in enumerate(manifest.layout.buckets):
+                tensors, checksum = read_bucket(path, manifest, index)
+                if checksum != bucket.checksum:
+                    raise ChecksumError(f"{bucket_file(index, manifest.num_buckets)}: checksum {checksum:#x}, the "
+                                        f"manifest says {bucket.checksum:#x}")
+                receiver.load(tensors, naming)
+                receiver.stats.bytes_received += bucket.nbytes
+
+        return receiver.staged(manifest.version if version is None else version, None, policy, load)

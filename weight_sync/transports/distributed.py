@@ -25,9 +25,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from weight_sync.sources import DEFAULT_GROUP
+
 logger = logging.getLogger(__name__)
 
-DEFAULT_GROUP = "weight_update_group"
 PIPELINE_DEPTH = 2  # broadcasts in flight
 
 

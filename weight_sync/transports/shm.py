@@ -30,59 +30,37 @@ import contextlib
 import logging
 import mmap
 import os
-import re
 import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
-import msgspec
 import numpy as np
 import torch
-from msgspec import Meta
 
 from weight_sync import memcopy
 from weight_sync.manifest import ChecksumError, Manifest
+from weight_sync.sources import (  # NOTE: the segment's name and pieces as the wire carries them
+    DEFAULT_PIECE_BYTES,
+    SEGMENT_NAME,
+    SEGMENT_PREFIX,
+    CudaIpcBuffer,
+    check_segment_name,
+)
 
 logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
-SEGMENT_PREFIX = "rollout-wsync-"
-_SEGMENT = re.compile(rf"{SEGMENT_PREFIX}(\d+)-[0-9a-f]{{8,32}}")
-DEFAULT_PIECE_BYTES = 8 * 2**20  # small enough that replicas start copying early, large enough to amortise a wait
-MIN_PIECE_BYTES = 64 * 2**10
 _PAGE = 4096
 _POLL_S = 0.1  # how often a waiting receiver checks that the sender still lives
 
 
-class CudaIpcBuffer(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
-    """One bucket's device memory: what `torch.UntypedStorage._share_cuda_()` says of its storage
-    (`handle` names the allocator's whole block, `storage_offset` is where the storage starts in
-    it, in bytes), and `tensor_offset`, where the bucket starts in the storage, in bytes."""
-
-    device: Annotated[int, Meta(ge=0)]
-    handle: bytes
-    storage_size: Annotated[int, Meta(ge=0)]
-    storage_offset: Annotated[int, Meta(ge=0)]
-    tensor_offset: Annotated[int, Meta(ge=0)]
-    ref_counter_handle: bytes
-    ref_counter_offset: Annotated[int, Meta(ge=0)]
-    event_handle: bytes
-    event_sync_required: bool
-
-
-def check_segment_name(name: str) -> str:
-    if not _SEGMENT.fullmatch(name):
-        raise ValueError(f"shared-memory segment {name!r} is not one of ours ({SEGMENT_PREFIX}<pid>-<hex>)")
-    return name
-
-
 def sender_pid(name: str) -> int:
     """The pid of the process that made segment `name` (checked to be one of ours)."""
-    return int(_SEGMENT.fullmatch(check_segment_name(name)).group(1))
+    return int(SEGMENT_NAME.fullmatch(check_segment_name(name)).group(1))
 
 
 class SharedRegion:
@@ -354,7 +332,7 @@ def remove_stale_segments() -> list[str]:
     """Unlink segments whose sender process no longer exists; their names."""
     removed = []
     for path in SHM_DIR.glob(f"{SEGMENT_PREFIX}*"):
-        if _SEGMENT.fullmatch(path.name) and not _alive(sender_pid(path.name)):
+        if SEGMENT_NAME.fullmatch(path.name) and not _alive(sender_pid(path.name)):
             path.unlink(missing_ok=True)
             removed.append(path.name)
     return removed

@@ -335,13 +335,13 @@ def test_weights_from_distributed_over_http(web, http_server, model_dir, tmp_pat
     version, greedy outputs equal a fresh engine's on them."""
     from transformers import LlamaForCausalLM
 
-    from weight_sync import WeightSender
+    from weight_sync import Transport, WeightSender
 
     new_dir = save_tiny_chat_model(tmp_path / "trained", seed=2)
     trained = LlamaForCausalLM.from_pretrained(new_dir)
     version = int(web.get("/get_weight_version").json()["weight_version"]) + 1
     try:
-        with WeightSender([HttpWeightControl(http_server.http_url)], "gloo", timeout_s=WAIT_S,
+        with WeightSender([HttpWeightControl(http_server.http_url)], Transport.GLOO, timeout_s=WAIT_S,
                           tensor_by_tensor=True) as sender:
             assert sender.sync(trained, version=version) == version
         assert web.get("/get_weight_version").json() == {"weight_version": str(version)}

@@ -23,7 +23,7 @@ from rollout.wire import codec, kinds
 from rollout.wire import messages as wire
 from weight_sync import DiskSource, DistributedSource, SharedMemorySource
 from weight_sync.manifest import Bucket, Layout, Manifest
-from weight_sync.transports.shm import CudaIpcBuffer
+from weight_sync.sources import CudaIpcBuffer
 
 OUT = Path(__file__).with_name("wire_golden.json")
 # every name the recorder builds with, in one namespace

@@ -391,7 +391,7 @@ def weight_sources() -> list:
 
     from weight_sync import DistributedSource, SharedMemorySource
     from weight_sync.buckets import fill_checksums, manifest_for
-    from weight_sync.transports.shm import CudaIpcBuffer
+    from weight_sync.sources import CudaIpcBuffer
 
     named = [("model.norm.weight", torch.ones(4)), ("model.embed_tokens.weight", torch.ones(3, 4).bfloat16())]
     manifest = manifest_for(named, bucket_bytes=64, version=9)
