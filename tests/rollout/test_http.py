@@ -452,6 +452,29 @@ def test_rl_cycle_pause_update_flush_continue(web, model_dir, tmp_path, referenc
     assert out["output_ids"] == greedy_ids(reference, prompts[0], 6)
 
 
+def test_in_process_front_needs_no_server(model_dir, reference):
+    """An HTTP front on an engine in this process, no RolloutServer (nor any ZMQ socket) at all."""
+    from rollout.client.in_process import InProcessClient
+    from rollout.http.launch import serve_front
+
+    engine = DynamicInferenceEngine.from_pretrained(model_dir, engine_config())
+    client = InProcessClient(engine, timeout=WAIT_S)
+    front = serve_front(client, model_dir, served_model_name=MODEL, max_model_len=MAX_LEN, timeout=WAIT_S,
+                        on_stop=client.shutdown)
+    try:
+        with httpx.Client(base_url=front.url, timeout=WAIT_S) as web:
+            out = web.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
+                "temperature": 0, "max_new_tokens": 5, "ignore_eos": True}}).json()
+            assert out["output_ids"] == greedy_ids(reference, [5, 6, 7], 5)
+            assert web.post("/pause_generation", json={"mode": "abort"}).status_code == 200
+            assert web.post("/continue_generation").status_code == 200
+            info = web.get("/get_server_info").json()["internal_states"][0]
+            assert info["engine/generated_tokens"] == 5 and info["samples_sent"] == 1 and info["pauses"] == 1
+    finally:
+        front.stop()
+    assert not engine.loop_running  # the client started the loop, and stopped it
+
+
 def test_api_key_and_binding(model_dir):
     from rollout.http.launch import start_front
 
