@@ -8,7 +8,7 @@ temperature 1.0), one n=1 request per sample with its own `max_tokens`, every re
 * in process (the peer): `DynamicInferenceEngine.generate`, the caller's thread stepping;
 * ZMQ: a `rollout serve --http 0` child process on loopback (same model directory, engine
   configuration and torch threads), fed by one `RolloutClient`;
-* HTTP: the same child's HTTP front (in that process, a client of its server over loopback), fed
+* HTTP: the same child's HTTP front (in that process, calling its engine with no socket between), fed
   by one `httpx.AsyncClient` posting `/v1/completions` with `prompt` as token ids; every answer
   carries its text (decoded by the front) and its `token_ids`.
 

@@ -18,6 +18,17 @@ from rollout.wire import messages as wire
 from weight_sync import DiskSource, DistributedSource, SharedMemorySource, with_version
 
 
+def weight_source(source: WeightSource, version: Optional[int]) -> WeightSource:
+    """What an update of a served engine reads: a path is a safetensors directory the server reads;
+    else a weight_sync source (committing under `version`, None: its own)."""
+    if isinstance(source, (str, os.PathLike)):
+        source = DiskSource(path=str(Path(source).absolute()))
+    elif not isinstance(source, (DiskSource, DistributedSource, SharedMemorySource)):
+        raise TypeError("a remote engine loads weights from a safetensors directory it can read (a path), or a "
+                        f"weight_sync source (weight_sync.WeightSender sends those); got {type(source).__name__}")
+    return with_version(source, version)
+
+
 class Requests:
     """Builds each control request with a fresh id of `connection`'s session."""
 
@@ -42,13 +53,7 @@ class Requests:
 
     def update_weights(self, source: WeightSource, version: Optional[int],
                        policy: Optional[Union[UpdatePolicy, str]]) -> wire.UpdateWeights:
-        """A path is a safetensors directory the server reads; else a weight_sync source."""
-        if isinstance(source, (str, os.PathLike)):
-            source = DiskSource(path=str(Path(source).absolute()))
-        elif not isinstance(source, (DiskSource, DistributedSource, SharedMemorySource)):
-            raise TypeError("a remote engine loads weights from a safetensors directory it can read (a path), or a "
-                            f"weight_sync source (weight_sync.WeightSender sends those); got {type(source).__name__}")
-        return wire.UpdateWeights(request_id=self._id(), source=with_version(source, version),
+        return wire.UpdateWeights(request_id=self._id(), source=weight_source(source, version),
                                   policy=None if policy is None else UpdatePolicy(policy))
 
     def reset_prefix_cache(self) -> wire.ResetPrefixCache:

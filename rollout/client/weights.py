@@ -52,7 +52,8 @@ from weight_sync import (
 from weight_sync.manifest import Layout
 
 
-def _policy(abort_all_requests: bool, policy: Optional[Union[UpdatePolicy, str]]) -> Optional[UpdatePolicy]:
+def update_policy(abort_all_requests: bool, policy: Optional[Union[UpdatePolicy, str]]) -> Optional[UpdatePolicy]:
+    """SGLang's `abort_all_requests` and our `policy` as one `UpdatePolicy` (None: the engine's default)."""
     if abort_all_requests:
         if policy is not None and UpdatePolicy(policy) is not UpdatePolicy.ABORT:
             raise ValueError(f"abort_all_requests=True contradicts policy={policy!r}")
@@ -63,6 +64,41 @@ def _policy(abort_all_requests: bool, policy: Optional[Union[UpdatePolicy, str]]
 def _check_load_format(load_format: Optional[str]) -> None:
     if load_format not in (None, "auto"):
         raise ValueError(f"load_format {load_format!r} is not supported (None or 'auto')")
+
+
+# ---- SGLang's arguments as weight_sync sources (what `WeightSyncCalls` and the HTTP routes send) ------
+
+
+def sglang_update(source: WeightSource, weight_version: Any, abort_all_requests: bool, policy: Any
+                  ) -> tuple[WeightSource, Optional[UpdatePolicy]]:
+    """`source` under SGLang's `weight_version` ("7", "v7", ...), and the update's policy."""
+    return with_version(source, parse_weight_version(weight_version)), update_policy(abort_all_requests, policy)
+
+
+def distributed_source(names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str = DEFAULT_GROUP,
+                       load_format: Optional[str] = None, *, layout: Optional[Layout] = None,
+                       finish: Optional[bool] = None, staging: Optional[str] = None) -> DistributedSource:
+    """Tensors broadcast over `group_name`: buckets by `layout`, else one broadcast per tensor."""
+    _check_load_format(load_format)
+    manifest = Manifest(names=list(names), dtypes=list(dtypes), shapes=[list(s) for s in shapes], layout=layout)
+    return DistributedSource(manifest=manifest, group_name=group_name, finish=finish,
+                             staging=None if staging is None else Staging(staging))
+
+
+def tensor_source(serialized_named_tensors: list[Union[bytes, str]], load_format: Optional[str] = None
+                  ) -> WeightSource:
+    """One msgpack handle of buckets in shared memory on this host (one engine rank); never pickle."""
+    _check_load_format(load_format)
+    if len(serialized_named_tensors) != 1:
+        raise ValueError(f"serialized_named_tensors: one entry per engine rank, and this engine has one "
+                         f"(got {len(serialized_named_tensors)})")
+    return decode_tensor_payload(serialized_named_tensors[0])
+
+
+def disk_source(model_path: Union[str, Path], load_format: Optional[str] = None) -> DiskSource:
+    """A safetensors directory the engine can read."""
+    _check_load_format(load_format)
+    return DiskSource(path=str(Path(model_path).absolute()))
 
 
 class WeightSyncCalls:
@@ -102,8 +138,8 @@ class WeightSyncCalls:
 
     def _sglang_update(self, source: WeightSource, weight_version: Any, abort_all_requests: bool, policy: Any,
                        timeout: Optional[float]) -> int:
-        source = with_version(source, parse_weight_version(weight_version))
-        return self.update(source, _policy(abort_all_requests, policy), timeout=timeout)
+        source, policy = sglang_update(source, weight_version, abort_all_requests, policy)
+        return self.update(source, policy, timeout=timeout)
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: Optional[int],
                                   world_size: int, group_name: str = DEFAULT_GROUP, backend: Optional[str] = None,
@@ -123,10 +159,8 @@ class WeightSyncCalls:
                                         policy: Any = None, timeout: Optional[float] = None) -> int:
         """Receive tensors broadcast over `group_name`: buckets by `layout` (weight_sync's
         protocol), else one broadcast per tensor (SGLang's); returns the policy version after it."""
-        _check_load_format(load_format)
-        manifest = Manifest(names=list(names), dtypes=list(dtypes), shapes=[list(s) for s in shapes], layout=layout)
-        source = DistributedSource(manifest=manifest, group_name=group_name, finish=finish,
-                                   staging=None if staging is None else Staging(staging))
+        source = distributed_source(names, dtypes, shapes, group_name, load_format, layout=layout, finish=finish,
+                                    staging=staging)
         return self._sglang_update(source, weight_version, abort_all_requests, policy, timeout)
 
     def update_weights_from_tensor(self, serialized_named_tensors: list[Union[bytes, str]],
@@ -134,19 +168,14 @@ class WeightSyncCalls:
                                    abort_all_requests: bool = False, weight_version: Any = None, *,
                                    policy: Any = None, timeout: Optional[float] = None) -> int:
         """Copy buckets from shared memory on this host: one msgpack handle (one engine rank)."""
-        _check_load_format(load_format)
-        if len(serialized_named_tensors) != 1:
-            raise ValueError(f"serialized_named_tensors: one entry per engine rank, and this engine has one "
-                             f"(got {len(serialized_named_tensors)})")
-        source = decode_tensor_payload(serialized_named_tensors[0])
+        source = tensor_source(serialized_named_tensors, load_format)
         return self._sglang_update(source, weight_version, abort_all_requests, policy, timeout)
 
     def update_weights_from_disk(self, model_path: Union[str, Path], load_format: Optional[str] = None,
                                  abort_all_requests: bool = False, weight_version: Any = None, *,
                                  policy: Any = None, timeout: Optional[float] = None) -> int:
         """Load a safetensors directory the engine can read (checked against its manifest if it has one)."""
-        _check_load_format(load_format)
-        source = DiskSource(path=str(Path(model_path).absolute()))
+        source = disk_source(model_path, load_format)
         return self._sglang_update(source, weight_version, abort_all_requests, policy, timeout)
 
     def get_weight_version(self, *, timeout: Optional[float] = None) -> str:

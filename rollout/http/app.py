@@ -1,12 +1,12 @@
 """The ASGI app (FastAPI) of the HTTP front, and `HttpServer`, which runs it with uvicorn.
 
-    front = HttpFront(AsyncRolloutClient(address), TextCodec.load(model_dir), FrontConfig("smollm2", 4096))
+    front = HttpFront(ServiceClient(address), TextCodec.load(model_dir), FrontConfig("smollm2", 4096))
     server = HttpServer(build_app(front), host="127.0.0.1", port=0).start()   # server.url
 
 The server binds its socket before uvicorn starts (port 0: one the OS chooses, in `url`) and
 refuses an address beyond loopback without an API key (clients then send
 `Authorization: Bearer KEY`, as OpenAI's client does). It runs on a thread of its own with its
-own event loop, so it can share a process with an engine server (`rollout serve --http`).
+own event loop, so it can share a process with an engine (`rollout serve --http`).
 """
 
 from __future__ import annotations

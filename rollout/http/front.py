@@ -1,9 +1,11 @@
 """HttpFront: what the HTTP routes share: the async client, the tokenizer, sessions, checks.
 
-One front talks to one ZMQ address through `AsyncRolloutClient`: a `rollout serve` engine
-server or a `rollout route` router, the same protocol. Its event loop never waits on an engine:
-the client's I/O thread owns the socket and posts replies into the loop; tokenizing and rendering
-a chat prompt (which grows with the conversation) run on a worker thread.
+One front talks to one engine or fleet through one `FrontClient` (`rollout.http.clients`): over
+ZMQ to a `rollout serve` server or a `rollout route` router (`ServiceClient`), or to the engine in
+this process (`rollout.client.in_process.InProcessClient`, what `rollout serve --http` runs), the
+same calls and answers. Its event loop never waits on an engine: replies are futures settled from
+the client's I/O thread or the engine's loop; tokenizing and rendering a chat prompt (which grows
+with the conversation) run on a worker thread.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from inference import SamplingParams
-from rollout.client.aio import AsyncRolloutClient
+from rollout.http.clients import FrontClient
 from rollout.http.errors import APIError
 from rollout.http.generation import Generation, GenSpec
 from rollout.http.sessions import SessionStore
@@ -47,10 +49,10 @@ class FrontConfig:
 class HttpFront:
     """State of the HTTP front (see module docstring). `inflight`: rid -> running `Generation`."""
 
-    def __init__(self, client: AsyncRolloutClient, codec: TextCodec, config: FrontConfig) -> None:
+    def __init__(self, client: FrontClient, codec: TextCodec, config: FrontConfig) -> None:
         self.client, self.codec, self.config = client, codec, config
         self.sessions = SessionStore(config.max_sessions, config.session_ttl_s)
-        self.weights = WeightCalls(client.connection, config.timeout)
+        self.weights = WeightCalls(client, config.timeout)
         self.inflight: dict[str, Generation] = {}
         self.created = int(time.time())
 

@@ -1,23 +1,26 @@
-"""`start_front`: an HTTP front on a thread, connected to a rollout service at `address`."""
+"""Start an HTTP front on a thread: `start_front` in front of a rollout service at an address (over
+ZMQ), `serve_front` on a client the caller built (e.g. the in-process one of `rollout serve --http`)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
-from rollout.client.aio import AsyncRolloutClient
 from rollout.http.app import HttpServer, build_app
+from rollout.http.clients import FrontClient, ServiceClient
 from rollout.http.front import FrontConfig, HttpFront
 from rollout.text import TextCodec
 from rollout.wire.security import ClientSecurity
 
 
 class RunningFront:
-    """A started front: `url`, `front`; `stop()` ends the server and closes its client."""
+    """A started front: `url`, `front`; `stop()` ends the server, then runs `on_stop` (closing the
+    client the front owns)."""
 
-    def __init__(self, server: HttpServer, front: HttpFront) -> None:
-        self.server, self.front = server, front
+    def __init__(self, server: HttpServer, front: HttpFront, on_stop: Optional[Callable[[], None]] = None) -> None:
+        self.server, self.front, self._on_stop = server, front, on_stop
 
     @property
     def url(self) -> str:
@@ -25,7 +28,8 @@ class RunningFront:
 
     def stop(self) -> None:
         self.server.stop()
-        self.front.client.connection.close()
+        if self._on_stop is not None:
+            self._on_stop()
 
 
 def model_context(model_dir: Path) -> int:
@@ -36,21 +40,32 @@ def model_context(model_dir: Path) -> int:
         return 4096
 
 
+def serve_front(client: FrontClient, model_dir: Path, *, host: str = "127.0.0.1", port: int = 0,
+                served_model_name: Optional[str] = None, max_model_len: Optional[int] = None,
+                api_key: Optional[str] = None, timeout: float = 600.0, tokenizer: Any = None,
+                on_stop: Optional[Callable[[], None]] = None) -> RunningFront:
+    """Serve HTTP on `host:port` over `client`; `on_stop` runs after the server stops (and if it
+    fails to start)."""
+    try:
+        codec = TextCodec.load(tokenizer if tokenizer is not None else model_dir)
+        config = FrontConfig(model_name=served_model_name or Path(model_dir).name,
+                             max_model_len=max_model_len or model_context(model_dir), model_path=str(model_dir),
+                             timeout=timeout, api_key=api_key)
+        front = HttpFront(client, codec, config)
+        server = HttpServer(build_app(front), host, port, api_key=api_key).start()
+    except BaseException:
+        if on_stop is not None:
+            on_stop()
+        raise
+    return RunningFront(server, front, on_stop)
+
+
 def start_front(address: str, model_dir: Path, *, host: str = "127.0.0.1", port: int = 0,
                 served_model_name: Optional[str] = None, max_model_len: Optional[int] = None,
                 api_key: Optional[str] = None, token: Optional[str] = None, timeout: float = 600.0,
                 tokenizer: Any = None) -> RunningFront:
     """Serve HTTP on `host:port` in front of the rollout service at `address` (a server or router)."""
-    codec = TextCodec.load(tokenizer if tokenizer is not None else model_dir)
-    config = FrontConfig(model_name=served_model_name or Path(model_dir).name,
-                         max_model_len=max_model_len or model_context(model_dir), model_path=str(model_dir),
-                         timeout=timeout, api_key=api_key)
-    client = AsyncRolloutClient(address, timeout=timeout,
-                                security=ClientSecurity(token=token) if token else None)
-    front = HttpFront(client, codec, config)
-    try:
-        server = HttpServer(build_app(front), host, port, api_key=api_key).start()
-    except BaseException:
-        client.connection.close()
-        raise
-    return RunningFront(server, front)
+    client = ServiceClient(address, timeout=timeout, security=ClientSecurity(token=token) if token else None)
+    return serve_front(client, model_dir, host=host, port=port, served_model_name=served_model_name,
+                       max_model_len=max_model_len, api_key=api_key, timeout=timeout, tokenizer=tokenizer,
+                       on_stop=client.connection.close)

@@ -15,9 +15,10 @@ docs/advanced_features/sglang_for_rl (pause / continue, memory occupation, weigh
   requests requeued: `flush_cache` succeeds), `in_place` -> KEEP (requests keep their KV:
   `flush_cache` is refused while they hold it, as in SGLang).
 * `weight_version` is our policy version as a string; `update_weights_*` may set it
-  (`"7"`, `"v7"`, `"step_7"`). The weight routes run `rollout.client.weights` (weight sync's mapping
-  of SGLang's calls): `/init_weights_update_group`, `/update_weights_from_distributed` (one
-  broadcast per tensor, committed once the model is complete), `/destroy_weights_update_group`.
+  (`"7"`, `"v7"`, `"step_7"`). The weight routes run `rollout.http.weights` (weight sync's mapping
+  of SGLang's calls, over the front's client): `/init_weights_update_group`,
+  `/update_weights_from_distributed` (one broadcast per tensor, committed once the model is
+  complete), `/destroy_weights_update_group`.
 """
 
 from __future__ import annotations
@@ -291,9 +292,9 @@ WEIGHT_MESSAGES = {"update": "Succeeded to update model weights.", "init": "Succ
 
 
 async def _weights(front: HttpFront, what: str, call: Any, *args: Any, **kwargs: Any) -> Response:
-    """Run a weight call on a worker thread: SGLang's `{"success", "message"}`, 200 or 400."""
+    """Await a weight call: SGLang's `{"success", "message"}`, 200 or 400."""
     try:
-        value = await asyncio.to_thread(call, *args, **kwargs)
+        value = await call(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 (SGLang answers a failed update with success false)
         body: dict[str, Any] = {"success": False, "message": f"{type(exc).__name__}: {exc}"}
         if what == "update":

@@ -1,25 +1,64 @@
-"""The weight routes' calls: `rollout.client.weights.WeightSyncCalls` (SGLang's names and fields
-mapped onto the wire, owned by the weight-sync side) over the HTTP front's own connection.
+"""The weight routes' calls: SGLang's names and fields (mapped onto weight_sync sources by
+`rollout.client.weights`, owned by the weight-sync side) over the front's client.
 
-Those calls block until the engine answers, so the routes run them on a worker thread; each
-waits on a plain future that the connection's I/O thread settles, never on the event loop.
+Each awaits the client's `update_weights` / `join_group` / `leave_group`, which answer at the
+update's commit (or the group's join) without holding up the event loop; a refusal raises, and the
+route answers SGLang's `{"success": false}`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Optional, Union
 
-from rollout.client.connection import Connection
-from rollout.client.streams import call_blocking
-from rollout.client.weights import WeightSyncCalls
-from rollout.wire import messages as wire
+from rollout.client.weights import disk_source, distributed_source, sglang_update, tensor_source
+from rollout.http.clients import FrontClient
+from weight_sync import DEFAULT_GROUP, WeightSource
 
 
-class WeightCalls(WeightSyncCalls):
-    """SGLang-named weight calls over `connection` (shared with the front's async client)."""
+class WeightCalls:
+    """SGLang-named weight calls over `client`; `timeout` bounds each (None: the client's own)."""
 
-    def __init__(self, connection: Connection, timeout: float) -> None:
-        self.connection, self.timeout = connection, timeout
+    def __init__(self, client: FrontClient, timeout: Optional[float] = None) -> None:
+        self.client, self.timeout = client, timeout
 
-    def _call(self, msg: Any, timeout: Optional[float]) -> wire.Result:
-        return call_blocking(self.connection, msg, self.timeout if timeout is None else timeout)
+    async def _update(self, source: WeightSource, weight_version: Any, abort_all_requests: bool,
+                      timeout: Optional[float]) -> int:
+        source, policy = sglang_update(source, weight_version, abort_all_requests, None)
+        return await self.client.update_weights(source, policy=policy, timeout=self._bound(timeout))
+
+    def _bound(self, timeout: Optional[float]) -> Optional[float]:
+        return self.timeout if timeout is None else timeout
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: Optional[int],
+                                        world_size: int, group_name: str = DEFAULT_GROUP,
+                                        backend: Optional[str] = None, *, timeout: Optional[float] = None) -> int:
+        return await self.client.join_group(master_address, master_port, rank_offset, world_size, group_name,
+                                            backend, timeout=self._bound(timeout))
+
+    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP, *,
+                                           timeout: Optional[float] = None) -> None:
+        await self.client.leave_group(group_name, timeout=self._bound(timeout))
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str = DEFAULT_GROUP, flush_cache: bool = True,
+                                              abort_all_requests: bool = False, weight_version: Any = None,
+                                              load_format: Optional[str] = None, *,
+                                              timeout: Optional[float] = None) -> int:
+        """One broadcast per tensor over `group_name`, committed once the model is complete;
+        `flush_cache` is always in effect (the prefix cache never serves another version)."""
+        source = distributed_source(names, dtypes, shapes, group_name, load_format)
+        return await self._update(source, weight_version, abort_all_requests, timeout)
+
+    async def update_weights_from_tensor(self, serialized_named_tensors: list[Union[bytes, str]],
+                                         load_format: Optional[str] = None, flush_cache: bool = True,
+                                         abort_all_requests: bool = False, weight_version: Any = None, *,
+                                         timeout: Optional[float] = None) -> int:
+        return await self._update(tensor_source(serialized_named_tensors, load_format), weight_version,
+                                  abort_all_requests, timeout)
+
+    async def update_weights_from_disk(self, model_path: Union[str, Path], load_format: Optional[str] = None,
+                                       abort_all_requests: bool = False, weight_version: Any = None, *,
+                                       timeout: Optional[float] = None) -> int:
+        return await self._update(disk_source(model_path, load_format), weight_version, abort_all_requests,
+                                  timeout)

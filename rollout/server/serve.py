@@ -9,7 +9,9 @@ keys exits at once with status 2. Once listening, the process prints one line,
 `rollout serve: listening on tcp://HOST:PORT ...` (with `--port 0` the port the OS chose), and
 serves until SIGTERM or SIGINT. With `--http PORT` it first prints
 `rollout http: listening on http://HOST:PORT ...`: the HTTP front (`rollout.http`) runs in the same
-process, a client of the server over loopback.
+process on `rollout.client.in_process.InProcessClient`, posting to the engine's loop and the
+server's weight receiver with no socket between; the ZMQ server serves its own clients on the same
+engine meanwhile.
 """
 
 from __future__ import annotations
@@ -136,12 +138,17 @@ def serve_main(args: argparse.Namespace, on_ready=None) -> int:
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     front = None
     if args.http is not None:
-        from rollout.http.launch import start_front
+        from rollout.client.in_process import InProcessClient
+        from rollout.http.launch import serve_front
 
+        # NOTE: the front calls this engine directly (its loop, the server's weight receiver): no ZMQ hop
+        client = InProcessClient(server.engine, server.receiver, timeout=600.0,
+                                 health_deadline_s=server.config.health_deadline_s)
         try:
-            front = start_front(server.address, model_path(args.model, args.dtype), host=args.http_host or args.host,
+            front = serve_front(client, model_path(args.model, args.dtype), host=args.http_host or args.host,
                                 port=args.http, served_model_name=args.served_model_name or Path(args.model).name,
-                                max_model_len=args.max_seq_len, api_key=args.api_key, token=args.token)
+                                max_model_len=args.max_seq_len, api_key=args.api_key, timeout=600.0,
+                                on_stop=client.shutdown)
         except (OSError, ValueError) as exc:
             print(f"rollout serve: HTTP front: {exc}", file=sys.stderr, flush=True)
             server.close()

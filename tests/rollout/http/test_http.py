@@ -2,6 +2,10 @@
 with SmolLM2's tokenizer and chat template), driven by the official `openai` client and by httpx
 with the JSON shapes of SGLang's documentation (`rollout.http.sglang_routes.SGLANG_API_VERSION`).
 
+The front tests run twice (`front`): on the process's own front, which calls its engine in process
+(`InProcessClient`), and on a front in this test process connected to the same server over ZMQ
+(`ServiceClient`, what `rollout http --connect` runs): the answers must not tell them apart.
+
 The server is shared by this module; every test leaves it unpaused. The weight-update cycle runs
 last and puts the original weights back.
 """
@@ -39,6 +43,24 @@ def http_server(model_dir):
         proc.stop(grace_s=5.0)
 
 
+@pytest.fixture(scope="module", params=["in_process", "zmq"])
+def front_url(request, http_server, model_dir):
+    """The HTTP front under test: `rollout serve --http`'s own, or one over ZMQ to the same server."""
+    if request.param == "in_process":
+        yield http_server.http_url
+        return
+    from rollout.http.clients import FrontClient
+    from rollout.http.launch import start_front
+
+    front = start_front(http_server.address, model_dir, served_model_name=MODEL, max_model_len=MAX_LEN,
+                        timeout=WAIT_S)
+    try:
+        assert isinstance(front.front.client, FrontClient)
+        yield front.url
+    finally:
+        front.stop()
+
+
 @pytest.fixture(scope="module")
 def codec(model_dir):
     return TextCodec.load(model_dir)
@@ -50,14 +72,14 @@ def reference(model_dir):
 
 
 @pytest.fixture
-def oai(http_server):
-    with openai.OpenAI(base_url=f"{http_server.http_url}/v1", api_key="unused", timeout=WAIT_S, max_retries=0) as c:
+def oai(front_url):
+    with openai.OpenAI(base_url=f"{front_url}/v1", api_key="unused", timeout=WAIT_S, max_retries=0) as c:
         yield c
 
 
 @pytest.fixture
-def web(http_server):
-    with httpx.Client(base_url=http_server.http_url, timeout=WAIT_S) as c:
+def web(front_url):
+    with httpx.Client(base_url=front_url, timeout=WAIT_S) as c:
         yield c
 
 
@@ -240,10 +262,10 @@ def test_sglang_health_and_info(web):
     assert info["is_generation"] is True and set(info) >= {"model_path", "tokenizer_path", "weight_version"}
 
 
-def test_in_place_pause_keeps_kv_so_flush_cache_is_refused(web, http_server):
+def test_in_place_pause_keeps_kv_so_flush_cache_is_refused(web, front_url):
     body = {"input_ids": [3, 4, 5], "stream": True, "rid": "long",
             "sampling_params": {"max_new_tokens": MAX_LEN - 8, "ignore_eos": True}}
-    with httpx.Client(base_url=http_server.http_url, timeout=WAIT_S) as other:
+    with httpx.Client(base_url=front_url, timeout=WAIT_S) as other:
         with other.stream("POST", "/generate", json=body) as s:
             lines = s.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
@@ -292,6 +314,45 @@ def test_three_turn_agent_session_keeps_sampled_ids(oai, web, codec):
     assert sessions["continued"] >= 2
 
 
+def test_a_suspended_engine_refuses_generation_with_the_same_error(web):
+    """The engine's typed refusal reaches HTTP as the same status and message on either front."""
+    assert web.post("/release_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
+    try:
+        r = web.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 400 and "suspended" in r.json()["error"]["message"], r.text
+        assert web.get("/health").status_code == 200  # suspended is not unhealthy
+    finally:
+        assert web.post("/resume_memory_occupation").status_code == 200
+    assert web.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}).is_success
+
+
+def test_serve_http_calls_its_engine_without_a_zmq_hop(http_server):
+    """`rollout serve --http`'s own front posts to its engine: the ZMQ server reads no Generate while
+    the front generates, and the front's stats, health and weight version are the server's for the
+    same engine (the counters are each one's own traffic)."""
+    from rollout import RolloutClient
+    from rollout.service.metrics import SERVICE_KEYS
+
+    body = {"input_ids": [[1, 2, 3], [4, 5]], "sampling_params": {"max_new_tokens": 3, "n": 2, "ignore_eos": True}}
+    with RolloutClient(http_server.address, timeout=WAIT_S) as client, \
+            httpx.Client(base_url=http_server.http_url, timeout=WAIT_S) as web:
+        before = client.stats()
+        out = web.post("/generate", json=body)
+        assert out.status_code == 200 and [len(o["output_ids"]) for o in out.json()] == [3] * 4
+        after = client.stats()
+        over_http = web.get("/get_server_info").json()["internal_states"][0]
+        health = client.health()
+        assert web.get("/health").status_code == 200 and health.healthy
+        assert web.get("/get_weight_version").json()["weight_version"] == str(health.policy_version)
+    for key in ("generates_received", "requests_run", "samples_sent", "tokens_sent"):
+        assert after.get(key, 0) == before.get(key, 0), key  # no Generate crossed the socket
+    assert after["engine/generated_tokens"] == before["engine/generated_tokens"] + 12
+    assert set(SERVICE_KEYS) <= set(over_http) and over_http["requests_run"] >= 2 and over_http["samples_sent"] >= 4
+    same = [k for k in after if k.startswith(("engine/", "weight_sync/"))] + \
+        ["kv_utilization", "prefix_hit_rate", "queue_depth", "evictions", "policy_version"]
+    assert {k: over_http[k] for k in same} == {k: after[k] for k in same}
+
+
 class HttpWeightControl:
     """A trainer's calls on a replica through SGLang's HTTP weight routes (`weight_sync.WeightControl`),
     with SGLang's fields only: our extensions (a bucket layout, `finish`, a timeout) are not sent."""
@@ -329,7 +390,7 @@ class HttpWeightControl:
             return int(web.get("/get_weight_version").json()["weight_version"])
 
 
-def test_weights_from_distributed_over_http(web, http_server, model_dir, tmp_path, reference):
+def test_weights_from_distributed_over_http(web, front_url, model_dir, tmp_path, reference):
     """A gloo trainer drives /init_weights_update_group and /update_weights_from_distributed (one
     broadcast per tensor, as SGLang's callers do): the replica serves the new weights under their
     version, greedy outputs equal a fresh engine's on them."""
@@ -341,7 +402,7 @@ def test_weights_from_distributed_over_http(web, http_server, model_dir, tmp_pat
     trained = LlamaForCausalLM.from_pretrained(new_dir)
     version = int(web.get("/get_weight_version").json()["weight_version"]) + 1
     try:
-        with WeightSender([HttpWeightControl(http_server.http_url)], Transport.GLOO, timeout_s=WAIT_S,
+        with WeightSender([HttpWeightControl(front_url)], Transport.GLOO, timeout_s=WAIT_S,
                           tensor_by_tensor=True) as sender:
             assert sender.sync(trained, version=version) == version
         assert web.get("/get_weight_version").json() == {"weight_version": str(version)}
@@ -359,7 +420,7 @@ def test_weights_from_distributed_over_http(web, http_server, model_dir, tmp_pat
         assert restore.json()["success"] is True
 
 
-def test_rl_cycle_pause_update_flush_continue(web, http_server, model_dir, tmp_path, reference):
+def test_rl_cycle_pause_update_flush_continue(web, model_dir, tmp_path, reference):
     """pause (retract) -> update weights from disk -> flush cache -> continue: the new weight version
     is reported and greedy outputs equal a fresh engine's on the new weights."""
     new_dir = save_tiny_chat_model(tmp_path / "new", seed=1)
@@ -389,6 +450,29 @@ def test_rl_cycle_pause_update_flush_continue(web, http_server, model_dir, tmp_p
     out = web.post("/generate", json={"input_ids": prompts[0], "sampling_params": {"temperature": 0,
                                       "max_new_tokens": 6, "ignore_eos": True}}).json()
     assert out["output_ids"] == greedy_ids(reference, prompts[0], 6)
+
+
+def test_in_process_front_needs_no_server(model_dir, reference):
+    """An HTTP front on an engine in this process, no RolloutServer (nor any ZMQ socket) at all."""
+    from rollout.client.in_process import InProcessClient
+    from rollout.http.launch import serve_front
+
+    engine = DynamicInferenceEngine.from_pretrained(model_dir, engine_config())
+    client = InProcessClient(engine, timeout=WAIT_S)
+    front = serve_front(client, model_dir, served_model_name=MODEL, max_model_len=MAX_LEN, timeout=WAIT_S,
+                        on_stop=client.shutdown)
+    try:
+        with httpx.Client(base_url=front.url, timeout=WAIT_S) as web:
+            out = web.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
+                "temperature": 0, "max_new_tokens": 5, "ignore_eos": True}}).json()
+            assert out["output_ids"] == greedy_ids(reference, [5, 6, 7], 5)
+            assert web.post("/pause_generation", json={"mode": "abort"}).status_code == 200
+            assert web.post("/continue_generation").status_code == 200
+            info = web.get("/get_server_info").json()["internal_states"][0]
+            assert info["engine/generated_tokens"] == 5 and info["samples_sent"] == 1 and info["pauses"] == 1
+    finally:
+        front.stop()
+    assert not engine.loop_running  # the client started the loop, and stopped it
 
 
 def test_api_key_and_binding(model_dir):

@@ -1,0 +1,381 @@
+"""InProcessClient: `AsyncRolloutClient`'s calls on an engine in this process, with no socket between.
+
+    client = InProcessClient(engine)                   # its own weight receiver; starts the loop if none runs
+    client = InProcessClient(server.engine, server.receiver,
+                             health_deadline_s=server.config.health_deadline_s)   # beside a RolloutServer
+    async for item in client.stream(prompts, tokens=True):
+        ...
+
+What `rollout serve --http` runs its HTTP front on (`rollout.http.clients.FrontClient`). Every call
+is what a `RolloutServer` would do with the same request (`rollout.server.dispatch`): an engine call
+posted to the engine's loop (`engine.post`, `engine.when`: its one command queue, in order with the
+server's), a weight call handed to the weight receiver's worker. The event loop awaits their
+futures (`asyncio.wrap_future`) and stream callbacks reach it by `call_soon_threadsafe`, so it
+never waits on a step; nothing is encoded and no thread but the engine's loop is crossed.
+
+The answers equal the ZMQ path's: a finished sample goes through the wire's converters (the
+`SampleOutput` a server would send, then the client's `Rollout`), token chunks carry float32
+log-probs, an error becomes the `ErrorReply` a server would send and the exception a client makes
+of it (so an HTTP front maps it to the same status), health follows the server's rule, and stats
+have the server's keys: the engine's figures (`engine/*`, the headline keys), `weight_sync/*`, and
+counters of this client's own traffic (a server counts its socket's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import itertools
+import time
+import weakref
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from inference import DynamicInferenceEngine, PauseMode, SamplingParams, SuspendPolicy, SuspendReport, UpdatePolicy
+from inference.request import RequestOutput, TokenEvent
+from rollout.backend import Prompts, WeightSource, params_per_prompt, sort_rollouts
+from rollout.client.requests import weight_source
+from rollout.client.streams import suspend_report
+from rollout.service.metrics import ServiceMetrics, _wire_values
+from rollout.text import TextCodec, add_text, token_prompts
+from rollout.types import GenerationStats, Rollout, RolloutBatch, TokenChunk
+from rollout.wire.convert import error_from_reply, error_reply, output_from_wire, output_to_wire
+from rollout.wire.messages import HealthInfo
+from weight_sync import DEFAULT_GROUP, Staging, WeightReceiver
+
+
+class InProcessStream:
+    """The samples of one `InProcessClient.stream` call (see `rollout.backend.SampleStream`), as an
+    async iterator; past its deadline the running samples are aborted.
+
+    Invariant: each prompt's `n` samples are yielded once each (tokens of a finished sample are
+    dropped); a refused prompt raises its error and aborts the rest.
+    """
+
+    def __init__(self, client: InProcessClient, prompts: Prompts, params: list[SamplingParams], tokens: bool,
+                 timeout: float) -> None:
+        self._client, self._codec = client, client.codec
+        self._prompts = [list(map(int, p)) for p in prompts]
+        self._n = [p.n for p in params]
+        self.request_ids = [client.next_id() for _ in self._prompts]
+        self._left = dict(zip(self.request_ids, self._n))
+        self._remaining = sum(self._n)
+        self._done: set[tuple[int, int]] = set()
+        self._items: deque[tuple[int, Any]] = deque()
+        self._ready = asyncio.Event()
+        self.deadline, self.timeout = time.monotonic() + timeout, timeout
+        loop = asyncio.get_running_loop()
+
+        def sink(group: int) -> Callable[[Any], None]:  # NOTE: called on the engine's loop thread
+            return lambda item: _call_in(loop, self._push, group, item)
+
+        engine = client.engine
+        self._submitted = engine.post(lambda: engine.submit_each(
+            self._prompts, params, stream_tokens=tokens, callbacks=[sink(g) for g in range(len(self._prompts))]))
+        self._submitted.add_done_callback(lambda f: _call_in(loop, self._refusals, f))
+        client.streams.add(self)
+        client.metrics.count("requests_run", len(self._prompts))
+
+    # ---- the event loop's side of the engine's callbacks ----------------------------------------
+
+    def _push(self, group: int, item: Any) -> None:
+        if isinstance(item, RequestOutput):  # NOTE: the server's reply, then the client's Rollout of it
+            sample = output_to_wire(item, self.request_ids[group], n=self._n[group])
+            self._client.metrics.sample_sent(sample.versions)
+            item = output_from_wire(sample, self._prompts[group], group)
+        self._items.append((group, item))
+        self._ready.set()
+
+    def _refusals(self, submitted: concurrent.futures.Future) -> None:
+        error = submitted.exception()
+        results = [error] * len(self._prompts) if error is not None else submitted.result()
+        for group, result in enumerate(results):
+            if isinstance(result, BaseException):
+                self._push(group, self._client.as_reply_error(result))
+
+    # ---- the reader's side ----------------------------------------------------------------------
+
+    def __aiter__(self) -> AsyncIterator[Union[Rollout, TokenChunk]]:
+        return self
+
+    async def __anext__(self) -> Union[Rollout, TokenChunk]:
+        while self._remaining > 0:
+            while not self._items:
+                self._ready.clear()
+                try:
+                    await asyncio.wait_for(self._ready.wait(), max(0.0, self.deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    raise self._timed_out() from None
+            item = self._accept(*self._items.popleft())
+            if item is not None:
+                return item
+        raise StopAsyncIteration
+
+    def _accept(self, group: int, item: Any) -> Optional[Union[Rollout, TokenChunk]]:
+        """The item of one queued entry (None: nothing to yield); an error aborts the rest and is raised."""
+        rid = self.request_ids[group]
+        if isinstance(item, BaseException):
+            self._left[rid] = 0
+            self._give_up()
+            raise item
+        if isinstance(item, TokenEvent):
+            return self._chunk(group, item)
+        if (group, item.sample_index) in self._done:
+            return None
+        self._done.add((group, item.sample_index))
+        self._remaining -= 1
+        self._left[rid] -= 1
+        if self._left[rid] == 0:
+            self._client.metrics.count("requests_finished")
+        if self._remaining == 0:
+            self._client.streams.discard(self)
+        add_text([item], self._codec)
+        return item
+
+    def _chunk(self, group: int, first: TokenEvent) -> Optional[TokenChunk]:
+        """`first` and the tokens of its sample queued right behind it, as one chunk (a reader that
+        lags gets fewer, larger chunks, as a server's mailbox batches them)."""
+        if (group, first.sample_index) in self._done:
+            return None
+        events = [first]
+        while self._items:
+            g, nxt = self._items[0]
+            if not (g == group and isinstance(nxt, TokenEvent) and nxt.sample_index == first.sample_index):
+                break
+            events.append(self._items.popleft()[1])
+        logprobs = np.asarray([e.logprob for e in events], dtype=np.float32)  # NOTE: as a TokenDelta carries them
+        return TokenChunk(group, first.sample_index, first.index, [int(e.token_id) for e in events],
+                          logprobs.tolist(), [int(e.version) for e in events])
+
+    def _timed_out(self) -> TimeoutError:
+        self._give_up()
+        return TimeoutError(f"stream of {len(self.request_ids)} prompts not done within {self.timeout} s; "
+                            "its running samples were aborted")
+
+    async def result(self) -> list[Rollout]:
+        return sort_rollouts([item async for item in self if isinstance(item, Rollout)])
+
+    def unfinished(self) -> list[str]:
+        return [rid for rid, left in self._left.items() if left > 0]
+
+    def _abort_call(self) -> Callable[[], int]:
+        groups = [g for g, rid in enumerate(self.request_ids) if self._left[rid] > 0]
+        submitted, engine = self._submitted, self._client.engine
+
+        def call() -> int:  # NOTE: on the loop, after the submit posted before it
+            if not submitted.done() or submitted.exception() is not None:
+                return 0
+            streams = submitted.result()
+            return engine.abort_many([i for g in groups if not isinstance(streams[g], BaseException)
+                                      for i in streams[g].request_ids])
+        return call
+
+    async def abort(self) -> None:
+        if self.unfinished():
+            await self._client._settle(self._client.engine.post(self._abort_call()), "Abort", None)
+
+    def _give_up(self) -> None:
+        """Stop reading: the running samples are aborted (not waited for), the iteration ends."""
+        if self.unfinished():
+            self._client.engine.post(self._abort_call())
+        self._remaining = 0
+        self._client.streams.discard(self)
+
+
+class InProcessClient:
+    """The asyncio calls of `AsyncRolloutClient` on `engine` in this process (see module docstring).
+
+    `receiver`: the engine's `WeightReceiver` (one per engine: a server's, when one serves the
+    same engine); None builds one of its own (`weight_staging`, `weight_sync_timeout_s`), closed
+    by `close()`. The engine's loop is started if it is not running (and stopped by `close()`).
+    `health_deadline_s`: as `ServerConfig`'s, a loop quiet for longer is unhealthy.
+    """
+
+    def __init__(self, engine: DynamicInferenceEngine, receiver: Optional[WeightReceiver] = None, *,
+                 timeout: float = 300.0, health_deadline_s: float = 10.0, tokenizer: Any = None,
+                 weight_staging: Staging = Staging.DOUBLE, weight_sync_timeout_s: float = 60.0) -> None:
+        self.engine, self.timeout, self.health_deadline_s = engine, timeout, health_deadline_s
+        self.codec: Optional[TextCodec] = None if tokenizer is None else TextCodec.load(tokenizer)
+        self._owns_loop = not engine.loop_running
+        if self._owns_loop:
+            engine.start()
+        self._owns_receiver = receiver is None
+        self.receiver = receiver if receiver is not None else WeightReceiver(
+            engine, staging=weight_staging, timeout_s=weight_sync_timeout_s)
+        self.metrics = ServiceMetrics()  # NOTE: written on the event loop's thread only
+        self.streams: weakref.WeakSet[InProcessStream] = weakref.WeakSet()
+        self._ids = itertools.count()
+
+    def next_id(self) -> str:
+        return f"local-{next(self._ids)}"
+
+    # ---- generation -----------------------------------------------------------------------------
+
+    async def generate(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
+                       timeout: Optional[float] = None, session_id: Optional[str] = None,
+                       group_id: Optional[str] = None) -> RolloutBatch:
+        start = time.perf_counter()
+        prompts = token_prompts(prompts, self.codec)
+        rollouts = await self.stream(prompts, n, sampling, timeout=timeout).result()
+        stats = GenerationStats(seconds=time.perf_counter() - start, prompt_tokens=sum(len(p) for p in prompts),
+                                completion_tokens=sum(len(r.completion_ids) for r in rollouts))
+        versions = [v for r in rollouts for v in r.versions]
+        version = min(versions) if versions else await self.policy_version()
+        return RolloutBatch(rollouts, group_size=n, policy_version=version, stats=stats)
+
+    def stream(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
+               tokens: bool = False, timeout: Optional[float] = None, session_id: Optional[str] = None,
+               group_id: Optional[str] = None) -> InProcessStream:
+        """`session_id` / `group_id` are a router's hints; one engine has no use for them."""
+        prompts = token_prompts(prompts, self.codec)
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise ValueError(f"prompts must be a sequence of token-id sequences, got {type(prompts).__name__}")
+        params = params_per_prompt(len(prompts), n, sampling)
+        return InProcessStream(self, prompts, params, tokens, self.timeout if timeout is None else timeout)
+
+    async def abort(self, stream: InProcessStream) -> None:
+        await stream.abort()
+
+    # ---- engine control: posted to the engine's loop, as rollout.server.dispatch does ----------
+
+    def as_reply_error(self, exc: BaseException) -> Exception:
+        """`exc` as a ZMQ client would see it: the server's `ErrorReply` of it, read back."""
+        reply = error_reply(exc)
+        self.metrics.error(reply.code)
+        return error_from_reply(reply)
+
+    async def _settle(self, future: concurrent.futures.Future, what: str, timeout: Optional[float],
+                      count: Optional[str] = None) -> Any:
+        """The future's value, or its error as a client sees it; past `timeout`, `TimeoutError` (the
+        call still runs, as a server's does when its client stops waiting)."""
+        timeout = self.timeout if timeout is None else timeout
+        waiting = asyncio.wrap_future(future)
+        done, _ = await asyncio.wait({waiting}, timeout=timeout)
+        if not done:
+            waiting.add_done_callback(lambda f: f.cancelled() or f.exception())  # NOTE: retrieved, not logged
+            raise TimeoutError(f"{what} got no reply within {timeout} s")
+        error = waiting.exception()
+        if error is not None:
+            raise self.as_reply_error(error) from error
+        if count:
+            self.metrics.count(count)
+        return waiting.result()
+
+    async def _post(self, call: Callable[[], Any], what: str, timeout: Optional[float],
+                    count: Optional[str] = None) -> Any:
+        return await self._settle(self.engine.post(call), what, timeout, count)
+
+    async def pause(self, mode: Union[PauseMode, str] = PauseMode.KEEP, *, timeout: Optional[float] = None) -> None:
+        mode, engine = PauseMode(mode), self.engine
+        if mode is not PauseMode.WAIT:
+            await self._post(lambda: engine.pause(mode), "Pause", timeout, "pauses")
+            return
+        await self._settle(pause_until_drained(engine), "Pause", timeout, "pauses")
+
+    async def continue_(self, *, timeout: Optional[float] = None) -> None:
+        await self._post(self.engine.continue_, "Continue", timeout)
+
+    async def suspend(self, policy: Optional[SuspendPolicy] = None, *, offload_weights: bool = False,
+                      timeout: Optional[float] = None) -> SuspendReport:
+        policy, engine = SuspendPolicy(policy or SuspendPolicy.RECOMPUTE), self.engine
+        report = await self._post(lambda: engine.suspend(policy, offload_weights=bool(offload_weights)), "Suspend",
+                                  timeout, "suspends")
+        return suspend_report(_wire_values(dataclasses.asdict(report)))
+
+    async def resume(self, *, timeout: Optional[float] = None) -> None:
+        await self._post(self.engine.resume, "Resume", timeout, "resumes")
+
+    async def reset_prefix_cache(self, *, timeout: Optional[float] = None) -> None:
+        await self._post(self.engine.reset_prefix_cache, "ResetPrefixCache", timeout)
+
+    # ---- answered as a server answers them ------------------------------------------------------
+
+    async def health(self, *, timeout: Optional[float] = None) -> HealthInfo:
+        """From the loop's last tick (`RolloutServer.health`'s rule); never waits for the engine."""
+        since = self.engine.seconds_since_loop_tick()
+        since = float("inf") if since is None else since
+        return HealthInfo(healthy=since <= self.health_deadline_s, seconds_since_loop_tick=min(since, 1e9),
+                          state=self.engine.state.value, policy_version=self.engine.policy_version)
+
+    async def policy_version(self, *, timeout: Optional[float] = None) -> int:
+        return (await self.health(timeout=timeout)).policy_version
+
+    async def stats(self, *, timeout: Optional[float] = None) -> dict:
+        engine = self.engine
+
+        def call() -> dict:
+            figures = engine.stats()
+            figures["kv_utilization"] = engine.kv_utilization()
+            return figures
+
+        figures = await self._post(call, "Stats", timeout)
+        live = sum(len(s.unfinished()) for s in list(self.streams))
+        return _wire_values(self.metrics.snapshot(figures, requests_in_flight=live, clients=1,
+                                                  extra=self.receiver.stats.wire()))
+
+    # ---- weights: the receiver's worker ---------------------------------------------------------
+
+    async def update_weights(self, source: WeightSource, version: Optional[int] = None, *,
+                             policy: Optional[UpdatePolicy] = None, timeout: Optional[float] = None) -> int:
+        source = weight_source(source, version)
+        policy = None if policy is None else UpdatePolicy(policy)
+        await self._settle(self.receiver.apply(source, policy), "UpdateWeights", timeout, "weight_updates")
+        return self.engine.policy_version
+
+    async def join_group(self, master_address: str, master_port: int, rank_offset: Optional[int], world_size: int,
+                         group_name: str = DEFAULT_GROUP, backend: Optional[str] = None, *,
+                         timeout_s: Optional[float] = None, timeout: Optional[float] = None) -> int:
+        rank = self.receiver.join_group(master_address, int(master_port), rank_offset, int(world_size), group_name,
+                                        backend, timeout_s)
+        return int(await self._settle(rank, "InitWeightsUpdateGroup", timeout))
+
+    async def leave_group(self, group_name: str = DEFAULT_GROUP, *, timeout: Optional[float] = None) -> None:
+        await self._settle(self.receiver.leave_group(group_name), "DestroyWeightsUpdateGroup", timeout)
+
+    # ---- life cycle -----------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Close what this client started (its receiver, the engine's loop); blocks until done."""
+        if self._owns_receiver:
+            self.receiver.close()
+        if self._owns_loop:
+            self._owns_loop = False
+            self.engine.stop()
+
+    async def close(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.shutdown)
+
+    async def __aenter__(self) -> InProcessClient:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+
+def _call_in(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
+    """`fn(*args)` on `loop`'s thread, from any thread; dropped once that loop is closed (nobody
+    awaits it any more)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        pass
+
+
+def pause_until_drained(engine: DynamicInferenceEngine) -> concurrent.futures.Future:
+    """A WAIT pause as a server answers it: posted without waiting, resolved once the engine has
+    drained (`engine.when`), so the loop keeps stepping what was admitted meanwhile."""
+    drained: concurrent.futures.Future = concurrent.futures.Future()
+
+    def wait_drained(paused: concurrent.futures.Future) -> None:  # NOTE: on the loop, once the pause took effect
+        if paused.exception() is not None:
+            drained.set_exception(paused.exception())
+            return
+        engine.when(engine.core.drained).add_done_callback(
+            lambda f: drained.set_exception(f.exception()) if f.exception() else drained.set_result(None))
+
+    engine.post(lambda: engine.pause(PauseMode.WAIT, wait=False)).add_done_callback(wait_drained)
+    return drained
