@@ -117,7 +117,7 @@ class AsyncRolloutClient:
         await self._call(self.requests.pause(mode), timeout)
 
     async def continue_(self, *, timeout: Optional[float] = None) -> None:
-        await self._call(self.requests.continue_(), timeout)
+        await self._call(self.requests.plain(wire.Continue), timeout)
 
     async def suspend(self, policy: Optional[SuspendPolicy] = None, *, offload_weights: bool = False,
                       timeout: Optional[float] = None) -> SuspendReport:
@@ -125,7 +125,7 @@ class AsyncRolloutClient:
         return suspend_report(result.stats)
 
     async def resume(self, *, timeout: Optional[float] = None) -> None:
-        await self._call(self.requests.resume(), timeout)
+        await self._call(self.requests.plain(wire.Resume), timeout)
 
     async def update_weights(self, source: WeightSource, version: Optional[int] = None, *,
                              policy: Optional[UpdatePolicy] = None, timeout: Optional[float] = None) -> int:
@@ -133,20 +133,20 @@ class AsyncRolloutClient:
         return result.policy_version
 
     async def reset_prefix_cache(self, *, timeout: Optional[float] = None) -> None:
-        await self._call(self.requests.reset_prefix_cache(), timeout)
+        await self._call(self.requests.plain(wire.ResetPrefixCache), timeout)
 
     async def policy_version(self, *, timeout: Optional[float] = None) -> int:
         return (await self.health(timeout=timeout)).policy_version
 
     async def is_sleeping(self, *, timeout: Optional[float] = None) -> bool:
         """Whether the engine is suspended (through a router: every replica that answered is)."""
-        return bool((await self._call(self.requests.is_sleeping(), timeout)).sleeping)
+        return bool((await self._call(self.requests.plain(wire.IsSleeping), timeout)).sleeping)
 
     async def health(self, *, timeout: Optional[float] = None) -> wire.HealthInfo:
-        return (await self._call(self.requests.health(), timeout)).health
+        return (await self._call(self.requests.plain(wire.Health), timeout)).health
 
     async def stats(self, *, timeout: Optional[float] = None) -> dict:
-        return dict((await self._call(self.requests.stats(), timeout)).stats or {})
+        return dict((await self._call(self.requests.plain(wire.Stats), timeout)).stats or {})
 
     def reconnect(self) -> None:
         self.connection.reconnect()

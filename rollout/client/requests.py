@@ -1,4 +1,5 @@
-"""The clients' control requests: one builder per message kind, ids from the connection.
+"""The clients' control requests: one builder per message kind that carries more than its id
+(`plain(kind)` builds the others), ids from the connection.
 
 Both clients (`RolloutClient`, `AsyncRolloutClient`) and the weight-call facade build their
 requests here, from the engine's own types (`PauseMode`, `SuspendPolicy`, `UpdatePolicy`), which
@@ -9,13 +10,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional, TypeVar, Union
 
 from inference import PauseMode, SuspendPolicy, UpdatePolicy
 from rollout.backend import WeightSource
 from rollout.client.connection import Connection
 from rollout.wire import messages as wire
 from weight_sync import DiskSource, DistributedSource, SharedMemorySource, with_version
+
+Plain = TypeVar("Plain", wire.Continue, wire.Resume, wire.ResetPrefixCache, wire.Stats, wire.Health,
+                wire.GetWeightVersion, wire.IsSleeping)
 
 
 def weight_source(source: WeightSource, version: Optional[int]) -> WeightSource:
@@ -38,35 +42,21 @@ class Requests:
     def _id(self, prefix: str = "c") -> str:
         return self.connection.next_id(prefix)
 
+    def plain(self, kind: type[Plain]) -> Plain:
+        """A request that carries nothing but its id (Continue, Resume, Stats, IsSleeping, ...)."""
+        return kind(request_id=self._id())
+
     def pause(self, mode: Union[PauseMode, str]) -> wire.Pause:
         return wire.Pause(request_id=self._id(), mode=PauseMode(mode))
-
-    def continue_(self) -> wire.Continue:
-        return wire.Continue(request_id=self._id())
 
     def suspend(self, policy: Optional[Union[SuspendPolicy, str]], offload_weights: bool) -> wire.Suspend:
         return wire.Suspend(request_id=self._id(), policy=SuspendPolicy(policy or SuspendPolicy.RECOMPUTE),
                             offload_weights=bool(offload_weights))
 
-    def resume(self) -> wire.Resume:
-        return wire.Resume(request_id=self._id())
-
     def update_weights(self, source: WeightSource, version: Optional[int],
                        policy: Optional[Union[UpdatePolicy, str]]) -> wire.UpdateWeights:
         return wire.UpdateWeights(request_id=self._id(), source=weight_source(source, version),
                                   policy=None if policy is None else UpdatePolicy(policy))
-
-    def reset_prefix_cache(self) -> wire.ResetPrefixCache:
-        return wire.ResetPrefixCache(request_id=self._id())
-
-    def stats(self) -> wire.Stats:
-        return wire.Stats(request_id=self._id())
-
-    def is_sleeping(self) -> wire.IsSleeping:
-        return wire.IsSleeping(request_id=self._id())
-
-    def health(self) -> wire.Health:
-        return wire.Health(request_id=self._id())
 
     def abort(self, targets: list[str]) -> wire.Abort:
         return wire.Abort(request_id=self._id("a"), targets=targets)

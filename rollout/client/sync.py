@@ -123,14 +123,14 @@ class RolloutClient(WeightSyncCalls):
         self._call(self.requests.pause(mode), timeout)
 
     def continue_(self, *, timeout: Optional[float] = None) -> None:
-        self._call(self.requests.continue_(), timeout)
+        self._call(self.requests.plain(wire.Continue), timeout)
 
     def suspend(self, policy: Optional[SuspendPolicy] = None, *, offload_weights: bool = False,
                 timeout: Optional[float] = None) -> SuspendReport:
         return suspend_report(self._call(self.requests.suspend(policy, offload_weights), timeout).stats)
 
     def resume(self, *, timeout: Optional[float] = None) -> None:
-        self._call(self.requests.resume(), timeout)
+        self._call(self.requests.plain(wire.Resume), timeout)
 
     def update_weights(self, source: WeightSource, version: Optional[int] = None, *,
                        policy: Optional[UpdatePolicy] = None, timeout: Optional[float] = None) -> int:
@@ -138,7 +138,7 @@ class RolloutClient(WeightSyncCalls):
         return self._call(self.requests.update_weights(source, version, policy), timeout).policy_version
 
     def reset_prefix_cache(self, *, timeout: Optional[float] = None) -> None:
-        self._call(self.requests.reset_prefix_cache(), timeout)
+        self._call(self.requests.plain(wire.ResetPrefixCache), timeout)
 
     @property
     def policy_version(self) -> int:
@@ -146,14 +146,14 @@ class RolloutClient(WeightSyncCalls):
 
     def is_sleeping(self, *, timeout: Optional[float] = None) -> bool:
         """Whether the engine is suspended (through a router: every replica that answered is)."""
-        return bool(self._call(self.requests.is_sleeping(), timeout).sleeping)
+        return bool(self._call(self.requests.plain(wire.IsSleeping), timeout).sleeping)
 
     def health(self, *, timeout: Optional[float] = None) -> wire.HealthInfo:
         """Answered without the engine: whether its loop went round within the server's deadline."""
-        return self._call(self.requests.health(), timeout).health
+        return self._call(self.requests.plain(wire.Health), timeout).health
 
     def stats(self, *, timeout: Optional[float] = None) -> dict:
-        return dict(self._call(self.requests.stats(), timeout).stats or {})
+        return dict(self._call(self.requests.plain(wire.Stats), timeout).stats or {})
 
     # ---- connection ----------------------------------------------------------------------------
 

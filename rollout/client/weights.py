@@ -103,9 +103,10 @@ def disk_source(model_path: Union[str, Path], load_format: Optional[str] = None)
 
 class WeightSyncCalls:
     """Mixed into `RolloutClient`: `weight_sync.WeightControl` (what a `WeightSender` calls) and
-    SGLang's names over it. Needs the client's `connection` and `_call(msg, timeout)`."""
+    SGLang's names over it. Needs the client's `connection`, `requests` and `_call(msg, timeout)`."""
 
-    connection: Any  # NOTE: and `_call(msg, timeout) -> wire.Result`, both the client's
+    connection: Any  # NOTE: these and `_call(msg, timeout) -> wire.Result` are the client's
+    requests: Any
 
     # ---- weight_sync.WeightControl --------------------------------------------------------------
 
@@ -132,7 +133,7 @@ class WeightSyncCalls:
                    timeout)
 
     def weight_version(self, *, timeout: Optional[float] = None) -> int:
-        return int(self._call(wire.GetWeightVersion(request_id=self.connection.next_id("c")), timeout).policy_version)
+        return int(self._call(self.requests.plain(wire.GetWeightVersion), timeout).policy_version)
 
     # ---- SGLang's names -------------------------------------------------------------------------
 

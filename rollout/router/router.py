@@ -44,28 +44,18 @@ from rollout.router.replicas import ReplicaSet
 from rollout.service.endpoint import EndpointConfig, ServiceEndpoint
 from rollout.service.registry import Record
 from rollout.wire.codec import DEFAULT_MAX_FRAME_BYTES, ProtocolError
-from rollout.wire.kinds import ErrorCode, Kind
+from rollout.wire.kinds import BROADCAST_KINDS, ErrorCode, Kind
 from rollout.wire.messages import (
+    REQUEST_TYPES,
     Abort,
-    Continue,
-    DestroyWeightsUpdateGroup,
     ErrorReply,
-    GetWeightVersion,
     Health,
     HealthInfo,
     Heartbeat,
-    InitWeightsUpdateGroup,
-    IsSleeping,
     KvEvents,
-    Pause,
-    ResetPrefixCache,
     Result,
-    Resume,
     SampleOutput,
-    Stats,
-    Suspend,
     TokenDelta,
-    UpdateWeights,
     kind_of,
 )
 from rollout.wire.security import ClientSecurity, ServerSecurity
@@ -126,9 +116,7 @@ class RolloutRouter:
 
     def __init__(self, replicas: Sequence[str] = (), config: Optional[RouterConfig] = None) -> None:
         self.config = config = config or RouterConfig()
-        broadcast = {t: self._broadcast for t in (Pause, Continue, Suspend, Resume, UpdateWeights, ResetPrefixCache,
-                                                  Stats, InitWeightsUpdateGroup, DestroyWeightsUpdateGroup,
-                                                  GetWeightVersion, IsSleeping)}
+        broadcast = {t: self._broadcast for t in REQUEST_TYPES if kind_of(t) in BROADCAST_KINDS}
         handlers = {**broadcast, Health: self._health, Heartbeat: self._health, Abort: self._abort,
                     KvEvents: self._kv_events}
         endpoint_config = EndpointConfig(host=config.host, port=config.port, security=config.security,

@@ -14,7 +14,7 @@ from rollout.client.streams import _ON_REPLY
 from rollout.router.replicas import _ATTEMPT_REPLIES
 from rollout.server.server import RolloutServer
 from rollout.service.endpoint import EndpointConfig, ServiceEndpoint
-from rollout.wire.kinds import REPLY_KINDS, REQUEST_KINDS
+from rollout.wire.kinds import BROADCAST_KINDS, REPLY_KINDS, REQUEST_KINDS
 from rollout.wire.messages import REQUEST_TYPES, Generate, ReplyMessage, Result, kind_of
 from tests.rollout.conftest import small_engine_config, tiny_policy
 
@@ -35,6 +35,8 @@ def test_server_and_router_have_one_handler_for_every_request_kind():
             assert set(handlers) == set(REQUEST_TYPES), side
             assert handlers[Generate] == side.endpoint._generate  # exactly-once lives in the endpoint alone
             assert all(callable(h) for h in handlers.values())
+        broadcast = {kind_of(t) for t, h in router.endpoint.handlers.items() if h == router._broadcast}
+        assert broadcast == BROADCAST_KINDS  # the router's own: Generate, Abort, Health, Heartbeat, KvEvents
     finally:
         server.close()
         router.close()
