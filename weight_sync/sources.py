@@ -1,7 +1,12 @@
 """Where an update's bytes come from, as the wire carries it: the payloads of `UpdateWeights`.
 
-Each is a msgspec struct tagged by `type`, so `rollout.wire.messages` puts them in one union with its
-`SafetensorsDir`. They carry the manifest (`weight_sync.manifest`), checked before a byte moves:
+Each is a msgspec struct tagged by `type`, in one union (`WeightSource`) that `UpdateWeights`
+carries whole. The version an update commits under lives in the source alone (`source_version`):
+
+* `DiskSource`: the `*.safetensors` files of a directory the replica can read; a plain checkpoint
+  has no manifest, so it says its version itself (`version`, None: the replica's next).
+
+The others carry the manifest (`weight_sync.manifest`, with the version), checked before a byte moves:
 
 * `DistributedSource`: broadcasts over a weight-update group the replica joined
   (`init_weights_update_group`); `manifest.layout` None is SGLang's tensor-by-tensor form.
