@@ -4,6 +4,8 @@
 Written for the reshape of the layers above the engine core (base c1fb8ae: a flat rollout/;
 head: client/, wire/, service/, server/, router/, rl/, calls posted to the engine loop), but any
 two commits whose `rollout` exports `AsyncRolloutClient`, `ServerProcess` and `RouterProcess` work.
+NOTE: `bench/compare_commits.py` runs each commit's own `bench/NAME.py`; the base has no bench of
+this, so this file carries its driver and runs it against either commit's packages.
 
 Each commit's tracked tree is extracted once into a cache directory (reused by later runs). Every
 repeat runs this file's `driver` in a fresh subprocess per commit, with cwd and PYTHONPATH = that
