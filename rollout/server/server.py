@@ -157,7 +157,11 @@ class RolloutServer:
                     record.stream = result
             return results
 
-        self.engine.post(submit).add_done_callback(lambda f: post(_Submitted(batch, f)))
+        def refusals(done: Any) -> None:  # NOTE: on the loop; mail only for refusals, so an accepted batch wakes no one
+            if done.exception() is not None or any(isinstance(r, Exception) for r in done.result()):
+                post(_Submitted(batch, done))
+
+        self.engine.post(submit).add_done_callback(refusals)
 
     def health(self) -> HealthInfo:
         """From the loop's last tick; never waits for the engine (a wedged loop must show)."""
