@@ -354,6 +354,25 @@ class DynamicInferenceEngine:
         if mode is PauseMode.WAIT and wait:
             self.wait_drained(timeout)
 
+    def post_pause(self, mode: PauseMode = PauseMode.KEEP) -> Future:
+        """`pause(mode)` without waiting: a `Future` resolved once the pause took effect, and with
+        WAIT once what was admitted has finished (the loop steps it meanwhile)."""
+        mode = PauseMode(mode)
+        paused = self.post(lambda: self.pause(mode, wait=False))
+        if mode is not PauseMode.WAIT:
+            return paused
+        drained: Future = Future()
+
+        def wait_drained(done: Future) -> None:  # NOTE: on the loop, once the pause took effect
+            if done.exception() is not None:
+                drained.set_exception(done.exception())
+                return
+            self.when(self.core.drained).add_done_callback(
+                lambda f: drained.set_exception(f.exception()) if f.exception() else drained.set_result(None))
+
+        paused.add_done_callback(wait_drained)
+        return drained
+
     def wait_drained(self, timeout: Optional[float] = None) -> None:
         """Return once nothing admitted is still in flight (what a WAIT pause waits for);
         `TimeoutError` after `timeout` seconds."""

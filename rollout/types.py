@@ -7,7 +7,7 @@ can be serialised (msgpack, no pickle) or shipped elsewhere; torch appears only 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -125,6 +125,16 @@ class RolloutBatch:
     group_size: int
     policy_version: int = 0
     stats: GenerationStats = field(default_factory=GenerationStats)
+
+    @classmethod
+    def of_served(cls, rollouts: list[Rollout], prompts: Sequence[Sequence[int]], n: int, seconds: float,
+                  version_now: Callable[[], int]) -> RolloutBatch:
+        """A served engine's answer to one call: under the oldest version any of its tokens was
+        sampled under (`version_now()`, asked only if none was sampled)."""
+        stats = GenerationStats(seconds=seconds, prompt_tokens=sum(len(p) for p in prompts),
+                                completion_tokens=sum(len(r.completion_ids) for r in rollouts))
+        versions = [v for r in rollouts for v in r.versions]
+        return cls(rollouts, group_size=n, policy_version=min(versions) if versions else version_now(), stats=stats)
 
     def __len__(self) -> int:
         return len(self.rollouts)

@@ -22,7 +22,7 @@ from rollout.client.connection import Connection, ControlPending
 from rollout.client.requests import Requests
 from rollout.client.streams import StreamState, build_generates, suspend_report
 from rollout.text import TextCodec, token_prompts
-from rollout.types import GenerationStats, Rollout, RolloutBatch, TokenChunk
+from rollout.types import Rollout, RolloutBatch, TokenChunk
 from rollout.wire import messages as wire
 from rollout.wire.security import ClientSecurity
 
@@ -79,11 +79,9 @@ class AsyncRolloutClient:
         prompts = token_prompts(prompts, self.codec)
         rollouts = await self.stream(prompts, n, sampling, timeout=timeout, session_id=session_id,
                                      group_id=group_id).result()
-        stats = GenerationStats(seconds=time.perf_counter() - start, prompt_tokens=sum(len(p) for p in prompts),
-                                completion_tokens=sum(len(r.completion_ids) for r in rollouts))
-        versions = [v for r in rollouts for v in r.versions]
-        version = min(versions) if versions else await self.policy_version()
-        return RolloutBatch(rollouts, group_size=n, policy_version=version, stats=stats)
+        seconds = time.perf_counter() - start
+        now = None if any(r.versions for r in rollouts) else await self.policy_version()
+        return RolloutBatch.of_served(rollouts, prompts, n, seconds, lambda: now)
 
     def stream(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
                tokens: bool = False, timeout: Optional[float] = None, session_id: Optional[str] = None,

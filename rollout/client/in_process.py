@@ -42,7 +42,7 @@ from rollout.client.requests import weight_source
 from rollout.client.streams import suspend_report
 from rollout.service.metrics import ServiceMetrics, _wire_values
 from rollout.text import TextCodec, add_text, token_prompts
-from rollout.types import GenerationStats, Rollout, RolloutBatch, TokenChunk
+from rollout.types import Rollout, RolloutBatch, TokenChunk
 from rollout.wire.convert import error_from_reply, error_reply, output_from_wire, output_to_wire
 from rollout.wire.messages import HealthInfo
 from weight_sync import DEFAULT_GROUP, Staging, WeightReceiver
@@ -221,11 +221,9 @@ class InProcessClient:
         start = time.perf_counter()
         prompts = token_prompts(prompts, self.codec)
         rollouts = await self.stream(prompts, n, sampling, timeout=timeout).result()
-        stats = GenerationStats(seconds=time.perf_counter() - start, prompt_tokens=sum(len(p) for p in prompts),
-                                completion_tokens=sum(len(r.completion_ids) for r in rollouts))
-        versions = [v for r in rollouts for v in r.versions]
-        version = min(versions) if versions else await self.policy_version()
-        return RolloutBatch(rollouts, group_size=n, policy_version=version, stats=stats)
+        seconds = time.perf_counter() - start
+        now = None if any(r.versions for r in rollouts) else await self.policy_version()
+        return RolloutBatch.of_served(rollouts, prompts, n, seconds, lambda: now)
 
     def stream(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
                tokens: bool = False, timeout: Optional[float] = None, session_id: Optional[str] = None,
@@ -270,11 +268,7 @@ class InProcessClient:
         return await self._settle(self.engine.post(call), what, timeout, count)
 
     async def pause(self, mode: Union[PauseMode, str] = PauseMode.KEEP, *, timeout: Optional[float] = None) -> None:
-        mode, engine = PauseMode(mode), self.engine
-        if mode is not PauseMode.WAIT:
-            await self._post(lambda: engine.pause(mode), "Pause", timeout, "pauses")
-            return
-        await self._settle(pause_until_drained(engine), "Pause", timeout, "pauses")
+        await self._settle(self.engine.post_pause(PauseMode(mode)), "Pause", timeout, "pauses")
 
     async def continue_(self, *, timeout: Optional[float] = None) -> None:
         await self._post(self.engine.continue_, "Continue", timeout)
@@ -363,19 +357,3 @@ def _call_in(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:
         pass
-
-
-def pause_until_drained(engine: DynamicInferenceEngine) -> concurrent.futures.Future:
-    """A WAIT pause as a server answers it: posted without waiting, resolved once the engine has
-    drained (`engine.when`), so the loop keeps stepping what was admitted meanwhile."""
-    drained: concurrent.futures.Future = concurrent.futures.Future()
-
-    def wait_drained(paused: concurrent.futures.Future) -> None:  # NOTE: on the loop, once the pause took effect
-        if paused.exception() is not None:
-            drained.set_exception(paused.exception())
-            return
-        engine.when(engine.core.drained).add_done_callback(
-            lambda f: drained.set_exception(f.exception()) if f.exception() else drained.set_result(None))
-
-    engine.post(lambda: engine.pause(PauseMode.WAIT, wait=False)).add_done_callback(wait_drained)
-    return drained

@@ -24,7 +24,7 @@ from rollout.client.requests import Requests
 from rollout.client.streams import StreamState, build_generates, call_blocking, suspend_report
 from rollout.client.weights import WeightSyncCalls
 from rollout.text import TextCodec, token_prompts
-from rollout.types import GenerationStats, Rollout, RolloutBatch, TokenChunk
+from rollout.types import Rollout, RolloutBatch, TokenChunk
 from rollout.wire import messages as wire
 from rollout.wire.security import ClientSecurity
 
@@ -97,12 +97,7 @@ class RolloutClient(WeightSyncCalls):
         prompts = token_prompts(prompts, self.codec)
         rollouts = self.stream(prompts, n, sampling, timeout=timeout, session_id=session_id,
                                group_id=group_id).result()
-        seconds = time.perf_counter() - start
-        versions = [v for r in rollouts for v in r.versions]
-        stats = GenerationStats(seconds=seconds, prompt_tokens=sum(len(p) for p in prompts),
-                                completion_tokens=sum(len(r.completion_ids) for r in rollouts))
-        version = min(versions) if versions else self.policy_version
-        return RolloutBatch(rollouts, group_size=n, policy_version=version, stats=stats)
+        return RolloutBatch.of_served(rollouts, prompts, n, time.perf_counter() - start, lambda: self.policy_version)
 
     def stream(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
                tokens: bool = False, timeout: Optional[float] = None, session_id: Optional[str] = None,

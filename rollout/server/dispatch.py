@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from inference import EngineState, PauseMode
+from inference import EngineState
 from rollout.wire.codec import ProtocolError
 from rollout.wire.kinds import ErrorCode
 from rollout.wire.messages import (
@@ -122,22 +122,8 @@ class ServerCalls:
         self._post(peer, msg, call, lambda value: {"stats": value})
 
     def pause(self, peer: bytes, msg: Pause, now: float) -> None:
-        engine = self.engine
-        if msg.mode is not PauseMode.WAIT:
-            self._post(peer, msg, lambda: engine.pause(msg.mode))
-            return
-        self.server.flush_generates()
-        drained: Future = Future()
-
-        def wait_drained(paused: Future) -> None:  # NOTE: on the loop, once the pause took effect
-            if paused.exception() is not None:
-                drained.set_exception(paused.exception())
-                return
-            engine.when(engine.core.drained).add_done_callback(
-                lambda f: drained.set_exception(f.exception()) if f.exception() else drained.set_result(None))
-
-        engine.post(lambda: engine.pause(PauseMode.WAIT, wait=False)).add_done_callback(wait_drained)
-        self._answer(peer, msg, drained)
+        self.server.flush_generates()  # NOTE: what was read before the pause is admitted (WAIT lets it finish)
+        self._answer(peer, msg, self.engine.post_pause(msg.mode))
 
     def suspend(self, peer: bytes, msg: Suspend, now: float) -> None:
         engine = self.engine

@@ -60,8 +60,14 @@ def test_samples_and_token_chunks_equal_the_zmq_clients(served):
     mine = sorted((i for i in items if isinstance(i, Rollout)), key=lambda r: (r.group, r.sample_index))
     assert len(mine) == len(theirs) == 4
     for a, b in zip(mine, theirs):
-        assert (a.prompt_ids, a.completion_ids, a.logprobs, a.versions, a.finish_reason, a.top_logprobs) == \
-            (b.prompt_ids, b.completion_ids, b.logprobs, b.versions, b.finish_reason, b.top_logprobs)
+        assert (a.prompt_ids, a.completion_ids, a.versions, a.finish_reason) == \
+            (b.prompt_ids, b.completion_ids, b.versions, b.finish_reason)
+        # NOTE: the second run hits the prefix cache the first filled, so its prefill has other shapes
+        # and its fp32 log-probs round differently (2.4e-7 seen under ATEN_CPU_CAPABILITY=avx2); each
+        # run is within 5e-6 of float64 (tests/inference/engine parity), so two runs within 1e-5
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+        assert [sorted(t) for t in a.top_logprobs] == [sorted(t) for t in b.top_logprobs]
+        assert all(ta == pytest.approx(tb, abs=1e-5) for ta, tb in zip(a.top_logprobs, b.top_logprobs))
         chunks = [c for c in items if isinstance(c, TokenChunk) and (c.group, c.sample_index) == (a.group,
                                                                                                  a.sample_index)]
         assert sum((c.token_ids for c in chunks), []) == a.completion_ids  # each token once, in order
