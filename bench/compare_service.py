@@ -143,7 +143,9 @@ def driver(args: argparse.Namespace) -> int:
         save_model(args.model_dir, args.seed)
     with ServerProcess(args.model_dir, *SERVER_ARGS) as server, \
             RouterProcess("--replicas", server.address, "--lease-s", "600") as router:
-        figures, digest = asyncio.run(measure({"server": server.address, "router": router.address}, args))
+        addresses = {"server": server.address, "router": router.address}
+        order = args.order.split(",")  # NOTE: the first path measured runs in the younger processes
+        figures, digest = asyncio.run(measure({path: addresses[path] for path in order}, args))
     print(RESULT_PREFIX + json.dumps({"figures": figures, "digest": digest, "load": os.getloadavg()[0]}), flush=True)
     return 0
 
@@ -174,7 +176,8 @@ def run_driver(tree: Path, args: argparse.Namespace) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")])))
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # NOTE: spinning OpenMP threads starve the other processes
     command = [sys.executable, str(Path(__file__).resolve()), "driver", "--model-dir", str(args.model_dir),
-               "--single", str(args.single), "--per-worker", str(args.per_worker), "--seed", str(args.seed)]
+               "--single", str(args.single), "--per-worker", str(args.per_worker), "--seed", str(args.seed),
+               "--order", args.order]
     proc = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=args.timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if proc.returncode != 0 or not lines:
@@ -224,6 +227,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--per-worker", type=int, help=f"calls per worker at {WIDE} in flight (default 40; --quick 2)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 repeats, fewer requests")
     parser.add_argument("--seed", type=int, default=0, help="model weights and prompts")
+    parser.add_argument("--order", default="server,router", choices=["server,router", "router,server"],
+                        help="which path each driver run measures first")
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "compare_service",
                         help="extracted trees and the model, reused across runs")
     parser.add_argument("--model-dir", type=Path, help="the model directory (default CACHE/model-seedSEED)")
