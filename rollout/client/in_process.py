@@ -43,7 +43,14 @@ from rollout.client.streams import suspend_report
 from rollout.service.metrics import ServiceMetrics, _wire_values
 from rollout.text import TextCodec, add_text, token_prompts
 from rollout.types import Rollout, RolloutBatch, TokenChunk
-from rollout.wire.convert import error_from_reply, error_reply, output_from_wire, output_to_wire
+from rollout.wire.convert import (
+    engine_figures,
+    error_from_reply,
+    error_reply,
+    health_of,
+    output_from_wire,
+    output_to_wire,
+)
 from rollout.wire.messages import HealthInfo
 from weight_sync import DEFAULT_GROUP, Staging, WeightReceiver
 
@@ -290,23 +297,14 @@ class InProcessClient:
 
     async def health(self, *, timeout: Optional[float] = None) -> HealthInfo:
         """From the loop's last tick (`RolloutServer.health`'s rule); never waits for the engine."""
-        since = self.engine.seconds_since_loop_tick()
-        since = float("inf") if since is None else since
-        return HealthInfo(healthy=since <= self.health_deadline_s, seconds_since_loop_tick=min(since, 1e9),
-                          state=self.engine.state.value, policy_version=self.engine.policy_version)
+        return health_of(self.engine, self.health_deadline_s)
 
     async def policy_version(self, *, timeout: Optional[float] = None) -> int:
         return (await self.health(timeout=timeout)).policy_version
 
     async def stats(self, *, timeout: Optional[float] = None) -> dict:
         engine = self.engine
-
-        def call() -> dict:
-            figures = engine.stats()
-            figures["kv_utilization"] = engine.kv_utilization()
-            return figures
-
-        figures = await self._post(call, "Stats", timeout)
+        figures = await self._post(lambda: engine_figures(engine), "Stats", timeout)
         live = sum(len(s.unfinished()) for s in list(self.streams))
         return _wire_values(self.metrics.snapshot(figures, requests_in_flight=live, clients=1,
                                                   extra=self.receiver.stats.wire()))

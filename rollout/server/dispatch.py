@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 from inference import EngineState
 from rollout.wire.codec import ProtocolError
+from rollout.wire.convert import engine_figures
 from rollout.wire.kinds import ErrorCode
 from rollout.wire.messages import (
     Abort,
@@ -132,13 +133,8 @@ class ServerCalls:
 
     def stats(self, peer: bytes, msg: Stats, now: float) -> None:
         engine = self.engine
-
-        def call() -> dict:
-            figures = engine.stats()
-            figures["kv_utilization"] = engine.kv_utilization()
-            return figures
-
-        self._post(peer, msg, call, lambda figures: {"stats": self.server.stats_snapshot(figures)})
+        self._post(peer, msg, lambda: engine_figures(engine),
+                   lambda figures: {"stats": self.server.stats_snapshot(figures)})
 
     def is_sleeping(self, peer: bytes, msg: IsSleeping, now: float) -> None:
         # NOTE: posted, so it answers after every call this client sent before it (a suspend) took effect

@@ -33,7 +33,7 @@ from rollout.service.endpoint import EndpointConfig, ServiceEndpoint
 from rollout.service.metrics import _wire_values
 from rollout.service.registry import Record
 from rollout.wire.codec import DEFAULT_MAX_FRAME_BYTES
-from rollout.wire.convert import error_reply, output_to_wire
+from rollout.wire.convert import error_reply, health_of, output_to_wire
 from rollout.wire.messages import Abort, HealthInfo, Result, TokenDelta, kind_of
 from rollout.wire.security import ServerSecurity
 from weight_sync import Staging, WeightReceiver
@@ -165,10 +165,7 @@ class RolloutServer:
 
     def health(self) -> HealthInfo:
         """From the loop's last tick; never waits for the engine (a wedged loop must show)."""
-        since = self.engine.seconds_since_loop_tick()
-        since = float("inf") if since is None else since
-        return HealthInfo(healthy=since <= self.config.health_deadline_s, seconds_since_loop_tick=min(since, 1e9),
-                          state=self.engine.state.value, policy_version=self.engine.policy_version)
+        return health_of(self.engine, self.config.health_deadline_s)
 
     def stats_snapshot(self, figures: dict) -> dict:
         endpoint = self.endpoint

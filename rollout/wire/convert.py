@@ -18,7 +18,7 @@ from inference.sampling.params import SamplingParams
 from rollout.types import Rollout
 from rollout.wire.codec import ProtocolError
 from rollout.wire.kinds import ErrorCode
-from rollout.wire.messages import ErrorReply, RoutedExperts, SampleOutput, Sampling
+from rollout.wire.messages import ErrorReply, HealthInfo, RoutedExperts, SampleOutput, Sampling
 
 __all__ = ["error_from_reply", "error_reply", "output_from_wire", "output_to_wire", "sampling_params_from_wire",
            "sampling_params_to_wire"]
@@ -55,6 +55,21 @@ def error_from_reply(reply: ErrorReply) -> Exception:
 
 
 # ---- converters to and from the engine's types -----------------------------------------------
+
+
+def health_of(engine, deadline_s: float) -> HealthInfo:
+    """An engine's health from its loop's last tick (never waits for it: a wedged loop must show)."""
+    since = engine.seconds_since_loop_tick()
+    since = float("inf") if since is None else since
+    return HealthInfo(healthy=since <= deadline_s, seconds_since_loop_tick=min(since, 1e9),
+                      state=engine.state.value, policy_version=engine.policy_version)
+
+
+def engine_figures(engine) -> dict:
+    """What a served engine reports in its stats (on its loop: `engine.stats()` and KV use)."""
+    figures = engine.stats()
+    figures["kv_utilization"] = engine.kv_utilization()
+    return figures
 
 
 def sampling_params_to_wire(params: SamplingParams) -> Sampling:
