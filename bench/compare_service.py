@@ -1,5 +1,5 @@
 """Service layers at two commits: generate latency and tokens/s through `rollout serve` and through
-`rollout route` over it, each commit's own code, measured in the same run, interleaved.
+`rollout route` over it, each commit's own code, both up at once and measured in lockstep.
 
 Written for the reshape of the layers above the engine core (base c1fb8ae: a flat rollout/;
 head: client/, wire/, service/, server/, router/, rl/, calls posted to the engine loop), but any
@@ -7,21 +7,31 @@ two commits whose `rollout` exports `AsyncRolloutClient`, `ServerProcess` and `R
 NOTE: `bench/compare_commits.py` runs each commit's own `bench/NAME.py`; the base has no bench of
 this, so this file carries its driver and runs it against either commit's packages.
 
-Each commit's tracked tree is extracted once into a cache directory (reused by later runs). Every
-repeat runs this file's `driver` in a fresh subprocess per commit, with cwd and PYTHONPATH = that
-tree, so the commit's client, server and router are measured with the same venv, model (a 1-layer,
-hidden-32, vocab-384 random Llama: the engine is nearly free, so the service layers dominate),
-seed and engine flags. The driver starts `rollout serve` (1 torch thread) on a loopback port the
-OS picks and `rollout route` with that one replica, warms both paths, then measures each with one
-`AsyncRolloutClient`: 1 request in flight (sequential calls) and 64 in flight (64 workers calling
-back to back); 16-token random prompts, 16 greedy tokens with EOS ignored, so the work is the same.
+Why lockstep: this machine's speed drifts in windows of about half a second (an engine step here
+takes 0.9 ms in one window and 1.4 ms in the next, on either core, with nothing else running), so
+two commits measured one after the other in separate processes differ by +-10% whatever their code
+does. Here each commit's tracked tree is extracted once into a cache directory, and one `driver`
+per commit runs at the same time, with cwd and PYTHONPATH = its tree (same venv, model, seed and
+engine flags). Each driver starts `rollout serve` (1 torch thread) on a loopback port the OS picks
+and `rollout route` with that one replica, warms both paths, then waits for commands on stdin.
+The orchestrator hands out short blocks, one driver at a time (the idle one only polls), and
+alternates which commit goes first in each round, so both see the same drift:
 
-Repeats alternate the order (base, head / head, base / ...), so load drifts hit both. Reported per
-figure: medians and [min-max] over repeats, and "head better by": base/head for latency,
-head/base for tokens/s (> 1: head is better), plus the [min-max] of the per-repeat pair ratios.
+* 1 in flight: `--single` sequential calls per block;
+* 64 in flight: 64 workers calling `--per-worker` times back to back.
 
-    python bench/compare_service.py --base c1fb8ae --head HEAD --repeats 5
-    python bench/compare_service.py --quick   # smoke: 2 repeats, fewer requests
+16-token random prompts, 16 greedy tokens with EOS ignored, the same prompt sequence in both
+drivers, so the work is the same (the greedy outputs are checked to agree). The model is a 1-layer,
+hidden-32, vocab-384 random Llama: the engine is nearly free, so the service layers dominate.
+Reported per figure: each commit's median over rounds of its per-block figure (p50 / p99 of the
+block's calls, tokens/s over its wall time), "head better by" of those medians (base/head for
+latency, head/base for tokens/s; > 1: head is better), the [p10-p90] of the per-round ratios (each
+round's blocks ran back to back), and the ratio with every call of every round pooled. NOTE: the
+idle commit's stack still polls (its router asks its server for KV events every 50 ms), so each
+commit is measured beside the other's idle stack.
+
+    python bench/compare_service.py --base c1fb8ae --head HEAD
+    python bench/compare_service.py --quick   # smoke: 3 rounds, short blocks
 """
 
 from __future__ import annotations
@@ -39,11 +49,12 @@ import tempfile
 import time
 from pathlib import Path
 
-RESULT_PREFIX = "RESULT "
+RESULT_PREFIX, READY_LINE = "RESULT ", "READY"
 PROMPT_LEN, MAX_TOKENS, WIDE, VOCAB = 16, 16, 64, 384
 SERVER_ARGS = ("--threads", "1", "--block-size", "16", "--num-blocks", "2048", "--max-requests", "128",
                "--max-batch-tokens", "2048", "--max-seq-len", "256", "--lease-s", "600")
 PATHS = ("server", "router")
+BLOCKS = tuple((path, inflight) for inflight in (1, WIDE) for path in PATHS)
 
 
 # ---- the driver: runs inside one commit's tree, imports only what both commits export ----
@@ -61,7 +72,11 @@ def save_model(directory: Path, seed: int) -> None:
                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
     staging = Path(tempfile.mkdtemp(dir=directory.parent, prefix=directory.name + "."))
     LlamaForCausalLM(cfg).eval().save_pretrained(staging)
-    staging.rename(directory)  # NOTE: atomic, so a killed run never leaves half a model to reuse
+    try:
+        staging.rename(directory)  # NOTE: atomic, so a killed run never leaves half a model to reuse
+    except OSError:  # the other driver saved it first (same seed: the same bytes)
+        if not (directory / "config.json").is_file():
+            raise
 
 
 class Prompts:
@@ -81,7 +96,7 @@ async def timed_call(client, prompt: list[int], sampling) -> tuple[float, list[i
     return time.perf_counter() - start, batch.rollouts[0].completion_ids
 
 
-async def closed_loop(client, prompts: Prompts, sampling, inflight: int, per_worker: int):
+async def closed_loop(client, prompts: Prompts, sampling, inflight: int, per_worker: int, digest=None):
     """`inflight` workers, each calling `per_worker` times back to back: (latencies, tokens, wall)."""
     latencies, tokens = [], [0]
 
@@ -90,46 +105,51 @@ async def closed_loop(client, prompts: Prompts, sampling, inflight: int, per_wor
             seconds, ids = await timed_call(client, prompts.take(), sampling)
             latencies.append(seconds)
             tokens[0] += len(ids)
+            if digest is not None:  # NOTE: only sequential calls: their order is the same in both drivers
+                digest.update(repr(ids).encode())
 
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(inflight)))
     return latencies, tokens[0], time.perf_counter() - start
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+async def await_router(client) -> None:
+    """Requests sent before the router sees its replica up would wait."""
+    deadline = time.monotonic() + 60
+    while (await client.stats()).get("replicas_up", 0) < 1:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the router did not see its replica up within 60 s")
+        await asyncio.sleep(0.05)
 
 
-async def measure(addresses: dict[str, str], args: argparse.Namespace) -> tuple[dict[str, float], str]:
+async def serve_blocks(addresses: dict[str, str], args: argparse.Namespace) -> None:
+    """Warm both paths, print READY, then run one block per stdin line until "quit"."""
     from inference import SamplingParams
     from rollout import AsyncRolloutClient
 
     sampling = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    prompts, figures, digest = Prompts(args.seed), {}, hashlib.sha256()
-    for path, address in addresses.items():
-        async with AsyncRolloutClient(address, timeout=600, lease_s=600) as client:
-            if path == "router":  # NOTE: requests sent before the router sees its replica up would wait
-                deadline = time.monotonic() + 60
-                while (await client.stats()).get("replicas_up", 0) < 1:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError("the router did not see its replica up within 60 s")
-                    await asyncio.sleep(0.05)
+    prompts, digest, clients = Prompts(args.seed), hashlib.sha256(), {}
+    loop = asyncio.get_running_loop()
+    try:
+        for path, address in addresses.items():
+            clients[path] = client = await AsyncRolloutClient(address, timeout=600, lease_s=600).__aenter__()
+            if path == "router":
+                await await_router(client)
             await closed_loop(client, prompts, sampling, WIDE, 1)  # warm-up: first steps, connections
             await closed_loop(client, prompts, sampling, 1, 5)
-            single = []
-            for _ in range(args.single):
-                seconds, ids = await timed_call(client, prompts.take(), sampling)
-                single.append(seconds)
-                digest.update(repr((path, ids)).encode())  # greedy: both commits must agree
-            wide, tokens, wall = await closed_loop(client, prompts, sampling, WIDE, args.per_worker)
-            if tokens != WIDE * args.per_worker * MAX_TOKENS:
-                raise RuntimeError(f"{path}: {tokens} tokens generated, {WIDE * args.per_worker * MAX_TOKENS} asked")
-        for inflight, values in ((1, single), (WIDE, wide)):
-            figures[f"p50_ms[{path},{inflight}]"] = 1e3 * percentile(values, 0.5)
-            figures[f"p99_ms[{path},{inflight}]"] = 1e3 * percentile(values, 0.99)
-        figures[f"tok_s[{path},{WIDE}]"] = tokens / wall
-    return figures, digest.hexdigest()[:16]
+        print(READY_LINE, flush=True)
+        while (line := (await loop.run_in_executor(None, sys.stdin.readline)).strip()) not in ("", "quit"):
+            path, inflight = json.loads(line)
+            count = args.single if inflight == 1 else args.per_worker
+            latencies, tokens, wall = await closed_loop(clients[path], prompts, sampling, inflight, count,
+                                                        digest if inflight == 1 else None)
+            if tokens != inflight * count * MAX_TOKENS:
+                raise RuntimeError(f"{path}: {tokens} tokens generated, {inflight * count * MAX_TOKENS} asked")
+            print(RESULT_PREFIX + json.dumps({"latencies": latencies, "tokens": tokens, "wall": wall}), flush=True)
+        print(RESULT_PREFIX + json.dumps({"digest": digest.hexdigest()[:16]}), flush=True)
+    finally:
+        for client in clients.values():
+            await client.__aexit__(None, None, None)
 
 
 def driver(args: argparse.Namespace) -> int:
@@ -143,10 +163,7 @@ def driver(args: argparse.Namespace) -> int:
         save_model(args.model_dir, args.seed)
     with ServerProcess(args.model_dir, *SERVER_ARGS) as server, \
             RouterProcess("--replicas", server.address, "--lease-s", "600") as router:
-        addresses = {"server": server.address, "router": router.address}
-        order = args.order.split(",")  # NOTE: the first path measured runs in the younger processes
-        figures, digest = asyncio.run(measure({path: addresses[path] for path in order}, args))
-    print(RESULT_PREFIX + json.dumps({"figures": figures, "digest": digest, "load": os.getloadavg()[0]}), flush=True)
+        asyncio.run(serve_blocks({"server": server.address, "router": router.address}, args))
     return 0
 
 
@@ -172,18 +189,71 @@ def tree_for(repo: Path, commit: str, cache: Path) -> Path:
     return tree
 
 
-def run_driver(tree: Path, args: argparse.Namespace) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")])))
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # NOTE: spinning OpenMP threads starve the other processes
-    command = [sys.executable, str(Path(__file__).resolve()), "driver", "--model-dir", str(args.model_dir),
-               "--single", str(args.single), "--per-worker", str(args.per_worker), "--seed", str(args.seed),
-               "--order", args.order]
-    proc = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=args.timeout)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    if proc.returncode != 0 or not lines:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
-        raise RuntimeError(f"the driver in {tree} exited {proc.returncode}:\n{tail}")
-    return json.loads(lines[-1][len(RESULT_PREFIX):])
+class Driver:
+    """One commit's driver process, spoken to a line at a time (every read bounded by `timeout`)."""
+
+    def __init__(self, tree: Path, args: argparse.Namespace) -> None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")])))
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # NOTE: spinning OpenMP threads starve the other processes
+        self.tree, self.timeout = tree, args.timeout
+        self.log = tempfile.TemporaryFile(mode="w+")
+        command = [sys.executable, str(Path(__file__).resolve()), "driver", "--model-dir", str(args.model_dir),
+                   "--single", str(args.single), "--per-worker", str(args.per_worker), "--seed", str(args.seed)]
+        self.proc = subprocess.Popen(command, cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, bufsize=1)
+        self._lines: asyncio.Queue | None = None
+
+    def _fail(self, why: str) -> RuntimeError:
+        self.log.seek(0)
+        tail = "\n".join(self.log.read().splitlines()[-30:])
+        return RuntimeError(f"the driver in {self.tree} {why}:\n{tail}")
+
+    def read_until(self, prefix: str) -> str:
+        import selectors
+
+        deadline = time.monotonic() + self.timeout
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.proc.stdout, selectors.EVENT_READ)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not selector.select(left):
+                    raise self._fail(f"said nothing starting {prefix!r} within {self.timeout} s")
+                line = self.proc.stdout.readline()
+                if not line:
+                    raise self._fail(f"exited with {self.proc.wait(10)}")
+                if line.startswith(prefix):
+                    return line[len(prefix):].strip()
+
+    def block(self, path: str, inflight: int) -> dict:
+        self.proc.stdin.write(json.dumps([path, inflight]) + "\n")
+        return json.loads(self.read_until(RESULT_PREFIX))
+
+    def finish(self) -> str:
+        self.proc.stdin.write("quit\n")
+        digest = json.loads(self.read_until(RESULT_PREFIX))["digest"]
+        self.proc.stdin.close()
+        if self.proc.wait(60) != 0:
+            raise self._fail(f"exited with {self.proc.returncode}")
+        return digest
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        self.log.close()
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def figures_of(blocks: list[dict], inflight: int) -> dict[str, float]:
+    latencies = [v for b in blocks for v in b["latencies"]]
+    out = {"p50_ms": 1e3 * percentile(latencies, 0.5), "p99_ms": 1e3 * percentile(latencies, 0.99)}
+    if inflight > 1:
+        out["tok_s"] = sum(b["tokens"] for b in blocks) / sum(b["wall"] for b in blocks)
+    return out
 
 
 def better_by(name: str, base: float, head: float) -> float:
@@ -191,53 +261,55 @@ def better_by(name: str, base: float, head: float) -> float:
     return head / base if name.startswith("tok_s") else base / head
 
 
-def spread(values: list[float]) -> str:
-    def show(v: float) -> str:
-        return f"{v:,.0f}" if v >= 1000 else f"{v:.2f}"
-
-    return f"{show(statistics.median(values))} [{show(min(values))}-{show(max(values))}]"
-
-
-def report(runs: dict[str, list[dict]], labels: dict[str, str]) -> None:
-    names = list(runs["base"][0]["figures"])
-    print(f"\nbase = {labels['base']}, head = {labels['head']}; {len(runs['base'])} repeats each; "
-          f"{WIDE} in flight = {WIDE} workers calling back to back; {PROMPT_LEN}-token prompts, {MAX_TOKENS} tokens")
-    header = (f"{'figure':<20} {'base median [min-max]':>27} {'head median [min-max]':>27} "
-              f"{'head better by':>14} {'pair ratios [min-max]':>22}")
+def report(rounds: list[dict], labels: dict[str, str], args: argparse.Namespace) -> None:
+    """`rounds[i][side][(path, inflight)]`: that round's block result."""
+    print(f"\nbase = {labels['base']}, head = {labels['head']}; {len(rounds)} rounds in lockstep; a block: "
+          f"{args.single} sequential calls (1 in flight) or {WIDE} workers x {args.per_worker} calls "
+          f"({WIDE} in flight); {PROMPT_LEN}-token prompts, {MAX_TOKENS} tokens")
+    header = (f"{'figure':<20} {'base':>10} {'head':>10} {'head better by':>14} {'[p10-p90] per round':>21} "
+              f"{'all calls pooled':>17}")
     print(header + "\n" + "-" * len(header))
-    for name in names:
-        base = [r["figures"][name] for r in runs["base"]]
-        head = [r["figures"][name] for r in runs["head"]]
-        pairs = [better_by(name, b, h) for b, h in zip(base, head)]
-        ratio = better_by(name, statistics.median(base), statistics.median(head))
-        print(f"{name:<20} {spread(base):>27} {spread(head):>27} {ratio:>13.3f}x "
-              f"{f'[{min(pairs):.3f}-{max(pairs):.3f}]':>22}")
+    for path, inflight in BLOCKS:
+        pooled = {side: figures_of([r[side][(path, inflight)] for r in rounds], inflight) for side in ("base", "head")}
+        per_round = [{side: figures_of([r[side][(path, inflight)]], inflight) for side in ("base", "head")}
+                     for r in rounds]
+        for stat in pooled["base"]:
+            name = f"{stat}[{path},{inflight}]"
+            medians = {side: statistics.median(r[side][stat] for r in per_round) for side in ("base", "head")}
+            ratio = better_by(name, medians["base"], medians["head"])
+            pairs = sorted(better_by(name, r["base"][stat], r["head"][stat]) for r in per_round)
+            shown = f"[{percentile(pairs, 0.1):.3f}-{percentile(pairs, 0.9):.3f}]"
+            value = (lambda v: f"{v:,.0f}") if stat == "tok_s" else (lambda v: f"{v:.2f}")
+            print(f"{name:<20} {value(medians['base']):>10} {value(medians['head']):>10} {ratio:>13.3f}x "
+                  f"{shown:>21} {better_by(name, pooled['base'][stat], pooled['head'][stat]):>16.3f}x")
+    print("base, head: the median over rounds of each round's figure (a block's p50, p99, tok/s).")
     print("head better by: base/head for latency (ms), head/base for tok/s; > 1 means head is better.")
-    print("pair ratios: the same ratio within each repeat (its base and head runs were adjacent).")
+    print("per round: the same ratio within each round (its base and head blocks ran back to back); "
+          "pooled: the ratio of the figures over every call of every round.")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", nargs="?", choices=["compare", "driver"], default="compare",
-                        help="driver: one measurement in the current tree (what compare runs per repeat)")
+                        help="driver: one commit's side (what compare runs per commit; commands on stdin)")
     parser.add_argument("--base", default="c1fb8ae", help="the base commit (default c1fb8ae, before the reshape)")
     parser.add_argument("--head", default="HEAD", help="the commit under test (default HEAD)")
-    parser.add_argument("--repeats", type=int, help="driver runs per commit, interleaved (default 5; --quick 2)")
-    parser.add_argument("--single", type=int, help="sequential requests at 1 in flight (default 200; --quick 20)")
-    parser.add_argument("--per-worker", type=int, help=f"calls per worker at {WIDE} in flight (default 40; --quick 2)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 2 repeats, fewer requests")
+    parser.add_argument("--rounds", type=int,
+                        help="rounds, each one block per figure per commit (default 30; --quick 3)")
+    parser.add_argument("--single", type=int, help="sequential calls per 1-in-flight block (default 25; --quick 5)")
+    parser.add_argument("--per-worker", type=int,
+                        help=f"calls per worker per {WIDE}-in-flight block (default 8; --quick 1)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 3 rounds, short blocks")
     parser.add_argument("--seed", type=int, default=0, help="model weights and prompts")
-    parser.add_argument("--order", default="server,router", choices=["server,router", "router,server"],
-                        help="which path each driver run measures first")
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "compare_service",
                         help="extracted trees and the model, reused across runs")
     parser.add_argument("--model-dir", type=Path, help="the model directory (default CACHE/model-seedSEED)")
     parser.add_argument("--repo", type=Path, default=Path(__file__).resolve().parent, help="a path in the git repo")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per driver run")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds allowed for any one driver answer")
     args = parser.parse_args(argv)
-    args.repeats = args.repeats or (2 if args.quick else 5)
-    args.single = args.single or (20 if args.quick else 200)
-    args.per_worker = args.per_worker or (2 if args.quick else 40)
+    args.rounds = args.rounds or (3 if args.quick else 30)
+    args.single = args.single or (5 if args.quick else 25)
+    args.per_worker = args.per_worker or (1 if args.quick else 8)
     args.cache = args.cache.resolve()
     args.model_dir = (args.model_dir or args.cache / f"model-seed{args.seed}").resolve()
     return args
@@ -253,24 +325,34 @@ def main(argv: list[str] | None = None) -> int:
                for side, rev in (("base", args.base), ("head", args.head))}
     labels = {side: f"{rev} ({commits[side][:10]})" for side, rev in (("base", args.base), ("head", args.head))}
     trees = {side: tree_for(repo, commit, args.cache) for side, commit in commits.items()}
-    runs: dict[str, list[dict]] = {"base": [], "head": []}
     start = time.perf_counter()
+    drivers: dict[str, Driver] = {}
+    rounds: list[dict] = []
     try:
-        for repeat in range(args.repeats):
-            for side in ("base", "head") if repeat % 2 == 0 else ("head", "base"):
-                began = time.perf_counter()
-                result = run_driver(trees[side], args)
-                runs[side].append(result)
-                shown = ", ".join(f"{k} {v:.4g}" for k, v in result["figures"].items())
-                print(f"[{repeat + 1}/{args.repeats}] {side}: {time.perf_counter() - began:.0f} s, "
-                      f"load {result['load']:.2f}; {shown}", flush=True)
-    except (RuntimeError, subprocess.TimeoutExpired) as error:
+        for side in ("base", "head"):  # NOTE: one at a time: the first builds the shared model
+            drivers[side] = Driver(trees[side], args)
+            drivers[side].read_until(READY_LINE)
+        for number in range(args.rounds):
+            order = ("base", "head") if number % 2 == 0 else ("head", "base")
+            results: dict = {"base": {}, "head": {}}
+            for block in BLOCKS:
+                for side in order:
+                    results[side][block] = drivers[side].block(*block)
+            rounds.append(results)
+            medians = {block: [statistics.median(results[side][block]["latencies"]) for side in ("base", "head")]
+                       for block in BLOCKS}
+            shown = ", ".join(f"{path},{n} {better_by('p50', *medians[(path, n)]):.3f}" for path, n in BLOCKS)
+            print(f"[{number + 1}/{args.rounds}] p50 head better by: {shown}", flush=True)
+        digests = {side: d.finish() for side, d in drivers.items()}
+    except (RuntimeError, OSError) as error:
         print(f"ERROR: {error}", file=sys.stderr)
         return 1
-    report(runs, labels)
-    digests = {r["digest"] for rs in runs.values() for r in rs}
-    agree = "agree" if len(digests) == 1 else f"DIFFER ({sorted(digests)}): the commits did not do the same work"
-    print(f"total {time.perf_counter() - start:.0f} s; greedy outputs of every run {agree}")
+    finally:
+        for d in drivers.values():
+            d.kill()
+    report(rounds, labels, args)
+    agree = "agree" if len(set(digests.values())) == 1 else f"DIFFER ({digests}): the commits did not do the same work"
+    print(f"total {time.perf_counter() - start:.0f} s; greedy outputs of the sequential calls {agree}")
     return 0
 
 

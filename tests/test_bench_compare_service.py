@@ -1,5 +1,5 @@
-"""bench/compare_service.py: its ratios point the documented way, and its driver runs once against
-this checkout (a server and a router over it, a few requests; no timing is asserted)."""
+"""bench/compare_service.py: its ratios point the documented way, and its driver serves a block of
+each kind against this checkout (a server and a router over it, a few requests; no timing is asserted)."""
 
 from __future__ import annotations
 
@@ -29,15 +29,26 @@ def test_better_by_is_above_one_when_head_is_better():
     assert bench.better_by("tok_s[router,64]", base=100.0, head=150.0) == 1.5  # head more tokens/s
 
 
+def test_figures_pool_every_call_of_the_blocks():
+    bench = load_bench()
+    blocks = [{"latencies": [0.010, 0.030], "tokens": 32, "wall": 0.5},
+              {"latencies": [0.020], "tokens": 16, "wall": 0.5}]
+    assert bench.figures_of(blocks, 64) == pytest.approx({"p50_ms": 20.0, "p99_ms": 30.0, "tok_s": 48.0})
+    assert set(bench.figures_of(blocks, 1)) == {"p50_ms", "p99_ms"}
+
+
 @pytest.mark.slow
-def test_driver_runs_once_against_this_checkout(tmp_path):
+def test_driver_serves_blocks_against_this_checkout(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
+    commands = "".join(json.dumps(block) + "\n" for block in (["server", 1], ["router", 1], ["router", 64])) + "quit\n"
     proc = subprocess.run([sys.executable, str(SCRIPT), "driver", "--model-dir", str(tmp_path / "model"),
-                           "--single", "3", "--per-worker", "1"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+                           "--single", "3", "--per-worker", "1"], cwd=ROOT, env=env, input=commands,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
-    assert set(result["figures"]) == {f"{stat}[{path},{inflight}]" for path in ("server", "router")
-                                      for stat, inflight in (("p50_ms", 1), ("p99_ms", 1), ("p50_ms", 64),
-                                                             ("p99_ms", 64), ("tok_s", 64))}
-    assert all(v > 0 for v in result["figures"].values())
+    lines = proc.stdout.splitlines()
+    assert lines.index("READY") < min(i for i, line in enumerate(lines) if line.startswith("RESULT "))
+    results = [json.loads(line[7:]) for line in lines if line.startswith("RESULT ")]
+    assert [len(r["latencies"]) for r in results[:3]] == [3, 3, 64]
+    assert [r["tokens"] for r in results[:3]] == [3 * 16, 3 * 16, 64 * 16]
+    assert all(v > 0 for r in results[:3] for v in r["latencies"])
+    assert len(results[3]["digest"]) == 16
