@@ -106,6 +106,16 @@ class EngineStateError(RuntimeError):
     """An operation is not allowed in the engine's current state (e.g. resume while running)."""
 
 
+class OverloadedError(RuntimeError):
+    """The engine refuses new work for now: its waiting queue is at its configured bound. Nothing
+    about the request is wrong; retry after `retry_after_s` (a server answers OVERLOADED, an HTTP
+    front 429 with `Retry-After`)."""
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        self.retry_after_s = retry_after_s
+        super().__init__(message)
+
+
 class ResumeMemoryError(MemoryError):
     """Resume cannot get the memory it needs; the engine stays suspended and usable."""
 

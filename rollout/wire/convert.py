@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from inference.errors import ContextErrorFactory, ContextOverflowError, EngineStateError
+from inference.errors import ContextErrorFactory, ContextOverflowError, EngineStateError, OverloadedError
 from inference.request import RequestOutput
 from inference.sampling.params import SamplingParams
 from rollout.types import Rollout
@@ -34,7 +34,9 @@ def error_reply(exc: BaseException, request_id: Optional[str] = None) -> ErrorRe
     if isinstance(exc, ContextOverflowError):
         return ErrorReply(code=ErrorCode.CONTEXT_OVERFLOW, message=str(exc), request_id=request_id,
                           context_error=ContextErrorFactory.serialize(exc))
-    if isinstance(exc, EngineStateError):
+    if isinstance(exc, OverloadedError):
+        code = ErrorCode.OVERLOADED
+    elif isinstance(exc, EngineStateError):
         code = ErrorCode.ENGINE_STATE
     elif isinstance(exc, ValueError):
         code = ErrorCode.INVALID_REQUEST

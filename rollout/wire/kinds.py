@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import enum
 
-PROTOCOL_VERSION = 4  # 2: UpdateWeights.policy; 3: KvEvents, Result.kv_events; weight sync (group kinds,
+PROTOCOL_VERSION = 5  # 2: UpdateWeights.policy; 3: KvEvents, Result.kv_events; weight sync (group kinds,
 # distributed / shared-memory sources); 4: an update's version lives in its source alone (UpdateWeights
-# has no target_version; the disk source says the version of a plain checkpoint); IsSleeping, Result.sleeping
+# has no target_version; the disk source says the version of a plain checkpoint); IsSleeping, Result.sleeping;
+# 5: ErrorCode.OVERLOADED
 MAX_REQUEST_ID_LENGTH = 256
 MAX_SAMPLES = 1024  # n per Generate
 MAX_STOP_TOKENS = 1024
@@ -60,6 +61,7 @@ class ErrorCode(enum.IntEnum):
     NOT_FOUND = 9  # e.g. aborting an unknown request id
     DUPLICATE = 10  # a request id reused for a different request
     INTERNAL = 11  # a bug on the server
+    OVERLOADED = 12  # the engine's waiting queue is full: nothing wrong with the request, retry later
 
 
 REQUEST_KINDS = frozenset(k for k in Kind if k < 64)

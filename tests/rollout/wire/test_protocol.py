@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from inference.config import PauseMode, SuspendPolicy, UpdatePolicy
-from inference.errors import ContextOverflowError, EngineStateError, MaxSequenceLengthOverflowError
+from inference.errors import ContextOverflowError, EngineStateError, MaxSequenceLengthOverflowError, OverloadedError
 from inference.request import FinishReason, RequestOutput
 from inference.sampling.params import MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE, LogprobsMode, SamplingParams
 from rollout.wire.codec import ProtocolError, decode, decode_reply, decode_request, encode
@@ -220,11 +220,12 @@ def test_errors_cross_the_wire_typed():
     assert not back.is_transient
     cases = [(EngineStateError("suspended"), ErrorCode.ENGINE_STATE),
              (ValueError("top_k bad"), ErrorCode.INVALID_REQUEST), (RuntimeError("boom"), ErrorCode.INTERNAL),
-             (ProtocolError(ErrorCode.DUPLICATE, "id again"), ErrorCode.DUPLICATE)]
+             (ProtocolError(ErrorCode.DUPLICATE, "id again"), ErrorCode.DUPLICATE),
+             (OverloadedError("queue full"), ErrorCode.OVERLOADED)]
     for exc, code in cases:
         reply = decode_reply(encode(error_reply(exc, "g-3")))
         assert (reply.code, reply.request_id) == (code, "g-3")
-        assert any(text in reply.message for text in ("suspended", "top_k bad", "boom", "id again"))
+        assert any(text in reply.message for text in ("suspended", "top_k bad", "boom", "id again", "queue full"))
         err = error_from_reply(reply)
         assert isinstance(err, ProtocolError) and err.code is code
     broken = ErrorReply(code=ErrorCode.CONTEXT_OVERFLOW, message="m", context_error={"type": "Nope"})
