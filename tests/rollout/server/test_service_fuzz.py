@@ -117,13 +117,13 @@ def make_frame(rng: random.Random, i: int) -> list[bytes]:
     return [encode(big, max_frame_bytes=2 * FRAME_LIMIT)]
 
 
-def expectation(frames: list[bytes]):
-    """What the server must answer: ("error", code, request_id), ("generate", msg), ("result", msg),
-    or None to skip (a valid request that would change the server's state or run long)."""
+def expectation(frames: list[bytes], max_frame_bytes: int = FRAME_LIMIT):
+    """What a service with `max_frame_bytes` must answer: ("error", code, request_id), ("generate", msg),
+    ("result", msg), or None to skip (a valid request that would change its state or run long)."""
     if len(frames) != 1:
         return ("error", "MALFORMED", None)
     try:
-        msg = decode_request(frames[0], max_frame_bytes=FRAME_LIMIT)
+        msg = decode_request(frames[0], max_frame_bytes=max_frame_bytes)
     except ProtocolError as err:
         return ("error", err.code.name, err.request_id)
     if isinstance(msg, (Pause, Suspend, UpdateWeights)):
