@@ -214,14 +214,14 @@ async def flush_cache(request: Request) -> Response:
 async def release_memory_occupation(request: Request) -> Response:
     body = await _optional(request, MemoryOccupationReqInput)
     weights = body.tags is None or "weights" in body.tags
-    await _call(front_of(request).client.suspend(SuspendPolicy.RECOMPUTE, offload_weights=weights))
+    await _memory_call(front_of(request).client.suspend(SuspendPolicy.RECOMPUTE, offload_weights=weights))
     return Response(status_code=200)
 
 
 @router.api_route("/resume_memory_occupation", methods=["GET", "POST"])
 async def resume_memory_occupation(request: Request) -> Response:
     await _optional(request, MemoryOccupationReqInput)
-    await _call(front_of(request).client.resume())
+    await _memory_call(front_of(request).client.resume())
     return Response(status_code=200)
 
 
@@ -340,6 +340,16 @@ async def _call(awaitable: Any) -> Any:
 async def _optional(request: Request, model: Any) -> Any:
     raw = await request.body()
     try:
+async def _memory_call(awaitable: Any) -> Any:
+    """SGLang answers a release or resume the engine's state refuses (resume while running, release
+    while released) with its handler's 400, not the 503 of a generation the engine cannot serve now."""
+    try:
+        return await awaitable
+    except Exception as exc:  # noqa: BLE001
+        err = from_exception(exc)
+        raise (APIError(400, err.message) if err.status == 503 else err) from exc
+
+
         return model.model_validate_json(raw) if raw.strip() else model()
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc

@@ -273,14 +273,14 @@ def test_in_place_pause_keeps_kv_so_flush_cache_is_refused(web, front_url):
             try:
                 assert web.post("/pause_generation", json={"mode": "in_place"}).json() == {
                     "message": "Generation paused successfully.", "status": "ok"}
-                assert web.post("/flush_cache").status_code == 400  # SGLang refuses it too
+                assert web.post("/flush_cache", json={}).status_code == 400  # SGLang refuses it too
                 assert web.post("/abort_request", json={"rid": "long"}).status_code == 200
                 events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
             finally:
-                web.post("/continue_generation")
+                web.post("/continue_generation", json={})
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["meta_info"]["finish_reason"]["type"] == "abort"
-    assert web.post("/flush_cache").status_code == 200  # nothing holds KV now
+    assert web.post("/flush_cache", json={}).status_code == 200  # nothing holds KV now
 
 
 def test_three_turn_agent_session_keeps_sampled_ids(oai, web, codec):
@@ -315,14 +315,21 @@ def test_three_turn_agent_session_keeps_sampled_ids(oai, web, codec):
 
 
 def test_a_suspended_engine_refuses_generation_with_the_same_error(web):
-    """The engine's typed refusal reaches HTTP as the same status and message on either front."""
+    """The engine's typed refusal reaches HTTP as the same status and message on either front: 503
+    with Retry-After while suspended (a state, not the request's fault); resuming a running engine is
+    SGLang's 400."""
     assert web.post("/release_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
     try:
         r = web.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
-        assert r.status_code == 400 and "suspended" in r.json()["error"]["message"], r.text
+        assert r.status_code == 503 and "suspended" in r.json()["error"]["message"], r.text
+        assert r.headers["retry-after"] == "1"
+        r = web.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2})
+        assert (r.status_code, r.json()["error"]["code"]) == (503, "engine_unavailable") and "retry-after" in r.headers
         assert web.get("/health").status_code == 200  # suspended is not unhealthy
     finally:
-        assert web.post("/resume_memory_occupation").status_code == 200
+        assert web.post("/resume_memory_occupation", json={}).status_code == 200
+    again = web.post("/resume_memory_occupation", json={})
+    assert again.status_code == 400 and again.json()["error"]["message"], again.text
     assert web.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}).is_success
 
 
@@ -432,8 +439,8 @@ def test_rl_cycle_pause_update_flush_continue(web, model_dir, tmp_path, referenc
         assert web.post("/pause_generation", json={"mode": "retract"}).status_code == 200
         r = web.post("/update_weights_from_disk", json={"model_path": str(new_dir), "weight_version": str(version + 1)})
         assert r.status_code == 200 and r.json()["success"] is True and r.json()["num_paused_requests"] == 0
-        assert web.post("/flush_cache").status_code == 200
-        assert web.post("/continue_generation").json()["status"] == "ok"
+        assert web.post("/flush_cache", json={}).status_code == 200
+        assert web.post("/continue_generation", json={}).json()["status"] == "ok"
         assert web.get("/get_weight_version").json() == {"weight_version": str(version + 1)}
         fresh = DynamicInferenceEngine.from_pretrained(new_dir, engine_config())
         for p, old in zip(prompts, before):
@@ -444,7 +451,7 @@ def test_rl_cycle_pause_update_flush_continue(web, model_dir, tmp_path, referenc
         bad = web.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "missing")})
         assert bad.status_code == 400 and bad.json()["success"] is False
     finally:
-        web.post("/continue_generation")
+        web.post("/continue_generation", json={})
         restore = web.post("/update_weights_from_disk", json={"model_path": str(model_dir)})
         assert restore.json()["success"] is True
     out = web.post("/generate", json={"input_ids": prompts[0], "sampling_params": {"temperature": 0,
@@ -467,7 +474,7 @@ def test_in_process_front_needs_no_server(model_dir, reference):
                 "temperature": 0, "max_new_tokens": 5, "ignore_eos": True}}).json()
             assert out["output_ids"] == greedy_ids(reference, [5, 6, 7], 5)
             assert web.post("/pause_generation", json={"mode": "abort"}).status_code == 200
-            assert web.post("/continue_generation").status_code == 200
+            assert web.post("/continue_generation", json={}).status_code == 200
             info = web.get("/get_server_info").json()["internal_states"][0]
             assert info["engine/generated_tokens"] == 5 and info["samples_sent"] == 1 and info["pauses"] == 1
     finally:
