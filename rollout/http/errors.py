@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inference.errors import ContextOverflowError, EngineStateError, OverloadedError
+from rollout.http.schemas import LONE_SURROGATE
 from rollout.wire.codec import ProtocolError
 from rollout.wire.kinds import ErrorCode
 
@@ -123,6 +124,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
     if kind in ("json_invalid", "json_type") or (kind == "missing" and not loc):
         return ("We could not parse the JSON body of your request. The API expects a JSON object as the "
                 "request body; what was sent was not valid JSON.", None)
+    if kind == LONE_SURROGATE:
+        field = str(first.get("ctx", {}).get("field", param))
+        return (f"Invalid value for '{field}': it holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
+                "escape), which is not Unicode text.", field)
     if kind == "extra_forbidden":
         return f"Unrecognized request argument supplied: {param}", param
     if kind == "missing":
