@@ -33,6 +33,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from inference import PauseMode, SamplingParams, SuspendPolicy
+from rollout.http.disconnects import unless_disconnected
 from rollout.http.errors import APIError, from_exception
 from rollout.http.front import HttpFront, top_entries
 from rollout.http.generation import GenSpec, Sample
@@ -88,7 +89,7 @@ async def generate(body: GenerateReqInput, request: Request) -> Response:
     if body.stream:
         return StreamingResponse(_events(front, body, specs, logprob), media_type="text/event-stream")
     gens = [front.generation(spec) for spec in specs]
-    results = await asyncio.gather(*(g.run() for g in gens))  # the batch's prompts run together
+    results = await unless_disconnected(request, asyncio.gather(*(g.run() for g in gens)))  # run together
     version = await _version(front, [s for samples in results for s in samples])
     outputs = [_answer(front, body, gen.spec, s, gen.seconds, want, version)
                for gen, samples, want in zip(gens, results, logprob) for s in samples]

@@ -13,6 +13,8 @@ last and puts the original weights back.
 from __future__ import annotations
 
 import json
+import socket
+import time
 
 import httpx
 import openai
@@ -331,6 +333,31 @@ def test_a_suspended_engine_refuses_generation_with_the_same_error(web):
     again = web.post("/resume_memory_occupation", json={})
     assert again.status_code == 400 and again.json()["error"]["message"], again.text
     assert web.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}).is_success
+
+
+def test_a_client_gone_before_its_answer_aborts_its_samples(front_url, web):
+    """A non-streaming request whose client disconnects is aborted: its KV blocks are freed long
+    before its samples could have finished, and they stop short of their budget."""
+    def figures() -> dict:
+        return web.get("/get_server_info").json()["internal_states"][0]
+
+    n, budget = 4, MAX_LEN - 8
+    before = figures()["engine/generated_tokens"]
+    body = json.dumps({"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": budget, "n": n,
+                                                                    "ignore_eos": True}}).encode()
+    host, port = front_url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=WAIT_S) as sock:
+        sock.sendall(f"POST /generate HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        deadline = time.monotonic() + WAIT_S
+        while figures()["kv_utilization"] == 0:  # it runs: it holds KV
+            assert time.monotonic() < deadline, "the request never ran"
+            time.sleep(0.02)
+    deadline = time.monotonic() + 10.0
+    while figures()["kv_utilization"] > 0:
+        assert time.monotonic() < deadline, "the abandoned request still holds its KV blocks"
+        time.sleep(0.05)
+    assert figures()["engine/generated_tokens"] - before < n * budget  # aborted, not run to the end
 
 
 def test_serve_http_calls_its_engine_without_a_zmq_hop(http_server):
