@@ -52,6 +52,8 @@ from rollout.http.schemas import (
 
 SGLANG_API_VERSION = "0.5.6"
 router = APIRouter()
+# NOTE: SGLang takes GET for these control calls too; `rollout.http.guards` holds such a GET to the POST rule
+STATE_CHANGING_GETS = frozenset({"/flush_cache", "/release_memory_occupation", "/resume_memory_occupation"})
 PAUSE_MODES = {"abort": PauseMode.ABORT, "retract": PauseMode.RETRACT, "in_place": PauseMode.KEEP}
 FLUSH_MESSAGE = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
                  "requests, the operation will not be performed.)\n")
@@ -338,9 +340,6 @@ async def _call(awaitable: Any) -> Any:
         raise from_exception(exc) from exc
 
 
-async def _optional(request: Request, model: Any) -> Any:
-    raw = await request.body()
-    try:
 async def _memory_call(awaitable: Any) -> Any:
     """SGLang answers a release or resume the engine's state refuses (resume while running, release
     while released) with its handler's 400, not the 503 of a generation the engine cannot serve now."""
@@ -351,6 +350,9 @@ async def _memory_call(awaitable: Any) -> Any:
         raise (APIError(400, err.message) if err.status == 503 else err) from exc
 
 
+async def _optional(request: Request, model: Any) -> Any:
+    raw = await request.body()
+    try:
         return model.model_validate_json(raw) if raw.strip() else model()
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
