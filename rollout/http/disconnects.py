@@ -34,12 +34,14 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        if not task.done():
+        left = not task.done()  # the client went first (or this route is cancelled itself)
+        if left:
             task.cancel()
+            # NOTE: a cancelled gather ends with CancelledError as its exception, not as cancelled
             with contextlib.suppress(asyncio.CancelledError):
-                await task  # NOTE: a cancelled Generation aborts its engine requests as it unwinds
+                await task  # a cancelled Generation aborts its engine requests as it unwinds
         gone.cancel()
-    if task.cancelled():
+    if left:
         logger.info("HTTP: %s %s: the client disconnected; its engine requests were aborted", request.method,
                     request.url.path)
         raise APIError(CLIENT_CLOSED, "The client closed the connection before the answer was ready.")

@@ -335,19 +335,24 @@ def test_a_suspended_engine_refuses_generation_with_the_same_error(web):
     assert web.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}).is_success
 
 
-def test_a_client_gone_before_its_answer_aborts_its_samples(front_url, web):
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions", "/v1/chat/completions"])
+def test_a_client_gone_before_its_answer_aborts_its_samples(front_url, web, path):
     """A non-streaming request whose client disconnects is aborted: its KV blocks are freed long
     before its samples could have finished, and they stop short of their budget."""
     def figures() -> dict:
         return web.get("/get_server_info").json()["internal_states"][0]
 
-    n, budget = 4, MAX_LEN - 8
+    n, budget = 4, MAX_LEN - 40
+    common = {"model": MODEL, "max_tokens": budget, "n": n, "ignore_eos": True}
+    body = json.dumps({"/generate": {"input_ids": [3, 4, 5], "sampling_params": {
+                           "max_new_tokens": budget, "n": n, "ignore_eos": True}},
+                       "/v1/completions": {"prompt": [3, 4, 5], **common},
+                       "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], **common}}[path]
+                      ).encode()
     before = figures()["engine/generated_tokens"]
-    body = json.dumps({"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": budget, "n": n,
-                                                                    "ignore_eos": True}}).encode()
     host, port = front_url.removeprefix("http://").rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=WAIT_S) as sock:
-        sock.sendall(f"POST /generate HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         deadline = time.monotonic() + WAIT_S
         while figures()["kv_utilization"] == 0:  # it runs: it holds KV
