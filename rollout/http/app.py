@@ -15,21 +15,19 @@ and body read timeouts, head size, open connections) and per request (`rollout.h
 
 from __future__ import annotations
 
-import hmac
 import logging
 import socket
 import threading
 import time
 from collections.abc import Iterable
-from typing import Any, Optional
+from typing import Optional
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 
 from rollout.http import errors
 from rollout.http.connections import KEEP_ALIVE_S, ConnectionLimits, protocol_class
-from rollout.http.errors import APIError
 from rollout.http.front import HttpFront
-from rollout.http.guards import RequestGuard, allowed_host_names
+from rollout.http.guards import BearerKey, RequestGuard, allowed_host_names
 from rollout.http.openai_routes import router as openai_router
 from rollout.http.sglang_routes import STATE_CHANGING_GETS
 from rollout.http.sglang_routes import router as sglang_router
@@ -42,15 +40,8 @@ def build_app(front: HttpFront) -> FastAPI:
     app = FastAPI(title="rollout-engine", docs_url=None, redoc_url=None)
     app.state.front = front
     errors.install(app)
-    key = front.config.api_key
-    if key:
-        @app.middleware("http")
-        async def check_key(request: Request, call_next: Any) -> Any:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                return errors.error_response(request, APIError(401, "Incorrect API key provided.",
-                                                               code="invalid_api_key"))
-            return await call_next(request)
+    if front.config.api_key:
+        app.add_middleware(BearerKey, key=front.config.api_key)
     app.include_router(openai_router)
     app.include_router(sglang_router)
     return app

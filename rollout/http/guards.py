@@ -19,6 +19,7 @@ read, or as a chunked body grows), so no client makes the front buffer more than
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import logging
 from collections.abc import Iterable
@@ -128,6 +129,26 @@ class RequestGuard:
             return message
 
         return bounded
+
+
+class BearerKey:
+    """ASGI middleware: every request must send `Authorization: Bearer KEY` (401 otherwise).
+
+    NOTE: plain ASGI, not Starlette's BaseHTTPMiddleware, which fails a request whose client leaves
+    before the answer ("No response returned") instead of letting the route see it gone."""
+
+    def __init__(self, app: Any, key: str) -> None:
+        self.app, self._expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            request = Request(scope)
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, self._expected):
+                refusal = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+                await error_response(request, refusal)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _is_json(content_type: str) -> bool:
