@@ -98,6 +98,18 @@ def test_trickled_heads_are_dropped_and_connections_bounded(front, web):
     assert web.get("/v1/models").status_code == 200  # still serving, its connections free again
 
 
+def test_a_body_or_head_that_never_ends_is_dropped(front):
+    with connect(front) as sock:  # a body that stops short of its Content-Length
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"text\": ")
+        started = time.monotonic()
+        read_until_closed(sock, started + WAIT_S)  # closed by the 2 s body timeout (the route sees it gone)
+        assert time.monotonic() - started < WAIT_S
+    with connect(front) as sock:  # a head past max_header_bytes (64 KiB), still growing
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-Pad: " + b"a" * 70_000)
+        assert read_until_closed(sock, time.monotonic() + WAIT_S).startswith(b"HTTP/1.1 431")
+
+
 def test_a_host_must_name_this_server(front, web):
     """DNS rebinding: a page whose name resolves to 127.0.0.1 sends its own name as `Host`."""
     refused = web.get("/v1/models", headers={"Host": f"attacker.example:{front.server.port}"})
