@@ -7,6 +7,8 @@
 the ZMQ one), `front` (shared state and checks), `weights` (SGLang's weight calls over the
 client), `generation` (one request's samples: text, stop strings, deltas), `sessions` (chat
 sessions without drift), `openai_routes`, `sglang_routes`, `schemas` (request bodies), `errors`
-(OpenAI's and SGLang's error bodies), `app` (FastAPI app and the uvicorn thread), `launch` (start
-one). Kept free of imports here: FastAPI loads only when used.
+(OpenAI's and SGLang's error bodies), `disconnects` (a non-streaming wait cut short when its client
+leaves), `connections` (read timeouts and the connection bound), `guards` (Host, content type, body
+size, API key), `app` (FastAPI app and the uvicorn thread), `launch` (start one). Kept free of
+imports here: FastAPI loads only when used.
 """

@@ -7,23 +7,29 @@ The server binds its socket before uvicorn starts (port 0: one the OS chooses, i
 refuses an address beyond loopback without an API key (clients then send
 `Authorization: Bearer KEY`, as OpenAI's client does). It runs on a thread of its own with its
 own event loop, so it can share a process with an engine (`rollout serve --http`).
+
+What a client may hold of it is bounded twice: per connection (`rollout.http.connections`: header
+and body read timeouts, head size, open connections) and per request (`rollout.http.guards`: the
+`Host` it names, a JSON content type on calls that change state, the body size).
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 import socket
 import threading
 import time
-from typing import Any, Optional
+from collections.abc import Iterable
+from typing import Optional
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 
 from rollout.http import errors
-from rollout.http.errors import APIError
+from rollout.http.connections import KEEP_ALIVE_S, ConnectionLimits, protocol_class
 from rollout.http.front import HttpFront
+from rollout.http.guards import BearerKey, RequestGuard, allowed_host_names
 from rollout.http.openai_routes import router as openai_router
+from rollout.http.sglang_routes import STATE_CHANGING_GETS
 from rollout.http.sglang_routes import router as sglang_router
 from rollout.wire.security import is_loopback
 
@@ -34,37 +40,37 @@ def build_app(front: HttpFront) -> FastAPI:
     app = FastAPI(title="rollout-engine", docs_url=None, redoc_url=None)
     app.state.front = front
     errors.install(app)
-    key = front.config.api_key
-    if key:
-        @app.middleware("http")
-        async def check_key(request: Request, call_next: Any) -> Any:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                return errors.error_response(request, APIError(401, "Incorrect API key provided.",
-                                                               code="invalid_api_key"))
-            return await call_next(request)
+    if front.config.api_key:
+        app.add_middleware(BearerKey, key=front.config.api_key)
     app.include_router(openai_router)
     app.include_router(sglang_router)
     return app
 
 
 class HttpServer:
-    """uvicorn serving `app` on `host:port` from a background thread (see module docstring)."""
+    """uvicorn serving `app` on `host:port` from a background thread (see module docstring);
+    `allowed_hosts`: names besides the bound address a client's `Host` may carry (`*`: any)."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, *, api_key: Optional[str] = None,
+                 limits: Optional[ConnectionLimits] = None, allowed_hosts: Iterable[str] = (),
                  log_level: str = "warning") -> None:
         import uvicorn
 
         if not is_loopback(host) and not api_key:
             raise ValueError(f"HTTP on {host} (beyond loopback) needs an API key (--api-key)")
+        self.limits = limits or ConnectionLimits()
+        guarded = RequestGuard(app, allowed_hosts=allowed_host_names(host, allowed_hosts),
+                               max_body_bytes=self.limits.max_body_bytes, state_changing_gets=STATE_CHANGING_GETS)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._socket = socket.socket(family, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((host, port))
         self.host, self.port = host, self._socket.getsockname()[1]
-        # NOTE: httptools, not h11: h11's replies stalled keep-alive clients ~40 ms (Nagle / delayed ACK)
-        config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="off", http="httptools",
-                                loop="auto", timeout_graceful_shutdown=5)
+        # NOTE: httptools, not h11: h11's replies stalled keep-alive clients ~40 ms (Nagle / delayed ACK);
+        # its protocol subclassed for the read timeouts and connection bound uvicorn lacks
+        config = uvicorn.Config(guarded, log_level=log_level, access_log=False, lifespan="off",
+                                http=protocol_class(self.limits), loop="auto", timeout_graceful_shutdown=5,
+                                timeout_keep_alive=KEEP_ALIVE_S)
         self._server = uvicorn.Server(config)
         self._thread: Optional[threading.Thread] = None
 

@@ -8,11 +8,17 @@ SGLang's native routes: a request its schema refuses is 400 with
 `{"object": "error", "message", "type": "Bad Request", "param": null, "code": 400}` (its handler
 of FastAPI's validation errors); a request its handler refuses is 400 with `{"error": {"message"}}`.
 Every handler here answers and the server goes on serving.
+
+What cannot be served now says when to come back (`Retry-After`), as OpenAI and vLLM do: 429 when
+the engine's waiting queue is full (OVERLOADED), 503 while the engine is suspended or in a state
+that refuses the call; a context error that is transient (the engine's memory released) is such
+a state, a permanent one is the client's 400.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from http import HTTPStatus
 from typing import Any, Optional
 
@@ -21,33 +27,58 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from inference.errors import ContextOverflowError, EngineStateError
+from inference.errors import ContextOverflowError, EngineStateError, OverloadedError
+from rollout.http.schemas import LONE_SURROGATE
 from rollout.wire.codec import ProtocolError
 from rollout.wire.kinds import ErrorCode
 
 logger = logging.getLogger(__name__)
 
 
+RETRY_AFTER_S = 1.0  # what a refusal for now advises when the engine said nothing more precise
+
+
 class APIError(Exception):
-    """A refusal with an HTTP status and OpenAI's error fields (`type`, `param`, `code`)."""
+    """A refusal with an HTTP status and OpenAI's error fields (`type`, `param`, `code`);
+    `retry_after_s`: sent as `Retry-After` (whole seconds, at least 1)."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None) -> None:
+                 param: Optional[str] = None, code: Optional[str] = None,
+                 retry_after_s: Optional[float] = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = int(status), message, type, param, code
+        self.retry_after_s = retry_after_s
+
+    @property
+    def headers(self) -> Optional[dict[str, str]]:
+        if self.retry_after_s is None:
+            return None
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
 
 def is_openai_path(path: str) -> bool:
     return path.startswith("/v1/") or path == "/v1"
 
 
-def error_response(request: Request, err: APIError) -> JSONResponse:
+def error_response(request: Request, err: APIError, headers: Optional[dict[str, str]] = None) -> JSONResponse:
     if is_openai_path(request.url.path):
         body: dict[str, Any] = {"error": {"message": err.message, "type": err.type, "param": err.param,
                                           "code": err.code}}
     else:
         body = {"error": {"message": err.message}}
-    return JSONResponse(body, status_code=err.status)
+    return JSONResponse(body, status_code=err.status, headers={**(err.headers or {}), **(headers or {})})
+
+
+def unavailable(message: str, retry_after_s: Optional[float] = None) -> APIError:
+    """503: the engine cannot serve this now (suspended, paused for a weight update, ...)."""
+    return APIError(503, message, type="server_error", code="engine_unavailable",
+                    retry_after_s=RETRY_AFTER_S if retry_after_s is None else retry_after_s)
+
+
+def overloaded(message: str, retry_after_s: Optional[float] = None) -> APIError:
+    """429: the engine's waiting queue is full; nothing is wrong with the request."""
+    return APIError(429, message, type="server_error", code="overloaded",
+                    retry_after_s=RETRY_AFTER_S if retry_after_s is None else retry_after_s)
 
 
 def from_exception(exc: BaseException) -> APIError:
@@ -55,15 +86,23 @@ def from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, ContextOverflowError):
+        if exc.is_transient:  # e.g. TensorStateDeallocatedError: the engine's memory is released for now
+            return unavailable(str(exc))
         return APIError(400, str(exc), param="messages", code="context_length_exceeded")
+    if isinstance(exc, OverloadedError):
+        return overloaded(str(exc), exc.retry_after_s)
     if isinstance(exc, ProtocolError):
+        if exc.code is ErrorCode.OVERLOADED:
+            return overloaded(str(exc))
         if exc.code is ErrorCode.ENGINE_STATE:
-            return APIError(503, str(exc), type="server_error", code="engine_unavailable")
+            return unavailable(str(exc))
         if exc.code in (ErrorCode.INVALID_REQUEST, ErrorCode.BAD_SCHEMA):
             return APIError(400, str(exc))
+        if exc.code is ErrorCode.TOO_LARGE:
+            return APIError(413, str(exc), code="request_too_large")
         return APIError(500, str(exc), type="server_error")
     if isinstance(exc, EngineStateError):
-        return APIError(503, str(exc), type="server_error", code="engine_unavailable")
+        return unavailable(str(exc))
     if isinstance(exc, TimeoutError):
         return APIError(504, f"the engine did not answer in time: {exc}", type="server_error", code="timeout")
     if isinstance(exc, (ValueError, TypeError)):
@@ -85,6 +124,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
     if kind in ("json_invalid", "json_type") or (kind == "missing" and not loc):
         return ("We could not parse the JSON body of your request. The API expects a JSON object as the "
                 "request body; what was sent was not valid JSON.", None)
+    if kind == LONE_SURROGATE:
+        field = str(first.get("ctx", {}).get("field", param))
+        return (f"Invalid value for '{field}': it holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
+                "escape), which is not Unicode text.", field)
     if kind == "extra_forbidden":
         return f"Unrecognized request argument supplied: {param}", param
     if kind == "missing":
@@ -113,7 +156,7 @@ async def http_error_handler(request: Request, exc: StarletteHTTPException) -> J
         message = f"Method not allowed ({request.method} {request.url.path})"
     else:
         message = str(exc.detail)
-    return error_response(request, APIError(exc.status_code, message, code=None))
+    return error_response(request, APIError(exc.status_code, message, code=None), headers=exc.headers)
 
 
 async def internal_error_handler(request: Request, exc: Exception) -> JSONResponse:

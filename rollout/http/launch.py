@@ -4,12 +4,13 @@ ZMQ), `serve_front` on a client the caller built (e.g. the in-process one of `ro
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Optional
 
 from rollout.http.app import HttpServer, build_app
 from rollout.http.clients import FrontClient, ServiceClient
+from rollout.http.connections import ConnectionLimits
 from rollout.http.front import FrontConfig, HttpFront
 from rollout.text import TextCodec
 from rollout.wire.security import ClientSecurity
@@ -43,16 +44,18 @@ def model_context(model_dir: Path) -> int:
 def serve_front(client: FrontClient, model_dir: Path, *, host: str = "127.0.0.1", port: int = 0,
                 served_model_name: Optional[str] = None, max_model_len: Optional[int] = None,
                 api_key: Optional[str] = None, timeout: float = 600.0, tokenizer: Any = None,
+                limits: Optional[ConnectionLimits] = None, allowed_hosts: Iterable[str] = (),
                 on_stop: Optional[Callable[[], None]] = None) -> RunningFront:
     """Serve HTTP on `host:port` over `client`; `on_stop` runs after the server stops (and if it
-    fails to start)."""
+    fails to start). `limits`, `allowed_hosts`: see `rollout.http.app.HttpServer`."""
     try:
         codec = TextCodec.load(tokenizer if tokenizer is not None else model_dir)
         config = FrontConfig(model_name=served_model_name or Path(model_dir).name,
                              max_model_len=max_model_len or model_context(model_dir), model_path=str(model_dir),
                              timeout=timeout, api_key=api_key)
         front = HttpFront(client, codec, config)
-        server = HttpServer(build_app(front), host, port, api_key=api_key).start()
+        server = HttpServer(build_app(front), host, port, api_key=api_key, limits=limits,
+                            allowed_hosts=allowed_hosts).start()
     except BaseException:
         if on_stop is not None:
             on_stop()
@@ -63,9 +66,10 @@ def serve_front(client: FrontClient, model_dir: Path, *, host: str = "127.0.0.1"
 def start_front(address: str, model_dir: Path, *, host: str = "127.0.0.1", port: int = 0,
                 served_model_name: Optional[str] = None, max_model_len: Optional[int] = None,
                 api_key: Optional[str] = None, token: Optional[str] = None, timeout: float = 600.0,
-                tokenizer: Any = None) -> RunningFront:
+                tokenizer: Any = None, limits: Optional[ConnectionLimits] = None,
+                allowed_hosts: Iterable[str] = ()) -> RunningFront:
     """Serve HTTP on `host:port` in front of the rollout service at `address` (a server or router)."""
     client = ServiceClient(address, timeout=timeout, security=ClientSecurity(token=token) if token else None)
     return serve_front(client, model_dir, host=host, port=port, served_model_name=served_model_name,
                        max_model_len=max_model_len, api_key=api_key, timeout=timeout, tokenizer=tokenizer,
-                       on_stop=client.connection.close)
+                       limits=limits, allowed_hosts=allowed_hosts, on_stop=client.connection.close)

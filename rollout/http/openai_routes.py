@@ -19,6 +19,7 @@ import msgspec
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
+from rollout.http.disconnects import unless_disconnected
 from rollout.http.errors import APIError, from_exception
 from rollout.http.front import HttpFront, top_entries
 from rollout.http.generation import Delta, Generation, GenSpec, Sample
@@ -81,7 +82,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     rid = f"cmpl-{spec.rid}"
     if body.stream:
         return _stream(gen, _completion_chunks(front, body, gen, rid))
-    samples = await gen.run()
+    samples = await unless_disconnected(request, gen.run())
     choices = []
     for i, s in enumerate(samples):
         choice = {"index": i, "text": s.text, "logprobs": _completion_logprobs(front, body, s, 0, s.ids),
@@ -157,7 +158,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
     if body.stream:
         return _stream(gen, _chat_chunks(front, body, gen, rid, remember), headers)
-    samples = await gen.run()
+    samples = await unless_disconnected(request, gen.run())
     remember()
     choices = []
     for i, s in enumerate(samples):

@@ -8,6 +8,10 @@ are accepted only at their neutral value (penalties 0, no `logit_bias`, ...), so
 never silently answered differently from what it asked.
 
 SGLang's `/generate` and control bodies use SGLang's names (see `rollout.http.sglang_routes`).
+
+Every string of a body, at any depth (dict keys too), must be Unicode text: JSON lets a body
+escape a lone UTF-16 surrogate (`"\\ud800"`), which no tokenizer, chat template or JSON encoder
+takes, so a body holding one is refused (400, naming the field) before a route sees it.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 MAX_N = 128
 MAX_STOP = 4  # OpenAI's limit on stop sequences
@@ -22,8 +27,42 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit (chat); vLLM's default max_logprobs
 Prob = Annotated[float, Field(ge=0, le=1)]
 
 
+LONE_SURROGATE = "lone_surrogate"  # the validation error type `rollout.http.errors` words for clients
+
+
+def lone_surrogate_at(data: Any) -> Optional[str]:
+    """The dotted path of the first string (or key) in `data` holding a lone surrogate, else None."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:  # NOTE: iterative: a body nested as deep as JSON allows must not exhaust the stack
+        path, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                where = f"{path}.{key}" if path else str(key)
+                if isinstance(key, str) and lone_surrogate_at(key) is not None:
+                    return where.encode("utf-8", "backslashreplace").decode()
+                stack.append((where, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{i}" if path else str(i), item) for i, item in enumerate(value))
+    return None
+
+
 class Strict(BaseModel):
+    """A request body: unknown fields refused, every string Unicode text (see module docstring)."""
+
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode_text(cls, data: Any) -> Any:
+        where = lone_surrogate_at(data)
+        if where is not None:
+            raise PydanticCustomError(LONE_SURROGATE, "{field} holds a lone UTF-16 surrogate", {"field": where})
+        return data
 
 
 class StreamOptions(Strict):

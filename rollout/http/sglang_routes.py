@@ -33,6 +33,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from inference import PauseMode, SamplingParams, SuspendPolicy
+from rollout.http.disconnects import unless_disconnected
 from rollout.http.errors import APIError, from_exception
 from rollout.http.front import HttpFront, top_entries
 from rollout.http.generation import GenSpec, Sample
@@ -51,6 +52,8 @@ from rollout.http.schemas import (
 
 SGLANG_API_VERSION = "0.5.6"
 router = APIRouter()
+# NOTE: SGLang takes GET for these control calls too; `rollout.http.guards` holds such a GET to the POST rule
+STATE_CHANGING_GETS = frozenset({"/flush_cache", "/release_memory_occupation", "/resume_memory_occupation"})
 PAUSE_MODES = {"abort": PauseMode.ABORT, "retract": PauseMode.RETRACT, "in_place": PauseMode.KEEP}
 FLUSH_MESSAGE = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
                  "requests, the operation will not be performed.)\n")
@@ -88,7 +91,7 @@ async def generate(body: GenerateReqInput, request: Request) -> Response:
     if body.stream:
         return StreamingResponse(_events(front, body, specs, logprob), media_type="text/event-stream")
     gens = [front.generation(spec) for spec in specs]
-    results = await asyncio.gather(*(g.run() for g in gens))  # the batch's prompts run together
+    results = await unless_disconnected(request, asyncio.gather(*(g.run() for g in gens)))  # run together
     version = await _version(front, [s for samples in results for s in samples])
     outputs = [_answer(front, body, gen.spec, s, gen.seconds, want, version)
                for gen, samples, want in zip(gens, results, logprob) for s in samples]
@@ -214,14 +217,14 @@ async def flush_cache(request: Request) -> Response:
 async def release_memory_occupation(request: Request) -> Response:
     body = await _optional(request, MemoryOccupationReqInput)
     weights = body.tags is None or "weights" in body.tags
-    await _call(front_of(request).client.suspend(SuspendPolicy.RECOMPUTE, offload_weights=weights))
+    await _memory_call(front_of(request).client.suspend(SuspendPolicy.RECOMPUTE, offload_weights=weights))
     return Response(status_code=200)
 
 
 @router.api_route("/resume_memory_occupation", methods=["GET", "POST"])
 async def resume_memory_occupation(request: Request) -> Response:
     await _optional(request, MemoryOccupationReqInput)
-    await _call(front_of(request).client.resume())
+    await _memory_call(front_of(request).client.resume())
     return Response(status_code=200)
 
 
@@ -335,6 +338,16 @@ async def _call(awaitable: Any) -> Any:
         return await awaitable
     except Exception as exc:  # noqa: BLE001
         raise from_exception(exc) from exc
+
+
+async def _memory_call(awaitable: Any) -> Any:
+    """SGLang answers a release or resume the engine's state refuses (resume while running, release
+    while released) with its handler's 400, not the 503 of a generation the engine cannot serve now."""
+    try:
+        return await awaitable
+    except Exception as exc:  # noqa: BLE001
+        err = from_exception(exc)
+        raise (APIError(400, err.message) if err.status == 503 else err) from exc
 
 
 async def _optional(request: Request, model: Any) -> Any:

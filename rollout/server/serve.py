@@ -56,6 +56,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     web.add_argument("--api-key", default=os.environ.get("ROLLOUT_API_KEY"),
                      help="HTTP clients must send `Authorization: Bearer KEY` (default $ROLLOUT_API_KEY)")
     web.add_argument("--served-model-name", help="the `model` HTTP clients name (default: --model's name)")
+    add_http_limit_arguments(web)
     eng = parser.add_argument_group("engine")
     eng.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     eng.add_argument("--device", default="cpu", help="where the engine runs: cpu (default), cuda, cuda:1, ...")
@@ -85,6 +86,30 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=os.environ.get("ROLLOUT_API_KEY"), help="required bearer key")
     parser.add_argument("--token", default=os.environ.get("ROLLOUT_TOKEN"), help="the service's shared secret")
     parser.add_argument("--timeout", type=float, default=600.0, help="bound of every engine call, seconds")
+    add_http_limit_arguments(parser)
+
+
+def add_http_limit_arguments(parser) -> None:
+    """What HTTP clients may hold (rollout.http.connections, rollout.http.guards)."""
+    parser.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                        help="a name clients may reach the HTTP front by, besides its address and localhost "
+                        "(repeatable; `*`: any): other Host headers are refused (DNS rebinding)")
+    parser.add_argument("--http-header-timeout-s", type=float, default=10.0,
+                        help="close a connection whose request head has not arrived in this time")
+    parser.add_argument("--http-body-timeout-s", type=float, default=60.0,
+                        help="close a connection whose request body has not arrived in this time")
+    parser.add_argument("--http-max-body-bytes", type=int, default=32 * 2**20,
+                        help="refuse (413) a request body larger than this")
+    parser.add_argument("--http-max-connections", type=int,
+                        help="answer 503 to connections past this many (default: 1024, or half the fd limit)")
+
+
+def http_limits_from_args(args: argparse.Namespace):
+    from rollout.http.connections import ConnectionLimits, default_max_connections
+
+    return ConnectionLimits(header_timeout_s=args.http_header_timeout_s, body_timeout_s=args.http_body_timeout_s,
+                            max_body_bytes=args.http_max_body_bytes,
+                            max_connections=args.http_max_connections or default_max_connections())
 
 
 def security_from_args(args: argparse.Namespace) -> ServerSecurity:
@@ -148,6 +173,7 @@ def serve_main(args: argparse.Namespace, on_ready=None) -> int:
             front = serve_front(client, model_path(args.model, args.dtype), host=args.http_host or args.host,
                                 port=args.http, served_model_name=args.served_model_name or Path(args.model).name,
                                 max_model_len=args.max_seq_len, api_key=args.api_key, timeout=600.0,
+                                limits=http_limits_from_args(args), allowed_hosts=args.allowed_host,
                                 on_stop=client.shutdown)
         except (OSError, ValueError) as exc:
             print(f"rollout serve: HTTP front: {exc}", file=sys.stderr, flush=True)
@@ -178,7 +204,8 @@ def http_main(args: argparse.Namespace) -> int:
         front = start_front(args.connect, model_path(args.model, "float32"), host=args.host, port=args.port,
                             served_model_name=args.served_model_name or Path(args.model).name,
                             max_model_len=args.max_model_len, api_key=args.api_key, token=args.token,
-                            timeout=args.timeout)
+                            timeout=args.timeout, limits=http_limits_from_args(args),
+                            allowed_hosts=args.allowed_host)
     except (OSError, ValueError) as exc:
         print(f"rollout http: {exc}", file=sys.stderr, flush=True)
         return 2

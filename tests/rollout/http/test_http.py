@@ -13,6 +13,8 @@ last and puts the original weights back.
 from __future__ import annotations
 
 import json
+import socket
+import time
 
 import httpx
 import openai
@@ -273,14 +275,14 @@ def test_in_place_pause_keeps_kv_so_flush_cache_is_refused(web, front_url):
             try:
                 assert web.post("/pause_generation", json={"mode": "in_place"}).json() == {
                     "message": "Generation paused successfully.", "status": "ok"}
-                assert web.post("/flush_cache").status_code == 400  # SGLang refuses it too
+                assert web.post("/flush_cache", json={}).status_code == 400  # SGLang refuses it too
                 assert web.post("/abort_request", json={"rid": "long"}).status_code == 200
                 events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
             finally:
-                web.post("/continue_generation")
+                web.post("/continue_generation", json={})
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["meta_info"]["finish_reason"]["type"] == "abort"
-    assert web.post("/flush_cache").status_code == 200  # nothing holds KV now
+    assert web.post("/flush_cache", json={}).status_code == 200  # nothing holds KV now
 
 
 def test_three_turn_agent_session_keeps_sampled_ids(oai, web, codec):
@@ -315,15 +317,52 @@ def test_three_turn_agent_session_keeps_sampled_ids(oai, web, codec):
 
 
 def test_a_suspended_engine_refuses_generation_with_the_same_error(web):
-    """The engine's typed refusal reaches HTTP as the same status and message on either front."""
+    """The engine's typed refusal reaches HTTP as the same status and message on either front: 503
+    with Retry-After while suspended (a state, not the request's fault); resuming a running engine is
+    SGLang's 400."""
     assert web.post("/release_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
     try:
         r = web.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
-        assert r.status_code == 400 and "suspended" in r.json()["error"]["message"], r.text
+        assert r.status_code == 503 and "suspended" in r.json()["error"]["message"], r.text
+        assert r.headers["retry-after"] == "1"
+        r = web.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2})
+        assert (r.status_code, r.json()["error"]["code"]) == (503, "engine_unavailable") and "retry-after" in r.headers
         assert web.get("/health").status_code == 200  # suspended is not unhealthy
     finally:
-        assert web.post("/resume_memory_occupation").status_code == 200
+        assert web.post("/resume_memory_occupation", json={}).status_code == 200
+    again = web.post("/resume_memory_occupation", json={})
+    assert again.status_code == 400 and again.json()["error"]["message"], again.text
     assert web.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}).is_success
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions", "/v1/chat/completions"])
+def test_a_client_gone_before_its_answer_aborts_its_samples(front_url, web, path):
+    """A non-streaming request whose client disconnects is aborted: its KV blocks are freed long
+    before its samples could have finished, and they stop short of their budget."""
+    def figures() -> dict:
+        return web.get("/get_server_info").json()["internal_states"][0]
+
+    n, budget = 4, MAX_LEN - 40
+    common = {"model": MODEL, "max_tokens": budget, "n": n, "ignore_eos": True}
+    body = json.dumps({"/generate": {"input_ids": [3, 4, 5], "sampling_params": {
+                           "max_new_tokens": budget, "n": n, "ignore_eos": True}},
+                       "/v1/completions": {"prompt": [3, 4, 5], **common},
+                       "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], **common}}[path]
+                      ).encode()
+    before = figures()["engine/generated_tokens"]
+    host, port = front_url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=WAIT_S) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        deadline = time.monotonic() + WAIT_S
+        while figures()["kv_utilization"] == 0:  # it runs: it holds KV
+            assert time.monotonic() < deadline, "the request never ran"
+            time.sleep(0.02)
+    deadline = time.monotonic() + 10.0
+    while figures()["kv_utilization"] > 0:
+        assert time.monotonic() < deadline, "the abandoned request still holds its KV blocks"
+        time.sleep(0.05)
+    assert figures()["engine/generated_tokens"] - before < n * budget  # aborted, not run to the end
 
 
 def test_serve_http_calls_its_engine_without_a_zmq_hop(http_server):
@@ -432,8 +471,8 @@ def test_rl_cycle_pause_update_flush_continue(web, model_dir, tmp_path, referenc
         assert web.post("/pause_generation", json={"mode": "retract"}).status_code == 200
         r = web.post("/update_weights_from_disk", json={"model_path": str(new_dir), "weight_version": str(version + 1)})
         assert r.status_code == 200 and r.json()["success"] is True and r.json()["num_paused_requests"] == 0
-        assert web.post("/flush_cache").status_code == 200
-        assert web.post("/continue_generation").json()["status"] == "ok"
+        assert web.post("/flush_cache", json={}).status_code == 200
+        assert web.post("/continue_generation", json={}).json()["status"] == "ok"
         assert web.get("/get_weight_version").json() == {"weight_version": str(version + 1)}
         fresh = DynamicInferenceEngine.from_pretrained(new_dir, engine_config())
         for p, old in zip(prompts, before):
@@ -444,7 +483,7 @@ def test_rl_cycle_pause_update_flush_continue(web, model_dir, tmp_path, referenc
         bad = web.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "missing")})
         assert bad.status_code == 400 and bad.json()["success"] is False
     finally:
-        web.post("/continue_generation")
+        web.post("/continue_generation", json={})
         restore = web.post("/update_weights_from_disk", json={"model_path": str(model_dir)})
         assert restore.json()["success"] is True
     out = web.post("/generate", json={"input_ids": prompts[0], "sampling_params": {"temperature": 0,
@@ -467,7 +506,7 @@ def test_in_process_front_needs_no_server(model_dir, reference):
                 "temperature": 0, "max_new_tokens": 5, "ignore_eos": True}}).json()
             assert out["output_ids"] == greedy_ids(reference, [5, 6, 7], 5)
             assert web.post("/pause_generation", json={"mode": "abort"}).status_code == 200
-            assert web.post("/continue_generation").status_code == 200
+            assert web.post("/continue_generation", json={}).status_code == 200
             info = web.get("/get_server_info").json()["internal_states"][0]
             assert info["engine/generated_tokens"] == 5 and info["samples_sent"] == 1 and info["pauses"] == 1
     finally:

@@ -1,0 +1,156 @@
+"""RequestGuard: what every HTTP request must show before a route sees it.
+
+The front is unauthenticated on loopback, so a web page in the user's browser is the attacker to
+keep out. A browser can send two kinds of request to it on its own:
+
+* a "simple" cross-site request (a form, `fetch(..., {mode: "no-cors"})`, an `<img>`): any
+  method but only `text/plain`, form or no content type, no preflight. Every request that changes
+  state (every method but GET / HEAD / OPTIONS, and the SGLang routes that take GET for a control
+  call) must therefore be sent as `Content-Type: application/json`, which a page can only send
+  after a CORS preflight this server never grants: else 415.
+* a DNS-rebinding request: a page whose name now resolves to 127.0.0.1, same-origin to the
+  browser, so no preflight; but its `Host` header is the page's name. A `Host` must be an IP
+  literal (no name to rebind), `localhost` (when serving on loopback or on every address), the
+  address served on, or a name allowed with `--allowed-host` (`*`: any); else 400.
+
+It also bounds a request body (`max_body_bytes`: 413, from `Content-Length` before anything is
+read, or as a chunked body grows), so no client makes the front buffer more than that per request.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from fastapi import Request
+from starlette.exceptions import HTTPException
+
+from rollout.http.errors import APIError, error_response
+from rollout.wire.security import is_loopback
+
+logger = logging.getLogger(__name__)
+
+READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+ANY_HOST = "*"
+
+
+def host_name(header: str) -> str:
+    """The name or address of a `Host` header, without its port, brackets or trailing dot."""
+    header = header.strip().lower()
+    if header.startswith("["):  # an IPv6 literal: [::1]:8000
+        return header[1:header.find("]")] if "]" in header else header
+    if header.count(":") == 1:
+        header = header.split(":", 1)[0]
+    return header.rstrip(".")
+
+
+def is_ip_literal(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def allowed_host_names(bound_host: str, extra: Iterable[str] = ()) -> frozenset[str]:
+    """The names (besides IP literals) a `Host` header may carry for a server bound to `bound_host`."""
+    names = {host_name(bound_host)} | {host_name(h) if h != ANY_HOST else ANY_HOST for h in extra}
+    wildcard = is_ip_literal(host_name(bound_host)) and ipaddress.ip_address(host_name(bound_host)).is_unspecified
+    if is_loopback(bound_host.strip("[]")) or wildcard:
+        names.add("localhost")
+    return frozenset(names)
+
+
+class RequestGuard:
+    """ASGI middleware (see module docstring). `state_changing_gets`: paths whose GET changes
+    state (SGLang's `/flush_cache`, memory occupation), held to the POST rule."""
+
+    def __init__(self, app: Any, *, allowed_hosts: frozenset[str], max_body_bytes: int,
+                 state_changing_gets: frozenset[str] = frozenset()) -> None:
+        self.app, self.allowed_hosts, self.max_body_bytes = app, allowed_hosts, max_body_bytes
+        self.state_changing_gets = state_changing_gets
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        refusal = self._refusal(request)
+        if refusal is not None:
+            logger.info("HTTP: %s %s from %s refused: %s", request.method, request.url.path, scope.get("client"),
+                        refusal.message)
+            # NOTE: a body too large is left unread: the connection closes rather than drain it
+            close = {"Connection": "close"} if refusal.status == 413 else None
+            await error_response(request, refusal, headers=close)(scope, receive, send)
+            return
+        await self.app(scope, self._bounded(receive), send)
+
+    def _refusal(self, request: Request) -> APIError | None:
+        host = request.headers.get("host")
+        if host is not None and not self._host_allowed(host_name(host)):
+            return APIError(400, f"Host `{host}` is not served here (a guard against DNS rebinding); a server "
+                            f"reached by that name must be started with `--allowed-host {host_name(host)}`.",
+                            code="invalid_host")
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            return self._too_large()
+        if self._changes_state(request) and not _is_json(request.headers.get("content-type", "")):
+            return APIError(415, f"{request.method} {request.url.path} changes the server's state, so it must be "
+                            "sent with `Content-Type: application/json` (an empty call may send `{}`).",
+                            code="unsupported_media_type")
+        return None
+
+    def _host_allowed(self, name: str) -> bool:
+        return ANY_HOST in self.allowed_hosts or name in self.allowed_hosts or is_ip_literal(name)
+
+    def _changes_state(self, request: Request) -> bool:
+        return request.method not in READ_METHODS or (request.method == "GET"
+                                                      and request.url.path in self.state_changing_gets)
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"The request body exceeds {self.max_body_bytes} bytes (the server's "
+                        "--http-max-body-bytes).", code="request_too_large")
+
+    def _bounded(self, receive: Any) -> Any:
+        """`receive` that refuses (413) a body growing past the bound, before it is all buffered."""
+        seen = 0
+
+        async def bounded() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body_bytes:
+                    # NOTE: FastAPI re-raises an HTTPException from reading the body; the app's handler answers it
+                    raise HTTPException(413, self._too_large().message, headers={"Connection": "close"})
+            return message
+
+        return bounded
+
+
+class BearerKey:
+    """ASGI middleware: every request must send `Authorization: Bearer KEY` (401 otherwise).
+
+    NOTE: plain ASGI, not Starlette's BaseHTTPMiddleware, which fails a request whose client leaves
+    before the answer ("No response returned") instead of letting the route see it gone."""
+
+    def __init__(self, app: Any, key: str) -> None:
+        self.app, self._expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            request = Request(scope)
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, self._expected):
+                refusal = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+                await error_response(request, refusal)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))

@@ -1,0 +1,189 @@
+"""What HTTP clients may hold of the front, and what a request must show (`rollout.http.connections`,
+`rollout.http.guards`), on a real uvicorn front on loopback driven by httpx and raw sockets.
+
+The front here is connected to no service (nothing listens at its address): every check under
+test answers before a route calls the engine, and a request that passed them gets the route's
+own refusal (a wrong model's 404), which shows it passed.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import time
+
+import httpx
+import pytest
+
+from rollout.http.connections import ConnectionLimits
+from rollout.http.errors import from_exception
+from tests.rollout.http_util import MODEL, smollm2_tokenizer_dir
+
+NO_SERVICE = "tcp://127.0.0.1:9"
+WAIT_S = 10.0
+
+
+def start(**kwargs):
+    from rollout.http.launch import start_front
+
+    return start_front(NO_SERVICE, smollm2_tokenizer_dir(), served_model_name=MODEL, timeout=5.0, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def front():
+    """Small limits, so the tests can reach them: 4 connections, 2 s for a head, 4 KiB of body."""
+    running = start(limits=ConnectionLimits(header_timeout_s=2.0, body_timeout_s=2.0, max_body_bytes=4096,
+                                            max_connections=4), allowed_hosts=["rollout.internal"])
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture
+def web(front):
+    with httpx.Client(base_url=front.url, timeout=WAIT_S) as c:
+        yield c
+
+
+def connect(front) -> socket.socket:
+    sock = socket.create_connection((front.server.host, front.server.port), timeout=WAIT_S)
+    sock.settimeout(WAIT_S)
+    return sock
+
+
+def read_until_closed(sock: socket.socket, deadline: float) -> bytes:
+    """Everything the server sends until it closes (still open past `deadline`: the test fails)."""
+    got = b""
+    while time.monotonic() < deadline:
+        try:
+            chunk = sock.recv(4096)
+        except ConnectionResetError:  # closed with our unread bytes in its buffer
+            return got
+        if not chunk:
+            return got
+        got += chunk
+    raise AssertionError(f"the server kept the connection open; it sent {got!r}")
+
+
+def trickle_until_closed(sock: socket.socket, deadline: float) -> bytes:
+    """Send a header byte every 0.2 s (never a whole head) until the server closes; what it sent."""
+    while time.monotonic() < deadline:
+        try:
+            sock.sendall(b"X")
+        except (BrokenPipeError, ConnectionResetError):
+            return b""
+        if select.select([sock], [], [], 0.2)[0]:
+            return read_until_closed(sock, deadline)
+    raise AssertionError("the server kept a trickling client's connection open")
+
+
+def test_trickled_heads_are_dropped_and_connections_bounded(front, web):
+    held = [connect(front) for _ in range(4)]
+    try:
+        for sock in held:
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")  # a head never finished
+        time.sleep(0.3)  # NOTE: the server accepts them first (well within the 2 s head timeout)
+        extra = connect(front)  # the fifth: refused at once, its descriptor freed
+        assert read_until_closed(extra, time.monotonic() + WAIT_S).startswith(b"HTTP/1.1 503")
+        extra.close()
+        started = time.monotonic()
+        trickle_until_closed(held[0], started + WAIT_S)  # the head timeout counts from the first byte
+        for sock in held[1:]:
+            assert read_until_closed(sock, started + WAIT_S).startswith(b"HTTP/1.1 408")
+        assert time.monotonic() - started < WAIT_S
+    finally:
+        for sock in held:
+            sock.close()
+    assert web.get("/v1/models").status_code == 200  # still serving, its connections free again
+
+
+def test_a_body_or_head_that_never_ends_is_dropped(front):
+    with connect(front) as sock:  # a body that stops short of its Content-Length
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"text\": ")
+        started = time.monotonic()
+        read_until_closed(sock, started + WAIT_S)  # closed by the 2 s body timeout (the route sees it gone)
+        assert time.monotonic() - started < WAIT_S
+    with connect(front) as sock:  # a head past max_header_bytes (64 KiB), still growing
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-Pad: " + b"a" * 70_000)
+        assert read_until_closed(sock, time.monotonic() + WAIT_S).startswith(b"HTTP/1.1 431")
+
+
+def test_a_host_must_name_this_server(front, web):
+    """DNS rebinding: a page whose name resolves to 127.0.0.1 sends its own name as `Host`."""
+    refused = web.get("/v1/models", headers={"Host": f"attacker.example:{front.server.port}"})
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_host"
+    assert "--allowed-host attacker.example" in refused.json()["error"]["message"]
+    assert web.post("/pause_generation", json={"mode": "abort"}, headers={"Host": "attacker.example"}
+                    ).status_code == 400
+    for host in (f"127.0.0.1:{front.server.port}", "localhost", f"[::1]:{front.server.port}", "rollout.internal:80"):
+        assert web.get("/v1/models", headers={"Host": host}).status_code == 200, host
+
+
+def test_calls_that_change_state_need_a_json_content_type(web):
+    """What a cross-site page can send without a preflight (text/plain, a form, no body) is refused."""
+    for method, path, kwargs in [("POST", "/pause_generation", {}),
+                                 ("POST", "/update_weights_from_disk",
+                                  {"content": b'{"model_path": "/tmp"}', "headers": {"Content-Type": "text/plain"}}),
+                                 ("POST", "/init_weights_update_group",
+                                  {"data": {"master_address": "10.0.0.1", "master_port": "29500"}}),
+                                 ("GET", "/release_memory_occupation", {}), ("GET", "/flush_cache", {})]:
+        r = web.request(method, path, **kwargs)
+        assert r.status_code == 415 and "Content-Type: application/json" in r.json()["error"]["message"], path
+    r = web.post("/v1/completions", content=b'{"model": "x", "prompt": "hi"}', headers={"Content-Type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"  # OpenAI's shape
+    assert web.post("/v1/completions", json={"model": "x", "prompt": "hi"}).status_code == 404  # JSON: it passes
+    assert web.get("/v1/models").status_code == 200  # reads need nothing
+
+
+def test_a_body_past_the_limit_is_refused_with_413(web):
+    big = {"model": "x", "prompt": "a" * 5000}
+    r = web.post("/v1/completions", json=big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert r.headers["connection"] == "close"
+
+    def chunks():  # no Content-Length: the bound holds as the body grows
+        yield b'{"model": "x", "prompt": "'
+        for _ in range(10):
+            yield b"a" * 1000
+        yield b'"}'
+
+    r = web.post("/generate", content=chunks(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and "exceeds 4096 bytes" in r.json()["error"]["message"]
+    assert web.post("/v1/completions", json={"model": "x", "prompt": "a" * 3000}).status_code == 404  # under it
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", b'{"model": "tiny-chat", "prompt": "ab\\ud800"}', "prompt"),
+    ("/v1/completions", b'{"model": "\\udfff", "prompt": "x"}', "model"),
+    ("/v1/completions", b'{"model": "tiny-chat", "prompt": ["ok", "\\ud83d"]}', "prompt.1"),
+    ("/v1/chat/completions", b'{"model": "tiny-chat", "messages": [{"role": "user", "content": "\\ud800"}]}',
+     "messages.0.content"),
+    ("/v1/chat/completions", b'{"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}], '
+     b'"tools": [{"type": "function", "function": {"name": "\\udc00"}}]}', "tools.0.function.name"),
+    ("/generate", b'{"text": "\\ud800", "sampling_params": {"max_new_tokens": 2}}', "text"),
+    ("/generate", b'{"text": "x", "sampling_params": {"stop": ["\\udbff"]}}', "sampling_params.stop.0"),
+])
+def test_lone_surrogates_are_a_400_naming_the_field(web, path, body, param):
+    r = web.post(path, content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"] if path.startswith("/v1") else r.json()["message"]
+    assert f"'{param}'" in message and "surrogate" in message
+    if path.startswith("/v1"):
+        assert r.json()["error"]["param"] == param
+
+
+def test_engine_refusals_for_now_say_when_to_retry():
+    """OVERLOADED (the engine's waiting queue full) is 429, a state that refuses work for now 503,
+    both with Retry-After; in process (the engine's exceptions) or over ZMQ (its ErrorCodes)."""
+    from inference.errors import OverloadedError, TensorStateDeallocatedError
+    from rollout.wire.codec import ProtocolError
+    from rollout.wire.kinds import ErrorCode
+
+    for exc, status, retry in [(OverloadedError("queue full", retry_after_s=2.5), 429, "3"),
+                               (ProtocolError(ErrorCode.OVERLOADED, "queue full"), 429, "1"),
+                               (ProtocolError(ErrorCode.ENGINE_STATE, "suspended"), 503, "1"),
+                               (TensorStateDeallocatedError(None, "suspended"), 503, "1")]:
+        err = from_exception(exc)
+        assert (err.status, err.headers) == (status, {"Retry-After": retry}), exc
