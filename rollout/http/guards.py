@@ -4,10 +4,16 @@ The front is unauthenticated on loopback, so a web page in the user's browser is
 keep out. A browser can send two kinds of request to it on its own:
 
 * a "simple" cross-site request (a form, `fetch(..., {mode: "no-cors"})`, an `<img>`): any
-  method but only `text/plain`, form or no content type, no preflight. Every request that changes
+  method but only `text/plain`, form or no content type, no preflight. So a request that changes
   state (every method but GET / HEAD / OPTIONS, and the SGLang routes that take GET for a control
-  call) must therefore be sent as `Content-Type: application/json`, which a page can only send
-  after a CORS preflight this server never grants: else 415.
+  call) and carries a body must carry it as `Content-Type: application/json`, which a page can only
+  send after a CORS preflight this server never grants: else 415. One without a body or a content
+  type is what SGLang's own tools send (`requests.post(url + "/flush_cache")`), so it passes,
+  unless it shows a browser's marks of another site: `Sec-Fetch-Site: cross-site` / `same-site`
+  (every current browser sends it), or an `Origin` whose host is not allowed (sent with every
+  fetch that is not a GET): 403. NOTE: what is left is a GET of one of SGLang's three GET control
+  routes from a browser too old to send `Sec-Fetch-Site` (it can flush the cache or release
+  memory; loading weights needs a JSON body); `--api-key` closes that too.
 * a DNS-rebinding request: a page whose name now resolves to 127.0.0.1, same-origin to the
   browser, so no preflight; but its `Host` header is the page's name. A `Host` must be an IP
   literal (no name to rebind), `localhost` (when serving on loopback or on every address), the
@@ -97,11 +103,24 @@ class RequestGuard:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             return self._too_large()
-        if self._changes_state(request) and not _is_json(request.headers.get("content-type", "")):
-            return APIError(415, f"{request.method} {request.url.path} changes the server's state, so it must be "
-                            "sent with `Content-Type: application/json` (an empty call may send `{}`).",
+        if not self._changes_state(request):
+            return None
+        site, origin = request.headers.get("sec-fetch-site"), request.headers.get("origin")
+        if site in ("cross-site", "same-site") or (origin is not None and not self._origin_allowed(origin)):
+            return APIError(403, f"{request.method} {request.url.path} changes the server's state; a page of "
+                            f"another site may not call it (Origin {origin!r}, Sec-Fetch-Site {site!r}).",
+                            code="cross_site_request")
+        content_type = request.headers.get("content-type")
+        if (content_type is not None or _has_body(request)) and not _is_json(content_type or ""):
+            return APIError(415, f"{request.method} {request.url.path} changes the server's state, so a body must be "
+                            "sent with `Content-Type: application/json` (an empty call may send `{}`, or nothing).",
                             code="unsupported_media_type")
         return None
+
+    def _origin_allowed(self, origin: str) -> bool:
+        """An `Origin` (scheme://host[:port], or "null" from a sandboxed page) names an allowed host."""
+        _, sep, rest = origin.partition("://")
+        return bool(sep) and self._host_allowed(host_name(rest.split("/", 1)[0]))
 
     def _host_allowed(self, name: str) -> bool:
         return ANY_HOST in self.allowed_hosts or name in self.allowed_hosts or is_ip_literal(name)
@@ -149,6 +168,11 @@ class BearerKey:
                 await error_response(request, refusal)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _has_body(request: Request) -> bool:
+    length = request.headers.get("content-length")
+    return (length is not None and length.strip() not in ("", "0")) or "transfer-encoding" in request.headers
 
 
 def _is_json(content_type: str) -> bool:

@@ -122,19 +122,29 @@ def test_a_host_must_name_this_server(front, web):
 
 
 def test_calls_that_change_state_need_a_json_content_type(web):
-    """What a cross-site page can send without a preflight (text/plain, a form, no body) is refused."""
-    for method, path, kwargs in [("POST", "/pause_generation", {}),
-                                 ("POST", "/update_weights_from_disk",
+    """What a cross-site page can send without a preflight (text/plain, a form, a body-less fetch
+    or an `<img>`, which carry a browser's Origin / Sec-Fetch-Site) is refused."""
+    for method, path, kwargs in [("POST", "/update_weights_from_disk",
                                   {"content": b'{"model_path": "/tmp"}', "headers": {"Content-Type": "text/plain"}}),
                                  ("POST", "/init_weights_update_group",
-                                  {"data": {"master_address": "10.0.0.1", "master_port": "29500"}}),
-                                 ("GET", "/release_memory_occupation", {}), ("GET", "/flush_cache", {})]:
+                                  {"data": {"master_address": "10.0.0.1", "master_port": "29500"}})]:
         r = web.request(method, path, **kwargs)
         assert r.status_code == 415 and "Content-Type: application/json" in r.json()["error"]["message"], path
+    for method, path, headers in [("POST", "/pause_generation", {"Origin": "https://attacker.example"}),
+                                  ("POST", "/pause_generation", {"Origin": "null"}),
+                                  ("GET", "/release_memory_occupation", {"Sec-Fetch-Site": "cross-site"}),
+                                  ("GET", "/flush_cache", {"Sec-Fetch-Site": "same-site"})]:
+        r = web.request(method, path, headers=headers)
+        assert r.status_code == 403 and "another site" in r.json()["error"]["message"], (path, headers)
     r = web.post("/v1/completions", content=b'{"model": "x", "prompt": "hi"}', headers={"Content-Type": "text/plain"})
     assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"  # OpenAI's shape
     assert web.post("/v1/completions", json={"model": "x", "prompt": "hi"}).status_code == 404  # JSON: it passes
+    assert web.post("/v1/completions", json={"model": "x", "prompt": "hi"},
+                    headers={"Origin": "http://127.0.0.1:8000"}).status_code == 404  # this server's own origin
     assert web.get("/v1/models").status_code == 200  # reads need nothing
+    # SGLang's own tools POST with no body and no browser marks: past the guard (here to a body check, a 400)
+    assert web.post("/v1/completions").status_code == 400
+    assert web.post("/v1/completions", headers={"Sec-Fetch-Site": "same-origin"}).status_code == 400
 
 
 def test_a_body_past_the_limit_is_refused_with_413(web):
