@@ -170,6 +170,37 @@ def test_mailbox_loses_no_item_and_no_wake_up():
     box.close()
 
 
+class _PutWhileReading:
+    """The mailbox's wake-up socket, with another producer's `put` landing on the first read: the
+    interleaving (a put while `drain` consumes the wake-ups) that threads hit only by chance."""
+
+    def __init__(self, box: Mailbox, item) -> None:
+        self.box, self.item, self.sock, self.fired = box, item, box._reader, False
+
+    def recv(self, size: int) -> bytes:
+        if not self.fired:
+            self.fired = True
+            self.box.put(self.item)
+        return self.sock.recv(size)
+
+    def __getattr__(self, name: str):
+        return getattr(self.sock, name)
+
+
+def test_mailbox_keeps_its_wake_up_when_a_put_lands_during_drain():
+    box = Mailbox()
+    poller = zmq.Poller()
+    poller.register(box.fileno(), zmq.POLLIN)
+    box.put("first")
+    box._reader = _PutWhileReading(box, "during")
+    assert box.drain() == ["first", "during"]
+    box._reader = box._reader.sock
+    box.put("after")  # NOTE: this put must make the descriptor readable, or its owner sleeps a whole poll
+    assert poller.poll(0), "an item is pending but the mailbox's descriptor is not readable"
+    assert box.drain() == ["after"]
+    box.close()
+
+
 # ---- metrics and reply dedup -------------------------------------------------------------------
 
 
