@@ -52,6 +52,8 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     auth.add_argument("--curve-clients", help="directory of accepted client CURVE public keys")
     rt = parser.add_argument_group("routing")
     rt.add_argument("--lease-s", type=float, default=10.0, help="abort a silent client's requests after this")
+    rt.add_argument("--max-lease-s", type=float, default=60.0,
+                    help="the longest lease a client may ask for (longer ones are cut to this)")
     rt.add_argument("--retain-s", type=float, default=120.0, help="keep finished requests for resubmitting clients")
     rt.add_argument("--health-every-s", type=float, default=0.25, help="poll each replica's health this often")
     rt.add_argument("--dead-after-s", type=float, default=3.0, help="a replica silent this long is taken out")
@@ -76,7 +78,8 @@ def router_config(args: argparse.Namespace):
 
     security = ServerSecurity(token=args.token or None, curve_keys=Path(args.curve_keys) if args.curve_keys else None,
                               curve_clients=Path(args.curve_clients) if args.curve_clients else None)
-    return RouterConfig(host=args.host, port=args.port, lease_s=args.lease_s, retain_s=args.retain_s,
+    return RouterConfig(host=args.host, port=args.port, lease_s=args.lease_s, max_lease_s=args.max_lease_s,
+                        retain_s=args.retain_s,
                         security=security, replica_security=ClientSecurity(token=args.token) if args.token else None,
                         health=HealthConfig(every_s=args.health_every_s, dead_after_s=args.dead_after_s,
                                             stall_deadline_s=args.stall_deadline_s),

@@ -6,8 +6,8 @@ round it reads client frames, the watched sockets, the mailbox (handed to the ow
 runs the owner's `tick`, and keeps house (leases, the registry's retention). What it does for
 every owner alike:
 
-* every frame renews its sender's lease (a Heartbeat may set its length); a frame that fails to
-  decode is answered by an `ErrorReply` naming the problem;
+* every frame renews its sender's lease (a Heartbeat may set its length, cut to `max_lease_s`);
+  a frame that fails to decode is answered by an `ErrorReply` naming the problem;
 * each request goes to the one handler of its message class (`handlers`); a refusal by rule
   (`ProtocolError`) or a bug (any other exception, logged) is answered by an `ErrorReply`, and
   nothing else in flight is touched;
@@ -56,6 +56,7 @@ class EndpointConfig:
     security: ServerSecurity = field(default_factory=ServerSecurity)
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     lease_s: float = 10.0
+    max_lease_s: float = 60.0  # the longest lease a client's Heartbeat may set (longer ones are cut to it)
     retain_s: float = 120.0
     poll_ms: int = 100  # the longest a round waits for a frame or mail
 
@@ -88,7 +89,7 @@ class ServiceEndpoint:
         self.address = self.socket.address
         self.mailbox = Mailbox()
         self.registry = RequestRegistry(retain_s=config.retain_s)
-        self.leases = Leases(config.lease_s)
+        self.leases = Leases(config.lease_s, config.max_lease_s)
         self.metrics = ServiceMetrics()
         self.poller = zmq.Poller()
         self.poller.register(self.socket.socket, zmq.POLLIN)
@@ -179,7 +180,10 @@ class ServiceEndpoint:
     def _read(self, now: float) -> None:
         for peer, msg, refusal in self.socket.receive():
             self.metrics.count("frames_received")
-            self.leases.renew(peer, now, msg.lease_s if isinstance(msg, Heartbeat) else None)
+            asked = msg.lease_s if isinstance(msg, Heartbeat) else None
+            if self.leases.renew(peer, now, asked):
+                logger.warning("%s: client %s asked for a %g s lease: cut to max_lease_s=%g s", self.name,
+                               peer.hex(), asked, self.config.max_lease_s)
             if refusal is not None:
                 self.send_error(peer, refusal)
                 continue
