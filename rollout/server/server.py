@@ -100,7 +100,9 @@ class RolloutServer:
         self.engine = engine
         self.calls = ServerCalls(self)
         self._queued: list[tuple[Record, SamplingParams]] = []  # Generates read this round, not yet posted
-        self.endpoint = ServiceEndpoint(config.endpoint(), name="rollout-server", handlers=self.calls.table(),
+        endpoint_config = config.endpoint()
+        endpoint_config.max_sequence_length = engine.config.max_sequence_length  # NOTE: checked before any copy
+        self.endpoint = ServiceEndpoint(endpoint_config, name="rollout-server", handlers=self.calls.table(),
                                         start_generate=self._queue_generate, abort_silent=self._abort_silent,
                                         on_mail=self._on_mail, tick=lambda now: self.flush_generates())
         self.address: str = self.endpoint.address

@@ -344,6 +344,19 @@ def test_wedged_loop_is_unhealthy_within_the_deadline(server, client, reference)
     assert stream.result(WAIT_S)[0].completion_ids == expected_outputs(reference, [[4, 4, 4]], [greedy(3)])[0][0]
 
 
+def test_an_overlong_prompt_is_refused_at_the_door_without_the_engine(server, client):
+    prompt = [5] * 4000  # over the server's --max-seq-len 2048 on its own, yet inside its 64 KiB frames
+    os.kill(server.pid, signal.SIGUSR1)  # NOTE: with the engine loop wedged, only a refusal at the door can answer
+    try:
+        with pytest.raises(MaxSequenceLengthOverflowError, match=r"prompt \(4000\) \+ max_tokens \(4\)") as info:
+            client.generate([prompt], 1, greedy(4), timeout=10.0)
+        assert not info.value.is_transient  # permanent: a retry cannot fit it
+    finally:
+        os.kill(server.pid, signal.SIGUSR2)
+    wait_for(lambda: client.health().healthy)
+    assert len(client.generate([[5, 6]], 1, greedy(2))) == 1  # and serving on
+
+
 def _readline(proc: subprocess.Popen, timeout: float) -> str:
     out: list[str] = []
     reader = threading.Thread(target=lambda: out.append(proc.stdout.readline()), daemon=True)
