@@ -15,7 +15,7 @@ from collections import Counter
 
 import pytest
 
-from inference import DynamicInferenceEngine, FinishReason, SamplingParams
+from inference import DynamicInferenceEngine, FinishReason, MaxSequenceLengthOverflowError, SamplingParams
 from rollout import AsyncRolloutClient, RolloutClient, RolloutRouter, RouterConfig, RouterProcess
 from rollout.router.attempts import StalePolicy
 from rollout.router.links import ReplicaState
@@ -308,6 +308,24 @@ def test_a_frozen_replica_is_taken_out_within_the_deadline(router, client, repli
     after = client.stats()
     assert after["takeouts"] - before.get("takeouts", 0) == 1 and after["failovers"] > before.get("failovers", 0)
     assert after["samples_sent"] - before["samples_sent"] == 120  # none twice
+
+
+def test_an_overlong_prompt_is_refused_as_overflow_by_the_router_and_no_replica_sees_it(router, client,
+                                                                                       replica_procs):
+    takeouts = {name: info.takeouts for name, info in router.replicas().items()}
+    seen = [replica_stats(p).get("generates_received", 0) for p in replica_procs]
+    limit = router.config.max_sequence_length
+    # NOTE: 512 KiB of prompt: past the router's limit, and 8x the replicas' frame limit (had it been forwarded)
+    with pytest.raises(MaxSequenceLengthOverflowError, match=f"max_sequence_length \\({limit}\\)"):
+        client.generate([[5] * limit], 1, greedy(4))
+    assert [replica_stats(p).get("generates_received", 0) for p in replica_procs] == seen
+    # within the router's limit but past the replicas' (--max-seq-len 2048): a replica refuses it, typed
+    with pytest.raises(MaxSequenceLengthOverflowError, match=r"max_sequence_length \(2048\)"):
+        client.generate([[5] * 3000], 1, greedy(4))
+    infos = router.replicas()
+    assert all(i.state is ReplicaState.UP for i in infos.values())
+    assert {name: info.takeouts for name, info in infos.items()} == takeouts
+    assert len(client.generate([[5, 6]], 1, greedy(2))) == 1
 
 
 def test_route_command_over_running_replicas(replica_procs, reference):
