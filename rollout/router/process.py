@@ -126,9 +126,7 @@ def route_main(args: argparse.Namespace) -> int:
     spawned: Optional[SpawnedReplicas] = None
     try:
         if args.spawn:
-            if args.token and "--token" not in serve_args:
-                serve_args += ["--token", args.token]
-            spawned = SpawnedReplicas(router, args.model, args.spawn, serve_args).start()
+            spawned = SpawnedReplicas(router, args.model, args.spawn, serve_args, token=args.token or None).start()
         count = len(addresses) or args.spawn
         up = router.wait_ready(count, args.ready_timeout_s)
         print(f"{READY_PREFIX}{router.address} ({up} of {count} replicas up{', spawned' if spawned else ''}, "
