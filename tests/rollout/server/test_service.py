@@ -302,6 +302,11 @@ def test_killed_client_blocks_return_after_its_lease(server, client):
         client.continue_()
 
 
+def test_a_client_that_asks_for_a_long_lease_still_beats_within_the_default_cap(server):
+    with RolloutClient(server.address, timeout=WAIT_S, lease_s=3600) as c:
+        assert c.connection.heartbeat_s <= ServerConfig().max_lease_s / 4  # alive, it keeps the lease it is granted
+
+
 def test_a_killed_client_that_asked_for_an_hour_long_lease_is_aborted_after_max_lease_s(service_model_dir):
     max_lease_s = 2.0
     engine = DynamicInferenceEngine.from_pretrained(service_model_dir, engine_config())
