@@ -40,6 +40,9 @@ from rollout.wire.security import ClientSecurity, secure_client_socket
 logger = logging.getLogger(__name__)
 
 _RESENDABLE = (Generate, Abort, Stats, Health)
+# NOTE: a service cuts the lease a client asks for to its max_lease_s (60 s by default): a client
+# that asked for more still beats often enough to keep the lease it is actually granted
+MAX_HEARTBEAT_EVERY_S = 10.0
 _HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL \
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
@@ -66,7 +69,7 @@ class Connection:
         self.address = address
         self.security = security
         self.lease_s = lease_s
-        self.heartbeat_s = heartbeat_s if heartbeat_s is not None else lease_s / 4
+        self.heartbeat_s = heartbeat_s if heartbeat_s is not None else min(lease_s / 4, MAX_HEARTBEAT_EVERY_S)
         self.reconnect_after_s = reconnect_after_s if reconnect_after_s is not None else max(2.0, lease_s)
         self.max_frame_bytes = max_frame_bytes
         self.session = secrets.token_hex(6)

@@ -70,10 +70,11 @@ class RolloutClient(WeightSyncCalls):
     calls of `rollout.client.weights` (SGLang's names; what a `weight_sync.WeightSender` calls).
 
     `lease_s`: how long the server waits after this client falls silent before it aborts its
-    requests (heartbeats every `lease_s / 4` keep it alive). `timeout`: the default bound of
-    every call. `security`: the server's token or CURVE keys (`rollout.wire.security.ClientSecurity`).
-    `tokenizer` (a model directory, an HF tokenizer or a `TextCodec`): text and chat prompts are
-    encoded here, on the client, and every `Rollout` carries its decoded `text`.
+    requests (heartbeats every `lease_s / 4`, at most 10 s, keep it alive; a service may cut a
+    lease to its own `max_lease_s`). `timeout`: the default bound of every call. `security`: the
+    server's token or CURVE keys (`rollout.wire.security.ClientSecurity`). `tokenizer` (a model
+    directory, an HF tokenizer or a `TextCodec`): text and chat prompts are encoded here, on the
+    client, and every `Rollout` carries its decoded `text`.
     """
 
     def __init__(self, address: str, *, timeout: float = 300.0, lease_s: float = 10.0,

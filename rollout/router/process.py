@@ -17,6 +17,7 @@ import argparse
 import os
 import signal
 import sys
+from collections.abc import Sequence
 from typing import Optional
 
 from rollout.server.process import ServerProcess
@@ -52,11 +53,16 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     auth.add_argument("--curve-clients", help="directory of accepted client CURVE public keys")
     rt = parser.add_argument_group("routing")
     rt.add_argument("--lease-s", type=float, default=10.0, help="abort a silent client's requests after this")
+    rt.add_argument("--max-lease-s", type=float, default=60.0,
+                    help="the longest lease a client may ask for (longer ones are cut to this)")
     rt.add_argument("--retain-s", type=float, default=120.0, help="keep finished requests for resubmitting clients")
     rt.add_argument("--health-every-s", type=float, default=0.25, help="poll each replica's health this often")
     rt.add_argument("--dead-after-s", type=float, default=3.0, help="a replica silent this long is taken out")
     rt.add_argument("--stall-deadline-s", type=float, default=5.0,
                     help="a replica whose engine loop has not gone round for this long is taken out")
+    rt.add_argument("--max-seq-len", type=int,
+                    help="refuse (CONTEXT_OVERFLOW) a Generate whose prompt + max_tokens is longer, before any "
+                    "replica sees it (default: with --spawn the children's --max-seq-len, else 131072)")
     rt.add_argument("--max-staleness", type=int, help="policy versions a partial rollout may span, minus one "
                     "(default: no bound)")
     rt.add_argument("--stale-policy", choices=["recompute", "abort"], default="recompute",
@@ -67,20 +73,34 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
                         help="after `--`: arguments for each spawned `rollout serve`")
 
 
-def router_config(args: argparse.Namespace):
+def router_config(args: argparse.Namespace, serve_args: Sequence[str] = ()):
+    """The router's config from its arguments (`serve_args`: what each spawned child gets)."""
     from pathlib import Path
 
     from rollout.router.links import HealthConfig
-    from rollout.router.router import RouterConfig
+    from rollout.router.router import DEFAULT_MAX_SEQUENCE_LENGTH, RouterConfig
     from rollout.wire.security import ClientSecurity
 
     security = ServerSecurity(token=args.token or None, curve_keys=Path(args.curve_keys) if args.curve_keys else None,
                               curve_clients=Path(args.curve_clients) if args.curve_clients else None)
-    return RouterConfig(host=args.host, port=args.port, lease_s=args.lease_s, retain_s=args.retain_s,
+    return RouterConfig(host=args.host, port=args.port, lease_s=args.lease_s, max_lease_s=args.max_lease_s,
+                        retain_s=args.retain_s,
                         security=security, replica_security=ClientSecurity(token=args.token) if args.token else None,
                         health=HealthConfig(every_s=args.health_every_s, dead_after_s=args.dead_after_s,
                                             stall_deadline_s=args.stall_deadline_s),
-                        max_staleness=args.max_staleness, stale_policy=args.stale_policy)
+                        max_staleness=args.max_staleness, stale_policy=args.stale_policy,
+                        max_sequence_length=args.max_seq_len or (_spawned_max_seq_len(args.model, serve_args)
+                                                                 if args.spawn else DEFAULT_MAX_SEQUENCE_LENGTH))
+
+
+def _spawned_max_seq_len(model: str, serve_args: Sequence[str]) -> int:
+    """The --max-seq-len the spawned children run with: their arguments as `rollout serve` reads them."""
+    from rollout.server.serve import add_serve_arguments
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_serve_arguments(parser)
+    known, _ = parser.parse_known_args(["--model", model, *serve_args])
+    return known.max_seq_len
 
 
 def route_main(args: argparse.Namespace) -> int:
@@ -93,7 +113,7 @@ def route_main(args: argparse.Namespace) -> int:
         print("rollout route: give --replicas ADDR,... or --spawn N --model M", file=sys.stderr, flush=True)
         return 2
     try:
-        config = router_config(args)
+        config = router_config(args, serve_args)
         check_bind(args.host, config.security)
     except (InsecureBindError, ValueError) as exc:
         print(f"rollout route: {exc}", file=sys.stderr, flush=True)
@@ -106,9 +126,7 @@ def route_main(args: argparse.Namespace) -> int:
     spawned: Optional[SpawnedReplicas] = None
     try:
         if args.spawn:
-            if args.token and "--token" not in serve_args:
-                serve_args += ["--token", args.token]
-            spawned = SpawnedReplicas(router, args.model, args.spawn, serve_args).start()
+            spawned = SpawnedReplicas(router, args.model, args.spawn, serve_args, token=args.token or None).start()
         count = len(addresses) or args.spawn
         up = router.wait_ready(count, args.ready_timeout_s)
         print(f"{READY_PREFIX}{router.address} ({up} of {count} replicas up{', spawned' if spawned else ''}, "

@@ -62,17 +62,28 @@ from rollout.wire.security import ClientSecurity, ServerSecurity
 
 logger = logging.getLogger(__name__)
 
+# NOTE: above any replica's usual --max-seq-len, so the replicas' own limits decide below it; what
+# it bounds is the router's own work on a prompt (its placement hashes every block of it)
+DEFAULT_MAX_SEQUENCE_LENGTH = 2**17
+
 
 @dataclass(slots=True)
 class RouterConfig:
     """Where a router listens (as `ServerConfig`), how it watches replicas (`health`), how it
     places requests (`placement`), and how stale a partial rollout may get: `max_staleness`
-    policy versions (None: no bound), and what happens past it (`stale_policy`)."""
+    policy versions (None: no bound), and what happens past it (`stale_policy`).
+
+    `max_sequence_length`: a Generate whose prompt + max_tokens is longer is refused here
+    (CONTEXT_OVERFLOW), never forwarded; set it to the replicas' own (`rollout route --spawn`
+    does). A shorter request a replica cannot fit is refused by that replica, just as cheaply.
+    """
 
     host: str = "127.0.0.1"
     port: int = 0
     lease_s: float = 10.0
+    max_lease_s: float = 60.0  # the longest lease a client's Heartbeat may set (cut to it)
     retain_s: float = 120.0
+    max_sequence_length: int = DEFAULT_MAX_SEQUENCE_LENGTH
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     security: ServerSecurity = field(default_factory=ServerSecurity)
     replica_security: Optional[ClientSecurity] = None
@@ -82,10 +93,15 @@ class RouterConfig:
     stale_policy: StalePolicy = StalePolicy.RECOMPUTE
 
     def __post_init__(self) -> None:
-        for name in ("lease_s", "retain_s"):
+        for name in ("lease_s", "max_lease_s", "retain_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(f"RouterConfig.{name} must be > 0, got {value!r}")
+        if self.max_lease_s < self.lease_s:
+            raise ValueError(f"RouterConfig.max_lease_s must be >= lease_s ({self.lease_s!r}), "
+                             f"got {self.max_lease_s!r}")
+        if not (isinstance(self.max_sequence_length, int) and self.max_sequence_length >= 1):
+            raise ValueError(f"RouterConfig.max_sequence_length must be an int >= 1, got {self.max_sequence_length!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"RouterConfig.port must be in [0, 65535], got {self.port!r}")
         if self.max_staleness is not None and (not isinstance(self.max_staleness, int) or self.max_staleness < 0):
@@ -121,7 +137,8 @@ class RolloutRouter:
                     KvEvents: self._kv_events}
         endpoint_config = EndpointConfig(host=config.host, port=config.port, security=config.security,
                                          max_frame_bytes=config.max_frame_bytes, lease_s=config.lease_s,
-                                         retain_s=config.retain_s, poll_ms=10)
+                                         max_lease_s=config.max_lease_s, retain_s=config.retain_s, poll_ms=10,
+                                         max_sequence_length=config.max_sequence_length)
         self.endpoint = ServiceEndpoint(endpoint_config, name="rollout-router", handlers=handlers,
                                         start_generate=self._generate, abort_silent=self._abort_silent,
                                         on_mail=self._on_mail, tick=self._tick)

@@ -14,6 +14,7 @@ on a Ray cluster.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -129,16 +130,22 @@ class ReplicaSupervisor:
 
 
 class SpawnedReplicas(ReplicaSupervisor):
-    """`count` `rollout serve --model MODEL [serve_args]` children on loopback ports the OS picks."""
+    """`count` `rollout serve --model MODEL [serve_args]` children on loopback ports the OS picks.
+
+    `token`: the children's shared secret, handed over in their environment (`ROLLOUT_TOKEN`), never
+    on their command lines, which every local user can read (`/proc/PID/cmdline`, `ps`).
+    """
 
     def __init__(self, router: Any, model: Union[str, Path], count: int, serve_args: Sequence[str] = (), *,
                  entry: Sequence[str] = ("-m", "rollout.cli", "serve"), ready_timeout: float = 300.0,
-                 **options: Any) -> None:
+                 token: Optional[str] = None, **options: Any) -> None:
         super().__init__(router, count, **options)
         self.model, self.serve_args, self.entry, self.ready_timeout = str(model), list(serve_args), entry, ready_timeout
+        self.env = None if token is None else dict(os.environ, ROLLOUT_TOKEN=token)
 
     def _start_one(self, index: int) -> tuple[ServerProcess, str]:
-        proc = ServerProcess(self.model, *self.serve_args, entry=self.entry, ready_timeout=self.ready_timeout)
+        proc = ServerProcess(self.model, *self.serve_args, entry=self.entry, ready_timeout=self.ready_timeout,
+                             env=self.env)
         return proc, proc.address
 
     def _alive(self, handle: ServerProcess) -> bool:

@@ -45,6 +45,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     auth.add_argument("--curve-clients", type=Path, help="directory of accepted client CURVE public keys")
     srv = parser.add_argument_group("service")
     srv.add_argument("--lease-s", type=float, default=10.0, help="abort a silent client's requests after this")
+    srv.add_argument("--max-lease-s", type=float, default=60.0,
+                     help="the longest lease a client may ask for (longer ones are cut to this)")
     srv.add_argument("--health-deadline-s", type=float, default=10.0,
                      help="unhealthy when the step loop has not gone round for longer than this")
     srv.add_argument("--retain-s", type=float, default=120.0,
@@ -143,7 +145,7 @@ def build_server(args: argparse.Namespace):
                              dtype=args.dtype, device=args.device)
     engine = DynamicInferenceEngine.from_pretrained(model_path(args.model, args.dtype), config)
     engine.command_timeout = 120.0
-    server_config = ServerConfig(host=args.host, port=args.port, lease_s=args.lease_s,
+    server_config = ServerConfig(host=args.host, port=args.port, lease_s=args.lease_s, max_lease_s=args.max_lease_s,
                                  health_deadline_s=args.health_deadline_s, retain_s=args.retain_s,
                                  max_frame_bytes=args.max_frame_bytes, security=security_from_args(args),
                                  weight_staging=args.weight_staging, weight_sync_timeout_s=args.weight_sync_timeout_s)

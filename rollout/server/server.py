@@ -48,7 +48,7 @@ class ServerConfig:
     """Where a server listens and how it treats its clients.
 
     `lease_s`: how long a client may stay silent before its requests are aborted (a Heartbeat
-    may set its own). `health_deadline_s`: a loop quiet for longer is reported unhealthy (keep it
+    may set its own, cut to `max_lease_s`). `health_deadline_s`: a loop quiet for longer is reported unhealthy (keep it
     above the longest step). `retain_s`: how long a finished request's samples are kept for a
     client that resubmits it after a reconnect. `weight_staging`: how weight updates that do not
     choose are staged (`double`: the old weights serve until the commit; `in_place`: no second
@@ -58,6 +58,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 0  # 0: an ephemeral port (read `RolloutServer.address`)
     lease_s: float = 10.0
+    max_lease_s: float = 60.0
     health_deadline_s: float = 10.0
     retain_s: float = 120.0
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
@@ -67,10 +68,13 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         self.weight_staging = Staging(self.weight_staging)
-        for name in ("lease_s", "health_deadline_s", "retain_s", "weight_sync_timeout_s"):
+        for name in ("lease_s", "max_lease_s", "health_deadline_s", "retain_s", "weight_sync_timeout_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(f"ServerConfig.{name} must be > 0, got {value!r}")
+        if self.max_lease_s < self.lease_s:
+            raise ValueError(f"ServerConfig.max_lease_s must be >= lease_s ({self.lease_s!r}), "
+                             f"got {self.max_lease_s!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"ServerConfig.port must be in [0, 65535], got {self.port!r}")
         if self.max_frame_bytes < 1024:
@@ -78,7 +82,8 @@ class ServerConfig:
 
     def endpoint(self) -> EndpointConfig:
         return EndpointConfig(host=self.host, port=self.port, security=self.security,
-                              max_frame_bytes=self.max_frame_bytes, lease_s=self.lease_s, retain_s=self.retain_s)
+                              max_frame_bytes=self.max_frame_bytes, lease_s=self.lease_s, max_lease_s=self.max_lease_s,
+                              retain_s=self.retain_s)
 
 
 class RolloutServer:
@@ -95,7 +100,9 @@ class RolloutServer:
         self.engine = engine
         self.calls = ServerCalls(self)
         self._queued: list[tuple[Record, SamplingParams]] = []  # Generates read this round, not yet posted
-        self.endpoint = ServiceEndpoint(config.endpoint(), name="rollout-server", handlers=self.calls.table(),
+        endpoint_config = config.endpoint()
+        endpoint_config.max_sequence_length = engine.config.max_sequence_length  # NOTE: checked before any copy
+        self.endpoint = ServiceEndpoint(endpoint_config, name="rollout-server", handlers=self.calls.table(),
                                         start_generate=self._queue_generate, abort_silent=self._abort_silent,
                                         on_mail=self._on_mail, tick=lambda now: self.flush_generates())
         self.address: str = self.endpoint.address

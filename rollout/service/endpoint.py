@@ -6,15 +6,18 @@ round it reads client frames, the watched sockets, the mailbox (handed to the ow
 runs the owner's `tick`, and keeps house (leases, the registry's retention). What it does for
 every owner alike:
 
-* every frame renews its sender's lease (a Heartbeat may set its length); a frame that fails to
-  decode is answered by an `ErrorReply` naming the problem;
+* every frame renews its sender's lease (a Heartbeat may set its length, cut to `max_lease_s`);
+  a frame that fails to decode is answered by an `ErrorReply` naming the problem;
 * each request goes to the one handler of its message class (`handlers`); a refusal by rule
   (`ProtocolError`) or a bug (any other exception, logged) is answered by an `ErrorReply`, and
   nothing else in flight is touched;
-* `Generate` is exactly-once here, for every owner: its sampling is checked by the engine's rules
-  (`SamplingParams`), a resubmission of a held id goes to its newest sender with the samples that
-  already finished, an id reused for a different request is refused (`DUPLICATE`), and a new one
-  is registered and handed to the owner's `start_generate(record, params, now)`;
+* `Generate` is exactly-once here, for every owner: its length is checked at the door, before any
+  conversion (prompt + max_tokens over `max_sequence_length` is CONTEXT_OVERFLOW, permanent: a
+  prompt as large as a frame allows must not cost a copy, nor reach the engine or a replica),
+  its sampling is checked by the engine's rules (`SamplingParams`), a resubmission of a held id
+  goes to its newest sender with the samples that already finished, an id reused for a different
+  request is refused (`DUPLICATE`), and a new one is registered and handed to the owner's
+  `start_generate(record, params, now)`;
 * `deliver` sends a finished sample once (the registry keeps its frame for resubmissions);
 * a client whose lease ran out has its unfinished requests handed to `abort_silent`.
 """
@@ -31,6 +34,7 @@ from typing import Any, Optional
 import zmq
 
 from inference import SamplingParams
+from inference.errors import ContextOverflowError, MaxSequenceLengthOverflowError
 from rollout.service.leases import Leases
 from rollout.service.metrics import ServiceMetrics
 from rollout.service.registry import Record, RequestRegistry
@@ -56,6 +60,8 @@ class EndpointConfig:
     security: ServerSecurity = field(default_factory=ServerSecurity)
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     lease_s: float = 10.0
+    max_lease_s: float = 60.0  # the longest lease a client's Heartbeat may set (longer ones are cut to it)
+    max_sequence_length: Optional[int] = None  # a Generate's prompt + max_tokens past it is refused (None: any)
     retain_s: float = 120.0
     poll_ms: int = 100  # the longest a round waits for a frame or mail
 
@@ -88,7 +94,7 @@ class ServiceEndpoint:
         self.address = self.socket.address
         self.mailbox = Mailbox()
         self.registry = RequestRegistry(retain_s=config.retain_s)
-        self.leases = Leases(config.lease_s)
+        self.leases = Leases(config.lease_s, config.max_lease_s)
         self.metrics = ServiceMetrics()
         self.poller = zmq.Poller()
         self.poller.register(self.socket.socket, zmq.POLLIN)
@@ -179,13 +185,16 @@ class ServiceEndpoint:
     def _read(self, now: float) -> None:
         for peer, msg, refusal in self.socket.receive():
             self.metrics.count("frames_received")
-            self.leases.renew(peer, now, msg.lease_s if isinstance(msg, Heartbeat) else None)
+            asked = msg.lease_s if isinstance(msg, Heartbeat) else None
+            if self.leases.renew(peer, now, asked):
+                logger.warning("%s: client %s asked for a %g s lease: cut to max_lease_s=%g s", self.name,
+                               peer.hex(), asked, self.config.max_lease_s)
             if refusal is not None:
                 self.send_error(peer, refusal)
                 continue
             try:
                 self.handlers[type(msg)](peer, msg, now)
-            except ProtocolError as err:  # refused by rule (not found, duplicate, invalid sampling)
+            except (ProtocolError, ContextOverflowError) as err:  # refused by rule (not found, too long, ...)
                 self.send_error(peer, error_reply(err, msg.request_id))
             except Exception as exc:  # noqa: BLE001 (a bug of ours must not end the service; the sender hears it)
                 logger.exception("%s: serving %s failed", self.name, type(msg).__name__)
@@ -193,6 +202,7 @@ class ServiceEndpoint:
 
     def _generate(self, peer: bytes, msg: Generate, now: float) -> None:
         self.metrics.count("generates_received")
+        _check_length(msg, self.config.max_sequence_length)
         record = self.registry.get(msg.request_id)
         if record is not None:
             if record.request != msg:
@@ -249,6 +259,15 @@ class ServiceEndpoint:
         """A Generate the engine (or every replica) refused: forgotten, so a resubmission runs it again."""
         self.registry.drop(record)
         self.send_error(record.owner, reply)
+
+
+def _check_length(msg: Generate, max_sequence_length: Optional[int]) -> None:
+    """The engine's own length rule (`prompt + max_tokens <= max_sequence_length`), read off the
+    packed prompt's size: O(1) whatever its length."""
+    prompt, max_tokens = msg.prompt_token_ids.size, msg.sampling.max_tokens
+    if max_sequence_length is not None and prompt + max_tokens > max_sequence_length:
+        raise MaxSequenceLengthOverflowError(
+            None, f"prompt ({prompt}) + max_tokens ({max_tokens}) > max_sequence_length ({max_sequence_length})")
 
 
 __all__ = ["EndpointConfig", "Handler", "ServiceEndpoint"]

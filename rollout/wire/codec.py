@@ -9,8 +9,8 @@ Never pickle.
 
 Versioning. Every message carries `v`, its writer's `PROTOCOL_VERSION`. Peers must speak the
 same version: any change to a schema (a field or kind added, removed or retyped) bumps it, and
-a message of another version is refused with `BAD_VERSION`, naming both. Unknown fields are
-refused as well, so a mismatch never passes silently.
+a message of another version, or with no `v` at all, is refused with `BAD_VERSION`, naming
+both. Unknown fields are refused as well, so a mismatch never passes silently.
 
 Size limit. `decode` refuses a frame longer than `max_frame_bytes` (`DEFAULT_MAX_FRAME_BYTES`)
 before parsing a byte of it, and `encode` refuses to write one; the server should give its
@@ -130,6 +130,11 @@ def _decode(frame: bytes, max_frame_bytes: int, expected: str) -> Any:
         raise ProtocolError(ErrorCode.INTERNAL, f"decoding failed: {type(exc).__name__}: {exc}") from exc
     if msg.v != PROTOCOL_VERSION:
         raise _version_error(msg.v, getattr(msg, "request_id", None))
+    if _ENVELOPE.decode(frame).v is None:
+        # NOTE: a message struct fills a missing `v` with its default (this side's version), so
+        # whether the writer named one is read from the frame itself; the envelope skips every
+        # other field (a packed array in O(1)), a small cost next to the decode above.
+        raise _version_error(None, getattr(msg, "request_id", None))
     return msg
 
 

@@ -43,13 +43,20 @@ class Mailbox:
                 pass
 
     def drain(self) -> list[Any]:
-        """On the owning thread: every item queued so far, in order."""
-        self._signalled = False  # NOTE: before reading, so a put from now on signals again
+        """On the owning thread: every item queued so far, in order.
+
+        NOTE: the order is what keeps the invariant: wake-up bytes consumed first, then the flag
+        cleared, then items popped. A put between the first two finds the flag set and sends
+        nothing, but its item is popped below; one after the clear sends a byte nothing here
+        consumes (a spurious wake-up at worst). Clearing before reading would let the read eat
+        that byte and leave the flag set with no byte pending: every later put would send none.
+        """
         try:
             while self._reader.recv(4096):
                 pass
         except (BlockingIOError, OSError):
             pass
+        self._signalled = False
         items = []
         while True:
             try:

@@ -4,7 +4,8 @@ A server binds to loopback by default, where every local process may connect. An
 needs one of (`check_bind` refuses to start otherwise):
 
 * a shared-secret token: ZMQ's PLAIN mechanism, checked by a ZAP handler in the server process.
-  The token travels in clear text: use it on a trusted network only;
+  The token travels in clear text: use it on a trusted network only. The handler compares it in
+  constant time and never logs it (pyzmq's own logs accepted passwords at DEBUG);
 * CURVE: the server's key pair and a directory of the client public keys it accepts (certificate
   files as `zmq.auth.create_certificates` writes them, see `create_keys`); traffic is encrypted.
 
@@ -14,7 +15,10 @@ public key (`ClientSecurity`).
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
+import logging
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -89,9 +93,12 @@ def secure_server_socket(ctx: zmq.Context, sock: zmq.Socket, security: ServerSec
     stop at shutdown (None without credentials)."""
     if not security.enabled:
         return None
-    from zmq.auth.thread import ThreadAuthenticator
+    if security.token is not None:
+        auth = _plain_authenticator(ctx, security.token)
+    else:
+        from zmq.auth.thread import ThreadAuthenticator
 
-    auth = ThreadAuthenticator(ctx)
+        auth = ThreadAuthenticator(ctx)
     auth.start()
     if security.token is not None:
         auth.configure_plain(domain="*", passwords={PLAIN_USER.decode(): security.token})
@@ -105,6 +112,47 @@ def secure_server_socket(ctx: zmq.Context, sock: zmq.Socket, security: ServerSec
         sock.curve_publickey, sock.curve_secretkey = public, secret
         sock.curve_server = True
     return auth
+
+
+class _WithholdSecret(logging.Filter):
+    """Drops the arguments of a record that would show `secret` (pyzmq's authenticator logs the
+    credentials it refuses as unreadable, `%r`, and the accepted ones at DEBUG)."""
+
+    def __init__(self, secret: str) -> None:
+        super().__init__()
+        self._secret, self._raw = secret, secret.encode()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.args and self._shows(record.args):
+            record.msg, record.args = f"{record.msg} [arguments withheld: they hold a credential]", ()
+        return True
+
+    def _shows(self, value: Any) -> bool:
+        if isinstance(value, (tuple, list)):
+            return any(self._shows(v) for v in value)
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            return self._raw in bytes(value)
+        return self._secret in str(value)
+
+
+def _plain_authenticator(ctx: zmq.Context, token: str) -> Any:
+    """pyzmq's ZAP handler with a constant-time token check whose logs never show a password."""
+    from zmq.auth.thread import ThreadAuthenticator
+
+    class PlainAuthenticator(ThreadAuthenticator):
+        def _authenticate_plain(self, domain: str, username: str, password: str) -> tuple[bool, bytes]:
+            # NOTE: compare_digest takes as long whatever prefix matches: the token cannot be guessed byte by byte
+            user_ok = hmac.compare_digest(username.encode(), PLAIN_USER)
+            token_ok = hmac.compare_digest(password.encode(self.encoding, "replace"), token.encode())
+            if user_ok and token_ok:
+                self.log.debug("ALLOWED (PLAIN) domain=%s", domain)
+                return True, b"OK"
+            self.log.debug("DENIED (PLAIN) domain=%s: wrong user or token", domain)
+            return False, b"Invalid credentials"
+
+    log = logging.getLogger(f"{__name__}.zap.{secrets.token_hex(4)}")  # NOTE: its own filter, for its token alone
+    log.addFilter(_WithholdSecret(token))
+    return PlainAuthenticator(ctx, log=log)
 
 
 def secure_client_socket(sock: zmq.Socket, security: Optional[ClientSecurity]) -> None:

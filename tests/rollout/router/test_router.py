@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import signal
 import threading
 from collections import Counter
 
 import pytest
 
-from inference import DynamicInferenceEngine, FinishReason, SamplingParams
-from rollout import AsyncRolloutClient, RolloutClient, RolloutRouter, RouterConfig, RouterProcess
+from inference import DynamicInferenceEngine, FinishReason, MaxSequenceLengthOverflowError, SamplingParams
+from rollout import AsyncRolloutClient, ClientSecurity, RolloutClient, RolloutRouter, RouterConfig, RouterProcess
 from rollout.router.attempts import StalePolicy
 from rollout.router.links import ReplicaState
 from rollout.wire.codec import ProtocolError
@@ -31,6 +32,7 @@ from tests.rollout.router.router_util import (
 )
 from tests.rollout.server.test_service import run_concurrent_clients
 from tests.rollout.service_util import (
+    SERVER_ARGS,
     WAIT_S,
     assert_tokens_then_samples,
     engine_config,
@@ -310,6 +312,24 @@ def test_a_frozen_replica_is_taken_out_within_the_deadline(router, client, repli
     assert after["samples_sent"] - before["samples_sent"] == 120  # none twice
 
 
+def test_an_overlong_prompt_is_refused_as_overflow_by_the_router_and_no_replica_sees_it(router, client,
+                                                                                       replica_procs):
+    takeouts = {name: info.takeouts for name, info in router.replicas().items()}
+    seen = [replica_stats(p).get("generates_received", 0) for p in replica_procs]
+    limit = router.config.max_sequence_length
+    # NOTE: 512 KiB of prompt: past the router's limit, and 8x the replicas' frame limit (had it been forwarded)
+    with pytest.raises(MaxSequenceLengthOverflowError, match=f"max_sequence_length \\({limit}\\)"):
+        client.generate([[5] * limit], 1, greedy(4))
+    assert [replica_stats(p).get("generates_received", 0) for p in replica_procs] == seen
+    # within the router's limit but past the replicas' (--max-seq-len 2048): a replica refuses it, typed
+    with pytest.raises(MaxSequenceLengthOverflowError, match=r"max_sequence_length \(2048\)"):
+        client.generate([[5] * 3000], 1, greedy(4))
+    infos = router.replicas()
+    assert all(i.state is ReplicaState.UP for i in infos.values())
+    assert {name: info.takeouts for name, info in infos.items()} == takeouts
+    assert len(client.generate([[5, 6]], 1, greedy(2))) == 1
+
+
 def test_route_command_over_running_replicas(replica_procs, reference):
     with RouterProcess("--replicas", ",".join(p.address for p in replica_procs), "--health-every-s", "0.1") as proc, \
             RolloutClient(proc.address, timeout=WAIT_S) as c:
@@ -318,6 +338,39 @@ def test_route_command_over_running_replicas(replica_procs, reference):
         batch = c.generate(prompts, 2, greedy(5))
         assert [r.completion_ids for r in batch] == [s for g in expected_outputs(
             reference, prompts, [greedy(5, 2)] * 20) for s in g]
+    assert proc.proc.returncode == 0
+
+
+def _children(pid: int) -> list[int]:
+    """The live processes whose parent is `pid` (from /proc: no extra package)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # not a process, or one that just ended
+        if ppid == pid:
+            out.append(int(entry))
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads the children's /proc/PID/cmdline")
+def test_spawned_replicas_get_the_token_outside_their_command_lines(service_model_dir):
+    token = "tok-" + secrets.token_hex(8)
+    env = dict(os.environ, ROLLOUT_TOKEN=token)  # NOTE: the router's own token, kept off its command line too
+    with RouterProcess("--spawn", "1", "--model", str(service_model_dir), "--health-every-s", "0.1", "--",
+                       *SERVER_ARGS, env=env, ready_timeout=WAIT_S) as proc:
+        children = wait_for(lambda: [c for c in _children(proc.pid) if "rollout.cli serve" in _cmdline(c)])
+        assert all(token not in _cmdline(c) for c in [proc.pid, *children]), [_cmdline(c) for c in children]
+        with RolloutClient(proc.address, timeout=WAIT_S, security=ClientSecurity(token=token)) as c:
+            wait_for(lambda: c.stats()["replicas_up"] == 1)  # the router authenticated to its child
+            assert len(c.generate([[5, 6, 7]], 1, greedy(3))) == 1
     assert proc.proc.returncode == 0
 
 

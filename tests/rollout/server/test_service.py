@@ -19,9 +19,10 @@ from collections import Counter
 import pytest
 import torch
 
-from inference import FinishReason, MaxSequenceLengthOverflowError, SamplingParams
+from inference import DynamicInferenceEngine, FinishReason, MaxSequenceLengthOverflowError, SamplingParams
 from rollout import AsyncRolloutClient, RolloutBackend, RolloutClient, RolloutEngine, TokenChunk
 from rollout.rl.tracking import ServiceLogger, monitor_service
+from rollout.server.server import RolloutServer, ServerConfig
 from rollout.service.metrics import SERVICE_KEYS
 from rollout.wire.codec import ProtocolError
 from rollout.wire.kinds import ErrorCode
@@ -301,6 +302,38 @@ def test_killed_client_blocks_return_after_its_lease(server, client):
         client.continue_()
 
 
+def test_a_client_that_asks_for_a_long_lease_still_beats_within_the_default_cap(server):
+    with RolloutClient(server.address, timeout=WAIT_S, lease_s=3600) as c:
+        assert c.connection.heartbeat_s <= ServerConfig().max_lease_s / 4  # alive, it keeps the lease it is granted
+
+
+def test_a_killed_client_that_asked_for_an_hour_long_lease_is_aborted_after_max_lease_s(service_model_dir):
+    max_lease_s = 2.0
+    engine = DynamicInferenceEngine.from_pretrained(service_model_dir, engine_config())
+    server = RolloutServer(engine, ServerConfig(lease_s=1.0, max_lease_s=max_lease_s)).start()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_WAIT_POLICY="PASSIVE")
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, server.address, "3600"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        with RolloutClient(server.address, timeout=WAIT_S, lease_s=max_lease_s) as watcher:
+            line = _readline(proc, WAIT_S)
+            assert line.strip() == "STARTED", line
+            watcher.pause("keep")  # NOTE: its samples stay in flight however fast the engine is
+            assert watcher.stats()["requests_in_flight"] == 2
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(WAIT_S)
+            killed = time.monotonic()
+            stats = wait_for(lambda: (s := watcher.stats())["requests_in_flight"] == 0 and s)
+            assert time.monotonic() - killed <= max_lease_s + 3.0  # the cap, not the hour it asked for
+            assert stats["lease_aborted_requests"] == 2 and stats["engine/kv_utilization"] == 0
+            watcher.continue_()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(WAIT_S)
+        server.stop()
+
+
 def test_wedged_loop_is_unhealthy_within_the_deadline(server, client, reference):
     assert client.health().healthy
     os.kill(server.pid, signal.SIGUSR1)  # the engine loop blocks at its next round (test hook)
@@ -314,6 +347,19 @@ def test_wedged_loop_is_unhealthy_within_the_deadline(server, client, reference)
         os.kill(server.pid, signal.SIGUSR2)
     wait_for(lambda: client.health().healthy)
     assert stream.result(WAIT_S)[0].completion_ids == expected_outputs(reference, [[4, 4, 4]], [greedy(3)])[0][0]
+
+
+def test_an_overlong_prompt_is_refused_at_the_door_without_the_engine(server, client):
+    prompt = [5] * 4000  # over the server's --max-seq-len 2048 on its own, yet inside its 64 KiB frames
+    os.kill(server.pid, signal.SIGUSR1)  # NOTE: with the engine loop wedged, only a refusal at the door can answer
+    try:
+        with pytest.raises(MaxSequenceLengthOverflowError, match=r"prompt \(4000\) \+ max_tokens \(4\)") as info:
+            client.generate([prompt], 1, greedy(4), timeout=10.0)
+        assert not info.value.is_transient  # permanent: a retry cannot fit it
+    finally:
+        os.kill(server.pid, signal.SIGUSR2)
+    wait_for(lambda: client.health().healthy)
+    assert len(client.generate([[5, 6]], 1, greedy(2))) == 1  # and serving on
 
 
 def _readline(proc: subprocess.Popen, timeout: float) -> str:

@@ -30,7 +30,7 @@ PEERS = [b"a", b"b", b"c"]
 @given(st.lists(st.tuples(st.sampled_from(["renew", "beat", "tick"]), st.sampled_from(PEERS),
                           st.floats(0.0, 3.0), st.floats(0.1, 5.0)), max_size=60))
 def test_leases_expire_exactly_the_silent_peers_once(ops):
-    leases, model, now = Leases(default_s=1.0), {}, 0.0  # model: peer -> (deadline, length)
+    leases, model, now = Leases(default_s=1.0, max_s=3.0), {}, 0.0  # model: peer -> (deadline, length)
     for op, peer, dt, length in ops:
         now += dt
         if op == "tick":
@@ -40,11 +40,21 @@ def test_leases_expire_exactly_the_silent_peers_once(ops):
             for p in want:
                 del model[p]
             continue
-        own = length if op == "beat" else model.get(peer, (0, 1.0))[1]  # a new peer: the default length
+        own = min(length, 3.0) if op == "beat" else model.get(peer, (0, 1.0))[1]  # a new peer: the default
         leases.renew(peer, now, length if op == "beat" else None)
         model[peer] = (now + own, own)
     assert sorted(leases.expired(1e9)) == sorted(model)
     assert len(leases) == 0
+
+
+def test_a_lease_asked_beyond_the_cap_is_cut_to_it():
+    leases = Leases(default_s=2.0, max_s=5.0)
+    assert leases.renew(b"x", 0.0, lease_s=3600.0)  # cut (worth a log) ...
+    assert not leases.renew(b"x", 1.0, lease_s=3600.0)  # ... once per peer
+    assert not leases.renew(b"y", 0.0, lease_s=4.0)
+    assert leases.expired(5.9) == [b"y"] and leases.expired(6.0) == [b"x"]  # x: 1.0 + 5.0, not an hour
+    with pytest.raises(ValueError, match="max_s"):
+        Leases(default_s=2.0, max_s=1.0)
 
 
 def test_a_forgotten_peer_starts_from_the_default_lease():
@@ -167,6 +177,37 @@ def test_mailbox_loses_no_item_and_no_wake_up():
     assert not poller.poll(0) or box.drain() == []
     for k in range(producers):
         assert [i for kk, i in got if kk == k] == list(range(per))  # each producer's order kept
+    box.close()
+
+
+class _PutWhileReading:
+    """The mailbox's wake-up socket, with another producer's `put` landing on the first read: the
+    interleaving (a put while `drain` consumes the wake-ups) that threads hit only by chance."""
+
+    def __init__(self, box: Mailbox, item) -> None:
+        self.box, self.item, self.sock, self.fired = box, item, box._reader, False
+
+    def recv(self, size: int) -> bytes:
+        if not self.fired:
+            self.fired = True
+            self.box.put(self.item)
+        return self.sock.recv(size)
+
+    def __getattr__(self, name: str):
+        return getattr(self.sock, name)
+
+
+def test_mailbox_keeps_its_wake_up_when_a_put_lands_during_drain():
+    box = Mailbox()
+    poller = zmq.Poller()
+    poller.register(box.fileno(), zmq.POLLIN)
+    box.put("first")
+    box._reader = _PutWhileReading(box, "during")
+    assert box.drain() == ["first", "during"]
+    box._reader = box._reader.sock
+    box.put("after")  # NOTE: this put must make the descriptor readable, or its owner sleeps a whole poll
+    assert poller.poll(0), "an item is pending but the mailbox's descriptor is not readable"
+    assert box.drain() == ["after"]
     box.close()
 
 

@@ -25,7 +25,15 @@ from rollout.wire.convert import (
     sampling_params_from_wire,
     sampling_params_to_wire,
 )
-from rollout.wire.kinds import MAX_LEASE_SECONDS, MAX_REQUEST_ID_LENGTH, MAX_SAMPLES, PROTOCOL_VERSION, ErrorCode, Kind
+from rollout.wire.kinds import (
+    MAX_LEASE_SECONDS,
+    MAX_REQUEST_ID_LENGTH,
+    MAX_SAMPLES,
+    PROTOCOL_VERSION,
+    REPLY_KINDS,
+    ErrorCode,
+    Kind,
+)
 from rollout.wire.messages import (
     Abort,
     Continue,
@@ -52,6 +60,7 @@ from rollout.wire.messages import (
     Suspend,
     TokenDelta,
     UpdateWeights,
+    kind_of,
 )
 from weight_sync import DiskSource
 
@@ -299,6 +308,18 @@ def test_other_version_is_refused_naming_both_versions():
     future = raw(EXAMPLES[0]) | {"v": PROTOCOL_VERSION + 1, "new_field": 1, "sampling": "changed"}  # unknown schema
     assert f"version {PROTOCOL_VERSION + 1}" in refused(future, ErrorCode.BAD_VERSION).message
     assert "no protocol version" in refused({"kind": 1, "request_id": "a"}, ErrorCode.BAD_VERSION).message
+
+
+def test_a_message_without_a_version_is_refused_not_taken_as_this_one():
+    # NOTE: each struct's default `v` is this side's version: a writer that names none must not get it
+    for msg, frame in zip(EXAMPLES, RAW):
+        unversioned = {k: val for k, val in frame.items() if k != "v"}
+        err = refused(unversioned, ErrorCode.BAD_VERSION)
+        assert "no protocol version" in err.message and err.request_id == getattr(msg, "request_id", None)
+        side = decode_reply if kind_of(type(msg)) in REPLY_KINDS else decode_request
+        with pytest.raises(ProtocolError) as info:
+            side(msgspec.msgpack.encode(unversioned))
+        assert info.value.code is ErrorCode.BAD_VERSION
 
 
 def test_size_limit_is_checked_before_parsing():

@@ -3,6 +3,9 @@ otherwise, before the model loads). In-process servers on real loopback sockets.
 
 from __future__ import annotations
 
+import logging
+import secrets
+
 import pytest
 import torch
 
@@ -74,6 +77,18 @@ def test_token(serve):
     assert answers(address, ClientSecurity(token="s3cret"))
     assert not answers(address, ClientSecurity(token="wrong"))
     assert not answers(address)
+
+
+def test_the_token_reaches_no_log_at_any_level(serve, caplog):
+    token = "tok-" + secrets.token_hex(8)
+    caplog.set_level(logging.DEBUG)  # NOTE: pyzmq's ZAP handler logs the passwords it accepts at DEBUG
+    server = serve(security=ServerSecurity(token=token))
+    assert answers(server.address, ClientSecurity(token=token))
+    assert not answers(server.address, ClientSecurity(token=token[:-1]))  # a prefix of it is not it
+    assert not answers(server.address, ClientSecurity(token=token + "x"))
+    assert any("PLAIN" in r.getMessage() for r in caplog.records)  # the handler did log, at DEBUG
+    for record in caplog.records:
+        assert token not in record.getMessage() and token not in repr(record.args), record.getMessage()
 
 
 def test_curve_keys(serve, tmp_path):
