@@ -6,7 +6,9 @@ manifest (`weight_sync_manifest.json`: names, shapes, dtypes, buckets with their
 version). It writes into a hidden temporary directory and renames it into place at the end, so a
 reader never sees half a checkpoint. `read_bucket` reads one bucket's file back; a receiver checks
 the manifest against its model first, then each file against its checksum as it reads it. A
-directory without the manifest (any HF checkpoint) is read whole, unchecked. `DiskTransport` is
+directory without the manifest (any HF checkpoint) is read whole, unchecked. A replica reads
+every file through `checkpoint_files.CheckpointDir`: regular files inside the directory only,
+within its `--weights-root` directories, off its socket thread and engine loop, by its timeout. `DiskTransport` is
 the `disk` transport: a sender writes such a directory per version, a replica reads it.
 """
 
@@ -26,9 +28,9 @@ from weight_sync.buckets import DEFAULT_BUCKET_BYTES, fill_checksums, manifest_f
 from weight_sync.manifest import ChecksumError, Manifest, ManifestError, check_against_model, dtype_name
 from weight_sync.sources import DiskSource
 from weight_sync.transports import Transport
+from weight_sync.transports.checkpoint_files import INDEX_FILE, CheckpointDir, CheckpointError, read_checkpoint
 
 MANIFEST_FILE = "weight_sync_manifest.json"
-INDEX_FILE = "model.safetensors.index.json"
 
 
 def bucket_file(index: int, count: int) -> str:
@@ -65,40 +67,36 @@ def write_checkpoint(directory: str | Path, named: Sequence[tuple[str, torch.Ten
     return manifest
 
 
-def read_manifest(directory: str | Path) -> Optional[Manifest]:
+def read_manifest(directory: CheckpointDir) -> Optional[Manifest]:
     """The directory's manifest, or None for a plain HF checkpoint."""
-    path = Path(directory) / MANIFEST_FILE
-    if not path.exists():
+    raw = directory.read_json(MANIFEST_FILE)
+    if raw is None:
         return None
     try:
-        return msgspec.json.decode(path.read_bytes(), type=Manifest)
+        return msgspec.json.decode(raw, type=Manifest)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise ManifestError(f"{path}: {exc}") from None
+        raise ManifestError(f"{directory.path}/{MANIFEST_FILE}: {exc}") from None
 
 
-def read_bucket(directory: str | Path, manifest: Manifest, index: int) -> tuple[dict[str, torch.Tensor], int]:
+def read_bucket(directory: CheckpointDir, manifest: Manifest, index: int) -> tuple[dict[str, torch.Tensor], int]:
     """Bucket `index`'s tensors from its file, and their checksum (compare with the manifest's).
-    `FileNotFoundError` for a missing file, `ManifestError` for a tensor it lacks or mis-shapes."""
-    from safetensors import safe_open
-
+    `CheckpointError` for a missing or unreadable file, `ManifestError` for a tensor it lacks or mis-shapes."""
     buckets = manifest.layout.buckets
-    path = Path(directory) / bucket_file(index, len(buckets))
-    if not path.exists():
-        raise FileNotFoundError(f"bucket {index} of {len(buckets)} is missing: {path}")
+    name = bucket_file(index, len(buckets))
+    found = directory.read_tensors(name)
+    if found is None:
+        raise CheckpointError(f"bucket {index} of {len(buckets)} is missing: {directory.path}/{name}")
     b = buckets[index]
     out, total = {}, 0
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        keys = set(f.keys())
-        for t in range(b.start, b.stop):
-            name = manifest.names[t]
-            if name not in keys:
-                raise ManifestError(f"{path.name} lacks {name}")
-            tensor = f.get_tensor(name)
-            if list(tensor.shape) != manifest.shapes[t] or tensor.dtype != manifest.torch_dtypes[t]:
-                raise ManifestError(f"{path.name}: {name} is {tensor.dtype} {list(tensor.shape)}, the manifest says "
-                                    f"{manifest.dtypes[t]} {manifest.shapes[t]}")
-            out[name] = tensor
-            total += tensor_checksum(tensor)
+    for t in range(b.start, b.stop):
+        tensor = found.get(manifest.names[t])
+        if tensor is None:
+            raise ManifestError(f"{name} lacks {manifest.names[t]}")
+        if list(tensor.shape) != manifest.shapes[t] or tensor.dtype != manifest.torch_dtypes[t]:
+            raise ManifestError(f"{name}: {manifest.names[t]} is {tensor.dtype} {list(tensor.shape)}, the manifest "
+                                f"says {manifest.dtypes[t]} {manifest.shapes[t]}")
+        out[manifest.names[t]] = tensor
+        total += tensor_checksum(tensor)
     return out, total % 2**64
 
 
@@ -127,25 +125,27 @@ class DiskTransport:
 
     def receive(self, receiver: Any, source: DiskSource, policy: Any) -> int:
         """Bucket by bucket against the directory's manifest if it has one, else whole (any HF
-        checkpoint, unchecked)."""
-        path, version = Path(source.path), source.version
-        manifest = read_manifest(path)
-        if manifest is None:
-            from inference.models.loading import read_safetensors
+        checkpoint, unchecked); only where the receiver's `disk_access` allows, by its timeout."""
+        with CheckpointDir(source.path, receiver.disk_access, receiver.timeout_s) as directory:
+            return self._receive(receiver, directory, source.version, policy)
 
-            tensors = read_safetensors(path, None)
+    @staticmethod
+    def _receive(receiver: Any, directory: CheckpointDir, version: Optional[int], policy: Any) -> int:
+        manifest = read_manifest(directory)
+        if manifest is None:
+            tensors = read_checkpoint(directory)
             manifest = Manifest(names=list(tensors), dtypes=[dtype_name(t.dtype) for t in tensors.values()],
                                 shapes=[list(t.shape) for t in tensors.values()])
             naming = check_against_model(manifest, receiver.spec)
             return receiver.staged(version, None, policy, lambda: receiver.load(tensors, naming))
         if version is not None and manifest.version is not None and version != manifest.version:
-            raise ManifestError(f"{path}: the source says version {version}, the directory's manifest "
+            raise ManifestError(f"{directory.path}: the source says version {version}, the directory's manifest "
                                 f"{manifest.version}")
         naming = check_against_model(manifest, receiver.spec)
 
         def load() -> None:
             for index, bucket in enumerate(manifest.layout.buckets):
-                tensors, checksum = read_bucket(path, manifest, index)
+                tensors, checksum = read_bucket(directory, manifest, index)
                 if checksum != bucket.checksum:
                     raise ChecksumError(f"{bucket_file(index, manifest.num_buckets)}: checksum {checksum:#x}, the "
                                         f"manifest says {bucket.checksum:#x}")
