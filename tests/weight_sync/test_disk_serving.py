@@ -16,6 +16,7 @@ from tests.rollout.service_util import SERVER_ARGS, save_tiny_model
 
 CALL_S = 10.0  # every call's bound; a refusal comes at once, a frozen server not at all
 HEALTH_S = 5.0
+FIFOS = ("model.safetensors", "weight_sync_manifest.json", "model.safetensors.index.json")  # one directory each
 
 
 def release(fifo) -> None:
@@ -32,22 +33,25 @@ def served(tmp_path_factory):
     root = base / "root"
     model = save_tiny_model(root / "seed0", seed=0)
     save_tiny_model(base / "outside", seed=1)
-    fifo_dir = root / "fifo"
-    fifo_dir.mkdir()
-    os.mkfifo(fifo_dir / "model.safetensors")
+    fifos = [root / f"fifo-{i}" / name for i, name in enumerate(FIFOS)]
+    for fifo in fifos:
+        fifo.parent.mkdir()
+        os.mkfifo(fifo)
     with ServerProcess(model, *SERVER_ARGS, "--weights-root", str(root), "--weight-sync-timeout-s", "5") as proc:
         client = RolloutClient(proc.address, timeout=CALL_S)
         try:
             yield client, root, base
         finally:
-            release(fifo_dir / "model.safetensors")
+            for fifo in fifos:
+                release(fifo)
             client.close()
 
 
-def test_a_fifo_for_weights_is_refused_at_once_and_health_answers(served):
+@pytest.mark.parametrize("index", range(len(FIFOS)), ids=FIFOS)
+def test_a_fifo_in_a_checkpoint_is_refused_at_once_and_health_answers(served, index):
     client, root, _ = served
     with pytest.raises(ProtocolError) as caught:
-        client.update_weights(str(root / "fifo"), timeout=CALL_S)
+        client.update_weights(str(root / f"fifo-{index}"), timeout=CALL_S)
     assert caught.value.code is ErrorCode.INVALID_REQUEST and "not a regular file" in caught.value.message
     assert client.health(timeout=HEALTH_S).healthy
     assert client.policy_version == 0
