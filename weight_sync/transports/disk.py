@@ -8,8 +8,9 @@ reader never sees half a checkpoint. `read_bucket` reads one bucket's file back;
 the manifest against its model first, then each file against its checksum as it reads it. A
 directory without the manifest (any HF checkpoint) is read whole, unchecked. A replica reads
 every file through `checkpoint_files.CheckpointDir`: regular files inside the directory only,
-within its `--weights-root` directories, off its socket thread and engine loop, by its timeout. `DiskTransport` is
-the `disk` transport: a sender writes such a directory per version, a replica reads it.
+within its `--weights-root` directories, off its socket thread and engine loop, by its timeout.
+`DiskTransport` is the `disk` transport: a sender writes such a directory per version, a replica
+reads it.
 """
 
 from __future__ import annotations
