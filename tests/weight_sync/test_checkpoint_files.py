@@ -138,3 +138,15 @@ def test_the_serve_flags_choose_the_disk_access(tmp_path):
     assert {tmp_path / "a", tmp_path / "b"} <= set(roots)
     with pytest.raises(DiskAccessError):
         access("--weights-root", str(tmp_path / "a")).check(tmp_path / "c", "c")
+
+
+def test_reading_stops_at_the_updates_timeout(tmp_path):
+    from weight_sync.transports.checkpoint_files import ANYWHERE, CheckpointDir
+    from weight_sync.transports.safetensors_file import CHUNK_BYTES
+
+    save_plain(tmp_path / "big", {"w": torch.zeros(CHUNK_BYTES // 4 + 1)})  # more than one chunk to read
+    with CheckpointDir(tmp_path / "big", ANYWHERE, timeout_s=0.0) as directory:
+        with pytest.raises(TimeoutError, match="longer than the update's timeout"):
+            directory.read_tensors("model.safetensors")
+    with CheckpointDir(tmp_path / "big", ANYWHERE, timeout_s=60.0) as directory:
+        assert torch.equal(directory.read_tensors("model.safetensors")["w"], torch.zeros(CHUNK_BYTES // 4 + 1))

@@ -10,9 +10,10 @@ So (`CheckpointDir`):
   descriptor, `O_NOFOLLOW | O_NONBLOCK`, and read only if `fstat` says it is a regular file: no
   symlink, no index entry with a `/` or `..`, and no FIFO or device (whose `open` or `read`
   would block the reading thread, with the GIL, for as long as nobody writes);
-* safetensors files are parsed here (their header checked: offsets, sizes, dtypes) and read with
-  `readinto` in chunks, which releases the GIL, against the update's deadline, so a slow disk
-  costs the receiver's worker thread only: the server's socket thread and the engine's loop go on;
+* safetensors files are parsed and read by `safetensors_file.SafetensorsFile` (the header checked:
+  offsets, sizes, dtypes; the data read with `readinto` in chunks, which releases the GIL, by the
+  update's deadline), so a slow disk costs the receiver's worker thread only: the server's socket
+  thread and the engine's loop go on;
 * every refusal is a `CheckpointError` (a `ValueError`: the request's fault). A path that is no
   directory, is absent, cannot be read or holds no safetensors gets one and the same message, so
   a caller learns nothing about the server's filesystem beyond "not a checkpoint".
@@ -21,33 +22,20 @@ So (`CheckpointDir`):
 from __future__ import annotations
 
 import json
-import math
 import os
 import stat
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Any, Optional
 
-import msgspec
 import torch
-from msgspec import Meta
+
+from weight_sync.transports.safetensors_file import CheckpointError, SafetensorsFile, TensorEntry, read_into
 
 INDEX_FILE = "model.safetensors.index.json"
-MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own bound on a header
 MAX_JSON_BYTES = 64 * 2**20  # an index or a manifest
-_CHUNK_BYTES = 16 * 2**20  # one readinto: the deadline is checked between chunks
-_DTYPES = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
-    "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64, "U64": torch.uint64, "F16": torch.float16,
-    "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-
-
-class CheckpointError(ValueError):
-    """A disk update's path is refused, or a file in it is not what it should be."""
 
 
 class DiskAccessError(CheckpointError):
@@ -88,12 +76,6 @@ class DiskAccess:
 
 
 ANYWHERE = DiskAccess()
-
-
-class _TensorEntry(msgspec.Struct, forbid_unknown_fields=True):
-    dtype: str
-    shape: list[Annotated[int, Meta(ge=0)]]
-    data_offsets: tuple[Annotated[int, Meta(ge=0)], Annotated[int, Meta(ge=0)]]
 
 
 class CheckpointDir:
@@ -152,7 +134,7 @@ class CheckpointDir:
             if size > MAX_JSON_BYTES:
                 raise CheckpointError(f"{self.path}: {name} holds {size} bytes, over {MAX_JSON_BYTES}")
             buf = bytearray(size)
-            _read_into(f, memoryview(buf), self.deadline, f"{self.path}: {name}")
+            read_into(f, memoryview(buf), self.deadline, f"{self.path}: {name}")
             return bytes(buf)
 
     def safetensors_files(self) -> list[str]:
@@ -173,29 +155,30 @@ class CheckpointDir:
 
     # ---- safetensors -----------------------------------------------------------------------------
 
-    def read_tensors(self, name: str) -> Optional[dict[str, torch.Tensor]]:
-        """Every tensor of the safetensors file `name` (None if there is none), views of one buffer
-        read whole."""
+    def safetensors(self, name: str) -> Optional[SafetensorsFile]:
+        """The safetensors file `name` open, its header checked (None if there is none); close it."""
         fd = self.open_file(name)
-        if fd is None:
+        return None if fd is None else SafetensorsFile(fd, f"{self.path}: {name}", self.deadline)
+
+    def read_tensors(self, name: str, buffer: Optional[Callable[[int], torch.Tensor]] = None,
+                     direct: Optional[Mapping[str, torch.Tensor]] = None) -> Optional[dict[str, torch.Tensor]]:
+        """Every tensor of the safetensors file `name` (`SafetensorsFile.read`), None if there is none."""
+        opened = self.safetensors(name)
+        if opened is None:
             return None
-        what = f"{self.path}: {name}"
-        with os.fdopen(fd, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
-            head = bytearray(8)
-            if size < 8:
-                raise CheckpointError(f"{what}: not a safetensors file ({size} bytes)")
-            _read_into(f, memoryview(head), self.deadline, what)
-            header_bytes = int.from_bytes(head, "little")
-            if header_bytes > min(MAX_HEADER_BYTES, size - 8):
-                raise CheckpointError(f"{what}: not a safetensors file (a header of {header_bytes} bytes in a file "
-                                      f"of {size})")
-            header = bytearray(header_bytes)
-            _read_into(f, memoryview(header), self.deadline, what)
-            entries = _parse_header(bytes(header), size - 8 - header_bytes, what)
-            data = torch.empty(size - 8 - header_bytes, dtype=torch.uint8)
-            _read_into(f, memoryview(data.numpy()), self.deadline, what)
-        return {key: _view(data, entry) for key, entry in entries.items()}
+        with opened:
+            return opened.read(buffer, direct)
+
+    def headers(self) -> dict[str, dict[str, TensorEntry]]:
+        """Each safetensors file's checked header, by file (an index's files must all be there)."""
+        out = {}
+        for name in self.safetensors_files():
+            opened = self.safetensors(name)
+            if opened is None:
+                raise CheckpointError(f"{self.path}: {name} is missing")
+            with opened:
+                out[name] = opened.entries
+        return out
 
 
 def _absolute(path: str | Path) -> Path:
@@ -208,56 +191,3 @@ def _path_of(fd: int, fallback: str | Path) -> str:
         return os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
         return os.path.realpath(fallback)
-
-
-def _read_into(f: Any, view: memoryview, deadline: float, what: str) -> None:
-    """Fill `view` from `f`, a chunk per `readinto` (which releases the GIL), checking `deadline`."""
-    at = 0
-    while at < len(view):
-        got = f.readinto(view[at : at + _CHUNK_BYTES])
-        if not got:
-            raise CheckpointError(f"{what}: the file ended early (it changed while read?)")
-        at += got
-        if at < len(view) and time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: reading took longer than the update's timeout")
-
-
-def _parse_header(raw: bytes, data_bytes: int, what: str) -> dict[str, _TensorEntry]:
-    try:
-        header = msgspec.json.decode(raw)
-        if not isinstance(header, dict):
-            raise msgspec.ValidationError("the header is not a JSON object")
-        header.pop("__metadata__", None)
-        entries = msgspec.convert(header, dict[str, _TensorEntry])
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise CheckpointError(f"{what}: not a safetensors file (its header: {exc})") from None
-    for key, entry in entries.items():
-        dtype = _DTYPES.get(entry.dtype)
-        if dtype is None:
-            raise CheckpointError(f"{what}: {key} has dtype {entry.dtype!r}, not one this reader knows")
-        start, end = entry.data_offsets
-        nbytes = math.prod(entry.shape) * dtype.itemsize
-        if not start <= end <= data_bytes or end - start != nbytes:
-            raise CheckpointError(f"{what}: {key}'s bytes [{start}, {end}) do not hold {entry.dtype} "
-                                  f"{entry.shape} within the file's {data_bytes} data bytes")
-    return entries
-
-
-def _view(data: torch.Tensor, entry: _TensorEntry) -> torch.Tensor:
-    dtype = _DTYPES[entry.dtype]
-    start, end = entry.data_offsets
-    piece = data[start:end]
-    if start % dtype.itemsize:
-        piece = piece.clone()  # NOTE: a view of another dtype must start at a multiple of its size
-    return piece.view(dtype).reshape(entry.shape)
-
-
-def read_checkpoint(directory: CheckpointDir) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint's safetensors files (an index's files must all be there)."""
-    out: dict[str, torch.Tensor] = {}
-    for name in directory.safetensors_files():
-        tensors = directory.read_tensors(name)
-        if tensors is None:
-            raise CheckpointError(f"{directory.path}: {name} is missing")
-        out.update(tensors)
-    return out

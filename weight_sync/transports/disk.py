@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import secrets
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -29,7 +29,7 @@ from weight_sync.buckets import DEFAULT_BUCKET_BYTES, fill_checksums, manifest_f
 from weight_sync.manifest import ChecksumError, Manifest, ManifestError, check_against_model, dtype_name
 from weight_sync.sources import DiskSource
 from weight_sync.transports import Transport
-from weight_sync.transports.checkpoint_files import INDEX_FILE, CheckpointDir, CheckpointError, read_checkpoint
+from weight_sync.transports.checkpoint_files import INDEX_FILE, CheckpointDir, CheckpointError
 
 MANIFEST_FILE = "weight_sync_manifest.json"
 
@@ -79,12 +79,15 @@ def read_manifest(directory: CheckpointDir) -> Optional[Manifest]:
         raise ManifestError(f"{directory.path}/{MANIFEST_FILE}: {exc}") from None
 
 
-def read_bucket(directory: CheckpointDir, manifest: Manifest, index: int) -> tuple[dict[str, torch.Tensor], int]:
-    """Bucket `index`'s tensors from its file, and their checksum (compare with the manifest's).
+def read_bucket(directory: CheckpointDir, manifest: Manifest, index: int,
+                buffer: Optional[Callable[[int], torch.Tensor]] = None,
+                direct: Optional[Mapping[str, torch.Tensor]] = None) -> tuple[dict[str, torch.Tensor], int]:
+    """Bucket `index`'s tensors from its file (read into `direct`'s buffers, or `buffer`'s: see
+    `SafetensorsFile.read`), and their checksum (compare with the manifest's).
     `CheckpointError` for a missing or unreadable file, `ManifestError` for a tensor it lacks or mis-shapes."""
     buckets = manifest.layout.buckets
     name = bucket_file(index, len(buckets))
-    found = directory.read_tensors(name)
+    found = directory.read_tensors(name, buffer, direct)
     if found is None:
         raise CheckpointError(f"bucket {index} of {len(buckets)} is missing: {directory.path}/{name}")
     b = buckets[index]
@@ -134,19 +137,17 @@ class DiskTransport:
     def _receive(receiver: Any, directory: CheckpointDir, version: Optional[int], policy: Any) -> int:
         manifest = read_manifest(directory)
         if manifest is None:
-            tensors = read_checkpoint(directory)
-            manifest = Manifest(names=list(tensors), dtypes=[dtype_name(t.dtype) for t in tensors.values()],
-                                shapes=[list(t.shape) for t in tensors.values()])
-            naming = check_against_model(manifest, receiver.spec)
-            return receiver.staged(version, None, policy, lambda: receiver.load(tensors, naming))
+            return _receive_plain(receiver, directory, version, policy)
         if version is not None and manifest.version is not None and version != manifest.version:
             raise ManifestError(f"{directory.path}: the source says version {version}, the directory's manifest "
                                 f"{manifest.version}")
         naming = check_against_model(manifest, receiver.spec)
 
         def load() -> None:
+            direct = receiver.staging_buffers(manifest, torch.device("cpu"))
             for index, bucket in enumerate(manifest.layout.buckets):
-                tensors, checksum = read_bucket(directory, manifest, index)
+                # NOTE: one warm scratch buffer for every bucket: `load` copies a bucket out before the next is read
+                tensors, checksum = read_bucket(directory, manifest, index, receiver.host_buffer.get, direct)
                 if checksum != bucket.checksum:
                     raise ChecksumError(f"{bucket_file(index, manifest.num_buckets)}: checksum {checksum:#x}, the "
                                         f"manifest says {bucket.checksum:#x}")
@@ -154,3 +155,23 @@ class DiskTransport:
                 receiver.stats.bytes_received += bucket.nbytes
 
         return receiver.staged(manifest.version if version is None else version, None, policy, load)
+
+
+def _receive_plain(receiver: Any, directory: CheckpointDir, version: Optional[int], policy: Any) -> int:
+    """A checkpoint without a manifest: its files' headers checked against the model, then each
+    file read and loaded in turn (unchecked: there are no checksums)."""
+    headers = directory.headers()
+    entries = {name: entry for file in headers.values() for name, entry in file.items()}
+    manifest = Manifest(names=list(entries), dtypes=[dtype_name(e.torch_dtype) for e in entries.values()],
+                        shapes=[e.shape for e in entries.values()])
+    naming = check_against_model(manifest, receiver.spec)
+
+    def load() -> None:
+        direct = receiver.staging_buffers(manifest, torch.device("cpu"))
+        for file in headers:
+            tensors = directory.read_tensors(file, receiver.host_buffer.get, direct)
+            if tensors is None:
+                raise CheckpointError(f"{directory.path}: {file} is missing")
+            receiver.load(tensors, naming)
+
+    return receiver.staged(version, None, policy, load)
