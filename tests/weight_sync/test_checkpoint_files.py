@@ -150,3 +150,18 @@ def test_reading_stops_at_the_updates_timeout(tmp_path):
             directory.read_tensors("model.safetensors")
     with CheckpointDir(tmp_path / "big", ANYWHERE, timeout_s=60.0) as directory:
         assert torch.equal(directory.read_tensors("model.safetensors")["w"], torch.zeros(CHUNK_BYTES // 4 + 1))
+
+
+def test_a_tensor_at_an_odd_offset_reads_right(tmp_path):
+    """The format does not promise alignment: a float32 two bytes into the data still reads as written."""
+    from weight_sync.transports.checkpoint_files import ANYWHERE, CheckpointDir
+
+    value = torch.tensor([1.5, -2.25], dtype=torch.float32)
+    header = json.dumps({"a": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]},
+                         "b": {"dtype": "F32", "shape": [2], "data_offsets": [2, 10]}}).encode()
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\x07\x09"
+                                                          + value.numpy().tobytes())
+    with CheckpointDir(tmp_path / "ckpt", ANYWHERE, timeout_s=10.0) as directory:
+        tensors = directory.read_tensors("model.safetensors")
+    assert tensors["a"].tolist() == [7, 9] and torch.equal(tensors["b"], value)
