@@ -27,10 +27,12 @@ from weight_sync.sources import (
     with_version,
 )
 from weight_sync.transports import Transport
+from weight_sync.transports.checkpoint_files import CheckpointError, DiskAccess, DiskAccessError
 from weight_sync.transports.distributed import WeightGroup
 
 __all__ = [
-    "DEFAULT_GROUP", "MEGATRON_ADAPTER", "DiskSource", "DistributedSource", "Manifest", "ManifestError", "Naming",
+    "DEFAULT_GROUP", "MEGATRON_ADAPTER", "CheckpointError", "DiskAccess", "DiskAccessError", "DiskSource",
+    "DistributedSource", "Manifest", "ManifestError", "Naming",
     "SharedMemorySource", "Staging", "SyncError", "Transport", "UpdateOutcome", "WeightControl", "WeightGroup",
     "WeightReceiver", "WeightSender", "WeightSource", "decode_tensor_payload", "detect_naming", "encode_tensor_payload",
     "hf_to_megatron", "megatron_to_hf", "parse_weight_version", "source_version", "with_version",

@@ -48,6 +48,7 @@ from inference.weights.staging import Staging
 from weight_sync.manifest import Manifest, Naming, check_against_model
 from weight_sync.megatron.model import MEGATRON_ADAPTER
 from weight_sync.sources import DEFAULT_GROUP, WeightSource
+from weight_sync.transports.checkpoint_files import ANYWHERE, DiskAccess
 from weight_sync.transports.distributed import GroupError, ReceiveBuffer, RefusedError, WeightGroup
 from weight_sync.transports.shm import SegmentMappings
 from weight_sync.transports.table import BY_SOURCE
@@ -91,15 +92,18 @@ class WeightReceiver:
 
     `staging`: the default for updates that do not choose; `retain_staging`: keep a double
     update's replaced weights as the next one's buffers (warm copies; a second copy of the
-    weights held between updates, freed by suspend); `timeout_s`: the bound of every wait.
+    weights held between updates, freed by suspend); `timeout_s`: the bound of every wait (and of
+    reading a checkpoint from disk); `disk_access`: which directories disk updates may read
+    (default any: in-process use; a server passes its `--weights-root` directories).
 
     The state a transport keeps between updates lives here, one receiver's: its weight-update
     groups and `group_buffer` (gloo / nccl), `host_buffer` and `mappings` (shm).
     """
 
     def __init__(self, engine: Any, *, staging: Staging = Staging.DOUBLE, timeout_s: float = 60.0,
-                 retain_staging: bool = True) -> None:
+                 retain_staging: bool = True, disk_access: DiskAccess = ANYWHERE) -> None:
         self.engine = engine
+        self.disk_access = disk_access
         self.staging = Staging(staging)
         self.timeout_s = timeout_s
         self.retain_staging = retain_staging

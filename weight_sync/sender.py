@@ -10,9 +10,11 @@ Targets are what the replicas (or a router in front of them) answer to: `WeightC
 first, then moves the bytes, then waits until every target answered (bounded by `timeout_s`).
 What moves them is the `Transport`'s object (`weight_sync.transports.table`):
 
-* `gloo` / `nccl`: a weight-update group of the trainer (rank 0) and the replicas, made at the
-  first sync (targets are told to join: `join_group`) and again after a failure or
-  when `regroup()` is called (a replica joined or left); buckets are broadcast
+* `gloo` / `nccl`: a weight-update group of the trainer (rank 0, its store listening on
+  `master_address` only; beyond loopback only with `trusted_network=True`, since the store has no
+  authentication: `transports.distributed`) and the replicas, made at the first sync (targets
+  are told to join: `join_group`) and again after a failure or when `regroup()` is called (a
+  replica joined or left); buckets are broadcast
   (`transports.bucket_broadcast`). A refused manifest stops every rank before a bucket moves; a failed
   bucket on any replica stops every replica from committing;
 * `shm`: buckets in a shared-memory segment that the replicas copy from while the sender fills
@@ -99,7 +101,8 @@ class WeightSender:
                  dtype: Optional[torch.dtype] = None, master_address: str = "127.0.0.1", master_port: int = 0,
                  group_name: str = DEFAULT_GROUP, directory: Optional[str | Path] = None,
                  tensor_by_tensor: bool = False, policy: Any = None, tp_group: Any = None,
-                 keep_last: Optional[int] = None, piece_bytes: int = DEFAULT_PIECE_BYTES) -> None:
+                 keep_last: Optional[int] = None, piece_bytes: int = DEFAULT_PIECE_BYTES,
+                 trusted_network: bool = False) -> None:
         transport = Transport(transport)
         if transport is Transport.DISK and directory is None:
             raise ValueError("the disk transport needs a directory the replicas can read")
@@ -114,6 +117,7 @@ class WeightSender:
         self.replicas = replicas if replicas is not None else len(self.targets)
         self.dtype, self.policy, self.tp_group = dtype, policy, tp_group
         self.master_address, self.master_port, self.group_name = master_address, master_port, group_name
+        self.trusted_network = trusted_network
         self.directory = Path(directory) if directory is not None else None
         self.tensor_by_tensor = tensor_by_tensor
         self.keep_last = keep_last
@@ -164,7 +168,8 @@ class WeightSender:
         self._close_group()
         world = 1 + self.replicas
         group = WeightGroup.host(self.master_address, self.master_port, world_size=world, name=self.group_name,
-                                 backend=self.transport.value, timeout_s=self.timeout_s)
+                                 backend=self.transport.value, timeout_s=self.timeout_s,
+                                 trusted_network=self.trusted_network)
         direct = len(self.targets) == self.replicas  # NOTE: else a router: replicas claim their ranks
         futures = [self._pool.submit(t.join_group, self.master_address, group.port, 1 + i if direct else None,
                                      world, self.group_name, self.transport.value, timeout_s=self.timeout_s)

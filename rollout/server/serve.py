@@ -74,6 +74,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                       "the next update) or in_place (no second copy; no generation until a complete update)")
     sync.add_argument("--weight-sync-timeout-s", type=float, default=60.0,
                       help="bound of every wait of a weight update (a dead trainer, a missing bucket)")
+    sync.add_argument("--weights-root", action="append", default=[], metavar="DIR",
+                      help="disk weight updates read only checkpoints under DIR (repeatable); without it any "
+                      "directory on loopback, none when ZMQ or HTTP listens beyond loopback")
 
 
 def add_http_arguments(parser: argparse.ArgumentParser) -> None:
@@ -148,8 +151,18 @@ def build_server(args: argparse.Namespace):
     server_config = ServerConfig(host=args.host, port=args.port, lease_s=args.lease_s, max_lease_s=args.max_lease_s,
                                  health_deadline_s=args.health_deadline_s, retain_s=args.retain_s,
                                  max_frame_bytes=args.max_frame_bytes, security=security_from_args(args),
-                                 weight_staging=args.weight_staging, weight_sync_timeout_s=args.weight_sync_timeout_s)
+                                 weight_staging=args.weight_staging, weight_sync_timeout_s=args.weight_sync_timeout_s,
+                                 disk_access=disk_access_of(args))
     return RolloutServer(engine, server_config)
+
+
+def disk_access_of(args: argparse.Namespace):
+    """`--weights-root`'s directories; with none, any directory unless ZMQ or HTTP listens beyond loopback."""
+    from rollout.wire.security import is_loopback
+    from weight_sync import DiskAccess
+
+    hosts = [args.host] + ([args.http_host or args.host] if args.http is not None else [])
+    return DiskAccess.of(args.weights_root, beyond_loopback=not all(map(is_loopback, hosts)))
 
 
 def serve_main(args: argparse.Namespace, on_ready=None) -> int:

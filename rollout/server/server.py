@@ -35,8 +35,8 @@ from rollout.service.registry import Record
 from rollout.wire.codec import DEFAULT_MAX_FRAME_BYTES
 from rollout.wire.convert import error_reply, health_of, output_to_wire
 from rollout.wire.messages import Abort, HealthInfo, Result, TokenDelta, kind_of
-from rollout.wire.security import ServerSecurity
-from weight_sync import Staging, WeightReceiver
+from rollout.wire.security import ServerSecurity, is_loopback
+from weight_sync import DiskAccess, Staging, WeightReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,8 @@ class ServerConfig:
     client that resubmits it after a reconnect. `weight_staging`: how weight updates that do not
     choose are staged (`double`: the old weights serve until the commit; `in_place`: no second
     copy, no generation until a complete update); `weight_sync_timeout_s` bounds their waits.
+    `disk_access`: which directories disk weight updates may read (None: any on loopback, none
+    beyond it; `rollout serve --weights-root`).
     """
 
     host: str = "127.0.0.1"
@@ -65,6 +67,7 @@ class ServerConfig:
     security: ServerSecurity = field(default_factory=ServerSecurity)
     weight_staging: Staging = Staging.DOUBLE
     weight_sync_timeout_s: float = 60.0
+    disk_access: Optional[DiskAccess] = None
 
     def __post_init__(self) -> None:
         self.weight_staging = Staging(self.weight_staging)
@@ -112,7 +115,10 @@ class RolloutServer:
         self._owns_loop = not engine.loop_running
         if self._owns_loop:
             engine.start()
-        self.receiver = WeightReceiver(engine, staging=config.weight_staging, timeout_s=config.weight_sync_timeout_s)
+        disk_access = (config.disk_access if config.disk_access is not None
+                       else DiskAccess.of((), beyond_loopback=not is_loopback(config.host)))
+        self.receiver = WeightReceiver(engine, staging=config.weight_staging, timeout_s=config.weight_sync_timeout_s,
+                                       disk_access=disk_access)
         self.endpoint.on_close.append(self._close_parts)
 
     # ---- life cycle ----------------------------------------------------------------------------

@@ -201,7 +201,7 @@ def test_a_missing_or_tampered_checkpoint_file_aborts(replicas, new, expected, t
     with pytest.raises(ValueError, match="checksum"):
         receivers[0].update(DiskSource(path=str(tmp_path / "v1")))
     victim.unlink()
-    with pytest.raises(FileNotFoundError, match="missing"):
+    with pytest.raises(ValueError, match="missing"):
         receivers[0].update(DiskSource(path=str(tmp_path / "v1")))
     assert outputs(engines[0]) == expected[0] and engines[0].policy_version == 0
 

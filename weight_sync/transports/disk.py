@@ -6,8 +6,11 @@ manifest (`weight_sync_manifest.json`: names, shapes, dtypes, buckets with their
 version). It writes into a hidden temporary directory and renames it into place at the end, so a
 reader never sees half a checkpoint. `read_bucket` reads one bucket's file back; a receiver checks
 the manifest against its model first, then each file against its checksum as it reads it. A
-directory without the manifest (any HF checkpoint) is read whole, unchecked. `DiskTransport` is
-the `disk` transport: a sender writes such a directory per version, a replica reads it.
+directory without the manifest (any HF checkpoint) is read whole, unchecked. A replica reads
+every file through `checkpoint_files.CheckpointDir`: regular files inside the directory only,
+within its `--weights-root` directories, off its socket thread and engine loop, by its timeout.
+`DiskTransport` is the `disk` transport: a sender writes such a directory per version, a replica
+reads it.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import json
 import secrets
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -26,9 +29,9 @@ from weight_sync.buckets import DEFAULT_BUCKET_BYTES, fill_checksums, manifest_f
 from weight_sync.manifest import ChecksumError, Manifest, ManifestError, check_against_model, dtype_name
 from weight_sync.sources import DiskSource
 from weight_sync.transports import Transport
+from weight_sync.transports.checkpoint_files import INDEX_FILE, CheckpointDir, CheckpointError
 
 MANIFEST_FILE = "weight_sync_manifest.json"
-INDEX_FILE = "model.safetensors.index.json"
 
 
 def bucket_file(index: int, count: int) -> str:
@@ -65,40 +68,39 @@ def write_checkpoint(directory: str | Path, named: Sequence[tuple[str, torch.Ten
     return manifest
 
 
-def read_manifest(directory: str | Path) -> Optional[Manifest]:
+def read_manifest(directory: CheckpointDir) -> Optional[Manifest]:
     """The directory's manifest, or None for a plain HF checkpoint."""
-    path = Path(directory) / MANIFEST_FILE
-    if not path.exists():
+    raw = directory.read_json(MANIFEST_FILE)
+    if raw is None:
         return None
     try:
-        return msgspec.json.decode(path.read_bytes(), type=Manifest)
+        return msgspec.json.decode(raw, type=Manifest)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise ManifestError(f"{path}: {exc}") from None
+        raise ManifestError(f"{directory.path}/{MANIFEST_FILE}: {exc}") from None
 
 
-def read_bucket(directory: str | Path, manifest: Manifest, index: int) -> tuple[dict[str, torch.Tensor], int]:
-    """Bucket `index`'s tensors from its file, and their checksum (compare with the manifest's).
-    `FileNotFoundError` for a missing file, `ManifestError` for a tensor it lacks or mis-shapes."""
-    from safetensors import safe_open
-
+def read_bucket(directory: CheckpointDir, manifest: Manifest, index: int,
+                buffer: Optional[Callable[[int], torch.Tensor]] = None,
+                direct: Optional[Mapping[str, torch.Tensor]] = None) -> tuple[dict[str, torch.Tensor], int]:
+    """Bucket `index`'s tensors from its file (read into `direct`'s buffers, or `buffer`'s: see
+    `SafetensorsFile.read`), and their checksum (compare with the manifest's).
+    `CheckpointError` for a missing or unreadable file, `ManifestError` for a tensor it lacks or mis-shapes."""
     buckets = manifest.layout.buckets
-    path = Path(directory) / bucket_file(index, len(buckets))
-    if not path.exists():
-        raise FileNotFoundError(f"bucket {index} of {len(buckets)} is missing: {path}")
+    name = bucket_file(index, len(buckets))
+    found = directory.read_tensors(name, buffer, direct)
+    if found is None:
+        raise CheckpointError(f"bucket {index} of {len(buckets)} is missing: {directory.path}/{name}")
     b = buckets[index]
     out, total = {}, 0
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        keys = set(f.keys())
-        for t in range(b.start, b.stop):
-            name = manifest.names[t]
-            if name not in keys:
-                raise ManifestError(f"{path.name} lacks {name}")
-            tensor = f.get_tensor(name)
-            if list(tensor.shape) != manifest.shapes[t] or tensor.dtype != manifest.torch_dtypes[t]:
-                raise ManifestError(f"{path.name}: {name} is {tensor.dtype} {list(tensor.shape)}, the manifest says "
-                                    f"{manifest.dtypes[t]} {manifest.shapes[t]}")
-            out[name] = tensor
-            total += tensor_checksum(tensor)
+    for t in range(b.start, b.stop):
+        tensor = found.get(manifest.names[t])
+        if tensor is None:
+            raise ManifestError(f"{name} lacks {manifest.names[t]}")
+        if list(tensor.shape) != manifest.shapes[t] or tensor.dtype != manifest.torch_dtypes[t]:
+            raise ManifestError(f"{name}: {manifest.names[t]} is {tensor.dtype} {list(tensor.shape)}, the manifest "
+                                f"says {manifest.dtypes[t]} {manifest.shapes[t]}")
+        out[manifest.names[t]] = tensor
+        total += tensor_checksum(tensor)
     return out, total % 2**64
 
 
@@ -127,25 +129,25 @@ class DiskTransport:
 
     def receive(self, receiver: Any, source: DiskSource, policy: Any) -> int:
         """Bucket by bucket against the directory's manifest if it has one, else whole (any HF
-        checkpoint, unchecked)."""
-        path, version = Path(source.path), source.version
-        manifest = read_manifest(path)
-        if manifest is None:
-            from inference.models.loading import read_safetensors
+        checkpoint, unchecked); only where the receiver's `disk_access` allows, by its timeout."""
+        with CheckpointDir(source.path, receiver.disk_access, receiver.timeout_s) as directory:
+            return self._receive(receiver, directory, source.version, policy)
 
-            tensors = read_safetensors(path, None)
-            manifest = Manifest(names=list(tensors), dtypes=[dtype_name(t.dtype) for t in tensors.values()],
-                                shapes=[list(t.shape) for t in tensors.values()])
-            naming = check_against_model(manifest, receiver.spec)
-            return receiver.staged(version, None, policy, lambda: receiver.load(tensors, naming))
+    @staticmethod
+    def _receive(receiver: Any, directory: CheckpointDir, version: Optional[int], policy: Any) -> int:
+        manifest = read_manifest(directory)
+        if manifest is None:
+            return _receive_plain(receiver, directory, version, policy)
         if version is not None and manifest.version is not None and version != manifest.version:
-            raise ManifestError(f"{path}: the source says version {version}, the directory's manifest "
+            raise ManifestError(f"{directory.path}: the source says version {version}, the directory's manifest "
                                 f"{manifest.version}")
         naming = check_against_model(manifest, receiver.spec)
 
         def load() -> None:
+            direct = receiver.staging_buffers(manifest, torch.device("cpu"))
             for index, bucket in enumerate(manifest.layout.buckets):
-                tensors, checksum = read_bucket(path, manifest, index)
+                # NOTE: one warm scratch buffer for every bucket: `load` copies a bucket out before the next is read
+                tensors, checksum = read_bucket(directory, manifest, index, receiver.host_buffer.get, direct)
                 if checksum != bucket.checksum:
                     raise ChecksumError(f"{bucket_file(index, manifest.num_buckets)}: checksum {checksum:#x}, the "
                                         f"manifest says {bucket.checksum:#x}")
@@ -153,3 +155,23 @@ class DiskTransport:
                 receiver.stats.bytes_received += bucket.nbytes
 
         return receiver.staged(manifest.version if version is None else version, None, policy, load)
+
+
+def _receive_plain(receiver: Any, directory: CheckpointDir, version: Optional[int], policy: Any) -> int:
+    """A checkpoint without a manifest: its files' headers checked against the model, then each
+    file read and loaded in turn (unchecked: there are no checksums)."""
+    headers = directory.headers()
+    entries = {name: entry for file in headers.values() for name, entry in file.items()}
+    manifest = Manifest(names=list(entries), dtypes=[dtype_name(e.torch_dtype) for e in entries.values()],
+                        shapes=[e.shape for e in entries.values()])
+    naming = check_against_model(manifest, receiver.spec)
+
+    def load() -> None:
+        direct = receiver.staging_buffers(manifest, torch.device("cpu"))
+        for file in headers:
+            tensors = directory.read_tensors(file, receiver.host_buffer.get, direct)
+            if tensors is None:
+                raise CheckpointError(f"{directory.path}: {file} is missing")
+            receiver.load(tensors, naming)
+
+    return receiver.staged(version, None, policy, load)

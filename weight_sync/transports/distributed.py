@@ -10,6 +10,13 @@ group is unusable: close it and create a new one, as frameworks do per sync when
 or leaves. A replica given no rank (`rank=None`, e.g. one init message broadcast by a router to
 all replicas) claims the next free one from the store.
 
+The store listens on `master_address` only (a socket bound here and handed to the TCPStore as
+`master_listen_fd`; on its own the TCPStore listens on every interface). A TCPStore has no
+authentication: anyone who reaches it can read and write its keys, claim a rank or join the group
+and then see or feed the broadcast weights. So a non-loopback master is refused unless the caller
+says the network is trusted (`trusted_network=True`: a private cluster network, or a tunnel); on
+loopback every local process can still reach it, as with every loopback service here.
+
 Moving an update over a group: `weight_sync.transports.bucket_broadcast`.
 """
 
@@ -19,6 +26,7 @@ import datetime
 import ipaddress
 import logging
 import os
+import socket
 from collections.abc import Callable, Iterable
 from typing import Any, Optional
 
@@ -51,6 +59,20 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket listening on `host:port` only (port 0: one the OS picks)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(128)
+    except OSError:
+        listener.close()
+        raise
+    return listener
+
+
 class WeightGroup:
     """One rank of a weight-update group (see module docstring). `host()` on the trainer, then
     `connect()` once the replicas were told to join; `join()` on a replica (blocks until all
@@ -76,10 +98,22 @@ class WeightGroup:
     @classmethod
     def host(cls, master_address: str = "127.0.0.1", master_port: int = 0, *, world_size: int,
              name: str = DEFAULT_GROUP, backend: str = "gloo", timeout_s: float = 60.0,
-             device: Optional[torch.device] = None) -> WeightGroup:
-        """Rank 0's store, listening (port 0: the OS picks one, see `port`); `connect()` next."""
-        store = dist.TCPStore(master_address, master_port, world_size, True, timeout=_timeout(timeout_s),
-                              wait_for_workers=False)
+             device: Optional[torch.device] = None, trusted_network: bool = False) -> WeightGroup:
+        """Rank 0's store, listening on `master_address` only (port 0: the OS picks one, see
+        `port`); `connect()` next. Beyond loopback only with `trusted_network` (module docstring)."""
+        if not _is_loopback(master_address) and not trusted_network:
+            raise ValueError(f"master_address {master_address!r} is beyond loopback: the weight-update group's "
+                             "TCPStore has no authentication, so pass trusted_network=True only on a network "
+                             "where every host may join the group")
+        listener = _listen(master_address, master_port)
+        try:
+            store = dist.TCPStore(master_address, listener.getsockname()[1], world_size, True,
+                                  timeout=_timeout(timeout_s), wait_for_workers=False,
+                                  master_listen_fd=listener.fileno(), use_libuv=True)
+        except BaseException:
+            listener.close()
+            raise
+        listener.detach()  # NOTE: the store's server owns the descriptor now (libuv closes it with the store)
         return cls(store, rank=0, world_size=world_size, name=name, backend=backend, timeout_s=timeout_s,
                    master_address=master_address, device=device)
 

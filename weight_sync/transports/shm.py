@@ -20,13 +20,17 @@ with `_new_shared_cuda` and copied the same way. The handle is plain msgpack, ne
 
 Segment names are `rollout-wsync-<pid>-<random>`; a receiver opens nothing else, and gives up
 early when that pid (alive when the update began) exits before publishing every piece. A sender
-killed before it unlinks its segment leaves it behind: `remove_stale_segments()` removes those
-whose process is gone.
+killed before it unlinks its segment leaves it behind: `remove_stale_segments()`, run whenever a
+sender's `RegionPool` or a receiver's `SegmentMappings` is made, removes those whose process is
+gone. A live sender holds a shared `flock` on its segment for as long as it keeps it, so a segment
+whose pid means nothing here (a sender in another pid namespace sharing /dev/shm) is left alone
+while its sender lives.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import mmap
 import os
@@ -72,6 +76,8 @@ class SharedRegion:
         self.nbytes = nbytes
         storage = torch.UntypedStorage.from_file(str(self.path), shared=True, nbytes=max(1, nbytes))
         self.tensor = torch.empty(0, dtype=torch.uint8).set_(storage)
+        self._lock_fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_SH)  # NOTE: released by the kernel however this process ends
 
     def close(self) -> None:
         self.tensor = torch.empty(0, dtype=torch.uint8)
@@ -79,19 +85,27 @@ class SharedRegion:
             self.path.unlink()
         except FileNotFoundError:
             pass
+        fd, self._lock_fd = self._lock_fd, -1
+        if fd >= 0:
+            os.close(fd)
 
     def __del__(self) -> None:
         try:
             self.path.unlink()
         except (FileNotFoundError, AttributeError, TypeError):
             pass
+        fd = getattr(self, "_lock_fd", -1)
+        if fd >= 0:
+            os.close(fd)
 
 
 class RegionPool:
-    """The sender's one region, grown when a sync needs more (the old one is unlinked)."""
+    """The sender's one region, grown when a sync needs more (the old one is unlinked). A new
+    pool first removes the segments killed senders left behind."""
 
     def __init__(self) -> None:
         self.region: Optional[SharedRegion] = None
+        _remove_stale_logged()
 
     def get(self, nbytes: int) -> SharedRegion:
         if self.region is None or self.region.nbytes < nbytes:
@@ -212,6 +226,7 @@ class SegmentMappings:
 
     def __init__(self, *, check_every_s: float = 1.0, idle_s: float = 600.0) -> None:
         self.check_every_s, self.idle_s = check_every_s, idle_s
+        _remove_stale_logged()  # NOTE: a receiver (re)starting after its sender was killed cleans up for it
         self._lock = threading.Lock()
         self._current: Optional[_Mapped] = None
         self._last_used = 0.0
@@ -329,13 +344,38 @@ def _alive(pid: int) -> bool:
 
 
 def remove_stale_segments() -> list[str]:
-    """Unlink segments whose sender process no longer exists; their names."""
+    """Unlink the segments whose sender is gone (see module docstring); their names."""
     removed = []
     for path in SHM_DIR.glob(f"{SEGMENT_PREFIX}*"):
-        if SEGMENT_NAME.fullmatch(path.name) and not _alive(sender_pid(path.name)):
-            path.unlink(missing_ok=True)
+        if SEGMENT_NAME.fullmatch(path.name) and not _alive(sender_pid(path.name)) and _unlink_if_unheld(path):
             removed.append(path.name)
     return removed
+
+
+def _unlink_if_unheld(path: Path) -> bool:
+    """Unlink `path` unless a live process holds its lock (its sender, whatever its pid namespace)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False  # NOTE: gone already, or not ours to open
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        path.unlink(missing_ok=True)
+        return True
+    except OSError:  # NOTE: BlockingIOError: held; PermissionError: another user's
+        return False
+    finally:
+        os.close(fd)
+
+
+def _remove_stale_logged() -> None:
+    try:
+        removed = remove_stale_segments()
+    except OSError as exc:  # NOTE: /dev/shm unreadable here: nothing to clean, and no reason not to start
+        logger.debug("no stale shared-memory segments removed: %s", exc)
+        return
+    if removed:
+        logger.info("removed %d shared-memory segments of senders that are gone: %s", len(removed), removed)
 
 
 # ---- CUDA IPC ------------------------------------------------------------------------------------
