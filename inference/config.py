@@ -60,6 +60,8 @@ class SuspendedAddPolicy(str, enum.Enum):
     QUEUE = "queue"
 
 
+DEFAULT_MAX_SAMPLES_PER_REQUEST = 32_768
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -113,13 +115,15 @@ class InferenceConfig:
     # capture the model once per bucket and replay it (CUDA only; needs buckets); suspend frees the
     # graphs and their memory pool, resume captures them again
     cuda_graphs: bool = False
-    max_samples_per_request: int = 32_768
+    max_samples_per_request: Optional[int] = None  # None: 32,768, or max_waiting_samples if that is less
     max_waiting_samples: int = 65_536
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_requests", "max_batch_tokens", "max_sequence_length", "chunked_prefill_size",
-                     "max_samples_per_request", "max_waiting_samples"):
+                     "max_waiting_samples", "max_samples_per_request"):
             value = getattr(self, name)
+            if name == "max_samples_per_request" and value is None:
+                value = self.max_samples_per_request = min(DEFAULT_MAX_SAMPLES_PER_REQUEST, self.max_waiting_samples)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"InferenceConfig.{name} must be a positive int, got {value!r}")
         if self.num_blocks is not None and self.kv_memory_bytes is not None:

@@ -119,3 +119,4 @@ def test_the_bounds_are_checked_when_configured():
     with pytest.raises(ValueError, match="max_samples_per_request .* must be <= max_waiting_samples"):
         InferenceConfig(max_samples_per_request=100, max_waiting_samples=99)
     assert InferenceConfig().max_samples_per_request == 32_768  # one 128 x 256 GRPO batch is taken
+    assert InferenceConfig(max_waiting_samples=99).max_samples_per_request == 99
