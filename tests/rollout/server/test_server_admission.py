@@ -1,13 +1,17 @@
-"""Admission over ZMQ: the server names each connection to the engine, which admits them in turns
+"""Admission behind a server: it names each ZMQ connection to the engine, which admits them in turns
 (one connection's many Generates do not hold another's behind all of them), and past the engine's
-waiting bound a Generate is answered OVERLOADED while the server serves on."""
+waiting bound a Generate is answered OVERLOADED while the server serves on. The in-process client
+beside it names each of its calls."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
 from inference import DynamicInferenceEngine, InferenceConfig, PauseMode, SamplingParams
 from rollout import RolloutClient
+from rollout.client.in_process import InProcessClient
 from rollout.server.server import RolloutServer
 from rollout.wire.codec import ProtocolError
 from rollout.wire.kinds import ErrorCode
@@ -74,3 +78,26 @@ def test_past_the_waiting_bound_a_generate_is_answered_overloaded(served):
             a.continue_()
         assert len(queued.result(WAIT_S)) == A_PROMPTS * A_N
         assert len(b.generate([[5, 6]], 4, greedy(3))) == 4  # drained: taken again
+
+
+def test_each_in_process_call_is_a_client_of_its_own(served):
+    engine = served.engine
+
+    def all_waiting():  # both calls' samples, by client, once the engine has them all
+        by_client = engine.waiting_by_client()
+        return by_client if sum(by_client.values()) == A_PROMPTS * A_N + 1 else None
+
+    async def body():
+        local = InProcessClient(engine, served.receiver, timeout=WAIT_S)
+        try:
+            await local.pause(PauseMode.KEEP)
+            huge = local.stream([[3 + i, 9] for i in range(A_PROMPTS)], A_N, greedy(3))
+            small = local.stream([[5, 6]], 1, greedy(3))
+            waiting = await asyncio.to_thread(wait_for, all_waiting)
+            await local.continue_()
+            return waiting, len(await huge.result()), len(await small.result())
+        finally:
+            await local.close()
+
+    waiting, huge, small = asyncio.run(body())
+    assert sorted(waiting.values()) == [1, A_PROMPTS * A_N] and (huge, small) == (A_PROMPTS * A_N, 1)
