@@ -289,6 +289,8 @@ class Scheduler:
         not fit: it stays first (its client keeps its turn), so a large group is not overtaken for
         ever by smaller requests."""
         ctx, waiting = self.ctx, self.waiting
+        if len(ctx.free_slots) <= self.reserved_slots:  # NOTE: the steady state under load: no request can start
+            return
         passed = 0  # requests looked at and left waiting (bounds the scan)
         returning, index = waiting.returning, 0
         while index < len(returning) and passed < ADMISSION_SCAN and budget > 0 and not ctx.paused:
