@@ -34,7 +34,7 @@ class WaitingQueue:
     __slots__ = ("returning", "_lanes", "_size")
 
     def __init__(self) -> None:
-        self.returning: deque[Request] = deque()  # put back by the scheduler; admitted first, in order
+        self.returning: deque[Request] = deque()  # put back by the scheduler, admitted first; read only
         self._lanes: OrderedDict[str, deque[Request]] = OrderedDict()
         self._size = 0  # requests in the client lanes
 
@@ -96,6 +96,12 @@ class WaitingQueue:
                 break
             out.append(client)
         return out
+
+    def take_returning(self, index: int) -> Request:
+        """Admit the `index`-th request of the returning lane."""
+        req = self.returning[index]
+        del self.returning[index]
+        return req
 
     def lane(self, client: str) -> deque[Request]:
         """The client's lane, oldest first (empty if none); read only."""
