@@ -225,7 +225,10 @@ class Scheduler:
         evicted: list[Request] = []
         ctx.resume_paused_requests()
         decode = self._schedule_decodes(evicted)
-        evicted += ctx.evict_overflow_paused_requests()
+        overflow = ctx.evict_overflow_paused_requests()
+        if overflow:  # NOTE: the blocks they freed resumed older paused ones: those decode now, else this
+            evicted += overflow  # step would run nothing and evict them too (two requests could livelock)
+            decode = self._schedule_decodes(evicted)
         budget = self.config.max_batch_tokens - len(decode)
         prefill_slots, prefill_lens = self._schedule_prefills(budget, admit_new)
         if not decode and not prefill_slots and ctx.has_unfinished_requests():
@@ -302,7 +305,7 @@ class Scheduler:
             budget = self._admit(req, budget, being_prefilled, slots, lens)
             if budget is None:
                 return
-            del returning[index]
+            waiting.take_returning(index)
         if not admit_new:  # NOTE: the clients' lanes hold only requests that never had a slot
             return
         turns = deque(waiting.clients_in_turn(ADMISSION_SCAN))  # NOTE: O(clients) per step, at most the scan
