@@ -60,6 +60,8 @@ class SuspendedAddPolicy(str, enum.Enum):
     QUEUE = "queue"
 
 
+DEFAULT_MAX_SAMPLES_PER_REQUEST = 32_768
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -74,6 +76,14 @@ class InferenceConfig:
     `paused_block_budget` bounds the blocks held by paused requests (None: a quarter of the pool);
     past it the most recently paused are evicted and later recomputed. `suspend_policy` and
     `update_policy` are the defaults for requests in flight at a suspend / a weight update.
+
+    Admission bounds (samples are prompts x n): one call may ask for at most
+    `max_samples_per_request` (more is refused as invalid), and a call is refused as overloaded
+    (`OverloadedError`, retry later) while it would take the samples not yet in a slot, all clients
+    together, past `max_waiting_samples`. The defaults take one 32,768-sample GRPO batch (e.g. 128
+    prompts x n=256) with as much again queued beside it by others (about 1 KB of host memory per
+    waiting sample); size the queue bound to the wait a caller tolerates: it drains at the engine's
+    rate of samples per second.
     """
 
     block_size: int = 16
@@ -105,10 +115,15 @@ class InferenceConfig:
     # capture the model once per bucket and replay it (CUDA only; needs buckets); suspend frees the
     # graphs and their memory pool, resume captures them again
     cuda_graphs: bool = False
+    max_samples_per_request: Optional[int] = None  # None: 32,768, or max_waiting_samples if that is less
+    max_waiting_samples: int = 65_536
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_requests", "max_batch_tokens", "max_sequence_length", "chunked_prefill_size"):
+        for name in ("block_size", "max_requests", "max_batch_tokens", "max_sequence_length", "chunked_prefill_size",
+                     "max_waiting_samples", "max_samples_per_request"):
             value = getattr(self, name)
+            if name == "max_samples_per_request" and value is None:
+                value = self.max_samples_per_request = min(DEFAULT_MAX_SAMPLES_PER_REQUEST, self.max_waiting_samples)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"InferenceConfig.{name} must be a positive int, got {value!r}")
         if self.num_blocks is not None and self.kv_memory_bytes is not None:
@@ -125,6 +140,11 @@ class InferenceConfig:
                 raise ValueError(f"InferenceConfig.{name} must be None or an int >= 0, got {value!r}")
         if self.paused_block_budget is not None and self.paused_block_budget < 0:
             raise ValueError(f"InferenceConfig.paused_block_budget must be >= 0, got {self.paused_block_budget}")
+        if self.max_samples_per_request > self.max_waiting_samples:
+            raise ValueError(
+                f"InferenceConfig.max_samples_per_request ({self.max_samples_per_request}) must be <= "
+                f"max_waiting_samples ({self.max_waiting_samples}): a request that large could never be queued"
+            )
         if self.max_batch_tokens < self.max_requests:
             raise ValueError(
                 f"InferenceConfig.max_batch_tokens ({self.max_batch_tokens}) must be >= max_requests "

@@ -31,7 +31,7 @@ from inference.core.memory import SuspendReport
 from inference.core.states import EngineState
 from inference.errors import EngineStateError
 from inference.kv_cache.events import KVEventListener
-from inference.request import RequestOutput, TokenEvent
+from inference.request import SHARED_CLIENT, RequestOutput, TokenEvent
 from inference.sampling.params import SamplingParams
 from inference.streams import Callback, RequestStream
 from inference.weights.adapters import WeightAdapter
@@ -169,6 +169,7 @@ class DynamicInferenceEngine:
 
         def add() -> list[int]:
             prompt, params = self.core.check_request(prompt_token_ids, sampling_params)
+            self.core.check_room(params.n)
             ids = self.core.add_checked(prompt, params)
             for rid in ids:
                 self._channels[rid] = self._step_channel
@@ -178,25 +179,36 @@ class DynamicInferenceEngine:
         return ids[0] if len(ids) == 1 else ids
 
     def submit(self, prompt_token_ids: Prompt, sampling_params: Optional[SamplingParams] = None, *,
-               stream_tokens: bool = True, callback: Optional[Callback] = None) -> RequestStream:
-        """Queue a prompt; its n samples' tokens and final outputs arrive on the returned stream."""
+               stream_tokens: bool = True, callback: Optional[Callback] = None,
+               client: Optional[str] = None) -> RequestStream:
+        """Queue a prompt; its n samples' tokens and final outputs arrive on the returned stream.
+
+        `client` names who asks (None: the one lane every caller without a name shares): waiting
+        requests are admitted in turns between clients, FIFO within one. More than
+        `max_samples_per_request` samples raise `ValueError`; a full waiting queue (past
+        `max_waiting_samples`) raises `OverloadedError`, to retry later.
+        """
         return self.submit_many([prompt_token_ids], sampling_params, stream_tokens=stream_tokens,
-                                callback=callback)[0]
+                                callback=callback, client=client)[0]
 
     def submit_many(self, prompts: Sequence[Prompt], sampling_params: ParamsArg = None, *,
-                    stream_tokens: bool = False, callback: Optional[Callback] = None) -> list[RequestStream]:
-        """`submit` for many prompts in one call: all are queued, or (on an error) none."""
+                    stream_tokens: bool = False, callback: Optional[Callback] = None,
+                    client: Optional[str] = None) -> list[RequestStream]:
+        """`submit` for many prompts in one call, one request of all their samples: all are queued,
+        or (on an error) none."""
         params_list = self._params_per_prompt(prompts, sampling_params)
 
         def add_all() -> list[RequestStream]:
             checked = [self.core.check_request(p, sp) for p, sp in zip(prompts, params_list)]
-            return [self._add_stream(prompt, params, stream_tokens, callback) for prompt, params in checked]
+            self.core.check_room(sum(params.n for _, params in checked))
+            return [self._add_stream(prompt, params, stream_tokens, callback, client) for prompt, params in checked]
 
         return self.calls.run(add_all)
 
     def _add_stream(self, prompt: list[int], params: SamplingParams, stream_tokens: bool,
-                    callback: Optional[Callback]) -> RequestStream:
-        ids = self.core.add_checked(prompt, params, stream_tokens=stream_tokens)
+                    callback: Optional[Callback], client: Optional[str]) -> RequestStream:
+        ids = self.core.add_checked(prompt, params, stream_tokens=stream_tokens,
+                                    client=SHARED_CLIENT if client is None else client)
         stream = RequestStream(self, ids, callback)
         for rid in ids:
             self._channels[rid] = stream
@@ -204,9 +216,11 @@ class DynamicInferenceEngine:
 
     def submit_each(self, prompts: Sequence[Prompt], sampling_params: ParamsArg = None, *,
                     stream_tokens: Union[bool, Sequence[bool]] = False,
-                    callbacks: Optional[Sequence[Optional[Callback]]] = None) -> list[Union[RequestStream, Exception]]:
-        """`submit` for many prompts in one command, each accepted or refused on its own: for each
-        prompt its stream, or the exception that refused it (nothing else is touched).
+                    callbacks: Optional[Sequence[Optional[Callback]]] = None,
+                    clients: Optional[Sequence[Optional[str]]] = None) -> list[Union[RequestStream, Exception]]:
+        """`submit` for many prompts in one command, each its own request, accepted or refused on
+        its own: for each prompt its stream, or the exception that refused it (nothing else is
+        touched); `clients[i]` names who asks for prompt i (see `submit`).
 
         A server hands every request that arrived meanwhile to the loop at once: one loop round
         for all of them, where `submit` per request would wait a round (a step) each.
@@ -214,19 +228,22 @@ class DynamicInferenceEngine:
         params_list = self._params_per_prompt(prompts, sampling_params)
         tokens = [stream_tokens] * len(prompts) if isinstance(stream_tokens, bool) else list(stream_tokens)
         callbacks = [None] * len(prompts) if callbacks is None else list(callbacks)
-        if not len(tokens) == len(callbacks) == len(prompts):
+        clients = [None] * len(prompts) if clients is None else list(clients)
+        if not len(tokens) == len(callbacks) == len(clients) == len(prompts):
             raise ValueError(f"submit_each: {len(prompts)} prompts, {len(tokens)} stream_tokens, "
-                             f"{len(callbacks)} callbacks")
+                             f"{len(callbacks)} callbacks, {len(clients)} clients")
 
         def add_each() -> list[Union[RequestStream, Exception]]:
             out: list[Union[RequestStream, Exception]] = []
-            for prompt, params, stream_tokens_, callback in zip(prompts, params_list, tokens, callbacks):
+            for prompt, params, stream_tokens_, callback, client in zip(prompts, params_list, tokens, callbacks,
+                                                                        clients):
                 try:
                     checked_prompt, checked_params = self.core.check_request(prompt, params)
+                    self.core.check_room(checked_params.n)
                 except Exception as exc:  # noqa: BLE001 (this prompt's refusal, returned to its caller)
                     out.append(exc)
                     continue
-                out.append(self._add_stream(checked_prompt, checked_params, stream_tokens_, callback))
+                out.append(self._add_stream(checked_prompt, checked_params, stream_tokens_, callback, client))
             return out
 
         return self.calls.run(add_each)
@@ -460,3 +477,7 @@ class DynamicInferenceEngine:
 
     def stats(self) -> dict:
         return self.calls.run(self.core.stats)
+
+    def waiting_by_client(self) -> dict[str, int]:
+        """Samples not yet in a slot, per client that has some (`stats()` has their sum and count)."""
+        return self.calls.run(self.core.scheduler.waiting_samples)

@@ -25,6 +25,9 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"  # aborted by the caller, or by a pause / suspend / weight update under ABORT
 
 
+SHARED_CLIENT = ""  # the client of every request submitted without one (see inference.sched.waiting)
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued; not in a slot (new, evicted, or to be recomputed)
     RUNNING = "running"  # in a slot: prefilling or decoding
@@ -54,6 +57,7 @@ class Request:
     finish_time: Optional[float] = None
     finish_reason: Optional[FinishReason] = None
     stream_tokens: bool = False  # its caller wants each token as it is sampled, not only the end
+    client: str = SHARED_CLIENT  # who submitted it: admission takes turns between clients
     admitted: bool = False  # has held a slot (a pause in WAIT mode lets only these run on)
     # sibling requests that wait for this one's prompt prefill to fork from it (sample 0 only)
     fork_children: list[Request] = field(default_factory=list)

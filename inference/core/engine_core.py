@@ -31,12 +31,13 @@ from inference.errors import (
     BlockOverflowError,
     EngineStateError,
     MaxSequenceLengthOverflowError,
+    OverloadedError,
     RequestOverflowError,
     ResumeMemoryError,
     TensorStateDeallocatedError,
     WeightNameError,
 )
-from inference.request import Request, RequestOutput
+from inference.request import SHARED_CLIENT, Request, RequestOutput
 from inference.runner.model_runner import ModelRunner
 from inference.sampling.params import SamplingParams
 from inference.sampling.seeds import make_generator, sample_seed
@@ -114,11 +115,26 @@ class EngineCore:
         self._check_fits(prompt, params)
         return prompt, params
 
-    def add_checked(self, prompt: list[int], params: SamplingParams, *, stream_tokens: bool = False) -> list[int]:
-        """Queue a request that `check_request` accepted; returns one id per sample."""
+    def check_room(self, samples: int) -> None:
+        """Refuse a request of `samples` samples (prompts x n, all of one call) that passes the
+        admission bounds, changing nothing: more than one request may ask for (`ValueError`), or more
+        than the waiting queue has room for now (`OverloadedError`: retry once it drained)."""
+        cfg = self.config
+        if samples > cfg.max_samples_per_request:
+            raise ValueError(f"max_samples_per_request: the request asks for {samples} samples (prompts x n); "
+                             f"this engine takes at most {cfg.max_samples_per_request} in one request")
+        waiting = self.scheduler.num_waiting_samples
+        if waiting + samples > cfg.max_waiting_samples:
+            raise OverloadedError(f"overloaded: {waiting} samples wait for a slot and {samples} more would pass "
+                                  f"max_waiting_samples={cfg.max_waiting_samples}; retry later")
+
+    def add_checked(self, prompt: list[int], params: SamplingParams, *, stream_tokens: bool = False,
+                    client: str = SHARED_CLIENT) -> list[int]:
+        """Queue a request that `check_request` (and `check_room`) accepted, in `client`'s lane;
+        returns one id per sample."""
         group_id, ids = self.scheduler.next_ids(params.n)
         samples = [
-            Request(rid, prompt, params, group_id, index, params.n, stream_tokens=stream_tokens,
+            Request(rid, prompt, params, group_id, index, params.n, stream_tokens=stream_tokens, client=client,
                     generator=None if params.seed is None else make_generator(sample_seed(params.seed, index)))
             for index, rid in enumerate(ids)
         ]
@@ -437,6 +453,7 @@ class EngineCore:
 
     def stats(self) -> dict:
         pool = self.allocator.stats()
+        by_client = self.scheduler.waiting_samples()
         return {
             "state": self.state.value,
             "pause_mode": None if self.pause_mode is None else self.pause_mode.value,
@@ -452,6 +469,11 @@ class EngineCore:
             "weights_serving_error": self.weights.serving_error,
             "weights_spare_bytes": self.weights.spare_bytes(),
             "waiting": len(self.scheduler.waiting),
+            "waiting_samples": self.scheduler.num_waiting_samples,
+            "waiting_clients": len(by_client),
+            "waiting_samples_largest_client": max(by_client.values(), default=0),
+            "max_waiting_samples": self.config.max_waiting_samples,
+            "max_samples_per_request": self.config.max_samples_per_request,
             "preemptions": self.scheduler.num_preemptions,
             **self.context.get_kvcache_utilization_stats(),
             **self.caches.stats(),

@@ -4,21 +4,23 @@ Order of business (oldest work first, so nothing starves):
 1. resume paused requests, oldest first, while a block can be had for each;
 2. decode-ready requests get the block their next token needs, or are paused;
 3. paused requests past their block budget are evicted (to be recomputed later);
-4. the token budget left after decode goes to running prefills, then to new requests (FIFO),
+4. the token budget left after decode goes to running prefills, then to waiting requests, the
+   clients taking turns (`WaitingQueue`: one request per client per turn, FIFO within a client),
    each chunk at most `chunked_prefill_size` tokens and only as many as free blocks allow.
 If nothing at all can run while requests hold the pool, the newest one is evicted: progress is
 guaranteed as long as one request fits the pool, which admission checks.
 
 The scheduler is the sole owner of a request's life outside its slot: the live requests, the
 waiting queue, the samples of a group waiting to fork from their leader, the slots reserved for
-them, preemption counts, and what abort / requeue do to all of these.
+them, the count of samples waiting per client, preemption counts, and what abort / requeue do to
+all of these.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,6 +30,7 @@ from inference.errors import BlockOverflowError
 from inference.kv_cache.block_state import MAX_CACHED_PROMPT_TOP_N_LOGPROBS
 from inference.request import FinishReason, Request, RequestStatus
 from inference.sched.context import DynamicInferenceContext
+from inference.sched.waiting import WaitingQueue
 
 
 @dataclass(slots=True)
@@ -75,14 +78,17 @@ class Scheduler:
 
     Invariants: every live request is exactly one of waiting (in `waiting`, or a sibling in its
     leader's `fork_children`), in a slot (running or paused), or finished and gone from `live`;
-    `reserved_slots` equals the fork children of the leaders that hold a slot.
+    `reserved_slots` equals the fork children of the leaders that hold a slot; `waiting_samples`
+    counts, per client, the live requests with status WAITING (the two kinds of waiting above).
     """
 
     def __init__(self, context: DynamicInferenceContext) -> None:
         self.ctx = context
         self.config = context.config
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.live: dict[int, Request] = {}  # every request not finished yet, by id
+        self._waiting_samples: Counter[str] = Counter()  # per client: live requests not in a slot
+        self._num_waiting_samples = 0  # their sum (what the queue's bound is checked against)
         self._reserved_slots = 0  # slots promised to forked samples of groups being prefilled
         self.num_preemptions = 0
         self.watermark_blocks = max(1, context.allocator.total // 100)
@@ -93,6 +99,24 @@ class Scheduler:
     def reserved_slots(self) -> int:
         return self._reserved_slots
 
+    @property
+    def num_waiting_samples(self) -> int:
+        """Samples not in a slot: queued, or waiting to fork from their group's leader."""
+        return self._num_waiting_samples
+
+    def waiting_samples(self) -> dict[str, int]:
+        """`num_waiting_samples` per client (only clients with some)."""
+        return dict(self._waiting_samples)
+
+    def _count_waiting(self, client: str, k: int) -> None:
+        """`k` of the client's samples started (> 0) or stopped (< 0) waiting."""
+        left = self._waiting_samples[client] + k
+        if left:
+            self._waiting_samples[client] = left
+        else:
+            del self._waiting_samples[client]
+        self._num_waiting_samples += k
+
     # ---- a request's life --------------------------------------------------------------------
 
     def new_group(self, samples: list[Request]) -> None:
@@ -101,6 +125,7 @@ class Scheduler:
         head.fork_children = samples[1:]
         for req in samples:
             self.live[req.request_id] = req
+        self._count_waiting(head.client, len(samples))
         self._queue(head)
 
     def next_ids(self, n: int) -> tuple[int, list[int]]:
@@ -108,8 +133,12 @@ class Scheduler:
         return next(self._groups), [next(self._ids) for _ in range(n)]
 
     def _queue(self, req: Request, front: bool = False) -> None:
+        """Queue a new request last in its client's lane, or (`front`) one put back first in the
+        returning lane."""
+        if req.status is not RequestStatus.WAITING:  # back from a slot
+            self._count_waiting(req.client, 1)
         req.status = RequestStatus.WAITING
-        (self.waiting.appendleft if front else self.waiting.append)(req)
+        (self.waiting.push_returning if front else self.waiting.push)(req)
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         req.status = RequestStatus.FINISHED
@@ -122,7 +151,8 @@ class Scheduler:
 
     def in_flight(self) -> bool:
         """Whether a request that has held a slot is unfinished (what a WAIT pause drains)."""
-        return bool(self.ctx.active or self.ctx.paused) or any(r.admitted for r in self.waiting)
+        # NOTE: one that held a slot and waits again is in the returning lane (the clients' hold new ones only)
+        return bool(self.ctx.active or self.ctx.paused) or any(r.admitted for r in self.waiting.returning)
 
     def abort(self, request_id: int) -> Request | None:
         """Finish one request now with reason `abort` (partial tokens kept); None if unknown."""
@@ -131,9 +161,9 @@ class Scheduler:
             return None
         ctx = self.ctx
         if req.status is RequestStatus.WAITING:
-            if req in self.waiting:
-                self.waiting.remove(req)
-                self._hand_group_to_next(req)
+            self._count_waiting(req.client, -1)
+            if req in self.waiting:  # NOTE: the next sibling takes its place in line
+                self.waiting.replace(req, self._next_leader(req))
             else:  # a sibling waiting for its group's prefill
                 in_slots = (r for r in ctx.requests if r is not None)
                 for head in itertools.chain(self.waiting, in_slots):
@@ -145,22 +175,29 @@ class Scheduler:
         else:
             ctx.release_memory_blocks_from_request_indexes([ctx.requests.index(req)])
             self._reserved_slots -= len(req.fork_children)
-            self._hand_group_to_next(req)
+            lead = self._next_leader(req)
+            if lead is not None:  # NOTE: the group was admitted: it goes on first
+                self._queue(lead, front=True)
         self.finish(req, FinishReason.ABORT)
         return req
 
-    def _hand_group_to_next(self, leader: Request) -> None:
-        """The leader leaves before its group forked: the next sibling prefills for the rest."""
-        if leader.fork_children:
-            lead, rest = leader.fork_children[0], leader.fork_children[1:]
-            lead.fork_children, leader.fork_children = rest, []
-            self._queue(lead, front=True)
+    @staticmethod
+    def _next_leader(leader: Request) -> Request | None:
+        """The leader leaves before its group forked: the next sibling (returned, if any) takes the
+        rest of the group and prefills for them."""
+        if not leader.fork_children:
+            return None
+        lead, rest = leader.fork_children[0], leader.fork_children[1:]
+        lead.fork_children, leader.fork_children = rest, []
+        return lead
 
     def abort_all(self) -> list[Request]:
         """Finish every live request with reason `abort`, oldest first; frees all their blocks."""
         ctx = self.ctx
         ctx.release_memory_blocks_from_request_indexes(list(ctx.active) + list(ctx.paused))
         self.waiting.clear()
+        self._waiting_samples.clear()
+        self._num_waiting_samples = 0
         self._reserved_slots = 0
         aborted = sorted(self.live.values(), key=lambda r: r.request_id)
         for req in aborted:
@@ -188,7 +225,10 @@ class Scheduler:
         evicted: list[Request] = []
         ctx.resume_paused_requests()
         decode = self._schedule_decodes(evicted)
-        evicted += ctx.evict_overflow_paused_requests()
+        overflow = ctx.evict_overflow_paused_requests()
+        if overflow:  # NOTE: the blocks they freed resumed older paused ones: those decode now, else this
+            evicted += overflow  # step would run nothing and evict them too (two requests could livelock)
+            decode = self._schedule_decodes(evicted)
         budget = self.config.max_batch_tokens - len(decode)
         prefill_slots, prefill_lens = self._schedule_prefills(budget, admit_new)
         if not decode and not prefill_slots and ctx.has_unfinished_requests():
@@ -241,44 +281,95 @@ class Scheduler:
                 slots.append(slot)
                 lens.append(chunk)
                 budget -= chunk
-        being_prefilled = self._first_blocks_being_prefilled(prefilling)
-        index = 0
-        while index < min(len(self.waiting), ADMISSION_SCAN) and budget > 0 and not ctx.paused:
-            req = self.waiting[index]
-            if not (admit_new or req.admitted):
-                index += 1
-                continue
-            first = self._first_block_hash(req)
-            if first is not None and being_prefilled.get(first, -2) >= _scores_wanted(req):
-                # NOTE: the same prompt start is being prefilled right now (with the prompt scores
-                # this request asks for, if any): wait a step and match its blocks from the cache
-                # instead of computing them again (n=1 GRPO samples)
-                index += 1
-                continue
-            group = 1 + len(req.fork_children)
-            if len(ctx.free_slots) - self.reserved_slots < group:
-                break
-            chunk = min(chunk_cap, budget)
-            _, _, fits = ctx.check_availability(req, chunk)
-            if not fits:
-                chunk = self._chunk_within_free_blocks(req, chunk)
-                if chunk <= 0:
-                    break
-            try:
-                slot_chunk = ctx.add_request(req, chunk)
-            except BlockOverflowError:
-                break  # NOTE: nothing changed; it stays in line
-            del self.waiting[index]
-            req.admitted = True
-            self._reserved_slots += group - 1
-            slot = ctx.active[-1]
-            if first is not None and ctx.num_registered[slot] < len(req.hash_cache):
-                being_prefilled[first] = max(being_prefilled.get(first, -1), _scores_recorded(req))
-            if slot_chunk > 0:
-                slots.append(slot)
-                lens.append(slot_chunk)
-                budget -= slot_chunk
+        self._admit_waiting(budget, admit_new, self._first_blocks_being_prefilled(prefilling), slots, lens)
         return slots, lens
+
+    def _admit_waiting(self, budget: int, admit_new: bool, being_prefilled: dict[int, int], slots: list[int],
+                       lens: list[int]) -> None:
+        """Admit waiting requests into free slots, appending their first chunks to `slots` and
+        `lens`: the returning lane first, in order, then the clients in turns (each turn admits the
+        first request of the client's lane that may run now). Stops at the first request that does
+        not fit: it stays first (its client keeps its turn), so a large group is not overtaken for
+        ever by smaller requests."""
+        ctx, waiting = self.ctx, self.waiting
+        if len(ctx.free_slots) <= self.reserved_slots:  # NOTE: the steady state under load: no request can start
+            return
+        passed = 0  # requests looked at and left waiting (bounds the scan)
+        returning, index = waiting.returning, 0
+        while index < len(returning) and passed < ADMISSION_SCAN and budget > 0 and not ctx.paused:
+            req = returning[index]
+            if not self._may_start(req, admit_new, being_prefilled):
+                index += 1
+                passed += 1
+                continue
+            budget = self._admit(req, budget, being_prefilled, slots, lens)
+            if budget is None:
+                return
+            waiting.take_returning(index)
+        if not admit_new:  # NOTE: the clients' lanes hold only requests that never had a slot
+            return
+        turns = deque(waiting.clients_in_turn(ADMISSION_SCAN))  # NOTE: O(clients) per step, at most the scan
+        scanned = dict.fromkeys(turns, 0)  # per client: its lane's requests left waiting this step
+        while turns and passed < ADMISSION_SCAN and budget > 0 and not ctx.paused:
+            client = turns[0]
+            lane, index = waiting.lane(client), scanned[client]
+            if index >= len(lane):  # nothing of this client may start this step: its turn passes
+                turns.popleft()
+                continue
+            req = lane[index]
+            if not self._may_start(req, admit_new, being_prefilled):
+                scanned[client] += 1
+                passed += 1
+                continue
+            budget = self._admit(req, budget, being_prefilled, slots, lens)
+            if budget is None:
+                return
+            waiting.take(client, index)  # NOTE: its turn is over: it goes last, here as in the queue
+            if waiting.lane(client):
+                turns.rotate(-1)
+            else:
+                turns.popleft()
+
+    def _may_start(self, req: Request, admit_new: bool, being_prefilled: dict[int, int]) -> bool:
+        """Whether a waiting request may be admitted this step (else it is passed over, keeping its place)."""
+        if not (admit_new or req.admitted):
+            return False
+        first = self._first_block_hash(req)
+        # NOTE: the same prompt start is being prefilled right now (with the prompt scores this
+        # request asks for, if any): wait a step and match its blocks from the cache instead of
+        # computing them again (n=1 GRPO samples)
+        return first is None or being_prefilled.get(first, -2) < _scores_wanted(req)
+
+    def _admit(self, req: Request, budget: int, being_prefilled: dict[int, int], slots: list[int],
+               lens: list[int]) -> int | None:
+        """Give `req` a slot and its first chunk (the caller takes it out of the queue); the token
+        budget left, or None (nothing changed) when its group's slots or its blocks cannot be had."""
+        ctx = self.ctx
+        group = 1 + len(req.fork_children)
+        if len(ctx.free_slots) - self.reserved_slots < group:
+            return None
+        chunk = min(self.config.chunked_prefill_size, budget)
+        _, _, fits = ctx.check_availability(req, chunk)
+        if not fits:
+            chunk = self._chunk_within_free_blocks(req, chunk)
+            if chunk <= 0:
+                return None
+        try:
+            slot_chunk = ctx.add_request(req, chunk)
+        except BlockOverflowError:
+            return None  # NOTE: nothing changed; it stays in line
+        req.admitted = True
+        self._count_waiting(req.client, -1)
+        self._reserved_slots += group - 1
+        slot = ctx.active[-1]
+        first = self._first_block_hash(req)
+        if first is not None and ctx.num_registered[slot] < len(req.hash_cache):
+            being_prefilled[first] = max(being_prefilled.get(first, -1), _scores_recorded(req))
+        if slot_chunk > 0:
+            slots.append(slot)
+            lens.append(slot_chunk)
+            budget -= slot_chunk
+        return budget
 
     def _first_block_hash(self, req: Request) -> int | None:
         """Hash of the request's first full block when it can share blocks through the cache."""
@@ -346,6 +437,7 @@ class Scheduler:
                     self._queue(child, front=True)
                     continue
                 child.admitted = True
+                self._count_waiting(child.client, -1)
                 if ctx.num_blocks[slot] > full:  # the partial last prompt block is copied, not shared
                     kv_copies.append((int(ctx.block_table[slot, full]), int(ctx.block_table[child_slot, full])))
                 if ctx.states is not None:

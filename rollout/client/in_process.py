@@ -81,8 +81,12 @@ class InProcessStream:
             return lambda item: _call_in(loop, self._push, group, item)
 
         engine = client.engine
+        # NOTE: each call is its own client of the engine's admission (taking turns with the others),
+        # so one call's many samples do not hold a later small call behind all of them
+        clients = self.request_ids[:1] * len(self._prompts)
         self._submitted = engine.post(lambda: engine.submit_each(
-            self._prompts, params, stream_tokens=tokens, callbacks=[sink(g) for g in range(len(self._prompts))]))
+            self._prompts, params, stream_tokens=tokens, callbacks=[sink(g) for g in range(len(self._prompts))],
+            clients=clients))
         self._submitted.add_done_callback(lambda f: _call_in(loop, self._refusals, f))
         client.streams.add(self)
         client.metrics.count("requests_run", len(self._prompts))

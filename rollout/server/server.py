@@ -164,7 +164,8 @@ class RolloutServer:
             results = engine.submit_each(
                 [r.request.prompt_token_ids.tolist() for r, _ in batch], [p for _, p in batch],
                 stream_tokens=[r.request.stream_tokens for r, _ in batch],
-                callbacks=[lambda item, record=r: post((record, item)) for r, _ in batch])
+                callbacks=[lambda item, record=r: post((record, item)) for r, _ in batch],
+                clients=[r.owner.hex() for r, _ in batch])  # NOTE: the engine admits its connections in turns
             for (record, _), result in zip(batch, results):
                 if not isinstance(result, Exception):
                     record.stream = result

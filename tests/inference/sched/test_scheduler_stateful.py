@@ -8,14 +8,17 @@ a block shared by a fork, served by the prefix cache, copied for a fork's partia
 a paused request or recomputed after an eviction feeds the right tokens or the sampled token is
 wrong. The expected tokens come from the same function of the request's own token list.
 
-Rules: add groups (n > 1 samples fork from their leader; shared prompt starts hit the prefix
-cache; a small pool makes requests pause, resume and get evicted), step, abort (a live request or
+Rules: add groups from three clients (n > 1 samples fork from their leader; shared prompt starts
+hit the prefix cache; a small pool makes requests pause, resume and get evicted), step, abort (a live request or
 one already answered), pause / continue the engine in every mode, suspend / resume under every
 policy, weight updates under every policy (versions and a prefix-cache reset). Invariants: every
 KV block accounted for (free + held + cached == total, ref counts == the slots holding it, a
 block held twice only as the same full block of identical tokens), the KV of every slot holds
 its tokens, every request's tokens follow from its prompt, every request in exactly one place,
-and every request answered once with a finish reason its tokens bear out.
+and every request answered once with a finish reason its tokens bear out. Admission is fair: the
+waiting queue's lanes hold only their own client's requests that never had a slot, its sample counts
+match the live requests, and while a client's first waiting request could start (no prefix-cache
+wait for it), no other client gets more than one new group admitted before it.
 """
 
 from __future__ import annotations
@@ -43,8 +46,10 @@ MAX_LEN = 32  # tokens per request (8 blocks)
 _MOD = 1_000_003
 # prompt starts that collide across requests (0, 1 and 2 full blocks), so the prefix cache serves them
 PREFIXES = [[], [5, 6, 7, 8], [5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22]]
+CLIENTS = ["", "a", "b"]  # "": the shared lane of callers without a name
 GROUPS = st.tuples(st.sampled_from(PREFIXES), st.lists(st.integers(3, VOCAB - 1), max_size=9),
-                   st.sampled_from([1, 1, 2, 4]), st.integers(1, 14), st.booleans(), st.booleans())
+                   st.sampled_from([1, 1, 2, 4]), st.integers(1, 14), st.booleans(), st.booleans(),
+                   st.sampled_from(CLIENTS))
 RARELY = st.integers(0, 3)  # an engine-wide rule (pause, suspend, weight update) acts only when this draws 0
 
 
@@ -118,25 +123,75 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.answered: dict[int, object] = {}  # request id -> its output
         self.streamed: dict[int, list] = {}  # request id -> its token events so far
         self.may_abort: set[int] = set()  # aborted by a rule, or live when the engine aborted all
+        self.client_of: dict[int, str] = {}  # request id -> the client that added it
+        self.slotted_groups: set[int] = set()  # groups a sample of which has held a slot
+        # per client: (its first waiting request that could start, the new groups of each other
+        # client admitted while it waited through whole steps)
+        self.overtaken: dict[str, tuple[int, Counter]] = {}
 
     # ---- rules -------------------------------------------------------------------------------
 
     @rule(groups=st.lists(GROUPS, min_size=1, max_size=3))
     def add(self, groups) -> None:
-        for prefix, tail, n, max_tokens, ignore_eos, stream in groups:
+        for prefix, tail, n, max_tokens, ignore_eos, stream, client in groups:
             params = SamplingParams(n=n, temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
             try:
                 prompt, params = self.core.check_request(prefix + tail or [4], params)
             except ContextOverflowError as exc:  # too long for ever, or suspended for now
                 assert exc.is_transient == (self.core.state is EngineState.SUSPENDED)
                 continue
-            for rid in self.core.add_checked(prompt, params, stream_tokens=stream):
+            for rid in self.core.add_checked(prompt, params, stream_tokens=stream, client=client):
                 self.expected[rid] = (prompt, params, stream)
+                self.client_of[rid] = client
 
     @rule(times=st.integers(1, 12))
     def step(self, times: int) -> None:
         for _ in range(times):
+            heads = self._startable_heads()
+            answered = len(self.outputs)
             self.core.step()
+            self._check_turns(heads, self._groups_admitted(self.outputs[answered:]))
+
+    def _startable_heads(self) -> dict[str, int]:
+        """Per client, the first request of its lane if nothing but room can keep it waiting (no
+        wait for a prefill of its prompt start, which the scheduler may let pass its turn)."""
+        ctx, waiting = self.core.context, self.core.scheduler.waiting
+        heads = {}
+        for client in CLIENTS:
+            lane = waiting.lane(client)
+            if lane and (not ctx.uses_prefix_cache(lane[0]) or not ctx.matchable_hashes(lane[0])):
+                heads[client] = lane[0].request_id
+        return heads
+
+    def _groups_admitted(self, outputs: list) -> Counter:
+        """Per client, the groups that got their first slot in the step just run (some may have
+        finished in it already: `outputs`, what it answered)."""
+        ctx = self.core.context
+        now = {(r.group_id, r.client) for r in (ctx.requests[s] for s in ctx.active + ctx.paused)}
+        now |= {(o.group_id, self.client_of[o.request_id]) for o in outputs}
+        new = {(g, c) for g, c in now if g not in self.slotted_groups}
+        self.slotted_groups |= {g for g, _ in new}
+        return Counter(c for _, c in new)
+
+    def _check_turns(self, heads: dict[str, int], admitted: Counter) -> None:
+        """Round robin: a startable first request that waited through a whole step was overtaken by
+        at most one new group of each other client since it became first."""
+        if self.core.state is not EngineState.RUNNING:
+            self.overtaken.clear()  # NOTE: pause / suspend rules run between steps; start afresh
+            return
+        waiting = self.core.scheduler.waiting
+        for client, rid in heads.items():
+            lane = waiting.lane(client)
+            if not lane or lane[0].request_id != rid:  # admitted (or aborted) in this step
+                self.overtaken.pop(client, None)
+                continue
+            if self.overtaken.get(client, (None,))[0] != rid:
+                self.overtaken[client] = (rid, Counter())
+            counts = self.overtaken[client][1]
+            counts.update({c: k for c, k in admitted.items() if c != client})
+            assert max(counts.values(), default=0) <= 1, f"client {client!r} overtaken: {dict(counts)}"
+        for client in set(self.overtaken) - set(heads):
+            del self.overtaken[client]
 
     @precondition(lambda self: self.expected)
     @rule(data=st.data(), rarely=st.integers(0, 1))
@@ -255,6 +310,17 @@ class SchedulerMachine(RuleBasedStateMachine):
             prompt, params, _ = self.expected[req.request_id]
             assert req.prompt_token_ids == prompt and follows(req.all_token_ids, len(prompt))
             assert len(req.generated_token_ids) < params.max_tokens
+
+    @invariant()
+    def waiting_is_by_client_and_counted(self) -> None:
+        sched = self.core.scheduler
+        lanes = sched.waiting.lane_lengths()
+        assert all(lanes.values()) and len(sched.waiting) == len(sched.waiting.returning) + sum(lanes.values())
+        for client in lanes:
+            assert all(r.client == client and not r.admitted for r in sched.waiting.lane(client))
+        assert all(self.client_of[r.request_id] == r.client for r in sched.live.values())
+        waiting = Counter(r.client for r in sched.live.values() if r.status is RequestStatus.WAITING)
+        assert sched.waiting_samples() == dict(waiting) and sched.num_waiting_samples == sum(waiting.values())
 
     @invariant()
     def every_request_is_answered_once_and_right(self) -> None:
