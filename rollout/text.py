@@ -11,12 +11,17 @@ The engine is token-in, token-out; text lives here, outside it. Three rules keep
   template adds after them (the closing of the assistant message, the new messages, the
   generation prompt). Re-tokenizing the whole history would turn sampled ids into different ids
   whenever the text they spell tokenizes another way (" hel" + "lo" -> " hello").
+
+A codec may carry a token limit (`max_tokens`, an HTTP front's context length): text that cannot
+tokenize to that few tokens is refused before the tokenizer sees it (`PromptTooLongError`), so a
+4 MB prompt costs a length check, not seconds of tokenizing and hundreds of MB never returned.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -28,12 +33,17 @@ class ChatTemplateError(ValueError):
     """The messages cannot be rendered (no template, a bad role, a template error)."""
 
 
+class PromptTooLongError(ValueError):
+    """A text too long to be a prompt of this codec's `max_tokens`, seen before tokenizing it."""
+
+
 class TextCodec:
     """Encode, decode and render chat for one model. Thread-safe for reads (HF fast tokenizers)."""
 
-    def __init__(self, tokenizer: Any, name: str = "") -> None:
+    def __init__(self, tokenizer: Any, name: str = "", max_tokens: Optional[int] = None) -> None:
         self.tokenizer = tokenizer
         self.name = name
+        self.max_tokens = max_tokens
         eos = tokenizer.eos_token_id
         self.eos_token_ids = frozenset([] if eos is None else [int(eos)])
         self.eos_text = tokenizer.eos_token or ""
@@ -58,7 +68,23 @@ class TextCodec:
 
     # ---- text ----------------------------------------------------------------------------------
 
+    @cached_property
+    def longest_token_chars(self) -> int:
+        """The most characters of text one token can stand for: a vocabulary entry's length (a
+        byte-level entry spells one byte per character, a text character is at least one byte;
+        a sentencepiece entry spells its text, byte-fallback entries spell more than their byte)."""
+        return max((len(entry) for entry in self.tokenizer.get_vocab()), default=1)
+
+    def check_length(self, text: str) -> None:
+        """Refuse text that cannot fit `max_tokens` tokens, without tokenizing it. NOTE: twice the
+        bound, for a normalizer that drops characters before the tokens are cut."""
+        if self.max_tokens is not None and len(text) > 2 * self.max_tokens * self.longest_token_chars:
+            raise PromptTooLongError(f"a prompt of {len(text):,} characters is longer than the model's context of "
+                                     f"{self.max_tokens} tokens can hold (no token here spells more than "
+                                     f"{self.longest_token_chars} characters)")
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        self.check_length(text)
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:

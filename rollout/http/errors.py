@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inference.errors import ContextOverflowError, EngineStateError, OverloadedError
 from rollout.http.schemas import LONE_SURROGATE
+from rollout.text import PromptTooLongError
 from rollout.wire.codec import ProtocolError
 from rollout.wire.kinds import ErrorCode
 
@@ -105,6 +106,8 @@ def from_exception(exc: BaseException) -> APIError:
         return unavailable(str(exc))
     if isinstance(exc, TimeoutError):
         return APIError(504, f"the engine did not answer in time: {exc}", type="server_error", code="timeout")
+    if isinstance(exc, PromptTooLongError):
+        return APIError(400, str(exc), param="prompt", code="context_length_exceeded")
     if isinstance(exc, (ValueError, TypeError)):
         return APIError(400, str(exc))
     return APIError(500, f"{type(exc).__name__}: {exc}", type="server_error")

@@ -17,11 +17,11 @@ from typing import Optional
 
 from inference import SamplingParams
 from rollout.http.clients import FrontClient
-from rollout.http.errors import APIError
+from rollout.http.errors import APIError, from_exception
 from rollout.http.generation import Generation, GenSpec
 from rollout.http.sessions import SessionStore
 from rollout.http.weights import WeightCalls
-from rollout.text import TextCodec
+from rollout.text import PromptTooLongError, TextCodec
 
 
 @dataclass(slots=True)
@@ -51,6 +51,8 @@ class HttpFront:
 
     def __init__(self, client: FrontClient, codec: TextCodec, config: FrontConfig) -> None:
         self.client, self.codec, self.config = client, codec, config
+        if codec.max_tokens is None:  # NOTE: text past the context is refused before tokenizing (rollout.text)
+            codec.max_tokens = config.max_model_len
         self.sessions = SessionStore(config.max_sessions, config.session_ttl_s)
         self.weights = WeightCalls(client, config.timeout)
         self.inflight: dict[str, Generation] = {}
@@ -105,11 +107,17 @@ class HttpFront:
         return Generation(self, spec)
 
     async def encode(self, text: str) -> list[int]:
-        return await asyncio.to_thread(self.codec.encode, text)
+        try:
+            return await asyncio.to_thread(self.codec.encode, text)
+        except PromptTooLongError as exc:
+            raise from_exception(exc) from None
 
     async def chat_prompt(self, session_id: Optional[str], messages: list[dict], tools: Optional[list[dict]]
                           ) -> tuple[list[int], bool]:
-        return await asyncio.to_thread(self.sessions.prompt_ids, self.codec, session_id, messages, tools)
+        try:
+            return await asyncio.to_thread(self.sessions.prompt_ids, self.codec, session_id, messages, tools)
+        except PromptTooLongError as exc:
+            raise from_exception(exc) from None
 
     def token_text(self, token_id: int, as_ids: bool) -> str:
         return f"token_id:{token_id}" if as_ids else self.codec.token_texts([token_id])[0]

@@ -7,7 +7,7 @@ import pytest
 
 from inference import SamplingParams
 from rollout.http.sessions import Reply, SessionStore
-from rollout.text import ChatTemplateError, TextCodec, is_chat, token_prompts
+from rollout.text import ChatTemplateError, PromptTooLongError, TextCodec, is_chat, token_prompts
 from tests.rollout.http_util import engine_config, save_tiny_chat_model, smollm2_tokenizer_dir
 
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Weather in Paris?"}]
@@ -89,3 +89,34 @@ def test_engine_takes_text_and_chat_prompts(tmp_path, codec, one_torch_thread):
                       key=lambda r: r.sample_index)
     assert streamed[0].text == by_text[0].text
     engine.close()
+
+
+def test_text_past_the_context_is_refused_before_the_tokenizer_sees_it(codec):
+    bounded = TextCodec(CountingTokenizer(codec.tokenizer), max_tokens=512)
+    fits = "The sky is blue. " * 100  # ~500 tokens: under any bound that is right
+    assert bounded.encode(fits) == codec.encode(fits) and bounded.tokenizer.calls == 1
+    with pytest.raises(PromptTooLongError, match="longer than the model's context of 512 tokens"):
+        bounded.encode("a " * 2_000_000)
+    with pytest.raises(PromptTooLongError):
+        bounded.chat_ids([{"role": "user", "content": "b" * 2_000_000}])
+    assert bounded.tokenizer.calls == 1  # neither reached the tokenizer
+    too_long = "x" * (2 * 512 * bounded.longest_token_chars + 1)
+    assert len(codec.encode(too_long)) > 512  # the bound never refuses what would fit
+    assert TextCodec(codec.tokenizer).encode("a " * 100_000)  # no bound: the tokenizer decides
+
+
+class CountingTokenizer:
+    """The real tokenizer, counting how often it is asked to tokenize."""
+
+    def __init__(self, tokenizer) -> None:
+        self.inner, self.calls = tokenizer, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.inner(*args, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
