@@ -68,6 +68,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--max-batch-tokens", type=int, default=2048)
     eng.add_argument("--max-seq-len", type=int, default=4096)
     eng.add_argument("--threads", type=int, help="torch threads (default: torch's; 1 for tiny models)")
+    eng.add_argument("--max-waiting-samples", type=int, default=65_536,
+                     help="samples waiting for a slot, all clients together; past it a call is OVERLOADED (HTTP 429)")
+    eng.add_argument("--max-samples-per-request", type=int,
+                     help="prompts x n of one call (default 32,768, or --max-waiting-samples if less)")
     sync = parser.add_argument_group("weight sync (weight_sync; the calls: rollout.client.weights)")
     sync.add_argument("--weight-staging", choices=["double", "in_place"], default="double",
                       help="weight updates: double (old weights serve until the commit; a second copy kept for "
@@ -145,7 +149,8 @@ def build_server(args: argparse.Namespace):
         torch.set_num_threads(args.threads)
     config = InferenceConfig(block_size=args.block_size, num_blocks=args.num_blocks, max_requests=args.max_requests,
                              max_batch_tokens=args.max_batch_tokens, max_sequence_length=args.max_seq_len,
-                             dtype=args.dtype, device=args.device)
+                             dtype=args.dtype, device=args.device, max_waiting_samples=args.max_waiting_samples,
+                             max_samples_per_request=args.max_samples_per_request)
     engine = DynamicInferenceEngine.from_pretrained(model_path(args.model, args.dtype), config)
     engine.command_timeout = 120.0
     server_config = ServerConfig(host=args.host, port=args.port, lease_s=args.lease_s, max_lease_s=args.max_lease_s,

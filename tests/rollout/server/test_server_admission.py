@@ -101,3 +101,21 @@ def test_each_in_process_call_is_a_client_of_its_own(served):
 
     waiting, huge, small = asyncio.run(body())
     assert sorted(waiting.values()) == [1, A_PROMPTS * A_N] and (huge, small) == (A_PROMPTS * A_N, 1)
+
+
+def test_the_serve_flags_set_the_admission_bounds(tmp_path):
+    import argparse
+
+    from rollout.server.serve import add_serve_arguments, build_server
+    from tests.rollout.service_util import save_tiny_model
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(["--model", str(save_tiny_model(tmp_path / "m")), "--port", "0", "--threads", "1",
+                              "--num-blocks", "64", "--max-waiting-samples", "100", "--max-samples-per-request", "40"])
+    server = build_server(args)
+    try:
+        stats = server.engine.stats()
+        assert (stats["max_waiting_samples"], stats["max_samples_per_request"]) == (100, 40)
+    finally:
+        server.close()
