@@ -5,7 +5,6 @@ invalid / overloaded, the engine serving on), and `stats()` shows the bounds and
 from __future__ import annotations
 
 import pytest
-import torch
 
 from inference import DynamicInferenceEngine, InferenceConfig, OverloadedError, RequestOutput, SamplingParams
 from tests.inference.engine.conftest import hf_greedy, tiny_llama
@@ -21,12 +20,7 @@ def engine_of(model=None, **bounds) -> DynamicInferenceEngine:
                         **bounds))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def greedy(max_tokens: int, n: int = 1) -> SamplingParams:
