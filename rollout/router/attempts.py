@@ -119,7 +119,8 @@ def attempt_request(record: Record, attempt_id: str, count: int) -> Generate:
     if sampling.n != count:
         sampling = msgspec.structs.replace(sampling, n=count)
     return Generate(request_id=attempt_id, prompt_token_ids=msg.prompt_token_ids, sampling=sampling,
-                    stream_tokens=msg.stream_tokens, session_id=msg.session_id, group_id=msg.group_id)
+                    stream_tokens=msg.stream_tokens, session_id=msg.session_id, group_id=msg.group_id,
+                    client=record.admission_client)
 
 
 def aborted_sample(record: Record, index: int) -> SampleOutput:

@@ -165,7 +165,7 @@ class RolloutServer:
                 [r.request.prompt_token_ids.tolist() for r, _ in batch], [p for _, p in batch],
                 stream_tokens=[r.request.stream_tokens for r, _ in batch],
                 callbacks=[lambda item, record=r: post((record, item)) for r, _ in batch],
-                clients=[r.owner.hex() for r, _ in batch])  # NOTE: the engine admits its connections in turns
+                clients=[r.admission_client for r, _ in batch])  # NOTE: the engine admits them in turns
             for (record, _), result in zip(batch, results):
                 if not isinstance(result, Exception):
                     record.stream = result

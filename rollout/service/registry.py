@@ -38,6 +38,15 @@ class Record:
     finished_at: Optional[float] = None
 
     @property
+    def admission_client(self) -> str:
+        """Whom the request is for, as an engine's admission takes turns: its sender's connection,
+        and within it the client that sender named (a router forwarding for its own clients).
+        NOTE: a name only splits its own connection's turn; a direct client gains nothing by it
+        that a second connection would not give it."""
+        named = self.request.client
+        return self.owner.hex() if not named else f"{self.owner.hex()}/{named}"
+
+    @property
     def done(self) -> bool:
         return len(self.frames) == self.n
 

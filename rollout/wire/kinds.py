@@ -12,7 +12,7 @@ import enum
 PROTOCOL_VERSION = 5  # 2: UpdateWeights.policy; 3: KvEvents, Result.kv_events; weight sync (group kinds,
 # distributed / shared-memory sources); 4: an update's version lives in its source alone (UpdateWeights
 # has no target_version; the disk source says the version of a plain checkpoint); IsSleeping, Result.sleeping;
-# 5: ErrorCode.OVERLOADED
+# 5: ErrorCode.OVERLOADED, Generate.client (whom a router forwards for: fair admission behind it)
 MAX_REQUEST_ID_LENGTH = 256
 MAX_SAMPLES = 1024  # n per Generate
 MAX_STOP_TOKENS = 1024

@@ -118,13 +118,16 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class Generate(_Request, tag=Kind.GENERATE.value):
-    """Sample `sampling.n` completions of one prompt; `session_id` / `group_id` are routing hints."""
+    """Sample `sampling.n` completions of one prompt; `session_id` / `group_id` are routing hints.
+    `client`: whom a forwarder (a router) sends it for; a server admits its connections in turns
+    and, within one connection, the clients it names (so a router's clients take turns too)."""
 
     prompt_token_ids: np.ndarray  # packed int32, at least one token, ids >= 0
     sampling: Sampling = msgspec.field(default_factory=Sampling)
     stream_tokens: bool = False
     session_id: Optional[Hint] = None
     group_id: Optional[Hint] = None
+    client: Optional[Hint] = None
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = as_int32("prompt_token_ids", self.prompt_token_ids)

@@ -46,7 +46,7 @@ def messages() -> dict[str, tuple[msgspec.Struct, list[str]]]:
     out: dict[str, tuple[msgspec.Struct, list[str]]] = {
         "generate_minimal": (p.Generate(request_id="r1", prompt_token_ids=ids), ["request_id", "prompt_token_ids"]),
         "generate_full": (p.Generate(request_id="s-r2", prompt_token_ids=ids, sampling=full_sampling,
-                                     stream_tokens=True, session_id="sess", group_id="grp"), []),
+                                     stream_tokens=True, session_id="sess", group_id="grp", client="c0ffee"), []),
         "abort": (p.Abort(request_id="a1", targets=["r1", "r2"]), ["request_id", "targets"]),
         "continue": (p.Continue(request_id="c1"), ["request_id"]),
         "suspend_minimal": (p.Suspend(request_id="c2"), ["request_id"]),
