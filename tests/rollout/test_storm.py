@@ -262,16 +262,18 @@ def test_storm_against_server_and_router(stack, one_torch_thread):
         assert grown <= 1.10
 
 
-def test_small_requests_keep_moving_during_a_32768_sample_request(stack, one_torch_thread):
-    server = stack["server"]
+@pytest.mark.parametrize("path", ["server", "router"])
+def test_small_requests_keep_moving_during_a_32768_sample_request(stack, path, one_torch_thread):
+    server, address = stack["server"], stack[path].address
     big_prompts = random_prompts(BIG_PROMPTS, 4, 8, seed=9)
     small = random_prompts(40, 2, 2, seed=10)
     from inference import SamplingParams
 
-    with RolloutClient(server.address, timeout=10 * WAIT_S) as big, RolloutClient(server.address, timeout=WAIT_S) as c:
+    with RolloutClient(address, timeout=10 * WAIT_S) as big, RolloutClient(address, timeout=WAIT_S) as c, \
+            RolloutClient(server.address, timeout=WAIT_S) as direct:
         handle = big.stream(big_prompts, BIG_N, SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True))
         deadline = time.monotonic() + WAIT_S  # the big request is running before the small ones arrive
-        while engine_busy(c.stats()) < BIG_N and time.monotonic() < deadline:
+        while engine_busy(direct.stats()) < BIG_N and time.monotonic() < deadline:
             time.sleep(0.05)
         latencies = []
         for prompt in small:
@@ -279,13 +281,13 @@ def test_small_requests_keep_moving_during_a_32768_sample_request(stack, one_tor
             (rollout,) = c.generate([prompt], 1, greedy(2))
             latencies.append(time.perf_counter() - start)
             assert len(rollout.completion_ids) == 2
-        still_busy = engine_busy(c.stats())
+        still_busy = engine_busy(direct.stats())
         batch = handle.result(10 * WAIT_S)
     seen = Counter((r.group, r.sample_index) for r in batch)
     assert len(seen) == BIG_PROMPTS * BIG_N and set(seen.values()) == {1}  # every sample, once
     latencies.sort()
     p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
-    print(f"\nsmall requests during {BIG_PROMPTS * BIG_N} samples: p50 {latencies[len(latencies) // 2]:.3f} s, "
+    print(f"\n{path}: small requests during {BIG_PROMPTS * BIG_N} samples: p50 {latencies[len(latencies) // 2]:.3f} s, "
           f"p99 {p99:.3f} s")
     assert p99 < 2.0
     assert still_busy > 0, "the big request was over before the small ones were done: not a test of fairness"
