@@ -52,7 +52,7 @@ from pathlib import Path
 RESULT_PREFIX, READY_LINE = "RESULT ", "READY"
 PROMPT_LEN, MAX_TOKENS, WIDE, VOCAB = 16, 16, 64, 384
 SERVER_ARGS = ("--threads", "1", "--block-size", "16", "--num-blocks", "2048", "--max-requests", "128",
-               "--max-batch-tokens", "2048", "--max-seq-len", "256", "--lease-s", "600")
+               "--max-batch-tokens", "2048", "--max-seq-len", "256")
 PATHS = ("server", "router")
 BLOCKS = tuple((path, inflight) for inflight in (1, WIDE) for path in PATHS)
 
@@ -162,7 +162,7 @@ def driver(args: argparse.Namespace) -> int:
     if not (args.model_dir / "config.json").is_file():
         save_model(args.model_dir, args.seed)
     with ServerProcess(args.model_dir, *SERVER_ARGS) as server, \
-            RouterProcess("--replicas", server.address, "--lease-s", "600") as router:
+            RouterProcess("--replicas", server.address) as router:
         asyncio.run(serve_blocks({"server": server.address, "router": router.address}, args))
     return 0
 

@@ -61,7 +61,7 @@ def engine_config(budget: Budget) -> InferenceConfig:
 def server_args(budget: Budget, threads: int) -> list[str]:
     return ["--threads", str(threads), "--block-size", str(BLOCK_SIZE), "--num-blocks",
             str(budget.kv_tokens // BLOCK_SIZE), "--max-requests", str(budget.max_requests),
-            "--max-batch-tokens", str(budget.step_tokens), "--max-seq-len", "4096", "--lease-s", "600"]
+            "--max-batch-tokens", str(budget.step_tokens), "--max-seq-len", "4096"]
 
 
 def samples(work: Workload) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -189,8 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.router:
                 second = routers.enter_context(ServerProcess(model_dir, *server_args(budget, args.threads)))
                 for label, replicas in (("router x1", [server]), ("router x2", [server, second])):
-                    proc = routers.enter_context(RouterProcess("--replicas", ",".join(r.address for r in replicas),
-                                                               "--lease-s", "600"))
+                    proc = routers.enter_context(RouterProcess("--replicas", ",".join(r.address for r in replicas)))
                     rc = routers.enter_context(RolloutClient(proc.address, timeout=3600, lease_s=600))
                     wait_replicas(rc, len(replicas))
                     warm(lambda p, sp, rc=rc: rc.generate(p, 1, sp))
