@@ -20,6 +20,7 @@ from rollout.http.clients import FrontClient
 from rollout.http.errors import APIError, from_exception
 from rollout.http.generation import Generation, GenSpec
 from rollout.http.sessions import SessionStore
+from rollout.http.tools import TOOL_PARSERS, ToolParser
 from rollout.http.weights import WeightCalls
 from rollout.text import PromptTooLongError, TextCodec
 
@@ -27,7 +28,8 @@ from rollout.text import PromptTooLongError, TextCodec
 @dataclass(slots=True)
 class FrontConfig:
     """`model_name`: the name clients must send as `model`; `max_model_len`: the longest prompt +
-    completion the engine takes; `timeout`: the bound of every engine call, in seconds."""
+    completion the engine takes; `timeout`: the bound of every engine call, in seconds;
+    `tool_parser`: how chat replies are parsed for tool calls (`rollout.http.tools`)."""
 
     model_name: str
     max_model_len: int
@@ -36,8 +38,14 @@ class FrontConfig:
     max_sessions: int = 4096
     session_ttl_s: float = 3600.0
     api_key: Optional[str] = None
+    tool_parser: ToolParser = ToolParser.NONE
 
     def __post_init__(self) -> None:
+        if not isinstance(self.tool_parser, ToolParser):
+            if self.tool_parser not in TOOL_PARSERS:
+                raise ValueError(f"FrontConfig.tool_parser must be one of {', '.join(TOOL_PARSERS)}, "
+                                 f"got {self.tool_parser!r}")
+            self.tool_parser = ToolParser(self.tool_parser)
         if not self.model_name:
             raise ValueError("FrontConfig.model_name must not be empty")
         if self.max_model_len < 2:

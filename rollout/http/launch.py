@@ -45,14 +45,15 @@ def serve_front(client: FrontClient, model_dir: Path, *, host: str = "127.0.0.1"
                 served_model_name: Optional[str] = None, max_model_len: Optional[int] = None,
                 api_key: Optional[str] = None, timeout: float = 600.0, tokenizer: Any = None,
                 limits: Optional[ConnectionLimits] = None, allowed_hosts: Iterable[str] = (),
-                on_stop: Optional[Callable[[], None]] = None) -> RunningFront:
+                on_stop: Optional[Callable[[], None]] = None, tool_call_parser: str = "none") -> RunningFront:
     """Serve HTTP on `host:port` over `client`; `on_stop` runs after the server stops (and if it
-    fails to start). `limits`, `allowed_hosts`: see `rollout.http.app.HttpServer`."""
+    fails to start). `limits`, `allowed_hosts`: see `rollout.http.app.HttpServer`;
+    `tool_call_parser`: see `rollout.http.tools`."""
     try:
         codec = TextCodec.load(tokenizer if tokenizer is not None else model_dir)
         config = FrontConfig(model_name=served_model_name or Path(model_dir).name,
                              max_model_len=max_model_len or model_context(model_dir), model_path=str(model_dir),
-                             timeout=timeout, api_key=api_key)
+                             timeout=timeout, api_key=api_key, tool_parser=tool_call_parser)
         front = HttpFront(client, codec, config)
         server = HttpServer(build_app(front), host, port, api_key=api_key, limits=limits,
                             allowed_hosts=allowed_hosts).start()
@@ -67,9 +68,10 @@ def start_front(address: str, model_dir: Path, *, host: str = "127.0.0.1", port:
                 served_model_name: Optional[str] = None, max_model_len: Optional[int] = None,
                 api_key: Optional[str] = None, token: Optional[str] = None, timeout: float = 600.0,
                 tokenizer: Any = None, limits: Optional[ConnectionLimits] = None,
-                allowed_hosts: Iterable[str] = ()) -> RunningFront:
+                allowed_hosts: Iterable[str] = (), tool_call_parser: str = "none") -> RunningFront:
     """Serve HTTP on `host:port` in front of the rollout service at `address` (a server or router)."""
     client = ServiceClient(address, timeout=timeout, security=ClientSecurity(token=token) if token else None)
     return serve_front(client, model_dir, host=host, port=port, served_model_name=served_model_name,
                        max_model_len=max_model_len, api_key=api_key, timeout=timeout, tokenizer=tokenizer,
-                       limits=limits, allowed_hosts=allowed_hosts, on_stop=client.connection.close)
+                       limits=limits, allowed_hosts=allowed_hosts, on_stop=client.connection.close,
+                       tool_call_parser=tool_call_parser)

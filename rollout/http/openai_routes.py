@@ -25,6 +25,7 @@ from rollout.http.front import HttpFront, top_entries
 from rollout.http.generation import Delta, Generation, GenSpec, Sample
 from rollout.http.schemas import ChatCompletionRequest, CompletionRequest
 from rollout.http.sessions import Reply
+from rollout.http.tools import ToolChoiceError, ToolParser, check_tool_choice, parse_reply, tool_stream
 
 router = APIRouter()
 SESSION_HEADER = "X-Session-ID"
@@ -140,6 +141,10 @@ def _completion_logprobs(front: HttpFront, body: CompletionRequest, s: Sample, s
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     front = front_of(request)
     front.check_model(body.model)
+    try:
+        parser = front.config.tool_parser if check_tool_choice(body.tool_choice, body.tools) else ToolParser.NONE
+    except ToolChoiceError as exc:
+        raise APIError(400, str(exc), param="tool_choice") from None
     session_id = body.session_id or request.headers.get(SESSION_HEADER) or None
     messages = [m.as_template_dict() for m in body.messages]
     prompt, _ = await front.chat_prompt(session_id, messages, body.tools)
@@ -157,14 +162,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                                   [Reply(s.text, list(s.ids)) for s in gen.samples])
 
     if body.stream:
-        return _stream(gen, _chat_chunks(front, body, gen, rid, remember), headers)
+        return _stream(gen, _chat_chunks(front, body, gen, rid, remember, parser), headers)
     samples = await unless_disconnected(request, gen.run())
     remember()
     choices = []
     for i, s in enumerate(samples):
-        choice = {"index": i, "message": {"role": "assistant", "content": s.text},
-                  "logprobs": _chat_logprobs(front, body, s, 0, s.ids), "finish_reason": s.finish_reason,
-                  "stop_reason": _stop_reason(s)}
+        content, calls = parse_reply(parser, s.text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.as_dict() for c in calls]
+        choice = {"index": i, "message": message, "logprobs": _chat_logprobs(front, body, s, 0, s.ids),
+                  "finish_reason": "tool_calls" if calls else s.finish_reason, "stop_reason": _stop_reason(s)}
         if body.return_token_ids is not False:
             choice["token_ids"] = s.ids
             choice["prompt_token_ids"] = prompt
@@ -177,13 +185,24 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
 
 async def _chat_chunks(front: HttpFront, body: ChatCompletionRequest, gen: Generation, rid: str,
-                       done: Any) -> AsyncIterator[bytes]:
+                       done: Any, parser: ToolParser = ToolParser.NONE) -> AsyncIterator[bytes]:
     created, first = int(time.time()), set()
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model}
+    tools = {_index(gen, s): tool_stream(parser) for s in gen.samples}
     async for d in gen.deltas():
         s = d.sample
         index = _index(gen, s)
         delta: dict[str, Any] = {"content": d.text}
+        finish_reason = d.finish_reason
+        calls = tools[index]
+        if calls is not None:  # NOTE: text that may be a call is held back, a call sent whole (rollout.http.tools)
+            out = calls.feed(d.text)
+            if d.finish_reason is not None:
+                out += calls.finish()
+                finish_reason = "tool_calls" if calls.calls else finish_reason
+            delta["content"] = out.content
+            if out.calls:
+                delta["tool_calls"] = [call.as_delta(i) for i, call in out.calls]
         chunk = dict(head)
         if index not in first:
             first.add(index)
@@ -191,7 +210,7 @@ async def _chat_chunks(front: HttpFront, body: ChatCompletionRequest, gen: Gener
             if body.return_token_ids is not False:
                 chunk["prompt_token_ids"] = gen.spec.prompts[0]
         choice = {"index": index, "delta": delta, "logprobs": _chat_logprobs(front, body, s, d.start, d.ids),
-                  "finish_reason": d.finish_reason}
+                  "finish_reason": finish_reason}
         if body.return_token_ids is not False:
             choice["token_ids"] = d.ids
         chunk["choices"] = [choice]

@@ -143,7 +143,7 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]] = None
     tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[Union[Literal["none", "auto"], dict[str, Any]]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], dict[str, Any]]] = None  # rollout.http.tools
     parallel_tool_calls: Optional[bool] = None
     response_format: Optional[dict[str, Literal["text"]]] = None
 

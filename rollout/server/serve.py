@@ -111,6 +111,11 @@ def add_http_limit_arguments(parser) -> None:
                         help="refuse (413) a request body larger than this")
     parser.add_argument("--http-max-connections", type=int,
                         help="answer 503 to connections past this many (default: 1024, or half the fd limit)")
+    from rollout.http.tools import TOOL_PARSERS
+
+    parser.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default="none",
+                        help="parse chat replies into `tool_calls` (rollout.http.tools): hermes (Qwen2.5, Hermes), "
+                        "llama3_json (Llama 3.x); none: tools reach the template, replies stay text")
 
 
 def http_limits_from_args(args: argparse.Namespace):
@@ -194,7 +199,7 @@ def serve_main(args: argparse.Namespace, on_ready=None) -> int:
                                 port=args.http, served_model_name=args.served_model_name or Path(args.model).name,
                                 max_model_len=args.max_seq_len, api_key=args.api_key, timeout=600.0,
                                 limits=http_limits_from_args(args), allowed_hosts=args.allowed_host,
-                                on_stop=client.shutdown)
+                                on_stop=client.shutdown, tool_call_parser=args.tool_call_parser)
         except (OSError, ValueError) as exc:
             print(f"rollout serve: HTTP front: {exc}", file=sys.stderr, flush=True)
             server.close()
@@ -225,7 +230,7 @@ def http_main(args: argparse.Namespace) -> int:
                             served_model_name=args.served_model_name or Path(args.model).name,
                             max_model_len=args.max_model_len, api_key=args.api_key, token=args.token,
                             timeout=args.timeout, limits=http_limits_from_args(args),
-                            allowed_hosts=args.allowed_host)
+                            allowed_hosts=args.allowed_host, tool_call_parser=args.tool_call_parser)
     except (OSError, ValueError) as exc:
         print(f"rollout http: {exc}", file=sys.stderr, flush=True)
         return 2

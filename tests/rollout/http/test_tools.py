@@ -1,0 +1,129 @@
+"""Tool-call parsers (`rollout.http.tools`) on replies as models write them, whole and streamed: a
+stream cut anywhere gives the same content and calls as the whole reply."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollout.http.tools import ToolChoiceError, ToolParser, check_tool_choice, parse_reply, tool_stream
+
+QWEN_TWO_CALLS = ('I will look both up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                  '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}\n</tool_call>')
+HERMES_CASES = [
+    # (reply, content, [(name, arguments as objects)])
+    (QWEN_TWO_CALLS, "I will look both up.\n",
+     [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "Europe/Paris"})]),
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', None,
+     [("get_weather", {"city": "Paris"})]),
+    ('<tool_call>{"name": "search", "arguments": {"q": "Zürich 東京 😀", "n": 3, "deep": {"a": [1, null]}}}'
+     '</tool_call>\nDone: that is all.', "Done: that is all.",
+     [("search", {"q": "Zürich 東京 😀", "n": 3, "deep": {"a": [1, None]}})]),
+    ('<tool_call>{"name": "noop"}</tool_call>', None, [("noop", {})]),
+    ('Calling: <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}', "Calling: ",  # cut by EOS
+     [("get_weather", {"city": "Paris"})]),
+    ("No tools needed: 2 < 3 and <tool is not a tag.", "No tools needed: 2 < 3 and <tool is not a tag.", []),
+    ("ends on a half tag <tool_ca", "ends on a half tag <tool_ca", []),
+    ('broken <tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>',
+     'broken <tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>', []),
+    ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),  # no name
+    ('<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>not json</tool_call>\n',
+     "<tool_call>not json</tool_call>\n", [("a", {})]),
+]
+LLAMA_CASES = [
+    ('{"name": "get_weather", "parameters": {"city": "Paris"}}', None, [("get_weather", {"city": "Paris"})]),
+    ('<|python_tag|>{"name": "a", "parameters": {"s": "x; y"}}; {"name": "b", "arguments": {"k": "ü"}}', None,
+     [("a", {"s": "x; y"}), ("b", {"k": "ü"})]),
+    ('  \n{"name": "get_weather", "parameters": {"city": "Paris"}}\n', None, [("get_weather", {"city": "Paris"})]),
+    ("The weather in Paris is sunny.", "The weather in Paris is sunny.", []),
+    ('{"name": "get_weather", "parameters": {"city": ', '{"name": "get_weather", "parameters": {"city": ', []),
+    ('{"not": "a call"}', '{"not": "a call"}', []),
+]
+CASES = [(ToolParser.HERMES, *c) for c in HERMES_CASES] + [(ToolParser.LLAMA3_JSON, *c) for c in LLAMA_CASES]
+
+
+def streamed(parser: ToolParser, pieces: list[str]) -> tuple[str, list[tuple[int, dict]]]:
+    stream = tool_stream(parser)
+    content, calls = "", []
+    for i, piece in enumerate(pieces):
+        out = stream.feed(piece)
+        if i == len(pieces) - 1:
+            out += stream.finish()
+        content += out.content
+        calls += [(index, call.as_delta(index)) for index, call in out.calls]
+    return content, calls
+
+
+def named(calls) -> list[tuple[str, dict]]:
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+@pytest.mark.parametrize(("parser", "reply", "content", "calls"), CASES)
+def test_whole_reply(parser, reply, content, calls):
+    got_content, got_calls = parse_reply(parser, reply)
+    assert got_content == content
+    assert named(got_calls) == calls
+    for call in got_calls:
+        assert call.id.startswith("call_") and call.as_dict()["type"] == "function"
+        assert call.as_dict()["function"]["arguments"] == call.arguments
+
+
+@pytest.mark.parametrize(("parser", "reply", "content", "calls"), CASES)
+def test_split_anywhere_matches_whole(parser, reply, content, calls):
+    """Two pieces cut at every character, and one character at a time: the same content and calls,
+    each call once, whole (index, id, type, name, arguments), in order."""
+    whole_content, whole_calls = parse_reply(parser, reply)
+    cuts = [[reply[:k], reply[k:]] for k in range(len(reply) + 1)] + [list(reply)]
+    for pieces in cuts:
+        got_content, got_calls = streamed(parser, pieces)
+        assert got_content == (whole_content or "")
+        assert [i for i, _ in got_calls] == list(range(len(whole_calls)))
+        assert [(d["function"]["name"], d["function"]["arguments"], d["type"]) for _, d in got_calls] == \
+            [(c.name, c.arguments, "function") for c in whole_calls]
+
+
+def test_held_back_until_known():
+    """A tail that could open `<tool_call>` is not shown until the text rules it out."""
+    stream = tool_stream(ToolParser.HERMES)
+    assert stream.feed("Sure <tool").content == "Sure "
+    assert stream.feed("box").content == "<toolbox"
+    assert stream.feed(" <tool_call>{\"name\": \"f\", ").content == " "
+    out = stream.feed('"arguments": {}}</tool_call>')
+    assert out.content == "" and [c.name for _, c in out.calls] == ["f"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(CASES), st.lists(st.integers(0, 400), max_size=12))
+def test_any_partition_matches_whole(case, cuts):
+    parser, reply, _, _ = case
+    points = sorted({c % (len(reply) + 1) for c in cuts})
+    pieces = [reply[a:b] for a, b in zip([0, *points], [*points, len(reply)])]
+    whole_content, whole_calls = parse_reply(parser, reply)
+    got_content, got_calls = streamed(parser, pieces)
+    assert got_content == (whole_content or "")
+    assert [d["function"]["arguments"] for _, d in got_calls] == [c.arguments for c in whole_calls]
+
+
+def test_no_parser_keeps_text():
+    assert tool_stream(ToolParser.NONE) is None
+    assert parse_reply(ToolParser.NONE, QWEN_TWO_CALLS) == (QWEN_TWO_CALLS, [])
+
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+def test_tool_choice():
+    assert check_tool_choice(None, WEATHER) and check_tool_choice("auto", WEATHER)
+    assert not check_tool_choice(None, None) and not check_tool_choice("none", WEATHER)
+    assert not check_tool_choice("required", [])  # OpenAI: nothing to call, nothing required
+    for choice, words in [("required", "constrained decoding"),
+                          ({"type": "function", "function": {"name": "get_weather"}}, "constrained decoding"),
+                          ({"type": "function", "function": {"name": "other"}}, "does not match"),
+                          ({"type": "function"}, "named tool choice")]:
+        with pytest.raises(ToolChoiceError, match=words):
+            check_tool_choice(choice, WEATHER)
+    with pytest.raises(ToolChoiceError, match="`tools` must be set"):
+        check_tool_choice("required", None)
