@@ -1,0 +1,183 @@
+"""Tool calls end to end: a real `rollout serve --http --tool-call-parser hermes` process driven by
+the official `openai` client.
+
+The tiny Llama (SmolLM2's tokenizer) gets a Qwen2.5-style chat template (tools in the system
+prompt, `<tool_call>` blocks, `tool` messages as `<tool_response>`), and is trained here for a few
+hundred steps (CPU, fixed seed) to answer the weather question with one known call, then EOS:
+greedy decoding reproduces it, so nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import openai
+import pytest
+
+from rollout.text import TextCodec
+from tests.rollout.http_util import HTTP_SERVER_ARGS, MODEL, WAIT_S, save_tiny_chat_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TRAIN_STEPS = 300
+
+QWEN_STYLE_TEMPLATE = r"""
+{%- if tools %}
+{{- '<|im_start|>system\n' }}
+{%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
+{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' }}
+{{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
+{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
+{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within ' }}
+{{- '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}' }}
+{{- '\n</tool_call><|im_end|>\n' }}
+{%- elif messages[0].role == 'system' %}
+{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' and loop.first %}
+{%- elif message.role in ['user', 'system'] or (message.role == 'assistant' and not message.tool_calls) %}
+{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+{%- elif message.role == 'assistant' %}
+{{- '<|im_start|>assistant\n' }}
+{%- if message.content %}{{- message.content + '\n' }}{%- endif %}
+{%- for tool_call in message.tool_calls %}
+{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
+{%- if not loop.first %}{{- '\n' }}{%- endif %}
+{{- '<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' }}
+{%- if tool_call.arguments is string %}{{- tool_call.arguments }}
+{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}
+{{- '}\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\n' }}
+{%- elif message.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+""".strip()
+
+
+def write_template(directory: Path) -> None:
+    (directory / "chat_template.jinja").write_text(QWEN_STYLE_TEMPLATE)
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("chat_template", None)  # NOTE: chat_template.jinja is the one template
+    config_path.write_text(json.dumps(config, indent=2))
+
+
+def train_to_call(directory: Path, steps: int = TRAIN_STEPS) -> None:
+    """Teach the model to answer QUESTION (with TOOLS) by CALL then EOS; loss on those tokens only,
+    logits only where the loss is (the 49,152-way head is the cost)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    codec = TextCodec.load(directory)
+    prompt = codec.chat_ids(QUESTION, tools=TOOLS)
+    target = codec.encode(CALL, add_special_tokens=False) + sorted(codec.eos_token_ids)
+    ids = torch.tensor([prompt + target[:-1]])
+    labels = torch.tensor(target)
+    where = slice(len(prompt) - 1, None)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM.from_pretrained(directory, torch_dtype=torch.float32)
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        hidden = model.model(input_ids=ids).last_hidden_state[0, where]
+        loss = torch.nn.functional.cross_entropy(model.lm_head(hidden), labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval().save_pretrained(directory)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    directory = save_tiny_chat_model(tmp_path_factory.mktemp("tiny-tools"))
+    write_template(directory)
+    train_to_call(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def http_server(model_dir):
+    from rollout import ServerProcess
+
+    proc = ServerProcess(model_dir, *HTTP_SERVER_ARGS, "--tool-call-parser", "hermes", ready_timeout=WAIT_S)
+    try:
+        assert proc.http_url is not None, "\n".join(proc.output)
+        yield proc
+    finally:
+        proc.stop(grace_s=5.0)
+
+
+@pytest.fixture
+def oai(http_server):
+    with openai.OpenAI(base_url=f"{http_server.http_url}/v1", api_key="unused", timeout=WAIT_S,
+                       max_retries=0) as c:
+        yield c
+
+
+def ask(oai, **kwargs):
+    return oai.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, temperature=0, max_tokens=48,
+                                       **kwargs)
+
+
+def test_auto_parses_the_call(oai):
+    reply = ask(oai)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert ask(oai, tool_choice="auto").choices[0].message.tool_calls[0].function == call.function
+
+
+def test_streamed_call_matches(oai):
+    whole = ask(oai).choices[0]
+    with oai.chat.completions.stream(model=MODEL, messages=QUESTION, tools=TOOLS, temperature=0,
+                                     max_tokens=48) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls"
+    assert not final.message.content
+    assert [(c.function.name, c.function.arguments, c.type) for c in final.message.tool_calls] == \
+        [(c.function.name, c.function.arguments, c.type) for c in whole.message.tool_calls]
+
+
+def test_tool_choice_none_is_text(oai):
+    choice = ask(oai, tool_choice="none").choices[0]
+    assert choice.message.content == CALL  # the tools were in the prompt (as vLLM renders them): same reply
+    assert not choice.message.tool_calls
+    assert choice.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_call_refused(oai, tool_choice):
+    with pytest.raises(openai.BadRequestError) as err:
+        ask(oai, tool_choice=tool_choice)
+    assert err.value.status_code == 400
+    assert err.value.body["param"] == "tool_choice"
+    assert "tool_choice" in err.value.message and "constrained decoding" in err.value.message
+
+
+def test_follow_up_turn_renders(oai, model_dir):
+    """The assistant's calls and the tool's answer go back through the template (OpenAI's shapes)."""
+    call = ask(oai).choices[0].message.tool_calls[0]
+    turn = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"city": "Paris", "temp_c": 21})}]
+    reply = oai.chat.completions.create(model=MODEL, messages=turn, tools=TOOLS, temperature=0, max_tokens=4)
+    prompt = TextCodec.load(model_dir).decode(reply.model_extra["prompt_token_ids"], skip_special_tokens=False)
+    assert prompt.endswith(f"<|im_start|>assistant\n{CALL}<|im_end|>\n<|im_start|>user\n<tool_response>\n"
+                           '{"city": "Paris", "temp_c": 21}\n</tool_response><|im_end|>\n<|im_start|>assistant\n')
