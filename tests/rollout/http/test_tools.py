@@ -127,3 +127,23 @@ def test_tool_choice():
             check_tool_choice(choice, WEATHER)
     with pytest.raises(ToolChoiceError, match="`tools` must be set"):
         check_tool_choice("required", None)
+
+
+def test_front_config_names_the_field():
+    from rollout.http.front import FrontConfig
+
+    assert FrontConfig("m", 64, tool_parser="hermes").tool_parser is ToolParser.HERMES
+    with pytest.raises(ValueError, match="FrontConfig.tool_parser must be one of none, hermes, llama3_json"):
+        FrontConfig("m", 64, tool_parser="mistral")
+
+
+def test_cli_flag():
+    import argparse
+
+    from rollout.server.serve import add_http_arguments
+
+    parser = argparse.ArgumentParser()
+    add_http_arguments(parser)
+    base = ["--connect", "tcp://127.0.0.1:1", "--model", "m"]
+    assert parser.parse_args(base).tool_call_parser == "none"
+    assert parser.parse_args([*base, "--tool-call-parser", "llama3_json"]).tool_call_parser == "llama3_json"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -154,6 +155,22 @@ def test_streamed_call_matches(oai):
     assert not final.message.content
     assert [(c.function.name, c.function.arguments, c.type) for c in final.message.tool_calls] == \
         [(c.function.name, c.function.arguments, c.type) for c in whole.message.tool_calls]
+
+
+def test_streamed_chunks_shape(http_server):
+    """OpenAI's streaming shape on the wire: content never shows the tag; the call's delta carries
+    index, id, type, name and arguments; the last chunk says `tool_calls`."""
+    body = {"model": MODEL, "messages": QUESTION, "tools": TOOLS, "temperature": 0, "max_tokens": 48,
+            "stream": True}
+    with httpx.Client(timeout=WAIT_S) as web:
+        lines = web.post(f"{http_server.http_url}/v1/chat/completions", json=body).text.splitlines()
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("content") or "" for d in deltas) == ""
+    [call] = [t for d in deltas for t in d.get("tool_calls", [])]
+    assert call["index"] == 0 and call["id"].startswith("call_") and call["type"] == "function"
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "tool_calls"
 
 
 def test_tool_choice_none_is_text(oai):
