@@ -52,6 +52,7 @@ from inference.weights.staging import Staging
 logger = logging.getLogger(__name__)
 
 KV_TRACE_STEPS = 1 << 14  # steps of blocks-in-use history kept for peak-utilisation queries
+_DEFAULT_PARAMS = SamplingParams()
 
 
 class EngineCore:
@@ -110,6 +111,7 @@ class EngineCore:
         for tok in params.stop_token_ids:
             if tok >= self.vocab_size:
                 raise ValueError(f"stop_token_ids: {tok} is outside the vocabulary of {self.vocab_size}")
+        self._check_processors(params)
         if params.return_routed_experts and self.runner.routes is None:
             raise ValueError("return_routed_experts: this model has no experts (only MoE models record routes)")
         self._check_fits(prompt, params)
@@ -140,6 +142,14 @@ class EngineCore:
         ]
         self.scheduler.new_group(samples)
         return ids
+
+    def _check_processors(self, params: SamplingParams) -> None:
+        # NOTE: the sampler does not apply these yet; a request asking for one is refused, never
+        # served as if it had not asked
+        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "logit_bias",
+                     "bad_words_token_ids", "allowed_token_ids", "cache_salt"):
+            if getattr(params, name) != getattr(_DEFAULT_PARAMS, name):
+                raise ValueError(f"{name}: this engine does not support it yet")
 
     def _validate_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
         if isinstance(prompt_token_ids, (torch.Tensor, np.ndarray)):
