@@ -1,6 +1,7 @@
 """Error replies as the clients expect them: OpenAI's body under `/v1`, SGLang's elsewhere.
 
-OpenAI (and vLLM, which copies it): status 400 / 404 / 401 / 500 with
+OpenAI (and vLLM, which copies it; vLLM's `/tokenize`, `/detokenize`, `/tokenizer_info` too):
+status 400 / 404 / 401 / 500 with
 `{"error": {"message", "type", "param", "code"}}`; e.g. an unknown field is
 "Unrecognized request argument supplied: X", an unknown model is 404 with code `model_not_found`,
 a prompt past the context is 400 with code `context_length_exceeded`.
@@ -28,7 +29,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inference.errors import ContextOverflowError, EngineStateError, OverloadedError
-from rollout.http.schemas import LONE_SURROGATE
+from rollout.http.schemas import FIELD_ERROR, LONE_SURROGATE
 from rollout.text import PromptTooLongError
 from rollout.wire.codec import ProtocolError
 from rollout.wire.kinds import ErrorCode
@@ -57,8 +58,11 @@ class APIError(Exception):
         return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
 
+VLLM_ROOT_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})  # vLLM's, answered in its shape
+
+
 def is_openai_path(path: str) -> bool:
-    return path.startswith("/v1/") or path == "/v1"
+    return path.startswith("/v1/") or path == "/v1" or path in VLLM_ROOT_PATHS
 
 
 def error_response(request: Request, err: APIError, headers: Optional[dict[str, str]] = None) -> JSONResponse:
@@ -131,6 +135,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
         field = str(first.get("ctx", {}).get("field", param))
         return (f"Invalid value for '{field}': it holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
                 "escape), which is not Unicode text.", field)
+    if kind == FIELD_ERROR:
+        return str(first.get("msg", "invalid")), str(first.get("ctx", {}).get("field", param))
     if kind == "extra_forbidden":
         return f"Unrecognized request argument supplied: {param}", param
     if kind == "missing":

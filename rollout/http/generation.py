@@ -56,8 +56,8 @@ class GenSpec:
 class Sample:
     """One choice: its ids, log-probs and versions as sampled, its text, what was sent so far."""
 
-    __slots__ = ("group", "index", "ids", "logprobs", "versions", "top_logprobs", "text", "finish_reason",
-                 "matched", "stopped", "finished", "sent_text", "sent_ids", "_searched")
+    __slots__ = ("group", "index", "ids", "logprobs", "versions", "top_logprobs", "prompt_logprobs", "text",
+                 "finish_reason", "matched", "stopped", "finished", "sent_text", "sent_ids", "_searched")
 
     def __init__(self, group: int, index: int) -> None:
         self.group, self.index = group, index
@@ -65,6 +65,7 @@ class Sample:
         self.logprobs: list[float] = []
         self.versions: list[int] = []
         self.top_logprobs: Optional[list[dict[int, float]]] = None
+        self.prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None  # the engine's, when asked
         self.text = ""
         self.finish_reason: Optional[str] = None
         self.matched: Any = None  # the stop string, or the id of the stop token / EOS that ended it
@@ -77,6 +78,12 @@ class Sample:
     @property
     def done(self) -> bool:
         return self.stopped or self.finished
+
+    def truncate(self) -> None:
+        """Drop what was sampled (echo with `max_tokens: 0`: the prompt scored, nothing generated)."""
+        self.ids, self.logprobs, self.versions, self.text = [], [], [], ""
+        self.top_logprobs = None if self.top_logprobs is None else []
+        self.finish_reason, self.matched = "length", None
 
 
 @dataclass(slots=True)
@@ -200,6 +207,7 @@ class Generation:
 
     def _finish(self, sample: Sample, rollout: Rollout) -> None:
         sample.finished = True
+        sample.prompt_logprobs = rollout.prompt_logprobs
         if sample.stopped:  # cut earlier: keep the cut, take the top log-probs of its tokens
             if rollout.top_logprobs is not None:
                 sample.top_logprobs = rollout.top_logprobs[:len(sample.ids)]
