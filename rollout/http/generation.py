@@ -13,8 +13,9 @@ streaming client may be shown yet.
 * Streaming holds back what a stop string could still take back: the last `max(len(stop)) - 1`
   characters of text and the last `max(len(stop))` tokens (a token spells at least one
   character), and an incomplete UTF-8 tail.
-* Top log-probs travel with a sample's final output only, so a streaming request that asks for
-  them gets each sample in one delta when it finishes (the same data, coarser).
+* Top log-probs and prompt log-probs travel with a sample's final output only, so a streaming
+  request that asks for them gets each sample in one delta when it finishes (the same data,
+  coarser).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class GenSpec:
     stream: bool = False
     session_id: Optional[str] = None
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    whole: bool = False  # stream each sample in one delta when it finishes (echo scoring a prompt)
 
     @property
     def top_logprobs(self) -> int:
@@ -111,7 +113,8 @@ class Generation:
         self.samples = [Sample(g, i) for g in range(len(spec.prompts)) for i in range(spec.n)]
         self._by_key = {(s.group, s.index): s for s in self.samples}
         self._hold = max((len(s) for s in spec.stops), default=0)
-        self._coarse = spec.stream and spec.top_logprobs > 0
+        whole = spec.whole or spec.top_logprobs > 0 or spec.sampling.prompt_logprobs is not None
+        self._coarse = spec.stream and whole
         self._stream: Any = None
         self.started = time.perf_counter()
         self.seconds = 0.0

@@ -89,10 +89,11 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     echo_top = body.logprobs if body.echo and body.logprobs is not None else None
     scored = max((k for k in (body.prompt_logprobs, echo_top) if k is not None), default=None)
     spec = _spec(front, body, prompts, max_tokens, body.logprobs, n=body.best_of or body.n, prompt_logprobs=scored)
+    spec.whole = score_only
     gen = front.generation(spec)
     rid = f"cmpl-{spec.rid}"
     if body.stream:
-        return _stream(gen, _completion_chunks(front, body, gen, rid))
+        return _stream(gen, _completion_chunks(front, body, gen, rid, score_only))
     samples = _best(await unless_disconnected(request, gen.run()), body.n)
     choices = []
     for i, s in enumerate(samples):
@@ -151,17 +152,27 @@ def _prompt_logprobs(front: HttpFront, body: Any, prompt: list[int], s: Sample, 
     return prompt_entries(prompt, s.prompt_logprobs, k, lambda t: front.token_text(t, as_ids))
 
 
-async def _completion_chunks(front: HttpFront, body: CompletionRequest, gen: Generation, rid: str
-                             ) -> AsyncIterator[bytes]:
+async def _completion_chunks(front: HttpFront, body: CompletionRequest, gen: Generation, rid: str,
+                             score_only: bool = False) -> AsyncIterator[bytes]:
+    """Each choice's deltas; with `echo`, its first one starts with the prompt (NOTE: echo streams each
+    sample whole, in one delta, when it asks for log-probs: the prompt's come with the final output)."""
     created, first = int(time.time()), set()
     async for d in gen.deltas():
         s = d.sample
+        if score_only:
+            s.truncate()
+            d.text, d.ids, d.finish_reason = "", [], "length"
         choice = {"index": _index(gen, s), "text": d.text,
                   "logprobs": _completion_logprobs(front, body, s, d.start, d.ids),
                   "finish_reason": d.finish_reason}
+        opening = choice["index"] not in first
+        first.add(choice["index"])
+        if body.echo and opening:
+            choice["text"] = _prompt_text(front, body, gen.spec.prompts, s.group) + d.text
+            if choice["logprobs"] is not None:
+                choice["logprobs"] = _echoed(front, body, gen.spec.prompts[s.group], s, choice["logprobs"])
         if body.return_token_ids is not False:
-            if choice["index"] not in first:
-                first.add(choice["index"])
+            if opening:
                 choice["prompt_token_ids"] = gen.spec.prompts[s.group]
             choice["token_ids"] = d.ids
         yield sse({"id": rid, "object": "text_completion", "created": created, "model": body.model,

@@ -143,8 +143,6 @@ class CompletionRequest(_Sampling):
             raise refuse("best_of", "best_of is not supported with stream=True.")
         if self.max_tokens == 0 and not self.echo:
             raise refuse("max_tokens", "max_tokens must be at least 1 (0 only with echo), got 0.")
-        if self.echo and self.stream:
-            raise refuse("echo", "echo is not supported with stream=True here (ask without streaming).")
         return self
 
 

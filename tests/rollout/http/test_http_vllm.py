@@ -103,6 +103,13 @@ def test_echo_scores_the_prompt_like_vllm(oai, codec, hf_logprobs):
     assert gen.text == text + codec.decode(gen.token_ids)
     assert len(gen.logprobs.tokens) == len(ids) + 3 and gen.logprobs.token_logprobs[:len(ids)] == lp.token_logprobs
     assert [len(t) for t in gen.logprobs.top_logprobs[1:]] == [1] * (len(ids) + 2)
+    streamed = [c for chunk in oai.completions.create(model=NAMES[0], prompt=text, echo=True, logprobs=1,
+                                                      max_tokens=0, stream=True) for c in chunk.choices]
+    assert "".join(c.text for c in streamed) == text and streamed[0].logprobs.token_logprobs == lp.token_logprobs
+    plain = [c for chunk in oai.completions.create(model=NAMES[0], prompt=text, echo=True, max_tokens=2, stream=True,
+                                                   temperature=0, extra_body={"ignore_eos": True})
+             for c in chunk.choices]
+    assert "".join(c.text for c in plain) == text + codec.decode(sum((c.token_ids for c in plain), []))
 
 
 def test_prompt_logprobs_on_completions_and_chat(web, codec, hf_logprobs):
