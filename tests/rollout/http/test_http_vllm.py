@@ -271,3 +271,16 @@ def test_best_of_returns_the_top_n_by_cumulative_logprob(web):
     assert [c["token_ids"] for c in best] == [c["token_ids"] for c in ranked] and [c["index"] for c in best] == [0, 1]
     assert "best_of" in refused(web.post("/v1/completions", json={**body, "n": 3, "best_of": 2}), "best_of")
     assert refused(web.post("/v1/completions", json={**body, "best_of": 2, "stream": True}), "best_of")
+
+
+def test_served_model_name_takes_several_names_on_the_command_line():
+    import argparse
+
+    from rollout.server.serve import add_http_arguments, add_serve_arguments
+
+    for add in (add_serve_arguments, add_http_arguments):
+        parser = argparse.ArgumentParser()
+        add(parser)
+        required = ["--connect", "tcp://127.0.0.1:1"] if add is add_http_arguments else []
+        args = parser.parse_args(["--model", "m", *required, "--served-model-name", "a", "b"])
+        assert args.served_model_name == ["a", "b"]
