@@ -18,8 +18,10 @@ a state, a permanent one is the client's 400.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import re
 from http import HTTPStatus
 from typing import Any, Optional
 
@@ -28,6 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from inference import SamplingParams
 from inference.errors import ContextOverflowError, EngineStateError, OverloadedError
 from rollout.http.schemas import FIELD_ERROR, LONE_SURROGATE
 from rollout.text import PromptTooLongError
@@ -86,6 +89,19 @@ def overloaded(message: str, retry_after_s: Optional[float] = None) -> APIError:
                     retry_after_s=RETRY_AFTER_S if retry_after_s is None else retry_after_s)
 
 
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+BODY_NAMES = {"bad_words_token_ids": "bad_words"}  # an engine field -> the request field it came from
+_FIELD_AT_START = re.compile(r"^(?:[A-Z_]+: )?(?:ValueError: )?(?:sampling\.)?([a-z_]+)\b")
+
+
+def engine_param(message: str) -> Optional[str]:
+    """The request field an engine's refusal names (its messages start with the field's name)."""
+    match = _FIELD_AT_START.match(message)
+    if match is None or match.group(1) not in SAMPLING_FIELDS:
+        return None
+    return BODY_NAMES.get(match.group(1), match.group(1))
+
+
 def from_exception(exc: BaseException) -> APIError:
     """What an exception from the engine side means to an HTTP client."""
     if isinstance(exc, APIError):
@@ -102,7 +118,7 @@ def from_exception(exc: BaseException) -> APIError:
         if exc.code is ErrorCode.ENGINE_STATE:
             return unavailable(str(exc))
         if exc.code in (ErrorCode.INVALID_REQUEST, ErrorCode.BAD_SCHEMA):
-            return APIError(400, str(exc))
+            return APIError(400, str(exc), param=engine_param(str(exc)))
         if exc.code is ErrorCode.TOO_LARGE:
             return APIError(413, str(exc), code="request_too_large")
         return APIError(500, str(exc), type="server_error")
@@ -113,7 +129,7 @@ def from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, PromptTooLongError):
         return APIError(400, str(exc), param="prompt", code="context_length_exceeded")
     if isinstance(exc, (ValueError, TypeError)):
-        return APIError(400, str(exc))
+        return APIError(400, str(exc), param=engine_param(str(exc)))
     return APIError(500, f"{type(exc).__name__}: {exc}", type="server_error")
 
 

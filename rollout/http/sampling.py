@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from inference import SamplingParams
-from rollout.http.errors import APIError
+from rollout.http.errors import APIError, engine_param
 from rollout.text import TextCodec
 
 # body field -> (the engine's field, its neutral value)
@@ -53,7 +53,7 @@ def sampling_params(codec: TextCodec, body: Any, *, n: int, max_tokens: int, log
         unknown = next((f for f in fields if f in str(exc)), None)
         raise APIError(400, f"{unknown} is not supported by this engine", param=unknown) from exc
     except ValueError as exc:  # the engine's messages start with the field's name
-        raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from exc
+        raise APIError(400, str(exc), param=engine_param(str(exc))) from exc
 
 
 def logit_bias(codec: TextCodec, bias: dict[str, float]) -> dict[int, float]:

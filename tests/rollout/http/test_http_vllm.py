@@ -257,6 +257,11 @@ def test_sampling_extras_over_http(web):
     assert refused(web.post("/v1/completions", json={**neutral, "logit_bias": {"99999999": 1}}), "logit_bias")
     assert refused(web.post("/v1/completions", json={**neutral, "allowed_token_ids": [10**7]}), "allowed_token_ids")
     assert refused(web.post("/v1/completions", json={**neutral, "presence_penalty": 3}), "presence_penalty")
+    for field, value in {"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.5,
+                         "min_tokens": 1, "logit_bias": {"42": 3}, "bad_words": ["hello"], "allowed_token_ids": [5, 6],
+                         "cache_salt": "run-7"}.items():  # honoured, or (an engine without it) refused naming it
+        answer = web.post("/v1/completions", json={**neutral, field: value})
+        assert answer.status_code == 200 or refused(answer, field)
     sglang = web.post("/generate", json={"input_ids": [5, 6], "sampling_params": {
         "max_new_tokens": 2, "repetition_penalty": 1.0, "min_new_tokens": 0}})
     assert sglang.status_code == 200
