@@ -152,10 +152,6 @@ class EngineCore:
             for tok in ids:
                 if tok >= vocab:
                     raise ValueError(f"{name}: token {tok} is outside the vocabulary of {vocab}")
-        # NOTE: the prefix cache does not key blocks by salt yet; a salted request is refused, never
-        # served as if it had not asked
-        if params.cache_salt is not None:
-            raise ValueError("cache_salt: this engine does not support it yet")
 
     def _validate_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
         if isinstance(prompt_token_ids, (torch.Tensor, np.ndarray)):

@@ -24,7 +24,7 @@ from inference.cache.state_pool import StatePool
 from inference.config import InferenceConfig
 from inference.errors import BlockOverflowError
 from inference.kv_cache.allocator import KVBlockAllocator
-from inference.kv_cache.hashing import block_hashes
+from inference.kv_cache.hashing import block_hashes, chain_key
 from inference.request import FinishReason, Request, RequestStatus
 from inference.sampling.params import LogprobsMode
 from inference.sampling.processor_state import ProcessorState
@@ -474,6 +474,7 @@ class DynamicInferenceContext:
         if req.hash_cache_key != key:  # NOTE: scheduling asks again each step while it waits
             tokens = req.all_token_ids
             usable = (len(tokens) - 1) // self.block_size * self.block_size
-            req.hash_cache = block_hashes(tokens[:usable], self.block_size, extra_key=self.policy_version)
+            req.hash_cache = block_hashes(tokens[:usable], self.block_size,
+                                          extra_key=chain_key(self.policy_version, req.params.cache_salt))
             req.hash_cache_key = key
         return req.hash_cache
