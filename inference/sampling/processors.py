@@ -1,4 +1,4 @@
-"""vLLM's logit processors as batched tensor ops: one step's sparse indices and dense rows, applied.
+"""vLLM's logit processors as batched tensor ops: one step's sparse indices, applied.
 
 `StepProcessors` is what one step needs, built by `ProcessorState.for_rows` (processor_state.py)
 from each slot's state; `apply_processors` edits a float32 `[R, V]` copy of the raw logits in
@@ -7,9 +7,9 @@ place, in vLLM's order (its result is the same as vLLM v1's sampler up to float 
   2. allowed_token_ids: every other token of the row -inf;
   3. bans: bad words (a sequence's last token when the output ends with the rest of it) and
      min_tokens (EOS and stop ids while fewer tokens are generated): x[r, t] = -inf (sparse);
-  4. penalties over dense `[P, V]` rows, with c = the row's output token counts and seen = the
-     row's prompt tokens or c > 0: repetition (HF): x / p where x > 0 else x * p, on seen tokens;
-     then OpenAI's x -= frequency * c + presence * (c > 0).
+  4. penalties over the (row, token) pairs the row has seen, c = the token's output count (0 for
+     a prompt-only token): repetition (HF): x / p where x > 0 else x * p; then OpenAI's
+     x -= frequency * c + presence * (c > 0) (tokens never seen are untouched by both).
 A row that uses none of them is never touched, and a step where no row uses any has no
 `StepProcessors` at all (the sampler then skips this module).
 """
@@ -26,13 +26,14 @@ _NEG_INF = float("-inf")
 
 @dataclass(slots=True)
 class Penalties:
-    """Dense penalty inputs of the `P` penalised rows: `rows [P]` (batch row indices), `counts
-    [P, V]` int32 output token counts, `seen [P, V]` bool (prompt or output) or None when no row has a
-    repetition penalty; `repetition`, `presence`, `frequency` float32 `[P]`, None when all off."""
+    """Sparse penalty inputs: one entry per (row, token) the row has seen (prompt or output; each
+    pair once): `rows`, `ids` int64, `counts` float32 (output count, 0 for a prompt-only token) and
+    the row's `repetition`, `presence`, `frequency` per entry (float32), None when every row has it off.
+    NOTE: a penalty only moves tokens seen before, so this touches those few entries, never whole rows."""
 
     rows: Tensor
+    ids: Tensor
     counts: Tensor
-    seen: Tensor | None
     repetition: Tensor | None
     presence: Tensor | None
     frequency: Tensor | None
@@ -44,7 +45,7 @@ class StepProcessors:
 
     `bias_*`: sparse (row, token, value) triples; `allowed_rows [A]` the rows restricted to
     `(allowed_entry_rows, allowed_ids)`; `ban_*`: sparse (row, token) pairs set to -inf;
-    `penalties`: the dense part. A None field is a processor no row of the step uses.
+    `penalties`: the seen pairs. A None field is a processor no row of the step uses.
     """
 
     bias_rows: Tensor | None = None
@@ -74,18 +75,11 @@ def apply_processors(x: Tensor, p: StepProcessors) -> Tensor:
 
 
 def _apply_penalties(x: Tensor, pen: Penalties) -> None:
-    # NOTE: all rows penalised (the bench's case, and common when a whole batch shares params): edit
-    # x itself, no gather / scatter of the rows
-    whole = pen.rows.numel() == x.shape[0]
-    xp = x if whole else x[pen.rows]
+    v = x[pen.rows, pen.ids]
     if pen.repetition is not None:
-        r = pen.repetition[:, None]
-        scaled = torch.where(xp > 0, xp / r, xp * r)
-        kept = torch.where(pen.seen, scaled, xp)
-        xp = xp.copy_(kept) if whole else kept
+        v = torch.where(v > 0, v / pen.repetition, v * pen.repetition)
     if pen.frequency is not None:
-        xp.sub_(pen.counts * pen.frequency[:, None])
+        v = v - pen.frequency * pen.counts
     if pen.presence is not None:
-        xp.sub_((pen.counts > 0) * pen.presence[:, None])
-    if not whole:
-        x[pen.rows] = xp
+        v = v - pen.presence * (pen.counts > 0)
+    x[pen.rows, pen.ids] = v

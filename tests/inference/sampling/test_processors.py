@@ -234,18 +234,26 @@ def test_state_counts_grow_by_append_and_rows_are_reused():
     hist = history(9)
     params = [SamplingParams(frequency_penalty=1.0)] * ROWS
     _, state = processors_of(params, hist)
+    _, rebound = processors_of(params, hist, incremental=False)
     for slot, (_, output) in enumerate(hist):
-        row = int(state.pen_row[slot])
-        assert torch.equal(state.counts[row], torch.bincount(torch.tensor(output), minlength=VOCAB).int())
-    rows_before = state.counts.shape[0]
+        want = {t: output.count(t) for t in set(output)}
+        assert state.output_counts(slot) == want == rebound.output_counts(slot)
+    rows_before = state.pair_of.shape[0]
     state.release(0)
-    assert not state.uses[0] and state.pen_row[0] == -1
-    state.bind(0, SamplingParams(frequency_penalty=0.5), np.array([3]), np.array([], dtype=np.int64))
-    assert state.counts.shape[0] == rows_before and int(state.counts[int(state.pen_row[0])].sum()) == 0
+    assert not state.uses[0] and state.pen_row[0] == -1 and state.output_counts(0) == {}
+    for slot, (_, output) in list(enumerate(hist))[1:]:  # the others' entries moved, their index with them
+        assert state.output_counts(slot) == {t: output.count(t) for t in set(output)}
+        row = int(state.pen_row[slot])
+        assert all(state.pairs.cols["token"][state.pair_of[row, t]] == t for t in set(output))
+    state.bind(0, SamplingParams(repetition_penalty=0.5), np.array([3, 3, 4]), np.array([5], dtype=np.int64))
+    assert state.pair_of.shape[0] == rows_before and state.output_counts(0) == {3: 0, 4: 0, 5: 1}
+    state.append(np.array([0, 1]), np.array([5, 60]))
+    assert state.output_counts(0) == {3: 0, 4: 0, 5: 2} and state.output_counts(1)[60] == 1
     state.bind(1, SamplingParams(), np.array([3]), np.array([], dtype=np.int64))  # a plain request: no state
-    assert not state.uses[1] and state.pen_row[1] == -1
+    assert not state.uses[1] and state.pen_row[1] == -1 and state.output_counts(1) == {}
     state.reset()
-    assert not state.uses.any() and (state.pen_row == -1).all() and int(state.counts.sum()) == 0
+    assert not state.uses.any() and (state.pen_row == -1).all() and state.pairs.slot.size == 0
+    assert (state.pair_of == -1).all()
 
 
 def test_a_batch_without_processors_builds_nothing():
@@ -253,4 +261,4 @@ def test_a_batch_without_processors_builds_nothing():
     for slot in range(4):
         state.bind(slot, SamplingParams(top_k=5, cache_salt="s"), np.array([3, 4]), np.array([], dtype=np.int64))
     assert state.for_rows(np.arange(4), np.zeros((4, 8), dtype=np.int64), np.full(4, 2), np.full(4, 2)) is None
-    assert state.counts.shape[0] == 0
+    assert state.pair_of.shape[0] == 0
