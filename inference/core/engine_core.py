@@ -52,7 +52,6 @@ from inference.weights.staging import Staging
 logger = logging.getLogger(__name__)
 
 KV_TRACE_STEPS = 1 << 14  # steps of blocks-in-use history kept for peak-utilisation queries
-_DEFAULT_PARAMS = SamplingParams()
 
 
 class EngineCore:
@@ -78,7 +77,8 @@ class EngineCore:
         self.kv_cache = self.caches.kv
         self.allocator = self.caches.allocator
         self.context = DynamicInferenceContext(config, self.allocator, lambda: self.weights.policy_version,
-                                               self.caches.states, self.caches.snapshots)
+                                               self.caches.states, self.caches.snapshots,
+                                               vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids.tolist())
         self.scheduler = Scheduler(self.context)
         self.runner = ModelRunner(model, self.caches, config)
         self.state = EngineState.RUNNING
@@ -144,12 +144,14 @@ class EngineCore:
         return ids
 
     def _check_processors(self, params: SamplingParams) -> None:
-        # NOTE: the sampler does not apply these yet; a request asking for one is refused, never
-        # served as if it had not asked
-        for name in ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "logit_bias",
-                     "bad_words_token_ids", "allowed_token_ids", "cache_salt"):
-            if getattr(params, name) != getattr(_DEFAULT_PARAMS, name):
-                raise ValueError(f"{name}: this engine does not support it yet")
+        """The processors' token ids must lie in the vocabulary (as vLLM checks them)."""
+        vocab = self.vocab_size
+        named = [("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())]
+        named += [("bad_words_token_ids", seq) for seq in params.bad_words_token_ids or ()]
+        for name, ids in named:
+            for tok in ids:
+                if tok >= vocab:
+                    raise ValueError(f"{name}: token {tok} is outside the vocabulary of {vocab}")
 
     def _validate_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
         if isinstance(prompt_token_ids, (torch.Tensor, np.ndarray)):

@@ -26,10 +26,11 @@ MAX_CACHE_SALT_LENGTH = 256
 class LogprobsMode(enum.IntEnum):
     """Which distribution the returned log-probs are taken from.
 
-    RAW: `log_softmax` of the model's raw logits, exactly what a trainer recomputes; the default,
-    because importance ratios and KL terms compare against it.
-    PROCESSED: the distribution actually sampled from, after temperature, top-k, top-p and min-p
-    (tokens cut away have log-prob -inf). Greedy rows use temperature 1 here.
+    RAW: `log_softmax` of the model's raw logits (before any logit processor), exactly what a
+    trainer recomputes; the default, because importance ratios and KL terms compare against it.
+    PROCESSED: the distribution actually sampled from, after the logit processors (penalties,
+    bias, bans), temperature, top-k, top-p and min-p (tokens banned or cut away have log-prob
+    -inf). Greedy rows use temperature 1 here.
     """
 
     RAW = 0
