@@ -289,3 +289,19 @@ def test_served_model_name_takes_several_names_on_the_command_line():
         required = ["--connect", "tcp://127.0.0.1:1"] if add is add_http_arguments else []
         args = parser.parse_args(["--model", "m", *required, "--served-model-name", "a", "b"])
         assert args.served_model_name == ["a", "b"]
+
+
+def test_sampling_extras_are_honoured_end_to_end(web):
+    """With the engine's processors (branch h25a): each field changes what is sampled as it says."""
+    base = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    assert web.post("/v1/completions", json={**base, "logit_bias": {"42": 100}}).json()["choices"][0]["token_ids"] \
+        == [42] * 4
+    assert set(web.post("/v1/completions", json={**base, "temperature": 1.0, "seed": 2,
+                                                  "allowed_token_ids": [8, 9]}).json()["choices"][0]["token_ids"]) \
+        <= {8, 9}
+    greedy = web.post("/v1/completions", json=base).json()["choices"][0]["token_ids"]
+    banned = web.post("/v1/completions", json={**base, "logit_bias": {str(greedy[0]): -100}}).json()
+    assert banned["choices"][0]["token_ids"][0] != greedy[0]
+    repeated = web.post("/v1/completions", json={**base, "max_tokens": 8, "logit_bias": {"42": 8.0},
+                                                 "repetition_penalty": 50.0}).json()["choices"][0]["token_ids"]
+    assert repeated.count(42) == 1  # biased in once, then penalised out
