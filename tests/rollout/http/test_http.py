@@ -138,6 +138,12 @@ def test_echo_and_prompt_logprobs_equal_the_engine_on_both_fronts(oai, codec, re
         pytest.approx(engine, abs=1e-6)
 
 
+def test_sampling_extras_cross_both_fronts(web):
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {"42": 100}, "cache_salt": "run-1", "repetition_penalty": 1.0, "min_tokens": 1}
+    assert web.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] == [42] * 3
+
+
 def test_chat_completion_with_logprobs_and_n(oai, codec, reference):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
     out = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0, n=2,
