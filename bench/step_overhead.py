@@ -18,8 +18,15 @@ model forward, in the same run); beside each per-step figure, the same per activ
 cProfile's top functions of the stand-in steps at the largest B (cProfile slows Python code,
 so read it for shares, not times).
 
+`--processors` instead times vLLM's logit processors: per B, two stand-in engines hold B requests
+each, one plain and one with repetition / presence / frequency penalties, 16 logit_bias entries
+and 4 bad words (1 to 3 tokens) on every request; their steps are timed in interleaved runs of
+`PROC_CHUNK` steps (so load drifts hit both alike), and the medians and their ratio on / off are
+printed with the sampling phases beside them. The processors are batched tensor ops: their cost
+per request is a few passes over its logits row, not Python per request.
+
 Usage: `python bench/step_overhead.py [--batches 16,64,256] [--steps 40] [--real-steps 5]
-[--quick] [--threads 2] [--profile]`.
+[--quick] [--threads 2] [--profile] [--processors]`.
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ STEP_TOKENS = 2048  # tokens per engine step (the engine's default)
 # phases wrapped in the engine's step, in step order; "other" is the step minus all of them
 ORIGINAL_REGISTER = core_module.register_full_blocks
 ORIGINAL_SAMPLING_BATCH = out_ops.sampling_batch
+PROC_CHUNK = 4  # stand-in steps per turn of one engine in the --processors comparison
+PROC_BIAS = 16  # logit_bias entries per request there
 PHASES = ("schedule", "build_batch", "forward", "fork_groups", "register_blocks", "sampling_batch", "sample", "commit")
 
 
@@ -131,6 +140,85 @@ def _timed_steps(engine: DynamicInferenceEngine, clock: Stopwatch, steps: int, b
         if finished or len(engine.context.active) != batch:
             raise RuntimeError(f"a request finished or paused mid-measurement ({len(engine.context.active)} active)")
     return walls, phases
+
+
+def _processor_params(vocab: int, max_tokens: int, rng: random.Random) -> SamplingParams:
+    """Every processor the comparison turns on, as one request of it asks for them."""
+    bias = {rng.randrange(3, vocab): rng.uniform(-5, 5) for _ in range(PROC_BIAS)}
+    bad = [[rng.randrange(3, vocab) for _ in range(k)] for k in (1, 1, 2, 3)]
+    return SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, repetition_penalty=1.1,
+                          presence_penalty=0.2, frequency_penalty=0.1, logit_bias=bias, bad_words_token_ids=bad)
+
+
+def _decoding_engine(real, batch: int, args: argparse.Namespace, max_tokens: int,
+                     processors: bool) -> DynamicInferenceEngine:
+    """A stand-in engine with `batch` requests, all prefilled and decoding."""
+    per_request = -(-(args.prompt_len + max_tokens) // BLOCK_SIZE)
+    config = InferenceConfig(block_size=BLOCK_SIZE, num_blocks=batch * per_request + 8, max_requests=MAX_REQUESTS,
+                             max_batch_tokens=STEP_TOKENS, max_sequence_length=1024, dtype=real.spec.dtype)
+    engine = DynamicInferenceEngine(InstantLogits(real, MAX_REQUESTS), config)
+    rng = random.Random(batch)
+    vocab = real.spec.vocab_size
+    for _ in range(batch):
+        params = (_processor_params(vocab, max_tokens, rng) if processors
+                  else SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True))
+        engine.add_request([rng.randrange(3, vocab) for _ in range(args.prompt_len)], params)
+    while not _decode_ready(engine, batch):
+        engine.step()
+    return engine
+
+
+@dataclass(slots=True)
+class ProcessorResult:
+    batch: int
+    step_s: dict[bool, float]  # median stand-in step, processors off / on
+    phases: dict[bool, dict[str, float]]
+
+
+def bench_processors(real, batch: int, args: argparse.Namespace) -> ProcessorResult:
+    turns = max(args.steps // PROC_CHUNK, 2)
+    prefill_steps = -(-batch * args.prompt_len // STEP_TOKENS) + 1
+    max_tokens = prefill_steps + args.warmup + turns * PROC_CHUNK + 4
+    engines = {on: _decoding_engine(real, batch, args, max_tokens, on) for on in (False, True)}
+    clock = Stopwatch()
+    walls: dict[bool, list[float]] = {False: [], True: []}
+    phases: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+    for engine in engines.values():
+        _instrument(engine, clock)
+    try:
+        for engine in engines.values():
+            _timed_steps(engine, clock, args.warmup, batch)
+        for turn in range(turns):
+            for on in ((False, True) if turn % 2 == 0 else (True, False)):
+                w, ph = _timed_steps(engines[on], clock, PROC_CHUNK, batch)
+                walls[on] += w
+                phases[on] += ph
+    finally:
+        _restore()
+    return ProcessorResult(batch, {on: median(walls[on]) for on in walls},
+                           {on: {p: median([ph.get(p, 0.0) for ph in phases[on]]) for p in PHASES} for on in phases})
+
+
+def print_processor_results(results: list[ProcessorResult]) -> None:
+    print("\n-- logit processors (penalties + logit_bias + bad words on every request) off vs on, stand-in model, "
+          "median ms per decode step")
+    header = (f"{'active':>6} {'step off':>9} {'step on':>9} {'on/off':>7} {'+us/req':>8} {'batch off':>10} "
+              f"{'batch on':>9} {'sample off':>10} {'sample on':>10} {'commit off':>10} {'commit on':>10}")
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        off, on = r.phases[False], r.phases[True]
+        ratio = r.step_s[True] / r.step_s[False]
+        print(f"{r.batch:>6} {_ms(r.step_s[False]):>9} {_ms(r.step_s[True]):>9} {ratio:>7.2f} "
+              f"{(r.step_s[True] - r.step_s[False]) * 1e6 / r.batch:>8.1f} {_ms(off['sampling_batch']):>10} "
+              f"{_ms(on['sampling_batch']):>9} {_ms(off['sample']):>10} {_ms(on['sample']):>10} "
+              f"{_ms(off['commit']):>10} {_ms(on['commit']):>10}")
+    print("batch = building the SamplingBatch (the processors' sparse indices: per-row Python only there); "
+          "sample = the sampler (processors applied as batched ops); commit = appending tokens (penalty counts)")
+    print_result("step_overhead_processors",
+                 {f"on/off[{r.batch}]": r.step_s[True] / r.step_s[False] for r in results}
+                 | {f"step_ms_on[{r.batch}]": r.step_s[True] * 1e3 for r in results}
+                 | {f"step_ms_off[{r.batch}]": r.step_s[False] * 1e3 for r in results})
 
 
 def bench_batch(real, batch: int, args: argparse.Namespace, profile: bool) -> BatchResult:
@@ -272,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--profile", action="store_true", help="cProfile the stand-in steps at the largest batch")
+    parser.add_argument("--processors", action="store_true",
+                        help="time the logit processors on vs off (stand-in model only) instead")
     args = parser.parse_args(argv)
     args.batches = args.batches or ([16, 64] if args.quick else [16, 64, 256])
     args.steps = args.steps or (10 if args.quick else 40)
@@ -287,6 +377,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.prompt_len} tokens, temperature 1.0, {args.steps} stand-in / {args.real_steps} real steps timed; "
         f"{machine_line()}"
     )
+    if args.processors:
+        proc_results = []
+        for batch in args.batches:
+            proc_results.append(bench_processors(real, batch, args))
+            print(f"  {batch} requests done, load {load_average():.2f}", flush=True)
+        print_processor_results(proc_results)
+        print(f"done; {machine_line()}")
+        return 0
     results = []
     for batch in args.batches:
         results.append(bench_batch(real, batch, args, profile=args.profile and batch == max(args.batches)))

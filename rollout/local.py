@@ -110,6 +110,7 @@ def _rollout(out: RequestOutput, group: int) -> Rollout:
         sample_index=out.sample_index,
         top_logprobs=out.top_logprobs,
         routed_experts=out.routed_experts,
+        prompt_logprobs=out.prompt_logprobs,
     )
 
 

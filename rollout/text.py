@@ -97,30 +97,46 @@ class TextCodec:
     # ---- chat ----------------------------------------------------------------------------------
 
     def render(self, messages: Sequence[Message], *, add_generation_prompt: bool = True,
-               tools: Optional[list[dict]] = None) -> str:
+               tools: Optional[list[dict]] = None, continue_final_message: bool = False,
+               template_kwargs: Optional[Mapping[str, Any]] = None) -> str:
+        """The chat template's text; `continue_final_message`: the last message left open (its
+        end-of-turn cut) for the model to go on; `template_kwargs`: extra template variables."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ChatTemplateError(f"the tokenizer of {self.name or 'this model'} has no chat template")
+        if continue_final_message and add_generation_prompt:
+            raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be set")
+        extra = dict(template_kwargs or {})
+        clash = sorted(set(extra) & {"conversation", "tools", "tokenize", "add_generation_prompt",
+                                     "continue_final_message", "messages"})
+        if clash:
+            raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(clash)}")
         try:
             return self.tokenizer.apply_chat_template([dict(m) for m in messages], tools=tools, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message, **extra)
         except Exception as exc:  # noqa: BLE001 (jinja raises anything: the messages are at fault)
             raise ChatTemplateError(f"the chat template refused the messages: {exc}") from exc
 
-    def chat_ids(self, messages: Sequence[Message], *, tools: Optional[list[dict]] = None) -> list[int]:
-        """The prompt ids of a conversation, ending with the generation prompt."""
-        return self.encode(self.render(messages, tools=tools), add_special_tokens=False)
+    def chat_ids(self, messages: Sequence[Message], *, tools: Optional[list[dict]] = None,
+                 add_generation_prompt: bool = True, continue_final_message: bool = False,
+                 template_kwargs: Optional[Mapping[str, Any]] = None) -> list[int]:
+        """The prompt ids of a conversation, ending with the generation prompt (by default)."""
+        text = self.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message, template_kwargs=template_kwargs)
+        return self.encode(text, add_special_tokens=False)
 
     def continuation_ids(self, history: Sequence[Message], prompt_ids: Sequence[int], sampled_ids: Sequence[int],
-                         reply: Message, new: Sequence[Message], *,
-                         tools: Optional[list[dict]] = None) -> Optional[list[int]]:
+                         reply: Message, new: Sequence[Message], *, tools: Optional[list[dict]] = None,
+                         template_kwargs: Optional[Mapping[str, Any]] = None) -> Optional[list[int]]:
         """Turn k+1's prompt: `prompt_ids` (turn k's, for `history`) + `sampled_ids` (the reply's
         ids, verbatim) + the tokens of the template's text after the reply. None when the
         template is not incremental (rendering the longer conversation changes earlier text),
         so the caller must start over from `chat_ids`.
         """
-        before = self.render(history, tools=tools)
-        with_reply = self.render([*history, reply], add_generation_prompt=False, tools=tools)
-        full = self.render([*history, reply, *new], tools=tools)
+        kw = {"tools": tools, "template_kwargs": template_kwargs}
+        before = self.render(history, **kw)
+        with_reply = self.render([*history, reply], add_generation_prompt=False, **kw)
+        full = self.render([*history, reply, *new], **kw)
         content = message_text(reply)
         if not with_reply.startswith(before + content) or not full.startswith(with_reply):
             return None

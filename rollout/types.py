@@ -26,8 +26,10 @@ class Rollout:
     Invariants: `completion_ids`, `logprobs` and `versions` have one entry per generated token;
     `logprobs[i]` is the engine's log-prob (raw, temperature 1) of `completion_ids[i]` and
     `versions[i]` the policy version that sampled it; `group` indexes the prompt in its batch.
-    `top_logprobs` (when asked for) holds one {token id: log-prob} per token; `text` is the
-    completion decoded from `completion_ids` when the backend has a tokenizer.
+    `top_logprobs` (when asked for) holds one {token id: log-prob} per token; `prompt_logprobs`
+    (when asked for) one entry per prompt token, the first None (nothing predicts it), each
+    {prompt token: log-prob, top alternatives...}; `text` is the completion decoded from
+    `completion_ids` when the backend has a tokenizer.
     `routed_experts` (MoE, `return_routed_experts`): `[positions fed, moe layers, k]` expert ids,
     for the trainer's routing replay.
     """
@@ -42,6 +44,7 @@ class Rollout:
     top_logprobs: Optional[list[dict[int, float]]] = None
     text: Optional[str] = None
     routed_experts: Optional[np.ndarray] = None
+    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)

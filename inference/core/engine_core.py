@@ -77,7 +77,8 @@ class EngineCore:
         self.kv_cache = self.caches.kv
         self.allocator = self.caches.allocator
         self.context = DynamicInferenceContext(config, self.allocator, lambda: self.weights.policy_version,
-                                               self.caches.states, self.caches.snapshots)
+                                               self.caches.states, self.caches.snapshots,
+                                               vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids.tolist())
         self.scheduler = Scheduler(self.context)
         self.runner = ModelRunner(model, self.caches, config)
         self.state = EngineState.RUNNING
@@ -110,6 +111,7 @@ class EngineCore:
         for tok in params.stop_token_ids:
             if tok >= self.vocab_size:
                 raise ValueError(f"stop_token_ids: {tok} is outside the vocabulary of {self.vocab_size}")
+        self._check_processors(params)
         if params.return_routed_experts and self.runner.routes is None:
             raise ValueError("return_routed_experts: this model has no experts (only MoE models record routes)")
         self._check_fits(prompt, params)
@@ -140,6 +142,16 @@ class EngineCore:
         ]
         self.scheduler.new_group(samples)
         return ids
+
+    def _check_processors(self, params: SamplingParams) -> None:
+        """The processors' token ids must lie in the vocabulary (as vLLM checks them)."""
+        vocab = self.vocab_size
+        named = [("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())]
+        named += [("bad_words_token_ids", seq) for seq in params.bad_words_token_ids or ()]
+        for name, ids in named:
+            for tok in ids:
+                if tok >= vocab:
+                    raise ValueError(f"{name}: token {tok} is outside the vocabulary of {vocab}")
 
     def _validate_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
         if isinstance(prompt_token_ids, (torch.Tensor, np.ndarray)):

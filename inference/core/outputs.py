@@ -29,6 +29,8 @@ def sampling_batch(ctx: DynamicInferenceContext, slots: np.ndarray) -> SamplingB
         generators=[ctx.generators[s] for s in slots.tolist()],
         num_top_logprobs=int(ctx.num_top_logprobs[slots].max()),
         logprobs_mode=ctx.processed_logprobs[index],
+        processors=ctx.processors.for_rows(slots, ctx.tokens, ctx.seq_len, ctx.prompt_len,
+                                           device=ctx.temperature.device),
     )
 
 

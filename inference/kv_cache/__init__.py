@@ -7,7 +7,7 @@ from inference.kv_cache.block_state import (
     PromptLogprobsBlock,
 )
 from inference.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventHub
-from inference.kv_cache.hashing import NO_PARENT, UNSET_HASH, block_hashes
+from inference.kv_cache.hashing import NO_PARENT, UNSET_HASH, block_hashes, chain_key
 from inference.kv_cache.policy import EvictionPolicy
 from inference.kv_cache.registry import PrefixCacheRegistry
 
@@ -27,4 +27,5 @@ __all__ = [
     "PrefixCacheRegistry",
     "PromptLogprobsBlock",
     "block_hashes",
+    "chain_key",
 ]

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from inference.sampling.params import LogprobsMode, SamplingParams
+from inference.sampling.processors import StepProcessors
 from inference.sampling.seeds import make_generator
 
 
@@ -20,6 +21,7 @@ class SamplingBatch:
     off, `temperature == 0` greedy; `generators[i]` is row i's own generator (None: the global
     RNG); `logprobs_mode` is one mode for all rows or a `[R]` bool tensor (True = PROCESSED).
     `num_top_logprobs` is the top-n returned for every row (the max asked for in the batch).
+    `processors`: the step's logit processors (processors.py), None when no row uses one.
     The `use_*` / `*_greedy` / `unit_temperature` flags are derived once, with one host sync, so
     the sampler can skip whole passes (the common RL step: T = 1, no truncation, raw log-probs).
     """
@@ -31,6 +33,7 @@ class SamplingBatch:
     generators: Sequence[torch.Generator | None]
     num_top_logprobs: int = 0
     logprobs_mode: LogprobsMode | Tensor = LogprobsMode.RAW
+    processors: StepProcessors | None = None
     use_top_k: bool = field(init=False)
     use_top_p: bool = field(init=False)
     use_min_p: bool = field(init=False)

@@ -1,7 +1,7 @@
 """Per-request sampling parameters, validated once at construction.
 
 `SamplingParams` is created for every request, so validation is a handful of plain comparisons
-(no tensors, no copies beyond normalising `stop_token_ids` to a list). Every error is a
+(no tensors, no copies beyond normalising token-id tuples to lists). Every error is a
 `ValueError` whose message starts with the offending field's name.
 """
 
@@ -18,15 +18,19 @@ MAX_LOGPROBS = 100  # the largest top-n a request may ask for (sampled or prompt
 MIN_TEMPERATURE = 1e-6
 MAX_TEMPERATURE = 1e6
 MAX_TOP_K = 2**31 - 1
+MAX_PENALTY = 2.0  # presence / frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)
+MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range)
+MAX_CACHE_SALT_LENGTH = 256
 
 
 class LogprobsMode(enum.IntEnum):
     """Which distribution the returned log-probs are taken from.
 
-    RAW: `log_softmax` of the model's raw logits, exactly what a trainer recomputes; the default,
-    because importance ratios and KL terms compare against it.
-    PROCESSED: the distribution actually sampled from, after temperature, top-k, top-p and min-p
-    (tokens cut away have log-prob -inf). Greedy rows use temperature 1 here.
+    RAW: `log_softmax` of the model's raw logits (before any logit processor), exactly what a
+    trainer recomputes; the default, because importance ratios and KL terms compare against it.
+    PROCESSED: the distribution actually sampled from, after the logit processors (penalties,
+    bias, bans), temperature, top-k, top-p and min-p (tokens banned or cut away have log-prob
+    -inf). Greedy rows use temperature 1 here.
     """
 
     RAW = 0
@@ -40,6 +44,17 @@ def _is_int(value: object) -> bool:
 
 def _is_real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_token_list(name: str, value: object, *, allow_empty: bool) -> list[int]:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list of ints, got {value!r}")
+    if not value and not allow_empty:
+        raise ValueError(f"{name} must not be empty")
+    for tok in value:
+        if not (_is_int(tok) and tok >= 0):
+            raise ValueError(f"{name} must hold ints >= 0, got {tok!r}")
+    return list(value)
 
 
 def _check_top_n(name: str, value: object) -> None:
@@ -57,7 +72,18 @@ class SamplingParams:
       seed is None or an int in [0, 2**64); max_tokens >= 1; stop_token_ids ints >= 0;
       logprobs / prompt_logprobs are None (not returned) or a top-n count in [0, 100]
       (0 = only the sampled / target token's log-prob).
-    The truncations apply in the order temperature -> top-k -> top-p -> min-p (see sampler.py).
+    Logit processors (vLLM's, in its order; all off by default): logit_bias (token id >= 0 ->
+      bias in [-100, 100], added), allowed_token_ids (non-empty; every other token -inf),
+      bad_words_token_ids (non-empty sequences; a sequence's last token is -inf when the output
+      ends with the rest of it), min_tokens (0 <= min_tokens <= max_tokens; EOS and
+      stop_token_ids are -inf until that many tokens are generated), repetition_penalty (> 0,
+      1 = off; HF's: a token seen in the prompt or the output has logit / p if > 0 else * p),
+      presence_penalty and frequency_penalty (in [-2, 2]; OpenAI's, over the output only:
+      logit -= presence * (count > 0) + frequency * count).
+    cache_salt: None or a string of at most 256 characters; requests with different salts never
+      share prefix-cache blocks.
+    Processors act on the raw logits; then the truncations apply in the order temperature ->
+    top-k -> top-p -> min-p (see sampler.py).
     """
 
     n: int = 1
@@ -75,6 +101,14 @@ class SamplingParams:
     # MoE models: return the experts each token was routed to, per MoE layer (routing replay in the
     # trainer); such a request computes its whole prompt (no prefix-cache hit skips a route)
     return_routed_experts: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    allowed_token_ids: list[int] | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if not (_is_int(self.n) and self.n >= 1):
@@ -108,8 +142,49 @@ class SamplingParams:
             raise ValueError(f"return_routed_experts must be a bool, got {self.return_routed_experts!r}")
         if not isinstance(self.logprobs_mode, LogprobsMode):
             raise ValueError(f"logprobs_mode must be a LogprobsMode, got {self.logprobs_mode!r}")
+        self._check_processors()
+
+    def _check_processors(self) -> None:
+        if not (_is_real(self.repetition_penalty) and math.isfinite(self.repetition_penalty)
+                and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), "
+                             f"got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (_is_real(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
+                raise ValueError(f"{name} must be in [{-MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
+        if not (_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens):
+            raise ValueError(f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be None or a dict of token id -> bias, got {self.logit_bias!r}")
+            for tok, bias in self.logit_bias.items():
+                if not (_is_int(tok) and tok >= 0):
+                    raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {tok!r}")
+                if not (_is_real(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                    raise ValueError(f"logit_bias values must be in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                     f"got {bias!r} for token {tok}")
+        if self.bad_words_token_ids is not None:
+            if not isinstance(self.bad_words_token_ids, (list, tuple)):
+                raise ValueError(f"bad_words_token_ids must be None or a list of token-id lists, "
+                                 f"got {self.bad_words_token_ids!r}")
+            self.bad_words_token_ids = [_check_token_list("bad_words_token_ids", seq, allow_empty=False)
+                                        for seq in self.bad_words_token_ids]
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _check_token_list("allowed_token_ids", self.allowed_token_ids, allow_empty=False)
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str)
+                                                and len(self.cache_salt) <= MAX_CACHE_SALT_LENGTH):
+            raise ValueError(f"cache_salt must be None or a string of at most {MAX_CACHE_SALT_LENGTH} characters, "
+                             f"got {self.cache_salt!r:.80}")
 
     @property
     def greedy(self) -> bool:
         """True when sampling is a deterministic argmax (temperature 0)."""
         return self.temperature == 0
+
+    @property
+    def uses_processors(self) -> bool:
+        """True when any logit processor is on (penalties, min_tokens, bias, bad words, allowed ids)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.min_tokens > 0 or bool(self.logit_bias) or bool(self.bad_words_token_ids)
+                or self.allowed_token_ids is not None)

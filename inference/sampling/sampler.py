@@ -1,6 +1,8 @@
-"""Vectorised sampler over `[R, V]` logits: temperature, top-k, top-p, min-p, seeds, log-probs.
+"""Vectorised sampler over `[R, V]` logits: processors, temperature, top-k, top-p, min-p, seeds, log-probs.
 
 Per row, with x = the row's logits in float32 and T its temperature (T = 1 for greedy rows):
+  0. the logit processors (logit_bias, allowed_token_ids, bad words, min_tokens, penalties; see
+     processors.py) turn the raw logits into x, on a copy, for the rows that use them (as vLLM).
   1. z = x / T.
   2. top-k: keep tokens with x >= the k-th largest x (ties at the boundary are all kept).
   3. top-p: over the top-k survivors, renormalised, keep token i when the mass of the tokens
@@ -9,6 +11,11 @@ Per row, with x = the row's logits in float32 and T its temperature (T = 1 for g
      token survives 2-3, so this is z_i >= max z + log(min_p) whatever came before.
 Each step keeps an upper set of x, so the whole truncation is one per-row threshold: keep x >= thr.
 Greedy rows (T = 0) take argmax(x); truncation never removes the argmax, so the order is moot there.
+
+Log-probs: RAW is `log_softmax` of the model's raw logits (before any processor: what a trainer
+recomputes from the same weights); PROCESSED is the distribution actually sampled from, after the
+processors, temperature and truncation (tokens banned or cut away have log-prob -inf). So the top-n
+of a RAW row are the raw distribution's top-n, those of a PROCESSED row the processed one's.
 
 Random rows sample by inverse CDF from one float64 uniform per row, in two levels (chunk of
 `_CHUNK` tokens, then the token inside it) so the cumulative sums are short and float64-exact.
@@ -28,6 +35,7 @@ from torch import Tensor
 
 from inference.sampling import native
 from inference.sampling.batch import SamplingBatch
+from inference.sampling.processors import apply_processors
 from inference.sampling.truncation import truncate
 
 _CHUNK = 256  # tokens per first-level bucket of the inverse-CDF draw
@@ -69,7 +77,7 @@ class Sampler:
         self._workspace: Tensor | None = None
 
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
-        need = _workspace_numel(logits)
+        need = _workspace_numel(logits, batch.processors is not None)
         ws = self._workspace
         if ws is None or ws.numel() < need or ws.device != logits.device:
             ws = self._workspace = torch.empty(need, dtype=torch.float32, device=logits.device)
@@ -91,12 +99,18 @@ def sample(logits: Tensor, batch: SamplingBatch, workspace: Tensor | None = None
     chunk = min(_CHUNK, max(vocab, 1))
     padded = _padded(vocab)
     n_chunks = padded // chunk
+    processing = batch.processors is not None
     if workspace is None:
-        workspace = torch.empty(_workspace_numel(logits), dtype=torch.float32, device=logits.device)
+        workspace = torch.empty(_workspace_numel(logits, processing), dtype=torch.float32, device=logits.device)
     x = logits
+    end = rows * padded
     if x.dtype != torch.float32:
         # NOTE: one float32 copy is cheaper than the mixed-dtype ops (sub, compare, argmax) it saves.
-        x = workspace[rows * padded: rows * (padded + vocab)].view(rows, vocab).copy_(logits)
+        x = workspace[end: end + rows * vocab].view(rows, vocab).copy_(logits)
+        end += rows * vocab
+    x_raw = x  # the model's logits (float32): RAW log-probs are theirs
+    if processing:
+        x = apply_processors(workspace[end: end + rows * vocab].view(rows, vocab).copy_(x_raw), batch.processors)
     t = batch.temperature
     inv_t = torch.where(t == 0, torch.ones_like(t), t).reciprocal()
     truncating = batch.use_top_k or batch.use_top_p or batch.use_min_p
@@ -107,7 +121,7 @@ def sample(logits: Tensor, batch: SamplingBatch, workspace: Tensor | None = None
     if not truncating and not batch.all_greedy and native.usable(x):
         # NOTE: the native path draws from the same uniforms by the same inverse CDF (native.py)
         token_ids, m, total, raw_total = native.sample_rows(
-            x, inv_t, _uniforms(rows, batch.generators, x.device), raw=batch.need_raw)
+            x, inv_t, _uniforms(rows, batch.generators, x.device), raw=batch.need_raw and not processing)
         if raw_total is not None:
             raw_log_norm = raw_total.log().float()
     else:
@@ -118,7 +132,7 @@ def sample(logits: Tensor, batch: SamplingBatch, workspace: Tensor | None = None
         if not batch.unit_temperature:
             w.mul_(inv_t[:, None])
         w.exp_()
-        if batch.need_raw and batch.unit_temperature and truncating:
+        if batch.need_raw and batch.unit_temperature and truncating and not processing:
             raw_log_norm = w.sum(-1).log()  # w is still exp(x - m): reuse it before it is cut
         thr = truncate(x, w, m, inv_t, batch) if truncating else None
         chunk_sums = w_full.view(rows, n_chunks, chunk).sum(-1).double()
@@ -132,24 +146,36 @@ def sample(logits: Tensor, batch: SamplingBatch, workspace: Tensor | None = None
     if batch.any_greedy and not batch.all_greedy:
         token_ids = torch.where(t == 0, x.argmax(-1), token_ids)
     log_total = total.log().float()  # log normaliser of the processed distribution, in z units
-    if batch.need_raw and raw_log_norm is None:
-        # w is spent once the tokens are drawn; reuse its storage for exp(x - m).
-        raw_log_norm = log_total if batch.unit_temperature else torch.sub(x, m[:, None], out=w).exp_().sum(-1).log()
+    raw_lse = None  # log sum exp of the raw logits, in x units
+    if batch.need_raw:
+        if processing:
+            raw_lse = _log_normaliser(x_raw)
+        else:
+            if raw_log_norm is None:
+                # w is spent once the tokens are drawn; reuse its storage for exp(x - m).
+                raw_log_norm = log_total if batch.unit_temperature else \
+                    torch.sub(x, m[:, None], out=w).exp_().sum(-1).log()
+            raw_lse = m + raw_log_norm
     x_tok = x.gather(1, token_ids[:, None])[:, 0]
-    logprobs = _select(batch, lambda: x_tok - m - raw_log_norm,
+    x_raw_tok = x_raw.gather(1, token_ids[:, None])[:, 0] if processing else x_tok
+    logprobs = _select(batch, lambda: x_raw_tok - raw_lse,
                        lambda: (x_tok - m) * inv_t - log_total)
     n = min(batch.num_top_logprobs, vocab)
     if n == 0:
         return SamplerOutput(token_ids, logprobs, None, None)
     # NOTE: x and z = x / T order tokens alike, and the kept set is an upper set of x, so one
-    # top-n of x serves both modes; only the values differ.
+    # top-n of x serves both modes; only the values differ. Processors reorder tokens: then RAW
+    # rows take the top-n of the raw logits.
     top_x, top_ids = x.topk(n, dim=-1)
+    raw_x, raw_ids = x_raw.topk(n, dim=-1) if processing and batch.need_raw else (top_x, top_ids)
 
     def processed_top() -> Tensor:
         top = (top_x - m[:, None]) * inv_t[:, None] - log_total[:, None]
         return top if thr is None else top.masked_fill_(top_x < thr[:, None], _NEG_INF)
 
-    top = _select(batch, lambda: top_x - (m + raw_log_norm)[:, None], processed_top)
+    top = _select(batch, lambda: raw_x - raw_lse[:, None], processed_top)
+    if raw_ids is not top_ids:
+        top_ids = _select(batch, lambda: raw_ids, lambda: top_ids)
     return SamplerOutput(token_ids, logprobs, top, top_ids)
 
 
@@ -172,10 +198,22 @@ def compute_prompt_logprobs(logits: Tensor, target_ids: Tensor, num_top: int = 0
     return PromptLogprobs(torch.cat(lps), torch.cat(tops) if n else None, torch.cat(ids) if n else None)
 
 
-def _workspace_numel(logits: Tensor) -> int:
-    """Float32 elements `sample` needs: the padded weights, plus a float32 copy of other dtypes."""
+def _log_normaliser(x: Tensor) -> Tensor:
+    """log sum exp of each row of float32 `x`, in one read of it where the native kernel runs.
+    NOTE: the kernel's own max and weight sum at T = 1 are this normaliser (its sampled token is
+    dropped); `torch.logsumexp` costs ~8x one read on CPU."""
+    if native.usable(x):
+        rows = x.shape[0]
+        _, m, total, _ = native.sample_rows(x, torch.ones(rows), torch.zeros(rows, dtype=torch.float64))
+        return m + total.log().float()
+    return torch.logsumexp(x, -1)
+
+
+def _workspace_numel(logits: Tensor, processing: bool = False) -> int:
+    """Float32 elements `sample` needs: the padded weights, a float32 copy of other dtypes, and
+    with `processing` the processed copy of the logits."""
     rows, vocab = logits.shape
-    return rows * (_padded(vocab) + (0 if logits.dtype == torch.float32 else vocab))
+    return rows * (_padded(vocab) + (0 if logits.dtype == torch.float32 else vocab) + (vocab if processing else 0))
 
 
 def _padded(vocab: int) -> int:

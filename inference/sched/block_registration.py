@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from inference.kv_cache.hashing import block_hashes
+from inference.kv_cache.hashing import block_hashes, chain_key
 from inference.sched.context import DynamicInferenceContext
 
 
@@ -34,8 +34,9 @@ def register_full_blocks(ctx: DynamicInferenceContext, slots: np.ndarray) -> Non
         chain = ctx.hashes[slot]
         parent_hash = chain[-1] if chain else 0
         new_tokens = ctx.tokens[slot, len(chain) * bs : full * bs].tolist()
-        chain.extend(block_hashes(new_tokens, bs, parent_hash, ctx.policy_version))
         req = ctx.requests[slot]
+        key = chain_key(ctx.policy_version, req.params.cache_salt)  # NOTE: matchable_hashes keys it alike
+        chain.extend(block_hashes(new_tokens, bs, parent_hash, key))
         scores = req.prompt_scores
         # NOTE: the scores of these blocks were recorded from the same forward pass, just before
         cached_scores = None if scores is None else [

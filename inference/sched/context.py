@@ -24,9 +24,10 @@ from inference.cache.state_pool import StatePool
 from inference.config import InferenceConfig
 from inference.errors import BlockOverflowError
 from inference.kv_cache.allocator import KVBlockAllocator
-from inference.kv_cache.hashing import block_hashes
+from inference.kv_cache.hashing import block_hashes, chain_key
 from inference.request import FinishReason, Request, RequestStatus
 from inference.sampling.params import LogprobsMode
+from inference.sampling.processor_state import ProcessorState
 from inference.sched.prompt_logprobs import PromptScores, servable_prefix
 from inference.sched.state_prefix import StatePrefixCache
 
@@ -46,6 +47,9 @@ class DynamicInferenceContext:
         version_of: Callable[[], int] = lambda: 0,
         states: StatePool | None = None,
         snapshots: StateSnapshots | None = None,
+        *,
+        vocab_size: int,
+        eos_token_ids=(),
     ) -> None:
         self.config = config
         self.allocator = allocator
@@ -90,6 +94,8 @@ class DynamicInferenceContext:
         self.streams_tokens = np.zeros(n, dtype=bool)  # the request's caller wants every token as sampled
         self.returns_routes = np.zeros(n, dtype=bool)  # MoE: the request records its routing per token
         self.stop_ids = np.full((n, 4), -1, dtype=np.int64)  # widened when a request has more
+        # logit processors' per-slot state (penalty counts kept as tokens are appended)
+        self.processors = ProcessorState(n, vocab_size, eos_token_ids)
         self.free_slots: list[int] = list(range(n - 1, -1, -1))
         self.active: list[int] = []
         self.paused: list[int] = []
@@ -285,6 +291,8 @@ class DynamicInferenceContext:
             self.stop_ids = wider
         self.stop_ids[slot] = -1
         self.stop_ids[slot, : len(stops)] = stops
+        prompt_len, seq_len = int(self.prompt_len[slot]), int(self.seq_len[slot])
+        self.processors.bind(slot, p, self.tokens[slot, :prompt_len], self.tokens[slot, prompt_len:seq_len])
 
     def grow(self, slot: int, new_kv_len: int) -> bool:
         """Make `slot`'s table cover `new_kv_len` tokens; False (nothing changed) if no block."""
@@ -315,6 +323,7 @@ class DynamicInferenceContext:
         self.token_logprobs[slots, pos] = new_logprobs
         self.token_versions[slots, pos] = self._version_of()
         self.seq_len[slots] = pos + 1
+        self.processors.append(slots, new_tokens)
         first = slots[pos == self.prompt_len[slots]]
         if first.size:
             now = time.perf_counter()
@@ -355,6 +364,7 @@ class DynamicInferenceContext:
             self.hashes[slot] = []
             self.requests[slot] = None
             self.generators[slot] = None
+            self.processors.release(slot)
             if slot in self.active:
                 self.active.remove(slot)
             else:
@@ -409,6 +419,7 @@ class DynamicInferenceContext:
         else:
             self.allocator.reset()
         self.num_blocks[:] = 0
+        self.processors.reset()
         self.hashes = [[] for _ in range(self.config.max_requests)]
         self.requests = [None] * self.config.max_requests
         self.free_slots = list(range(self.config.max_requests - 1, -1, -1))
@@ -463,6 +474,7 @@ class DynamicInferenceContext:
         if req.hash_cache_key != key:  # NOTE: scheduling asks again each step while it waits
             tokens = req.all_token_ids
             usable = (len(tokens) - 1) // self.block_size * self.block_size
-            req.hash_cache = block_hashes(tokens[:usable], self.block_size, extra_key=self.policy_version)
+            req.hash_cache = block_hashes(tokens[:usable], self.block_size,
+                                          extra_key=chain_key(self.policy_version, req.params.cache_salt))
             req.hash_cache_key = key
         return req.hash_cache

@@ -39,7 +39,7 @@ from inference import DynamicInferenceEngine, PauseMode, SamplingParams, Suspend
 from inference.request import RequestOutput, TokenEvent
 from rollout.backend import Prompts, WeightSource, params_per_prompt, sort_rollouts
 from rollout.client.requests import weight_source
-from rollout.client.streams import suspend_report
+from rollout.client.streams import suspend_report, with_prompt_logprobs
 from rollout.service.metrics import ServiceMetrics, _wire_values
 from rollout.text import TextCodec, add_text, token_prompts
 from rollout.types import Rollout, RolloutBatch, TokenChunk
@@ -97,7 +97,7 @@ class InProcessStream:
         if isinstance(item, RequestOutput):  # NOTE: the server's reply, then the client's Rollout of it
             sample = output_to_wire(item, self.request_ids[group], n=self._n[group])
             self._client.metrics.sample_sent(sample.versions)
-            item = output_from_wire(sample, self._prompts[group], group)
+            item = with_prompt_logprobs(output_from_wire(sample, self._prompts[group], group), sample)
         self._items.append((group, item))
         self._ready.set()
 

@@ -83,12 +83,20 @@ def build_generates(conn: Connection, prompts: Prompts, n: int, sampling: Option
     return out
 
 
+def with_prompt_logprobs(rollout: Rollout, sample: wire.SampleOutput) -> Rollout:
+    """`rollout` with the sample's prompt log-probs (NOTE: set here, not in `output_from_wire`,
+    while the wire package is being changed elsewhere; they belong there)."""
+    if sample.prompt_logprobs is not None:
+        rollout.prompt_logprobs = [None if d is None else dict(d) for d in sample.prompt_logprobs]
+    return rollout
+
+
 def to_item(prompts: Prompts, group: int, payload: Any) -> Union[Rollout, TokenChunk]:
     """A routed reply as what a stream yields (raises the error it carries)."""
     if isinstance(payload, BaseException):
         raise payload
     if isinstance(payload, wire.SampleOutput):
-        return output_from_wire(payload, prompts[group], group)
+        return with_prompt_logprobs(output_from_wire(payload, prompts[group], group), payload)
     delta, cut = payload
     return TokenChunk(group, delta.sample_index, delta.start + cut, delta.token_ids[cut:].tolist(),
                       delta.logprobs[cut:].tolist(), delta.versions[cut:].tolist())

@@ -31,6 +31,7 @@ from rollout.http.guards import BearerKey, RequestGuard, allowed_host_names
 from rollout.http.openai_routes import router as openai_router
 from rollout.http.sglang_routes import STATE_CHANGING_GETS
 from rollout.http.sglang_routes import router as sglang_router
+from rollout.http.tokenize_routes import router as tokenize_router
 from rollout.wire.security import is_loopback
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ def build_app(front: HttpFront) -> FastAPI:
     errors.install(app)
     if front.config.api_key:
         app.add_middleware(BearerKey, key=front.config.api_key)
+    app.include_router(tokenize_router)
     app.include_router(openai_router)
     app.include_router(sglang_router)
     return app

@@ -1,6 +1,7 @@
 """Error replies as the clients expect them: OpenAI's body under `/v1`, SGLang's elsewhere.
 
-OpenAI (and vLLM, which copies it): status 400 / 404 / 401 / 500 with
+OpenAI (and vLLM, which copies it; vLLM's `/tokenize`, `/detokenize`, `/tokenizer_info` too):
+status 400 / 404 / 401 / 500 with
 `{"error": {"message", "type", "param", "code"}}`; e.g. an unknown field is
 "Unrecognized request argument supplied: X", an unknown model is 404 with code `model_not_found`,
 a prompt past the context is 400 with code `context_length_exceeded`.
@@ -17,8 +18,10 @@ a state, a permanent one is the client's 400.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import re
 from http import HTTPStatus
 from typing import Any, Optional
 
@@ -27,8 +30,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from inference import SamplingParams
 from inference.errors import ContextOverflowError, EngineStateError, OverloadedError
-from rollout.http.schemas import LONE_SURROGATE
+from rollout.http.schemas import FIELD_ERROR, LONE_SURROGATE
 from rollout.text import PromptTooLongError
 from rollout.wire.codec import ProtocolError
 from rollout.wire.kinds import ErrorCode
@@ -57,8 +61,11 @@ class APIError(Exception):
         return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
 
+VLLM_ROOT_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})  # vLLM's, answered in its shape
+
+
 def is_openai_path(path: str) -> bool:
-    return path.startswith("/v1/") or path == "/v1"
+    return path.startswith("/v1/") or path == "/v1" or path in VLLM_ROOT_PATHS
 
 
 def error_response(request: Request, err: APIError, headers: Optional[dict[str, str]] = None) -> JSONResponse:
@@ -82,6 +89,19 @@ def overloaded(message: str, retry_after_s: Optional[float] = None) -> APIError:
                     retry_after_s=RETRY_AFTER_S if retry_after_s is None else retry_after_s)
 
 
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+BODY_NAMES = {"bad_words_token_ids": "bad_words"}  # an engine field -> the request field it came from
+_FIELD_AT_START = re.compile(r"^(?:[A-Z_]+: )?(?:ValueError: )?(?:sampling\.)?([a-z_]+)\b")
+
+
+def engine_param(message: str) -> Optional[str]:
+    """The request field an engine's refusal names (its messages start with the field's name)."""
+    match = _FIELD_AT_START.match(message)
+    if match is None or match.group(1) not in SAMPLING_FIELDS:
+        return None
+    return BODY_NAMES.get(match.group(1), match.group(1))
+
+
 def from_exception(exc: BaseException) -> APIError:
     """What an exception from the engine side means to an HTTP client."""
     if isinstance(exc, APIError):
@@ -98,7 +118,7 @@ def from_exception(exc: BaseException) -> APIError:
         if exc.code is ErrorCode.ENGINE_STATE:
             return unavailable(str(exc))
         if exc.code in (ErrorCode.INVALID_REQUEST, ErrorCode.BAD_SCHEMA):
-            return APIError(400, str(exc))
+            return APIError(400, str(exc), param=engine_param(str(exc)))
         if exc.code is ErrorCode.TOO_LARGE:
             return APIError(413, str(exc), code="request_too_large")
         return APIError(500, str(exc), type="server_error")
@@ -109,7 +129,7 @@ def from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, PromptTooLongError):
         return APIError(400, str(exc), param="prompt", code="context_length_exceeded")
     if isinstance(exc, (ValueError, TypeError)):
-        return APIError(400, str(exc))
+        return APIError(400, str(exc), param=engine_param(str(exc)))
     return APIError(500, f"{type(exc).__name__}: {exc}", type="server_error")
 
 
@@ -131,6 +151,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
         field = str(first.get("ctx", {}).get("field", param))
         return (f"Invalid value for '{field}': it holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
                 "escape), which is not Unicode text.", field)
+    if kind == FIELD_ERROR:
+        return str(first.get("msg", "invalid")), str(first.get("ctx", {}).get("field", param))
     if kind == "extra_forbidden":
         return f"Unrecognized request argument supplied: {param}", param
     if kind == "missing":

@@ -13,26 +13,29 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from inference import SamplingParams
 from rollout.http.clients import FrontClient
 from rollout.http.errors import APIError, from_exception
 from rollout.http.generation import Generation, GenSpec
-from rollout.http.sessions import SessionStore
+from rollout.http.sampling import sampling_params
+from rollout.http.sessions import Render, SessionStore
 from rollout.http.tools import TOOL_PARSERS, ToolParser
 from rollout.http.weights import WeightCalls
-from rollout.text import PromptTooLongError, TextCodec
+from rollout.text import ChatTemplateError, PromptTooLongError, TextCodec
 
 
 @dataclass(slots=True)
 class FrontConfig:
-    """`model_name`: the name clients must send as `model`; `max_model_len`: the longest prompt +
+    """`model_name`: the served name reported (and the `model` of a request that names none);
+    `aliases`: other names a request's `model` may be; `max_model_len`: the longest prompt +
     completion the engine takes; `timeout`: the bound of every engine call, in seconds;
     `tool_parser`: how chat replies are parsed for tool calls (`rollout.http.tools`)."""
 
     model_name: str
     max_model_len: int
+    aliases: tuple[str, ...] = ()
     model_path: str = ""
     timeout: float = 600.0
     max_sessions: int = 4096
@@ -46,8 +49,8 @@ class FrontConfig:
                 raise ValueError(f"FrontConfig.tool_parser must be one of {', '.join(TOOL_PARSERS)}, "
                                  f"got {self.tool_parser!r}")
             self.tool_parser = ToolParser(self.tool_parser)
-        if not self.model_name:
-            raise ValueError("FrontConfig.model_name must not be empty")
+        if not self.model_name or not all(self.aliases):
+            raise ValueError("FrontConfig.model_name and aliases must not be empty")
         if self.max_model_len < 2:
             raise ValueError(f"FrontConfig.max_model_len must be >= 2, got {self.max_model_len}")
         if self.timeout <= 0:
@@ -72,9 +75,17 @@ class HttpFront:
 
     # ---- checks --------------------------------------------------------------------------------
 
-    def check_model(self, model: str) -> None:
-        if model != self.config.model_name:
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.config.model_name, *self.config.aliases)
+
+    def check_model(self, model: Optional[str]) -> str:
+        """The served name a request's `model` means (None: the first); 404 for another."""
+        if model is None:
+            return self.config.model_name
+        if model not in self.model_names:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        return model
 
     def check_ids(self, prompts: list[list[int]], param: str = "prompt") -> None:
         vocab = self.codec.vocab_size
@@ -98,18 +109,11 @@ class HttpFront:
 
     # ---- building blocks -----------------------------------------------------------------------
 
-    @staticmethod
-    def sampling(*, n: int, max_tokens: int, temperature: Optional[float], top_p: Optional[float],
-                 top_k: Optional[int], min_p: Optional[float], seed: Optional[int],
-                 stop_token_ids: Optional[list[int]], ignore_eos: bool, logprobs: Optional[int]) -> SamplingParams:
-        try:
-            return SamplingParams(n=n, max_tokens=max_tokens, temperature=1.0 if temperature is None else temperature,
-                                  top_p=1.0 if top_p is None else top_p, top_k=top_k or 0,
-                                  min_p=0.0 if min_p is None else min_p, seed=seed,
-                                  stop_token_ids=list(stop_token_ids or []), ignore_eos=ignore_eos,
-                                  logprobs=logprobs or None)
-        except ValueError as exc:
-            raise APIError(400, str(exc)) from exc
+    def sampling(self, body: Any, *, n: int, max_tokens: int, logprobs: Optional[int],
+                 prompt_logprobs: Optional[int] = None) -> SamplingParams:
+        """The engine's `SamplingParams` of a completions or chat body (`rollout.http.sampling`)."""
+        return sampling_params(self.codec, body, n=n, max_tokens=max_tokens, logprobs=logprobs,
+                               prompt_logprobs=prompt_logprobs)
 
     def generation(self, spec: GenSpec) -> Generation:
         return Generation(self, spec)
@@ -120,12 +124,14 @@ class HttpFront:
         except PromptTooLongError as exc:
             raise from_exception(exc) from None
 
-    async def chat_prompt(self, session_id: Optional[str], messages: list[dict], tools: Optional[list[dict]]
-                          ) -> tuple[list[int], bool]:
+    async def chat_prompt(self, session_id: Optional[str], messages: list[dict], tools: Optional[list[dict]],
+                          render: Optional[Render] = None) -> tuple[list[int], bool]:
         try:
-            return await asyncio.to_thread(self.sessions.prompt_ids, self.codec, session_id, messages, tools)
+            return await asyncio.to_thread(self.sessions.prompt_ids, self.codec, session_id, messages, tools, render)
         except PromptTooLongError as exc:
             raise from_exception(exc) from None
+        except ChatTemplateError as exc:
+            raise APIError(400, str(exc), param="messages") from None
 
     def token_text(self, token_id: int, as_ids: bool) -> str:
         return f"token_id:{token_id}" if as_ids else self.codec.token_texts([token_id])[0]
@@ -133,9 +139,3 @@ class HttpFront:
     async def policy_version(self) -> int:
         return await self.client.policy_version()
 
-
-def top_entries(top: Optional[dict[int, float]], k: int) -> list[tuple[int, float]]:
-    """The `k` most likely (token id, log-prob) of one position, most likely first."""
-    if not top or k <= 0:
-        return []
-    return sorted(top.items(), key=lambda kv: -kv[1])[:k]

@@ -13,8 +13,9 @@ streaming client may be shown yet.
 * Streaming holds back what a stop string could still take back: the last `max(len(stop)) - 1`
   characters of text and the last `max(len(stop))` tokens (a token spells at least one
   character), and an incomplete UTF-8 tail.
-* Top log-probs travel with a sample's final output only, so a streaming request that asks for
-  them gets each sample in one delta when it finishes (the same data, coarser).
+* Top log-probs and prompt log-probs travel with a sample's final output only, so a streaming
+  request that asks for them gets each sample in one delta when it finishes (the same data,
+  coarser).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class GenSpec:
     stream: bool = False
     session_id: Optional[str] = None
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    whole: bool = False  # stream each sample in one delta when it finishes (echo scoring a prompt)
 
     @property
     def top_logprobs(self) -> int:
@@ -56,8 +58,8 @@ class GenSpec:
 class Sample:
     """One choice: its ids, log-probs and versions as sampled, its text, what was sent so far."""
 
-    __slots__ = ("group", "index", "ids", "logprobs", "versions", "top_logprobs", "text", "finish_reason",
-                 "matched", "stopped", "finished", "sent_text", "sent_ids", "_searched")
+    __slots__ = ("group", "index", "ids", "logprobs", "versions", "top_logprobs", "prompt_logprobs", "text",
+                 "finish_reason", "matched", "stopped", "finished", "sent_text", "sent_ids", "_searched")
 
     def __init__(self, group: int, index: int) -> None:
         self.group, self.index = group, index
@@ -65,6 +67,7 @@ class Sample:
         self.logprobs: list[float] = []
         self.versions: list[int] = []
         self.top_logprobs: Optional[list[dict[int, float]]] = None
+        self.prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None  # the engine's, when asked
         self.text = ""
         self.finish_reason: Optional[str] = None
         self.matched: Any = None  # the stop string, or the id of the stop token / EOS that ended it
@@ -77,6 +80,12 @@ class Sample:
     @property
     def done(self) -> bool:
         return self.stopped or self.finished
+
+    def truncate(self) -> None:
+        """Drop what was sampled (echo with `max_tokens: 0`: the prompt scored, nothing generated)."""
+        self.ids, self.logprobs, self.versions, self.text = [], [], [], ""
+        self.top_logprobs = None if self.top_logprobs is None else []
+        self.finish_reason, self.matched = "length", None
 
 
 @dataclass(slots=True)
@@ -104,7 +113,8 @@ class Generation:
         self.samples = [Sample(g, i) for g in range(len(spec.prompts)) for i in range(spec.n)]
         self._by_key = {(s.group, s.index): s for s in self.samples}
         self._hold = max((len(s) for s in spec.stops), default=0)
-        self._coarse = spec.stream and spec.top_logprobs > 0
+        whole = spec.whole or spec.top_logprobs > 0 or spec.sampling.prompt_logprobs is not None
+        self._coarse = spec.stream and whole
         self._stream: Any = None
         self.started = time.perf_counter()
         self.seconds = 0.0
@@ -200,6 +210,7 @@ class Generation:
 
     def _finish(self, sample: Sample, rollout: Rollout) -> None:
         sample.finished = True
+        sample.prompt_logprobs = rollout.prompt_logprobs
         if sample.stopped:  # cut earlier: keep the cut, take the top log-probs of its tokens
             if rollout.top_logprobs is not None:
                 sample.top_logprobs = rollout.top_logprobs[:len(sample.ids)]

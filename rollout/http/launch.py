@@ -4,9 +4,9 @@ ZMQ), `serve_front` on a client the caller built (e.g. the in-process one of `ro
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from rollout.http.app import HttpServer, build_app
 from rollout.http.clients import FrontClient, ServiceClient
@@ -42,16 +42,18 @@ def model_context(model_dir: Path) -> int:
 
 
 def serve_front(client: FrontClient, model_dir: Path, *, host: str = "127.0.0.1", port: int = 0,
-                served_model_name: Optional[str] = None, max_model_len: Optional[int] = None,
+                served_model_name: Union[str, Sequence[str], None] = None, max_model_len: Optional[int] = None,
                 api_key: Optional[str] = None, timeout: float = 600.0, tokenizer: Any = None,
                 limits: Optional[ConnectionLimits] = None, allowed_hosts: Iterable[str] = (),
                 on_stop: Optional[Callable[[], None]] = None, tool_call_parser: str = "none") -> RunningFront:
     """Serve HTTP on `host:port` over `client`; `on_stop` runs after the server stops (and if it
-    fails to start). `limits`, `allowed_hosts`: see `rollout.http.app.HttpServer`;
+    fails to start). `served_model_name`: one name or several (the first reported; default the
+    directory's name). `limits`, `allowed_hosts`: see `rollout.http.app.HttpServer`;
     `tool_call_parser`: see `rollout.http.tools`."""
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     try:
         codec = TextCodec.load(tokenizer if tokenizer is not None else model_dir)
-        config = FrontConfig(model_name=served_model_name or Path(model_dir).name,
+        config = FrontConfig(model_name=names[0] if names else Path(model_dir).name, aliases=tuple(names[1:]),
                              max_model_len=max_model_len or model_context(model_dir), model_path=str(model_dir),
                              timeout=timeout, api_key=api_key, tool_parser=tool_call_parser)
         front = HttpFront(client, codec, config)
@@ -65,7 +67,7 @@ def serve_front(client: FrontClient, model_dir: Path, *, host: str = "127.0.0.1"
 
 
 def start_front(address: str, model_dir: Path, *, host: str = "127.0.0.1", port: int = 0,
-                served_model_name: Optional[str] = None, max_model_len: Optional[int] = None,
+                served_model_name: Union[str, Sequence[str], None] = None, max_model_len: Optional[int] = None,
                 api_key: Optional[str] = None, token: Optional[str] = None, timeout: float = 600.0,
                 tokenizer: Any = None, limits: Optional[ConnectionLimits] = None,
                 allowed_hosts: Iterable[str] = (), tool_call_parser: str = "none") -> RunningFront:

@@ -5,7 +5,13 @@ Responses follow OpenAI's shapes; each choice also carries the exact ids under v
 choice; `prompt_token_ids` on a chat response (and on each of its choices) and `token_ids` on each
 chat choice. Streaming is Server-Sent Events (`data: {chunk}` ... `data: [DONE]`); the first chunk
 of a choice carries its `prompt_token_ids`, every chunk the `token_ids` it adds. Log-probs are the
-engine's raw ones (log-softmax of the logits at temperature 1), what a trainer recomputes.
+engine's raw ones (log-softmax of the logits at temperature 1), what a trainer recomputes; their
+shapes (`echo`, vLLM's `prompt_logprobs`, the sampled token in every top list) are in
+`rollout.http.logprobs`.
+
+`best_of` (completions, not streamed) samples `best_of` of each prompt and answers the `n` with
+the highest cumulative log-prob, vLLM's rule. `echo` with `max_tokens: 0` scores the prompt only:
+the engine samples one token (it always samples one), which is dropped.
 """
 
 from __future__ import annotations
@@ -21,10 +27,11 @@ from fastapi.responses import StreamingResponse
 
 from rollout.http.disconnects import unless_disconnected
 from rollout.http.errors import APIError, from_exception
-from rollout.http.front import HttpFront, top_entries
+from rollout.http.front import HttpFront
 from rollout.http.generation import Delta, Generation, GenSpec, Sample
+from rollout.http.logprobs import chat_top, completion_top, echoed_prompt, prompt_entries
 from rollout.http.schemas import ChatCompletionRequest, CompletionRequest
-from rollout.http.sessions import Reply
+from rollout.http.sessions import Render, Reply
 from rollout.http.tools import ToolChoiceError, ToolParser, check_tool_choice, parse_reply, tool_stream
 
 router = APIRouter()
@@ -46,9 +53,10 @@ def front_of(request: Request) -> HttpFront:
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
     front = front_of(request)
-    card = {"id": front.config.model_name, "object": "model", "created": front.created, "owned_by": "rollout-engine",
-            "root": front.config.model_path or front.config.model_name, "max_model_len": front.config.max_model_len}
-    return json_response({"object": "list", "data": [card]})
+    cards = [{"id": name, "object": "model", "created": front.created, "owned_by": "rollout-engine",
+              "root": front.config.model_path or front.config.model_name, "max_model_len": front.config.max_model_len}
+             for name in front.model_names]
+    return json_response({"object": "list", "data": cards})
 
 
 @router.get("/v1/models/{model:path}")
@@ -64,7 +72,7 @@ async def get_model(model: str, request: Request) -> Response:
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     front = front_of(request)
-    front.check_model(body.model)
+    body.model = front.check_model(body.model)
     prompt = body.prompt
     if isinstance(prompt, str):
         prompts = [await front.encode(prompt)]
@@ -77,17 +85,29 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     if not all(prompts):
         raise APIError(400, "The prompt must not be empty (it tokenized to no tokens).", param="prompt")
     front.check_ids(prompts)
-    max_tokens = front.completion_budget(prompts, body.max_tokens, "prompt")
-    spec = _spec(front, body, prompts, max_tokens, body.logprobs)
+    score_only = body.echo and body.max_tokens == 0
+    max_tokens = front.completion_budget(prompts, 1 if score_only else body.max_tokens, "prompt")
+    echo_top = body.logprobs if body.echo and body.logprobs is not None else None
+    scored = max((k for k in (body.prompt_logprobs, echo_top) if k is not None), default=None)
+    spec = _spec(front, body, prompts, max_tokens, body.logprobs, n=body.best_of or body.n, prompt_logprobs=scored)
+    spec.whole = score_only
     gen = front.generation(spec)
     rid = f"cmpl-{spec.rid}"
     if body.stream:
-        return _stream(gen, _completion_chunks(front, body, gen, rid))
-    samples = await unless_disconnected(request, gen.run())
+        return _stream(gen, _completion_chunks(front, body, gen, rid, score_only))
+    samples = _best(await unless_disconnected(request, gen.run()), body.n)
     choices = []
     for i, s in enumerate(samples):
+        if score_only:
+            s.truncate()
         choice = {"index": i, "text": s.text, "logprobs": _completion_logprobs(front, body, s, 0, s.ids),
                   "finish_reason": s.finish_reason, "stop_reason": _stop_reason(s)}
+        if body.echo:
+            choice["text"] = _prompt_text(front, body, prompts, s.group) + s.text
+            if choice["logprobs"] is not None:
+                choice["logprobs"] = _echoed(front, body, prompts[s.group], s, choice["logprobs"])
+        if body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = _prompt_logprobs(front, body, prompts[s.group], s, body.prompt_logprobs)
         if body.return_token_ids is not False:
             choice["prompt_token_ids"] = prompts[s.group]
             choice["token_ids"] = s.ids
@@ -96,17 +116,64 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
                           "choices": choices, "usage": _usage(prompts, samples)})
 
 
-async def _completion_chunks(front: HttpFront, body: CompletionRequest, gen: Generation, rid: str
-                             ) -> AsyncIterator[bytes]:
+def _best(samples: list[Sample], n: int) -> list[Sample]:
+    """Each prompt's `n` samples of the highest cumulative log-prob (all of them when `best_of` was not asked)."""
+    groups: dict[int, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault(s.group, []).append(s)
+    if all(len(g) == n for g in groups.values()):
+        return samples
+    return [s for g in sorted(groups) for s in sorted(groups[g], key=lambda s: -sum(s.logprobs))[:n]]
+
+
+def _prompt_text(front: HttpFront, body: CompletionRequest, prompts: list[list[int]], group: int) -> str:
+    """The echoed prompt: the text sent, or the ids sent decoded."""
+    if isinstance(body.prompt, str):
+        return body.prompt
+    if isinstance(body.prompt[0], str):
+        return str(body.prompt[group])
+    return front.codec.decode(prompts[group], skip_special_tokens=body.skip_special_tokens)
+
+
+def _echoed(front: HttpFront, body: CompletionRequest, prompt: list[int], s: Sample, completion: dict) -> dict:
+    as_ids = body.return_tokens_as_token_ids
+    tokens, lps, tops = echoed_prompt(prompt, s.prompt_logprobs, body.logprobs or 0,
+                                      lambda t: front.token_text(t, as_ids))
+    offsets, at = [], 0
+    for tok in tokens:
+        offsets.append(at)
+        at += len(tok)
+    return {"tokens": tokens + completion["tokens"], "token_logprobs": lps + completion["token_logprobs"],
+            "top_logprobs": tops + (completion["top_logprobs"] or []),
+            "text_offset": offsets + [at + o for o in completion["text_offset"]]}
+
+
+def _prompt_logprobs(front: HttpFront, body: Any, prompt: list[int], s: Sample, k: int) -> Optional[list]:
+    as_ids = body.return_tokens_as_token_ids
+    return prompt_entries(prompt, s.prompt_logprobs, k, lambda t: front.token_text(t, as_ids))
+
+
+async def _completion_chunks(front: HttpFront, body: CompletionRequest, gen: Generation, rid: str,
+                             score_only: bool = False) -> AsyncIterator[bytes]:
+    """Each choice's deltas; with `echo`, its first one starts with the prompt (NOTE: echo streams each
+    sample whole, in one delta, when it asks for log-probs: the prompt's come with the final output)."""
     created, first = int(time.time()), set()
     async for d in gen.deltas():
         s = d.sample
+        if score_only:
+            s.truncate()
+            d.text, d.ids, d.finish_reason = "", [], "length"
         choice = {"index": _index(gen, s), "text": d.text,
                   "logprobs": _completion_logprobs(front, body, s, d.start, d.ids),
                   "finish_reason": d.finish_reason}
+        opening = choice["index"] not in first
+        first.add(choice["index"])
+        if body.echo and opening:
+            choice["text"] = _prompt_text(front, body, gen.spec.prompts, s.group) + d.text
+            if choice["logprobs"] is not None:
+                choice["logprobs"] = _echoed(front, body, gen.spec.prompts[s.group], s, choice["logprobs"])
         if body.return_token_ids is not False:
-            if choice["index"] not in first:
-                first.add(choice["index"])
+            if opening:
                 choice["prompt_token_ids"] = gen.spec.prompts[s.group]
             choice["token_ids"] = d.ids
         yield sse({"id": rid, "object": "text_completion", "created": created, "model": body.model,
@@ -122,16 +189,15 @@ def _completion_logprobs(front: HttpFront, body: CompletionRequest, s: Sample, s
         return None
     as_ids = body.return_tokens_as_token_ids
     tokens = [front.token_text(t, as_ids) for t in ids]
-    tops = None
-    if s.top_logprobs is not None:
-        tops = [{front.token_text(t, as_ids): lp for t, lp in top_entries(s.top_logprobs[start + j], body.logprobs)}
-                for j in range(len(ids))]
+    lps = s.logprobs[start:start + len(ids)]
+    rows = s.top_logprobs[start:start + len(ids)] if s.top_logprobs is not None else [None] * len(ids)
+    tops = [{front.token_text(t, as_ids): lp for t, lp in completion_top(row, body.logprobs, tok, tok_lp)}
+            for tok, tok_lp, row in zip(ids, lps, rows)]
     offsets, at = [], len(front.codec.decode(s.ids[:start])) if start else 0
     for tok in tokens:
         offsets.append(at)
         at += len(tok)
-    return {"tokens": tokens, "token_logprobs": s.logprobs[start:start + len(ids)], "top_logprobs": tops,
-            "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
 # ---- chat completions ----------------------------------------------------------------------------
@@ -140,18 +206,20 @@ def _completion_logprobs(front: HttpFront, body: CompletionRequest, s: Sample, s
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     front = front_of(request)
-    front.check_model(body.model)
+    body.model = front.check_model(body.model)
     try:
         parser = front.config.tool_parser if check_tool_choice(body.tool_choice, body.tools) else ToolParser.NONE
     except ToolChoiceError as exc:
         raise APIError(400, str(exc), param="tool_choice") from None
     session_id = body.session_id or request.headers.get(SESSION_HEADER) or None
     messages = [m.as_template_dict() for m in body.messages]
-    prompt, _ = await front.chat_prompt(session_id, messages, body.tools)
+    render = Render(body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs)
+    prompt, _ = await front.chat_prompt(session_id, messages, body.tools, render)
     front.check_ids([prompt], "messages")
     max_tokens = front.completion_budget([prompt], body.completion_limit(), "messages")
     top = (body.top_logprobs or 0) if body.logprobs else None
-    spec = _spec(front, body, [prompt], max_tokens, top, session_id)
+    spec = _spec(front, body, [prompt], max_tokens, top, session_id=session_id,
+                 prompt_logprobs=body.prompt_logprobs)
     gen = front.generation(spec)
     rid = f"chatcmpl-{spec.rid}"
     headers = {SESSION_HEADER: session_id} if session_id else None
@@ -159,7 +227,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     def remember() -> None:
         if session_id:
             front.sessions.record(session_id, messages, body.tools, prompt,
-                                  [Reply(s.text, list(s.ids)) for s in gen.samples])
+                                  [Reply(s.text, list(s.ids)) for s in gen.samples], render)
 
     if body.stream:
         return _stream(gen, _chat_chunks(front, body, gen, rid, remember, parser), headers)
@@ -181,6 +249,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
            "choices": choices, "usage": _usage([prompt], samples)}
     if body.return_token_ids is not False:
         out["prompt_token_ids"] = prompt
+    if body.prompt_logprobs is not None:
+        out["prompt_logprobs"] = _prompt_logprobs(front, body, prompt, samples[0], body.prompt_logprobs)
     return json_response(out, headers=headers)
 
 
@@ -227,26 +297,25 @@ def _chat_logprobs(front: HttpFront, body: ChatCompletionRequest, s: Sample, sta
     as_ids = body.return_tokens_as_token_ids
     content = []
     for j, t in enumerate(ids):
-        token = front.token_text(t, as_ids)
+        token, lp = front.token_text(t, as_ids), s.logprobs[start + j]
+        row = s.top_logprobs[start + j] if s.top_logprobs is not None else None
         tops = []
-        if s.top_logprobs is not None and body.top_logprobs:
-            for alt, lp in top_entries(s.top_logprobs[start + j], body.top_logprobs):
-                alt_text = front.token_text(alt, as_ids)
-                tops.append({"token": alt_text, "logprob": lp, "bytes": list(alt_text.encode())})
-        content.append({"token": token, "logprob": s.logprobs[start + j], "bytes": list(token.encode()),
-                        "top_logprobs": tops})
+        for alt, alt_lp in chat_top(row, body.top_logprobs or 0, t, lp):
+            alt_text = front.token_text(alt, as_ids)
+            tops.append({"token": alt_text, "logprob": alt_lp, "bytes": list(alt_text.encode())})
+        content.append({"token": token, "logprob": lp, "bytes": list(token.encode()), "top_logprobs": tops})
     return {"content": content}
 
 
 # ---- shared --------------------------------------------------------------------------------------
 
 
-def _spec(front: HttpFront, body: Any, prompts: list[list[int]], max_tokens: int, logprobs: Optional[int],
-          session_id: Optional[str] = None) -> GenSpec:
-    sampling = front.sampling(n=body.n, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                              top_k=body.top_k, min_p=body.min_p, seed=body.seed, stop_token_ids=body.stop_token_ids,
-                              ignore_eos=body.ignore_eos, logprobs=logprobs)
-    return GenSpec(prompts, body.n, sampling, stops=body.stop_strings(), include_stop=body.include_stop_str_in_output,
+def _spec(front: HttpFront, body: Any, prompts: list[list[int]], max_tokens: int, logprobs: Optional[int], *,
+          n: Optional[int] = None, session_id: Optional[str] = None, prompt_logprobs: Optional[int] = None
+          ) -> GenSpec:
+    n = body.n if n is None else n
+    sampling = front.sampling(body, n=n, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    return GenSpec(prompts, n, sampling, stops=body.stop_strings(), include_stop=body.include_stop_str_in_output,
                    skip_special_tokens=body.skip_special_tokens, stream=body.stream, session_id=session_id,
                    rid=uuid.uuid4().hex)
 

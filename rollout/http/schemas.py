@@ -1,11 +1,13 @@
 """Request bodies of the HTTP routes, validated by pydantic (FastAPI answers a refusal with 400).
 
 OpenAI's requests forbid unknown fields ("Unrecognized request argument supplied"); the extra
-fields accepted are vLLM's names for the same things (`top_k`, `min_p`, `stop_token_ids`,
-`ignore_eos`, `return_token_ids`, `return_tokens_as_token_ids`, `skip_special_tokens`,
-`include_stop_str_in_output`) plus `session_id`. Fields OpenAI has that this engine cannot honour
-are accepted only at their neutral value (penalties 0, no `logit_bias`, ...), so a request is
-never silently answered differently from what it asked.
+fields accepted are vLLM's names for the same things (`top_k`, `min_p`, `repetition_penalty`,
+`min_tokens`, `bad_words`, `allowed_token_ids`, `cache_salt`, `stop_token_ids`, `ignore_eos`,
+`prompt_logprobs`, `return_token_ids`, `return_tokens_as_token_ids`, `skip_special_tokens`,
+`include_stop_str_in_output`, and for chat `chat_template_kwargs`, `add_generation_prompt`,
+`continue_final_message`) plus `session_id`. Every accepted field is honoured; what this engine
+cannot do is accepted only at its neutral value (`suffix` ""), so a request is never silently
+answered differently from what it asked. `model` may be left out (the first served name).
 
 SGLang's `/generate` and control bodies use SGLang's names (see `rollout.http.sglang_routes`).
 
@@ -22,12 +24,20 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 MAX_N = 128
-MAX_STOP = 4  # OpenAI's limit on stop sequences
+MAX_STOP = 1024  # vLLM has no limit (OpenAI's is 4): a bound against abuse only
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit (chat); vLLM's default max_logprobs
+MAX_PENALTY = 100.0  # a repetition penalty past this only makes the model unreadable
+MAX_WORDS = 1024  # bad_words: a bound against abuse only
 Prob = Annotated[float, Field(ge=0, le=1)]
 
 
 LONE_SURROGATE = "lone_surrogate"  # the validation error type `rollout.http.errors` words for clients
+FIELD_ERROR = "field_error"  # a check across fields: its message as is, `param` the field it names
+
+
+def refuse(field: str, message: str) -> PydanticCustomError:
+    """A body refused for `field` (a model validator's error has no location of its own)."""
+    return PydanticCustomError(FIELD_ERROR, message.replace("{", "{{").replace("}", "}}"), {"field": field})
 
 
 def lone_surrogate_at(data: Any) -> Optional[str]:
@@ -73,21 +83,27 @@ class StreamOptions(Strict):
 class _Sampling(Strict):
     """What completions and chat completions share."""
 
-    model: str
+    model: Optional[str] = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     temperature: Optional[Annotated[float, Field(ge=0, le=2)]] = None
     top_p: Optional[Annotated[float, Field(gt=0, le=1)]] = None
-    stop: Optional[Union[str, Annotated[list[str], Field(max_length=MAX_STOP)]]] = None
+    stop: Optional[Union[str, list[str]]] = None
     seed: Optional[Annotated[int, Field(ge=0, lt=2**63)]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    presence_penalty: Optional[Annotated[float, Field(ge=0, le=0)]] = None
-    frequency_penalty: Optional[Annotated[float, Field(ge=0, le=0)]] = None
-    logit_bias: Optional[Annotated[dict[str, float], Field(max_length=0)]] = None
+    presence_penalty: Optional[Annotated[float, Field(ge=-2, le=2)]] = None
+    frequency_penalty: Optional[Annotated[float, Field(ge=-2, le=2)]] = None
+    logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100)]]] = None
     user: Optional[str] = None
     # vLLM's extra sampling fields
     top_k: Optional[Annotated[int, Field(ge=-1)]] = None
     min_p: Optional[Annotated[float, Field(ge=0, lt=1)]] = None
+    repetition_penalty: Optional[Annotated[float, Field(gt=0, le=MAX_PENALTY)]] = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    bad_words: Optional[Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_WORDS)]] = None
+    allowed_token_ids: Optional[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]] = None
+    cache_salt: Optional[Annotated[str, Field(min_length=1, max_length=256)]] = None
+    prompt_logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]] = None
     stop_token_ids: Optional[list[Annotated[int, Field(ge=0)]]] = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -95,6 +111,14 @@ class _Sampling(Strict):
     return_token_ids: Optional[bool] = None  # None: returned (RL clients need them); False: left out
     return_tokens_as_token_ids: bool = False
     session_id: Optional[Annotated[str, Field(min_length=1, max_length=256)]] = None
+
+    @model_validator(mode="after")
+    def _shared_checks(self) -> _Sampling:
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
+            raise refuse("stop", f"stop may hold at most {MAX_STOP} strings, got {len(self.stop)}.")
+        if self.prompt_logprobs is not None and self.stream:
+            raise refuse("prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`.")
+        return self
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -104,16 +128,21 @@ class _Sampling(Strict):
 class CompletionRequest(_Sampling):
     prompt: Union[str, Annotated[list[str], Field(min_length=1)], Annotated[list[int], Field(min_length=1)],
                   Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]]
-    max_tokens: Optional[Annotated[int, Field(ge=1)]] = 16
+    max_tokens: Optional[Annotated[int, Field(ge=0)]] = 16  # 0 only with echo: the prompt scored, nothing sampled
     logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]] = None
-    echo: Literal[False] = False
-    best_of: Optional[int] = None
+    echo: bool = False
+    best_of: Optional[Annotated[int, Field(ge=1, le=MAX_N)]] = None
     suffix: Optional[Literal[""]] = None
 
     @model_validator(mode="after")
-    def _best_of(self) -> CompletionRequest:
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of must equal n (samples are not ranked here)")
+    def _checks(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of < self.n:
+            raise refuse("best_of", f"best_of must be greater than or equal to n, got n={self.n} and "
+                                    f"best_of={self.best_of}.")
+        if self.best_of is not None and self.best_of > 1 and self.stream:
+            raise refuse("best_of", "best_of is not supported with stream=True.")
+        if self.max_tokens == 0 and not self.echo:
+            raise refuse("max_tokens", "max_tokens must be at least 1 (0 only with echo), got 0.")
         return self
 
 
@@ -146,11 +175,18 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Optional[Union[Literal["none", "auto", "required"], dict[str, Any]]] = None  # rollout.http.tools
     parallel_tool_calls: Optional[bool] = None
     response_format: Optional[dict[str, Literal["text"]]] = None
+    # vLLM's chat fields
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     @model_validator(mode="after")
-    def _logprobs(self) -> ChatCompletionRequest:
+    def _checks(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise refuse("continue_final_message", "Cannot set both `continue_final_message` and "
+                                                   "`add_generation_prompt` to True.")
         return self
 
     def completion_limit(self) -> Optional[int]:
@@ -161,7 +197,8 @@ class ChatCompletionRequest(_Sampling):
 
 
 class SGLangSampling(Strict):
-    """SGLang's `sampling_params` (its SamplingParams names); neutral values only for the rest."""
+    """SGLang's `sampling_params` (its SamplingParams names); neutral values only for the rest
+    (`json_schema`, `regex`, `ebnf`: no constrained decoding here)."""
 
     max_new_tokens: Annotated[int, Field(ge=1)] = 128
     stop: Optional[Union[str, list[str]]] = None
@@ -176,10 +213,11 @@ class SGLangSampling(Strict):
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     sampling_seed: Optional[Annotated[int, Field(ge=0, lt=2**63)]] = None
-    frequency_penalty: Annotated[float, Field(ge=0, le=0)] = 0.0
-    presence_penalty: Annotated[float, Field(ge=0, le=0)] = 0.0
-    repetition_penalty: Annotated[float, Field(ge=1, le=1)] = 1.0
-    min_new_tokens: Annotated[int, Field(ge=0, le=0)] = 0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0, le=MAX_PENALTY)] = 1.0
+    min_new_tokens: Annotated[int, Field(ge=0)] = 0
+    logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100)]]] = None
     json_schema: Optional[Literal[None]] = None
     regex: Optional[Literal[None]] = None
     ebnf: Optional[Literal[None]] = None

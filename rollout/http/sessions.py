@@ -8,7 +8,10 @@ reply's sampled ids verbatim + the tokens of only what the chat template adds af
 earlier turns are never re-tokenized, so the ids a trainer sees for turn k are exactly those
 sampled, and the engine's prefix cache finds the whole previous turn.
 
-Anything else (a different history, an edited reply, other tools, an unknown or expired id) starts
+A turn rendered another way (`add_generation_prompt` false, `continue_final_message`) neither
+continues nor changes its session: its prompt does not end where the next turn's would begin.
+Anything else (a different history, an edited reply, other tools or template kwargs, an unknown or
+expired id) starts
 the session over from the messages, tokenized as a fresh conversation; `SessionStore.restarts`
 counts those. The store is bounded (least recently used sessions are dropped first) and a session
 idle for `ttl_s` is forgotten.
@@ -32,12 +35,27 @@ class Reply:
 
 
 @dataclass(slots=True)
+class Render:
+    """How a chat request's messages become its prompt (vLLM's chat fields)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: Optional[dict[str, Any]] = None
+
+    @property
+    def continuable(self) -> bool:
+        """Whether such a prompt ends with the generation prompt, where a session's next turn goes on."""
+        return self.add_generation_prompt and not self.continue_final_message
+
+
+@dataclass(slots=True)
 class Session:
     messages: list[dict[str, Any]]
     tools: Optional[list[dict]]
     prompt_ids: list[int]
     replies: list[Reply]
     used: float
+    template_kwargs: Optional[dict[str, Any]] = None
 
 
 class SessionStore:
@@ -67,20 +85,26 @@ class SessionStore:
             return session
 
     def prompt_ids(self, codec: TextCodec, session_id: Optional[str], messages: list[dict[str, Any]],
-                   tools: Optional[list[dict]]) -> tuple[list[int], bool]:
+                   tools: Optional[list[dict]], render: Optional[Render] = None) -> tuple[list[int], bool]:
         """The prompt of `messages` in `session_id`, and whether it continued the session's ids."""
-        session = self.get(session_id) if session_id else None
+        render = render or Render()
+        session = self.get(session_id) if session_id and render.continuable else None
         if session is not None:
-            ids = _continue(codec, session, messages, tools)
+            ids = _continue(codec, session, messages, tools, render.template_kwargs)
             if ids is not None:
                 self.continued += 1
                 return ids, True
             self.restarts += 1
-        return codec.chat_ids(messages, tools=tools), False
+        return codec.chat_ids(messages, tools=tools, add_generation_prompt=render.add_generation_prompt,
+                              continue_final_message=render.continue_final_message,
+                              template_kwargs=render.template_kwargs), False
 
     def record(self, session_id: str, messages: list[dict[str, Any]], tools: Optional[list[dict]],
-               prompt_ids: list[int], replies: list[Reply]) -> None:
-        session = Session(messages, tools, list(prompt_ids), replies, time.monotonic())
+               prompt_ids: list[int], replies: list[Reply], render: Optional[Render] = None) -> None:
+        render = render or Render()
+        if not render.continuable:
+            return
+        session = Session(messages, tools, list(prompt_ids), replies, time.monotonic(), render.template_kwargs)
         with self._lock:
             self._sessions[session_id] = session
             self._sessions.move_to_end(session_id)
@@ -88,10 +112,11 @@ class SessionStore:
                 self._sessions.popitem(last=False)
 
 
-def _continue(codec: TextCodec, session: Session, messages: list[dict[str, Any]],
-              tools: Optional[list[dict]]) -> Optional[list[int]]:
+def _continue(codec: TextCodec, session: Session, messages: list[dict[str, Any]], tools: Optional[list[dict]],
+              template_kwargs: Optional[dict[str, Any]]) -> Optional[list[int]]:
     n = len(session.messages)
-    if tools != session.tools or len(messages) < n + 2 or messages[:n] != session.messages:
+    if tools != session.tools or (template_kwargs or None) != (session.template_kwargs or None) \
+            or len(messages) < n + 2 or messages[:n] != session.messages:
         return None
     reply = messages[n]
     if reply.get("role") != "assistant" or reply.get("tool_calls"):
@@ -101,4 +126,4 @@ def _continue(codec: TextCodec, session: Session, messages: list[dict[str, Any]]
     if chosen is None:
         return None
     return codec.continuation_ids(session.messages, session.prompt_ids, chosen.ids, reply, messages[n + 1:],
-                                  tools=tools)
+                                  tools=tools, template_kwargs=template_kwargs)

@@ -27,6 +27,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any, Optional
 
 from fastapi import APIRouter, Request, Response
@@ -35,9 +36,11 @@ from fastapi.responses import StreamingResponse
 from inference import PauseMode, SamplingParams, SuspendPolicy
 from rollout.http.disconnects import unless_disconnected
 from rollout.http.errors import APIError, from_exception
-from rollout.http.front import HttpFront, top_entries
+from rollout.http.front import HttpFront
 from rollout.http.generation import GenSpec, Sample
+from rollout.http.logprobs import ranked as top_entries
 from rollout.http.openai_routes import front_of, json_response, sse
+from rollout.http.sampling import sampling_params
 from rollout.http.schemas import (
     AbortReq,
     DestroyWeightsUpdateGroupReqInput,
@@ -84,7 +87,7 @@ async def generate(body: GenerateReqInput, request: Request) -> Response:
     for i, (prompt, sp) in enumerate(zip(prompts, sampling)):
         top = _at(body.top_logprobs_num, i) or 0
         max_tokens = front.completion_budget([prompt], sp.max_new_tokens, "input")
-        params = _sampling(sp, max_tokens, top)
+        params = _sampling(front, sp, max_tokens, top)
         specs.append(GenSpec([prompt], sp.n, params, stops=sp.stop_strings(), include_stop=sp.no_stop_trim,
                              skip_special_tokens=sp.skip_special_tokens, stream=body.stream, rid=rids[i]))
     logprob = [bool(_at(body.return_logprob, i)) for i in range(len(prompts))]
@@ -150,10 +153,14 @@ async def _version(front: HttpFront, samples: list[Sample]) -> str:
     return str(max(versions)) if versions else str(await front.policy_version())
 
 
-def _sampling(sp: SGLangSampling, max_tokens: int, top: int) -> SamplingParams:
-    return HttpFront.sampling(n=sp.n, max_tokens=max_tokens, temperature=sp.temperature, top_p=sp.top_p,
-                              top_k=sp.top_k, min_p=sp.min_p, seed=sp.sampling_seed, stop_token_ids=sp.stop_token_ids,
-                              ignore_eos=sp.ignore_eos, logprobs=top)
+def _sampling(front: HttpFront, sp: SGLangSampling, max_tokens: int, top: int) -> SamplingParams:
+    """SGLang's names onto the OpenAI body's (`rollout.http.sampling` maps those to the engine's)."""
+    body = SimpleNamespace(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
+                           seed=sp.sampling_seed, stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
+                           repetition_penalty=sp.repetition_penalty, presence_penalty=sp.presence_penalty,
+                           frequency_penalty=sp.frequency_penalty, min_tokens=sp.min_new_tokens, cache_salt=None,
+                           logit_bias=sp.logit_bias, bad_words=None, allowed_token_ids=None)
+    return sampling_params(front.codec, body, n=sp.n, max_tokens=max_tokens, logprobs=top)
 
 
 def _per_prompt(value: Any, count: int, name: str) -> Optional[list]:

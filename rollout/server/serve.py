@@ -57,7 +57,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     web.add_argument("--http-host", help="address for HTTP (default --host; beyond loopback needs --api-key)")
     web.add_argument("--api-key", default=os.environ.get("ROLLOUT_API_KEY"),
                      help="HTTP clients must send `Authorization: Bearer KEY` (default $ROLLOUT_API_KEY)")
-    web.add_argument("--served-model-name", help="the `model` HTTP clients name (default: --model's name)")
+    web.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                     help="the `model` names HTTP clients may send, the first reported (default: --model's name)")
     add_http_limit_arguments(web)
     eng = parser.add_argument_group("engine")
     eng.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
@@ -90,7 +91,8 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
                         "use, or `smollm2`")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP address (beyond loopback needs --api-key)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: one the OS chooses, printed)")
-    parser.add_argument("--served-model-name", help="the `model` clients name (default: --model's name)")
+    parser.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                        help="the `model` names clients may send, the first reported (default: --model's name)")
     parser.add_argument("--max-model-len", type=int, help="longest prompt + completion (default: the model's)")
     parser.add_argument("--api-key", default=os.environ.get("ROLLOUT_API_KEY"), help="required bearer key")
     parser.add_argument("--token", default=os.environ.get("ROLLOUT_TOKEN"), help="the service's shared secret")
@@ -196,7 +198,7 @@ def serve_main(args: argparse.Namespace, on_ready=None) -> int:
                                  health_deadline_s=server.config.health_deadline_s)
         try:
             front = serve_front(client, model_path(args.model, args.dtype), host=args.http_host or args.host,
-                                port=args.http, served_model_name=args.served_model_name or Path(args.model).name,
+                                port=args.http, served_model_name=args.served_model_name or [Path(args.model).name],
                                 max_model_len=args.max_seq_len, api_key=args.api_key, timeout=600.0,
                                 limits=http_limits_from_args(args), allowed_hosts=args.allowed_host,
                                 on_stop=client.shutdown, tool_call_parser=args.tool_call_parser)
@@ -227,7 +229,7 @@ def http_main(args: argparse.Namespace) -> int:
 
     try:
         front = start_front(args.connect, model_path(args.model, "float32"), host=args.host, port=args.port,
-                            served_model_name=args.served_model_name or Path(args.model).name,
+                            served_model_name=args.served_model_name or [Path(args.model).name],
                             max_model_len=args.max_model_len, api_key=args.api_key, token=args.token,
                             timeout=args.timeout, limits=http_limits_from_args(args),
                             allowed_hosts=args.allowed_host, tool_call_parser=args.tool_call_parser)

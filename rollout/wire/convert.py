@@ -78,6 +78,12 @@ def sampling_params_to_wire(params: SamplingParams) -> Sampling:
     """`SamplingParams` as its wire struct (the same field names, see `Sampling`)."""
     fields = {name: getattr(params, name) for name in Sampling.__struct_fields__}
     fields["stop_token_ids"] = [int(t) for t in params.stop_token_ids]
+    if params.logit_bias is not None:
+        fields["logit_bias"] = {int(tok): float(bias) for tok, bias in params.logit_bias.items()}
+    if params.bad_words_token_ids is not None:
+        fields["bad_words_token_ids"] = [[int(t) for t in seq] for seq in params.bad_words_token_ids]
+    if params.allowed_token_ids is not None:
+        fields["allowed_token_ids"] = [int(t) for t in params.allowed_token_ids]
     return Sampling(**fields)
 
 
@@ -85,6 +91,12 @@ def sampling_params_from_wire(sampling: Sampling) -> SamplingParams:
     """The engine's `SamplingParams`; its own validation runs, a refusal is INVALID_REQUEST."""
     fields = {name: getattr(sampling, name) for name in Sampling.__struct_fields__}
     fields["stop_token_ids"] = list(sampling.stop_token_ids)
+    if sampling.logit_bias is not None:
+        fields["logit_bias"] = dict(sampling.logit_bias)
+    if sampling.bad_words_token_ids is not None:
+        fields["bad_words_token_ids"] = [list(seq) for seq in sampling.bad_words_token_ids]
+    if sampling.allowed_token_ids is not None:
+        fields["allowed_token_ids"] = list(sampling.allowed_token_ids)
     try:
         return SamplingParams(**fields)
     except ValueError as exc:  # the engine's messages start with the field's name

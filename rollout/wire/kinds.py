@@ -12,10 +12,13 @@ import enum
 PROTOCOL_VERSION = 5  # 2: UpdateWeights.policy; 3: KvEvents, Result.kv_events; weight sync (group kinds,
 # distributed / shared-memory sources); 4: an update's version lives in its source alone (UpdateWeights
 # has no target_version; the disk source says the version of a plain checkpoint); IsSleeping, Result.sleeping;
-# 5: ErrorCode.OVERLOADED, Generate.client (whom a router forwards for: fair admission behind it)
+# 5: ErrorCode.OVERLOADED, Generate.client (whom a router forwards for: fair admission behind it); Sampling's
+# logit processors (repetition / presence / frequency penalties, min_tokens, logit_bias, bad_words_token_ids,
+# allowed_token_ids) and cache_salt
 MAX_REQUEST_ID_LENGTH = 256
 MAX_SAMPLES = 1024  # n per Generate
-MAX_STOP_TOKENS = 1024
+MAX_STOP_TOKENS = 1024  # also: bad-word sequences per request, and tokens per sequence
+MAX_TOKEN_IDS = 1 << 20  # allowed_token_ids, logit_bias entries (a vocabulary's worth)
 MAX_ABORT_TARGETS = 65536
 MAX_LEASE_SECONDS = 3600.0
 MAX_KV_EVENTS = 65536  # per KvEvents reply

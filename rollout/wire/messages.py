@@ -20,7 +20,15 @@ from msgspec import Meta
 
 from inference.config import PauseMode, SuspendPolicy, UpdatePolicy
 from inference.request import FinishReason
-from inference.sampling.params import MAX_LOGPROBS, MAX_TEMPERATURE, MAX_TOP_K, LogprobsMode
+from inference.sampling.params import (
+    MAX_CACHE_SALT_LENGTH,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    LogprobsMode,
+)
 from rollout.wire.kinds import (
     MAX_ABORT_TARGETS,
     MAX_KV_EVENTS,
@@ -28,6 +36,7 @@ from rollout.wire.kinds import (
     MAX_REQUEST_ID_LENGTH,
     MAX_SAMPLES,
     MAX_STOP_TOKENS,
+    MAX_TOKEN_IDS,
     PROTOCOL_VERSION,
     ErrorCode,
     Kind,
@@ -52,6 +61,9 @@ TokenLogprobs = Annotated[dict[Annotated[int, Meta(ge=0)], float], Meta(max_leng
 Seconds = Annotated[float, Meta(ge=0)]
 BlockHash = Annotated[int, Meta(ge=1, le=2**63 - 1)]
 StatValue = Union[int, float, str]
+Penalty = Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY)]
+Bias = Annotated[float, Meta(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
+TokenSequence = Annotated[list[NonNegInt], Meta(min_length=1, max_length=MAX_STOP_TOKENS)]
 
 
 def _field_eq(a: Any, b: Any) -> bool:
@@ -93,7 +105,8 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     msgspec refuses NaN against every range below (`ge`, `gt`, ... compare false) and the
     msgpack format bounds `seed` below 2**64. What a range cannot say (a temperature between 0
-    and `MIN_TEMPERATURE`) the engine's own validation refuses (`sampling_params_from_wire`).
+    and `MIN_TEMPERATURE`, `min_tokens` above `max_tokens`) the engine's own validation refuses
+    (`sampling_params_from_wire`). `logit_bias` is a map with int keys (msgpack allows them).
     """
 
     n: Annotated[int, Meta(ge=1, le=MAX_SAMPLES)] = 1
@@ -109,8 +122,18 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prompt_logprobs: Optional[TopN] = None
     logprobs_mode: LogprobsMode = LogprobsMode.RAW
     return_routed_experts: bool = False
+    repetition_penalty: Annotated[float, Meta(gt=0)] = 1.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    min_tokens: NonNegInt = 0
+    logit_bias: Optional[Annotated[dict[NonNegInt, Bias], Meta(max_length=MAX_TOKEN_IDS)]] = None
+    bad_words_token_ids: Optional[Annotated[list[TokenSequence], Meta(max_length=MAX_STOP_TOKENS)]] = None
+    allowed_token_ids: Optional[Annotated[list[NonNegInt], Meta(min_length=1, max_length=MAX_TOKEN_IDS)]] = None
+    cache_salt: Optional[Annotated[str, Meta(max_length=MAX_CACHE_SALT_LENGTH)]] = None
 
     def __post_init__(self) -> None:
+        if not math.isfinite(self.repetition_penalty):
+            raise ValueError(f"sampling.repetition_penalty must be finite, got {self.repetition_penalty!r}")
         if not math.isfinite(self.temperature):
             raise ValueError(f"sampling.temperature must be finite, got {self.temperature!r}")
         if self.seed is not None and self.seed >= 2**64:

@@ -120,3 +120,38 @@ class CountingTokenizer:
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+
+def test_render_fields_generation_prompt_continue_and_template_kwargs(codec):
+    partial = [*CHAT, {"role": "assistant", "content": "It is"}]
+    assert not codec.render(CHAT, add_generation_prompt=False).endswith("<|im_start|>assistant\n")
+    continued = codec.render(partial, add_generation_prompt=False, continue_final_message=True)
+    assert continued.endswith("<|im_start|>assistant\nIt is")  # the reply left open, no end of turn
+    with pytest.raises(ChatTemplateError, match="both"):
+        codec.render(partial, continue_final_message=True)
+    with pytest.raises(ChatTemplateError, match="tools"):
+        codec.render(CHAT, template_kwargs={"tools": []})
+    import copy
+
+    flavoured = TextCodec(copy.deepcopy(codec.tokenizer))
+    flavoured.tokenizer.chat_template = "{{ flavour }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert flavoured.render(CHAT, template_kwargs={"flavour": "salty:"}) == "salty:You are terse.Weather in Paris?"
+
+
+def test_sessions_continue_only_with_their_template_kwargs_and_skip_other_renders(codec):
+    from rollout.http.sessions import Render
+
+    store = SessionStore()
+    kwargs = Render(template_kwargs={"enable_thinking": False})
+    prompt, _ = store.prompt_ids(codec, "s", CHAT, None, kwargs)
+    sampled = codec.encode(" Sunny", add_special_tokens=False)
+    store.record("s", CHAT, None, prompt, [Reply(" Sunny", sampled)], kwargs)
+    turn2 = [*CHAT, {"role": "assistant", "content": " Sunny"}, {"role": "user", "content": "Thanks"}]
+    assert store.prompt_ids(codec, "s", turn2, None, kwargs)[1] is True
+    assert store.prompt_ids(codec, "s", turn2, None)[1] is False  # other kwargs: started over
+    open_reply = [*CHAT, {"role": "assistant", "content": "It is"}]
+    left_open = Render(add_generation_prompt=False, continue_final_message=True)
+    ids, continued = store.prompt_ids(codec, "s", open_reply, None, left_open)
+    assert not continued and codec.decode(ids, skip_special_tokens=False).endswith("assistant\nIt is")
+    store.record("s", open_reply, None, ids, [Reply(" sunny", [5])], left_open)  # not recorded: no next turn here
+    assert store.get("s").messages == CHAT

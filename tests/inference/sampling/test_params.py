@@ -31,6 +31,10 @@ def test_default_lists_are_not_shared():
         dict(seed=0), dict(seed=2**64 - 1), dict(max_tokens=1),
         dict(stop_token_ids=[0, 2]), dict(ignore_eos=True),
         dict(logprobs=0, prompt_logprobs=MAX_LOGPROBS, logprobs_mode=LogprobsMode.PROCESSED),
+        dict(repetition_penalty=1e-3, presence_penalty=-2, frequency_penalty=2.0),
+        dict(max_tokens=4, min_tokens=4), dict(logit_bias={}), dict(logit_bias={0: -100, 7: 100.0}),
+        dict(bad_words_token_ids=[], allowed_token_ids=[0]), dict(bad_words_token_ids=[[1], (2, 3)]),
+        dict(cache_salt=""), dict(cache_salt="x" * 256),
     ],
 )
 def test_valid_edges(kwargs):
@@ -39,6 +43,16 @@ def test_valid_edges(kwargs):
 
 def test_stop_token_ids_tuple_becomes_list():
     assert SamplingParams(stop_token_ids=(1, 2)).stop_token_ids == [1, 2]
+    p = SamplingParams(bad_words_token_ids=((1,), (2, 3)), allowed_token_ids=(4,))
+    assert p.bad_words_token_ids == [[1], [2, 3]] and p.allowed_token_ids == [4]
+
+
+def test_uses_processors_only_when_one_is_on():
+    assert not SamplingParams(logit_bias={}, bad_words_token_ids=[], cache_salt="s").uses_processors
+    for on in (dict(repetition_penalty=0.9), dict(presence_penalty=0.1), dict(frequency_penalty=-0.1),
+               dict(min_tokens=1), dict(logit_bias={1: 0.5}), dict(bad_words_token_ids=[[1]]),
+               dict(allowed_token_ids=[1])):
+        assert SamplingParams(**on).uses_processors, on
 
 
 @pytest.mark.parametrize(
@@ -57,6 +71,16 @@ def test_stop_token_ids_tuple_becomes_list():
         ("logprobs", -1), ("logprobs", MAX_LOGPROBS + 1), ("logprobs", 2.0),
         ("prompt_logprobs", -1), ("prompt_logprobs", MAX_LOGPROBS + 1),
         ("logprobs_mode", "raw"), ("logprobs_mode", 0),
+        ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", math.inf),
+        ("repetition_penalty", math.nan), ("presence_penalty", 2.01), ("presence_penalty", math.nan),
+        ("frequency_penalty", -2.5), ("frequency_penalty", True),
+        ("min_tokens", -1), ("min_tokens", 17), ("min_tokens", 1.0),  # 17 > the default max_tokens
+        ("logit_bias", [(1, 2.0)]), ("logit_bias", {-1: 1.0}), ("logit_bias", {"1": 1.0}),
+        ("logit_bias", {1: 100.5}), ("logit_bias", {1: math.nan}),
+        ("bad_words_token_ids", [[]]), ("bad_words_token_ids", [1, 2]), ("bad_words_token_ids", [[1, -2]]),
+        ("bad_words_token_ids", "ab"),
+        ("allowed_token_ids", []), ("allowed_token_ids", [True]), ("allowed_token_ids", 3),
+        ("cache_salt", 5), ("cache_salt", "x" * 257),
     ],
 )
 def test_invalid_value_names_the_field(field, value):

@@ -115,11 +115,33 @@ def test_token_in_completions_n_and_logprobs(oai, reference):
         assert c.prompt_token_ids == prompts[c.index // 3]
         assert len(c.token_ids) == 4 and len(c.logprobs.token_logprobs) == 4
         assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
-        assert all(len(top) == 2 for top in c.logprobs.top_logprobs)
+        assert all(len(top) in (2, 3) for top in c.logprobs.top_logprobs)  # the 2 best and the sampled token
+        assert all(tok in top for tok, top in zip(c.logprobs.tokens, c.logprobs.top_logprobs))
     again = oai.completions.create(model=MODEL, prompt=prompts, max_tokens=4, n=3, temperature=1.0, seed=5,
                                    extra_body={"ignore_eos": True})
     assert [c.token_ids for c in again.choices] == [c.token_ids for c in out.choices]  # seeded: reproducible
     assert out.usage.prompt_tokens == 7 and out.usage.completion_tokens == 24
+
+
+def test_echo_and_prompt_logprobs_equal_the_engine_on_both_fronts(oai, codec, reference):
+    prompt = codec.encode("Rain again in")
+    want = reference.generate([prompt], [SamplingParams(max_tokens=1, prompt_logprobs=0)], timeout=WAIT_S)[0]
+    out = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=0,
+                                 extra_body={"prompt_logprobs": 0})
+    c = out.choices[0]
+    assert c.text == codec.decode(prompt) and c.token_ids == [] and c.finish_reason == "length"
+    assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
+    engine = [want.prompt_logprobs[i][t] for i, t in enumerate(prompt) if i]
+    assert c.logprobs.token_logprobs[1:] == pytest.approx(engine, abs=1e-6)
+    entries = c.model_extra["prompt_logprobs"]
+    assert entries[0] is None and [e[str(t)]["logprob"] for e, t in zip(entries[1:], prompt[1:])] == \
+        pytest.approx(engine, abs=1e-6)
+
+
+def test_sampling_extras_cross_both_fronts(web):
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {"42": 100}, "cache_salt": "run-1", "repetition_penalty": 1.0, "min_tokens": 1}
+    assert web.post("/v1/completions", json=body).json()["choices"][0]["token_ids"] == [42] * 3
 
 
 def test_chat_completion_with_logprobs_and_n(oai, codec, reference):

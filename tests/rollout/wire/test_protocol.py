@@ -69,7 +69,9 @@ def examples() -> list:
     """One message of every kind, optional fields filled in."""
     sampling = Sampling(n=4, temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=2**64 - 1, max_tokens=8,
                         stop_token_ids=[2, 3], ignore_eos=True, logprobs=5, prompt_logprobs=0,
-                        logprobs_mode=LogprobsMode.PROCESSED)
+                        logprobs_mode=LogprobsMode.PROCESSED, repetition_penalty=1.3, presence_penalty=-2.0,
+                        frequency_penalty=2.0, min_tokens=8, logit_bias={0: 100.0, 2**31: -100.0},
+                        bad_words_token_ids=[[7], [8, 9, 10]], allowed_token_ids=[7, 8], cache_salt="")
     return [
         Generate(request_id="g-1", prompt_token_ids=[1, 5, 9], sampling=sampling, stream_tokens=True,
                  session_id="s", group_id="grp"),
@@ -186,12 +188,21 @@ def test_sampling_mirrors_sampling_params_field_for_field():
        seed=st.none() | st.integers(0, 2**64 - 1), max_tokens=st.integers(1, 2**31),
        stop=st.lists(st.integers(0, 2**31), max_size=4), ignore_eos=st.booleans(),
        logprobs=st.none() | st.integers(0, 100), prompt_logprobs=st.none() | st.integers(0, 100),
-       mode=st.sampled_from(LogprobsMode))
+       mode=st.sampled_from(LogprobsMode),
+       penalties=st.tuples(st.floats(1e-3, 1e3), st.floats(-2, 2), st.floats(-2, 2)),
+       min_tokens=st.integers(0, 2**31),
+       bias=st.none() | st.dictionaries(st.integers(0, 2**31), st.floats(-100, 100), max_size=4),
+       bad=st.none() | st.lists(st.lists(st.integers(0, 2**31), min_size=1, max_size=3), max_size=3),
+       allowed=st.none() | st.lists(st.integers(0, 2**31), min_size=1, max_size=4),
+       salt=st.none() | st.text(max_size=256))
 def test_sampling_params_round_trip(n, temperature, top_k, top_p, min_p, seed, max_tokens, stop, ignore_eos,
-                                    logprobs, prompt_logprobs, mode):
+                                    logprobs, prompt_logprobs, mode, penalties, min_tokens, bias, bad, allowed, salt):
     params = SamplingParams(n=n, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
                             max_tokens=max_tokens, stop_token_ids=stop, ignore_eos=ignore_eos, logprobs=logprobs,
-                            prompt_logprobs=prompt_logprobs, logprobs_mode=mode)
+                            prompt_logprobs=prompt_logprobs, logprobs_mode=mode, repetition_penalty=penalties[0],
+                            presence_penalty=penalties[1], frequency_penalty=penalties[2],
+                            min_tokens=min(min_tokens, max_tokens), logit_bias=bias, bad_words_token_ids=bad,
+                            allowed_token_ids=allowed, cache_salt=salt)
     msg = decode(encode(Generate(request_id="r", prompt_token_ids=[1], sampling=sampling_params_to_wire(params))))
     assert sampling_params_from_wire(msg.sampling) == params
 
@@ -204,6 +215,20 @@ def test_engine_validation_refusal_is_invalid_request_naming_the_field():
     with pytest.raises(ProtocolError) as info:  # in range for the schema, not for the sampler (found by fuzzing)
         sampling_params_from_wire(tiny.sampling)
     assert info.value.code is ErrorCode.INVALID_REQUEST and info.value.message.startswith("sampling.temperature")
+    above = decode(encode(Generate(request_id="m", prompt_token_ids=[1],
+                                   sampling=Sampling(max_tokens=4, min_tokens=5))))
+    with pytest.raises(ProtocolError) as info:  # each in range, not together
+        sampling_params_from_wire(above.sampling)
+    assert info.value.code is ErrorCode.INVALID_REQUEST and info.value.message.startswith("sampling.min_tokens")
+
+
+@pytest.mark.parametrize("sampling", [{"repetition_penalty": 0.0}, {"presence_penalty": 2.5},
+                                      {"frequency_penalty": -2.01}, {"logit_bias": {3: 101.0}},
+                                      {"logit_bias": {-1: 1.0}}, {"bad_words_token_ids": [[]]},
+                                      {"allowed_token_ids": []}, {"cache_salt": "s" * 257}])
+def test_out_of_range_processor_fields_are_refused_by_the_schema(sampling):
+    frame = raw(Generate(request_id="r", prompt_token_ids=[1]))
+    refused(frame | {"sampling": frame["sampling"] | sampling})
 
 
 def test_request_output_round_trips_to_a_rollout():

@@ -1,0 +1,85 @@
+"""vLLM's logit processors as batched tensor ops: one step's sparse indices, applied.
+
+`StepProcessors` is what one step needs, built by `ProcessorState.for_rows` (processor_state.py)
+from each slot's state; `apply_processors` edits a float32 `[R, V]` copy of the raw logits in
+place, in vLLM's order (its result is the same as vLLM v1's sampler up to float rounding):
+  1. logit_bias: x[r, t] += bias (sparse);
+  2. allowed_token_ids: every other token of the row -inf;
+  3. bans: bad words (a sequence's last token when the output ends with the rest of it) and
+     min_tokens (EOS and stop ids while fewer tokens are generated): x[r, t] = -inf (sparse);
+  4. penalties over the (row, token) pairs the row has seen, c = the token's output count (0 for
+     a prompt-only token): repetition (HF): x / p where x > 0 else x * p; then OpenAI's
+     x -= frequency * c + presence * (c > 0) (tokens never seen are untouched by both).
+A row that uses none of them is never touched, and a step where no row uses any has no
+`StepProcessors` at all (the sampler then skips this module).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+_NEG_INF = float("-inf")
+
+
+@dataclass(slots=True)
+class Penalties:
+    """Sparse penalty inputs: one entry per (row, token) the row has seen (prompt or output; each
+    pair once): `rows`, `ids` int64, `counts` float32 (output count, 0 for a prompt-only token) and
+    the row's `repetition`, `presence`, `frequency` per entry (float32), None when every row has it off.
+    NOTE: a penalty only moves tokens seen before, so this touches those few entries, never whole rows."""
+
+    rows: Tensor
+    ids: Tensor
+    counts: Tensor
+    repetition: Tensor | None
+    presence: Tensor | None
+    frequency: Tensor | None
+
+
+@dataclass(slots=True)
+class StepProcessors:
+    """One step's processor inputs; every index is a batch row (`[R]` logits row) or a token id.
+
+    `bias_*`: sparse (row, token, value) triples; `allowed_rows [A]` the rows restricted to
+    `(allowed_entry_rows, allowed_ids)`; `ban_*`: sparse (row, token) pairs set to -inf;
+    `penalties`: the seen pairs. A None field is a processor no row of the step uses.
+    """
+
+    bias_rows: Tensor | None = None
+    bias_ids: Tensor | None = None
+    bias_values: Tensor | None = None
+    allowed_rows: Tensor | None = None
+    allowed_entry_rows: Tensor | None = None
+    allowed_ids: Tensor | None = None
+    ban_rows: Tensor | None = None
+    ban_ids: Tensor | None = None
+    penalties: Penalties | None = None
+
+
+def apply_processors(x: Tensor, p: StepProcessors) -> Tensor:
+    """Apply `p` to the float32 logits `x [R, V]` in place (see the module docstring); returns x."""
+    if p.bias_rows is not None:
+        x.index_put_((p.bias_rows, p.bias_ids), p.bias_values, accumulate=True)
+    if p.allowed_rows is not None:
+        kept = x[p.allowed_entry_rows, p.allowed_ids]
+        x[p.allowed_rows] = _NEG_INF
+        x[p.allowed_entry_rows, p.allowed_ids] = kept
+    if p.ban_rows is not None:
+        x[p.ban_rows, p.ban_ids] = _NEG_INF
+    if p.penalties is not None:
+        _apply_penalties(x, p.penalties)
+    return x
+
+
+def _apply_penalties(x: Tensor, pen: Penalties) -> None:
+    v = x[pen.rows, pen.ids]
+    if pen.repetition is not None:
+        v = torch.where(v > 0, v / pen.repetition, v * pen.repetition)
+    if pen.frequency is not None:
+        v = v - pen.frequency * pen.counts
+    if pen.presence is not None:
+        v = v - pen.presence * (pen.counts > 0)
+    x[pen.rows, pen.ids] = v

@@ -1,0 +1,83 @@
+"""A completions or chat body's sampling fields as the engine's `SamplingParams`.
+
+OpenAI's and vLLM's names map one to one onto the engine's, with these translations:
+
+* `logit_bias`: OpenAI's keys are token ids as strings; each must name a token of the vocabulary.
+* `bad_words`: strings, each tokenized twice as vLLM does: as written (its leading spaces cut),
+  and after one space, the second kept only when that space makes a different first token and the
+  same number of tokens (a word inside text, not at its start); each becomes one banned sequence
+  of `bad_words_token_ids`.
+* A field at its neutral value is not passed on, so an engine without that field still serves
+  a request that does not use it; a non-neutral one the engine does not know is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from inference import SamplingParams
+from rollout.http.errors import APIError, engine_param
+from rollout.text import TextCodec
+
+# body field -> (the engine's field, its neutral value)
+EXTRAS = {"repetition_penalty": ("repetition_penalty", 1.0), "presence_penalty": ("presence_penalty", 0.0),
+          "frequency_penalty": ("frequency_penalty", 0.0), "min_tokens": ("min_tokens", 0),
+          "cache_salt": ("cache_salt", None)}
+
+
+def sampling_params(codec: TextCodec, body: Any, *, n: int, max_tokens: int, logprobs: Optional[int],
+                    prompt_logprobs: Optional[int] = None) -> SamplingParams:
+    fields: dict[str, Any] = dict(
+        n=n, max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
+        min_p=0.0 if body.min_p is None else body.min_p, seed=body.seed,
+        stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos, logprobs=logprobs or None,
+        prompt_logprobs=prompt_logprobs)
+    for name, (engine_name, neutral) in EXTRAS.items():
+        value = getattr(body, name)
+        if value is not None and value != neutral:
+            fields[engine_name] = value
+    if body.logit_bias:
+        fields["logit_bias"] = logit_bias(codec, body.logit_bias)
+    if body.bad_words:
+        fields["bad_words_token_ids"] = bad_words_token_ids(codec, body.bad_words)
+    if body.allowed_token_ids is not None:
+        bad = next((t for t in body.allowed_token_ids if t >= codec.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"allowed_token_ids holds token id {bad}, out of vocabulary (size "
+                                f"{codec.vocab_size}).", param="allowed_token_ids")
+        fields["allowed_token_ids"] = list(body.allowed_token_ids)
+    try:
+        return SamplingParams(**fields)
+    except TypeError as exc:  # NOTE: an engine without one of the extra fields
+        unknown = next((f for f in fields if f in str(exc)), None)
+        raise APIError(400, f"{unknown} is not supported by this engine", param=unknown) from exc
+    except ValueError as exc:  # the engine's messages start with the field's name
+        raise APIError(400, str(exc), param=engine_param(str(exc))) from exc
+
+
+def logit_bias(codec: TextCodec, bias: dict[str, float]) -> dict[int, float]:
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}.", param="logit_bias") from None
+        if not 0 <= token < codec.vocab_size:
+            raise APIError(400, f"logit_bias names token id {token}, out of vocabulary (size {codec.vocab_size}).",
+                           param="logit_bias")
+        out[token] = float(value)
+    return out
+
+
+def bad_words_token_ids(codec: TextCodec, words: list[str]) -> list[list[int]]:
+    out: list[list[int]] = []
+    for word in words:
+        bare = codec.encode(word.lstrip(), add_special_tokens=False)
+        if not bare:
+            raise APIError(400, f"bad_words holds {word!r}, which tokenizes to nothing.", param="bad_words")
+        out.append(bare)
+        spaced = codec.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return out
