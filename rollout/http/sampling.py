@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from inference import SamplingParams
+from inference import LogprobsMode, SamplingParams
 from rollout.http.errors import APIError, engine_param
 from rollout.text import TextCodec
 
@@ -37,6 +37,8 @@ def sampling_params(codec: TextCodec, body: Any, *, n: int, max_tokens: int, log
         value = getattr(body, name)
         if value is not None and value != neutral:
             fields[engine_name] = value
+    if body.logprobs_mode is not None and body.logprobs_mode.startswith("processed"):
+        fields["logprobs_mode"] = LogprobsMode.PROCESSED
     if body.logit_bias:
         fields["logit_bias"] = logit_bias(codec, body.logit_bias)
     if body.bad_words:

@@ -104,6 +104,9 @@ class _Sampling(Strict):
     allowed_token_ids: Optional[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]] = None
     cache_salt: Optional[Annotated[str, Field(min_length=1, max_length=256)]] = None
     prompt_logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]] = None
+    # which distribution the log-probs come from: raw (the model's, what a trainer recomputes; the
+    # default) or processed (the one sampled from); vLLM's server-wide names are taken too
+    logprobs_mode: Optional[Literal["raw", "processed", "raw_logprobs", "processed_logprobs"]] = None
     stop_token_ids: Optional[list[Annotated[int, Field(ge=0)]]] = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True

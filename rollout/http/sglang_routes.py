@@ -159,7 +159,7 @@ def _sampling(front: HttpFront, sp: SGLangSampling, max_tokens: int, top: int) -
                            seed=sp.sampling_seed, stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
                            repetition_penalty=sp.repetition_penalty, presence_penalty=sp.presence_penalty,
                            frequency_penalty=sp.frequency_penalty, min_tokens=sp.min_new_tokens, cache_salt=None,
-                           logit_bias=sp.logit_bias, bad_words=None, allowed_token_ids=None)
+                           logit_bias=sp.logit_bias, bad_words=None, allowed_token_ids=None, logprobs_mode=None)
     return sampling_params(front.codec, body, n=sp.n, max_tokens=max_tokens, logprobs=top)
 
 

@@ -267,6 +267,19 @@ def test_sampling_extras_over_http(web):
     assert sglang.status_code == 200
 
 
+def test_logprobs_mode_is_chosen_per_request(web):
+    """raw: the model's distribution (what a trainer recomputes); processed: the one sampled from.
+    With top_k 1 the processed distribution puts all its mass on the sampled token."""
+    body = {"prompt": "The sky is", "max_tokens": 4, "temperature": 1.0, "top_k": 1, "logprobs": 0, "seed": 1}
+    raw = web.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]["token_logprobs"]
+    processed = web.post("/v1/completions", json={**body, "logprobs_mode": "processed"}).json()
+    kept = processed["choices"][0]["logprobs"]["token_logprobs"]
+    assert all(lp < 0 for lp in raw) and kept == [0.0] * 4
+    vllm_name = web.post("/v1/completions", json={**body, "logprobs_mode": "processed_logprobs"}).json()
+    assert vllm_name["choices"][0]["logprobs"]["token_logprobs"] == [0.0] * 4
+    assert refused(web.post("/v1/completions", json={**body, "logprobs_mode": "logits"}), "logprobs_mode")
+
+
 def test_best_of_returns_the_top_n_by_cumulative_logprob(web):
     body = {"prompt": [5, 6, 7], "max_tokens": 5, "temperature": 1.0, "seed": 11, "ignore_eos": True,
             "logprobs": 0}
