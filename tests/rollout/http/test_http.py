@@ -22,7 +22,6 @@ import pytest
 
 from inference import DynamicInferenceEngine, SamplingParams
 from rollout.http.sglang_routes import SGLANG_API_VERSION
-from rollout.text import TextCodec
 from tests.rollout.http_util import HTTP_SERVER_ARGS, MAX_LEN, MODEL, WAIT_S, engine_config, save_tiny_chat_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -64,19 +63,8 @@ def front_url(request, http_server, model_dir):
 
 
 @pytest.fixture(scope="module")
-def codec(model_dir):
-    return TextCodec.load(model_dir)
-
-
-@pytest.fixture(scope="module")
 def reference(model_dir):
     return DynamicInferenceEngine.from_pretrained(model_dir, engine_config())
-
-
-@pytest.fixture
-def oai(front_url):
-    with openai.OpenAI(base_url=f"{front_url}/v1", api_key="unused", timeout=WAIT_S, max_retries=0) as c:
-        yield c
 
 
 @pytest.fixture

@@ -7,12 +7,10 @@ sampling extras and `best_of`. A front on an engine in this process (`serve_fron
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 import torch
 
 from inference import DynamicInferenceEngine
-from rollout.text import TextCodec
 from tests.rollout.http_util import MAX_LEN, WAIT_S, engine_config, save_tiny_chat_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -40,11 +38,6 @@ def front_url(model_dir):
 
 
 @pytest.fixture(scope="module")
-def codec(model_dir):
-    return TextCodec.load(model_dir)
-
-
-@pytest.fixture(scope="module")
 def hf_logprobs(model_dir):
     """Ids -> [len, vocab] float64 log-probs of the next token at each position (transformers)."""
     from transformers import AutoModelForCausalLM
@@ -55,12 +48,6 @@ def hf_logprobs(model_dir):
         with torch.no_grad():
             return torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
     return run
-
-
-@pytest.fixture
-def oai(front_url):
-    with openai.OpenAI(base_url=f"{front_url}/v1", api_key="unused", timeout=WAIT_S, max_retries=0) as c:
-        yield c
 
 
 @pytest.fixture
