@@ -88,11 +88,14 @@ def test_echo_scores_the_prompt_like_vllm(oai, codec, hf_logprobs):
     gen = oai.completions.create(model=NAMES[0], prompt=text, echo=True, logprobs=0, max_tokens=3, temperature=0,
                                  extra_body={"ignore_eos": True}).choices[0]
     assert gen.text == text + codec.decode(gen.token_ids)
-    assert len(gen.logprobs.tokens) == len(ids) + 3 and gen.logprobs.token_logprobs[:len(ids)] == lp.token_logprobs
+    # NOTE: the prompt's log-probs of two fp32 runs batched apart agree to rounding, not bit for bit
+    assert len(gen.logprobs.tokens) == len(ids) + 3 and gen.logprobs.token_logprobs[0] is None \
+        and gen.logprobs.token_logprobs[1:len(ids)] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
     assert [len(t) for t in gen.logprobs.top_logprobs[1:]] == [1] * (len(ids) + 2)
     streamed = [c for chunk in oai.completions.create(model=NAMES[0], prompt=text, echo=True, logprobs=1,
                                                       max_tokens=0, stream=True) for c in chunk.choices]
-    assert "".join(c.text for c in streamed) == text and streamed[0].logprobs.token_logprobs == lp.token_logprobs
+    assert "".join(c.text for c in streamed) == text and streamed[0].logprobs.token_logprobs[0] is None
+    assert streamed[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
     plain = [c for chunk in oai.completions.create(model=NAMES[0], prompt=text, echo=True, max_tokens=2, stream=True,
                                                    temperature=0, extra_body={"ignore_eos": True})
              for c in chunk.choices]
