@@ -205,7 +205,9 @@ def test_processors_together_drive_greedy_choices_and_log_probs(mode):
     assert torch.equal(out.top_token_ids, dist.topk(3, -1).indices)
     plain = sample(x, SamplingBatch.from_params(params))  # the same batch without processors
     assert torch.equal(out.token_ids[[0, 4]], plain.token_ids[[0, 4]])
-    assert torch.equal(out.logprobs[[0, 4]], plain.logprobs[[0, 4]])
+    # NOTE: a plain row beside processed ones is normalised in the batch's one raw read (the native
+    # kernel where built); that sum's order may differ from torch's log_softmax by an ulp on some CPUs
+    assert torch.allclose(out.logprobs[[0, 4]], plain.logprobs[[0, 4]], atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
