@@ -8,6 +8,7 @@ fewer items; lm_eval lives in its own venv (skipped, with the command that creat
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ BENCH = Path(__file__).resolve().parents[3] / "bench" / "lm_eval_harness.py"
 def _bench():
     spec = importlib.util.spec_from_file_location("lm_eval_harness", BENCH)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
     spec.loader.exec_module(module)
     return module
 
