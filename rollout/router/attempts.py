@@ -26,7 +26,7 @@ from typing import Optional
 import msgspec
 import numpy as np
 
-from inference.kv_cache import block_hashes
+from inference.kv_cache import block_hashes, chain_key
 from inference.request import FinishReason
 from rollout.service.registry import Record
 from rollout.wire.messages import Generate, SampleOutput
@@ -85,13 +85,16 @@ class Route:
     aborted: bool = False  # the client (or its lease) aborted it: owed samples end as `abort`
     _hashes: Optional[tuple[tuple[int, int], list[int]]] = None
 
-    def prompt_hashes(self, prompt: np.ndarray, block_size: int, version: int) -> list[int]:
+    def prompt_hashes(self, prompt: np.ndarray, block_size: int, version: int,
+                      cache_salt: Optional[str] = None) -> list[int]:
         """The prompt's block hashes as a replica at `version` computes them (the blocks it may
-        take from its cache: full ones before the last token), cached per (block size, version)."""
+        take from its cache: full ones before the last token; a salted request's own chain),
+        cached per (block size, version)."""
         key = (block_size, version)
         if self._hashes is None or self._hashes[0] != key:
             usable = (len(prompt) - 1) // block_size * block_size
-            self._hashes = (key, block_hashes(prompt[:usable].tolist(), block_size, extra_key=version))
+            self._hashes = (key, block_hashes(prompt[:usable].tolist(), block_size,
+                                              extra_key=chain_key(version, cache_salt)))
         return self._hashes[1]
 
 

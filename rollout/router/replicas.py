@@ -250,7 +250,8 @@ class ReplicaSet:
             return
         msg = record.request
         block_size = self.links[candidates[0]].block_size
-        hashes = route.prompt_hashes(msg.prompt_token_ids, block_size, self.fleet.version) if block_size else []
+        hashes = route.prompt_hashes(msg.prompt_token_ids, block_size, self.fleet.version,
+                                     msg.sampling.cache_salt) if block_size else []
         name, reason = self.placement.choose(candidates, hashes, session_id=msg.session_id, group_id=msg.group_id)
         link = self.links[name]
         sent, wanted = sent_indices(record, indices)

@@ -9,7 +9,7 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inference import DynamicInferenceEngine, FinishReason
+from inference import DynamicInferenceEngine, FinishReason, SamplingParams
 from inference.config import PauseMode
 from inference.kv_cache import block_hashes
 from inference.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -157,6 +157,8 @@ def test_server_answers_kv_events_without_the_engine():
     try:
         with RolloutClient(server.address, timeout=30) as c:
             c.generate([list(range(3, 12))], 1, greedy(2))  # 9 tokens: 2 full blocks of 4 before the last
+            salted = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, cache_salt="run-7")
+            c.generate([list(range(3, 12))], 1, salted)  # the same prompt in its own chain
             c.reset_prefix_cache()
             result = c._call(KvEvents(request_id="k-1", since=0), None)
     finally:
@@ -165,8 +167,11 @@ def test_server_answers_kv_events_without_the_engine():
     assert batch.block_size == 4 and not batch.reset and batch.start == 0
     ops = [e.op for e in batch.events]
     assert ops[0] is KvOp.STORED and ops[-1] is KvOp.CLEARED
-    prompt_hashes = block_hashes(list(range(3, 11)), 4, extra_key=0)
-    assert set(prompt_hashes) <= {h for e in batch.events if e.op is KvOp.STORED for h in e.hashes}
+    stored = {h for e in batch.events if e.op is KvOp.STORED for h in e.hashes}
+    prompt = np.arange(3, 12, dtype=np.int32)
+    plain, salty = Route().prompt_hashes(prompt, 4, 0), Route().prompt_hashes(prompt, 4, 0, "run-7")
+    assert plain == block_hashes(list(range(3, 11)), 4, extra_key=0) and not set(plain) & set(salty)
+    assert set(plain) <= stored and set(salty) <= stored  # the router's placement sees both as the replica
 
 
 # ---- fleet, broadcast, health --------------------------------------------------------------------
