@@ -27,7 +27,7 @@ from fastapi import FastAPI
 from rollout.http import errors
 from rollout.http.connections import KEEP_ALIVE_S, ConnectionLimits, protocol_class
 from rollout.http.front import HttpFront
-from rollout.http.guards import BearerKey, RequestGuard, allowed_host_names
+from rollout.http.guards import ANY_HOST, BearerKey, RequestGuard, allowed_host_names
 from rollout.http.openai_routes import router as openai_router
 from rollout.http.sglang_routes import STATE_CHANGING_GETS
 from rollout.http.sglang_routes import router as sglang_router
@@ -61,7 +61,10 @@ class HttpServer:
         if not is_loopback(host) and not api_key:
             raise ValueError(f"HTTP on {host} (beyond loopback) needs an API key (--api-key)")
         self.limits = limits or ConnectionLimits()
-        guarded = RequestGuard(app, allowed_hosts=allowed_host_names(host, allowed_hosts),
+        # NOTE: with a key, a rebinding or cross-site page cannot authenticate, so any Host may reach
+        # the front (a cluster's service names); without one (loopback only) the names are checked
+        names = frozenset({ANY_HOST}) if api_key else allowed_host_names(host, allowed_hosts)
+        guarded = RequestGuard(app, allowed_hosts=names,
                                max_body_bytes=self.limits.max_body_bytes, state_changing_gets=STATE_CHANGING_GETS)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._socket = socket.socket(family, socket.SOCK_STREAM)

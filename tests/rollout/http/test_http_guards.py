@@ -121,6 +121,19 @@ def test_a_host_must_name_this_server(front, web):
         assert web.get("/v1/models", headers={"Host": host}).status_code == 200, host
 
 
+def test_with_an_api_key_any_host_name_may_reach_the_front():
+    """A page cannot send the key, so a keyed front (the only kind beyond loopback) takes a cluster's
+    service names without `--allowed-host`."""
+    keyed = start(api_key="k-1")
+    try:
+        with httpx.Client(base_url=keyed.url, timeout=WAIT_S) as c:
+            host = {"Host": "rollout-0.rollout.svc.cluster.local:8000"}
+            assert c.get("/v1/models", headers={**host, "Authorization": "Bearer k-1"}).status_code == 200
+            assert c.get("/v1/models", headers=host).status_code == 401
+    finally:
+        keyed.stop()
+
+
 def test_calls_that_change_state_need_a_json_content_type(web):
     """What a cross-site page can send without a preflight (text/plain, a form, a body-less fetch
     or an `<img>`, which carry a browser's Origin / Sec-Fetch-Site) is refused."""
