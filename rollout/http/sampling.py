@@ -37,8 +37,7 @@ def sampling_params(codec: TextCodec, body: Any, *, n: int, max_tokens: int, log
         value = getattr(body, name)
         if value is not None and value != neutral:
             fields[engine_name] = value
-    mode = getattr(body, "logprobs_mode", None)  # NOTE: SGLang's sampling names have none
-    if mode is not None and mode.startswith("processed"):
+    if body.logprobs_mode is not None and body.logprobs_mode.startswith("processed"):
         fields["logprobs_mode"] = LogprobsMode.PROCESSED
     if body.logit_bias:
         fields["logit_bias"] = logit_bias(codec, body.logit_bias)

@@ -231,7 +231,8 @@ def test_sampling_extras_map_onto_the_engine_fields(codec):
     assert neutral.repetition_penalty == 1.0 and neutral.logit_bias is None
     sglang = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, seed=None, stop_token_ids=None,
                              ignore_eos=False, repetition_penalty=1.1, presence_penalty=0.0, frequency_penalty=0.0,
-                             min_tokens=3, cache_salt=None, logit_bias=None, bad_words=None, allowed_token_ids=None)
+                             min_tokens=3, cache_salt=None, logit_bias=None, bad_words=None, allowed_token_ids=None,
+                             logprobs_mode=None)  # as sglang_routes._sampling builds it
     assert sampling_params(codec, sglang, n=1, max_tokens=8, logprobs=None).min_tokens == 3
 
 
