@@ -25,6 +25,7 @@ from inference.errors import (
 )
 from inference.request import FinishReason, RequestOutput, TokenEvent
 from inference.sampling.params import LogprobsMode, SamplingParams
+from inference.sampling.structured import StructuredOutputs
 from inference.streams import EngineStepError, RequestStream
 from inference.weights.staging import Staging
 
@@ -42,6 +43,7 @@ __all__ = [
     "EngineStepError",
     "InferenceConfig",
     "LogprobsMode",
+    "StructuredOutputs",
     "MaxSequenceLengthOverflowError",
     "PauseMode",
     "RequestOutput",

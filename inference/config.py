@@ -117,6 +117,10 @@ class InferenceConfig:
     cuda_graphs: bool = False
     max_samples_per_request: Optional[int] = None  # None: 32,768, or max_waiting_samples if that is less
     max_waiting_samples: int = 65_536
+    # structured outputs compile grammars against this tokenizer (a tokenizer.json or its
+    # directory); None: the model's directory when built from one (`from_pretrained`), else none
+    # (such an engine refuses structured outputs)
+    tokenizer: Optional[str] = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_requests", "max_batch_tokens", "max_sequence_length", "chunked_prefill_size",

@@ -15,6 +15,7 @@ that `submit()` returns (tokens as they are sampled, then the final `RequestOutp
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -88,6 +89,8 @@ class DynamicInferenceEngine:
         from inference.models.loading import load_from_hf_dir, load_from_hf_model
 
         config = config or InferenceConfig()
+        if isinstance(model, (str, Path)) and config.tokenizer is None and (Path(model) / "tokenizer.json").is_file():
+            config = dataclasses.replace(config, tokenizer=str(model))  # structured outputs compile against it
         if isinstance(model, (str, Path)):
             decoder = load_from_hf_dir(model, dtype=config.dtype, device=config.device, expert_parallel=expert_parallel)
         else:

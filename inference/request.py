@@ -69,6 +69,9 @@ class Request:
     prompt_scores: Optional[Any] = None
     # MoE routing by token position `[max_total_tokens, moe_layers, k]` (return_routed_experts)
     routed_experts: Optional[np.ndarray] = None
+    # structured outputs: the compiled grammar (an llguidance template matcher, never advanced;
+    # each slot the request takes gets its own copy), None when unconstrained
+    grammar: Optional[Any] = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -39,6 +39,7 @@ from inference.errors import (
 )
 from inference.request import SHARED_CLIENT, Request, RequestOutput
 from inference.runner.model_runner import ModelRunner
+from inference.sampling.grammar import GrammarCompiler
 from inference.sampling.params import SamplingParams
 from inference.sampling.seeds import make_generator, sample_seed
 from inference.sched import offload
@@ -79,6 +80,7 @@ class EngineCore:
         self.context = DynamicInferenceContext(config, self.allocator, lambda: self.weights.policy_version,
                                                self.caches.states, self.caches.snapshots,
                                                vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids.tolist())
+        self.grammars = GrammarCompiler(config.tokenizer, self.vocab_size, self.eos_token_ids.tolist())
         self.scheduler = Scheduler(self.context)
         self.runner = ModelRunner(model, self.caches, config)
         self.state = EngineState.RUNNING
@@ -112,6 +114,8 @@ class EngineCore:
             if tok >= self.vocab_size:
                 raise ValueError(f"stop_token_ids: {tok} is outside the vocabulary of {self.vocab_size}")
         self._check_processors(params)
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)  # NOTE: cached: add_checked takes it again
         if params.return_routed_experts and self.runner.routes is None:
             raise ValueError("return_routed_experts: this model has no experts (only MoE models record routes)")
         self._check_fits(prompt, params)
@@ -135,9 +139,11 @@ class EngineCore:
         """Queue a request that `check_request` (and `check_room`) accepted, in `client`'s lane;
         returns one id per sample."""
         group_id, ids = self.scheduler.next_ids(params.n)
+        grammar = None if params.structured_outputs is None else self.grammars.compile(params.structured_outputs)
         samples = [
             Request(rid, prompt, params, group_id, index, params.n, stream_tokens=stream_tokens, client=client,
-                    generator=None if params.seed is None else make_generator(sample_seed(params.seed, index)))
+                    generator=None if params.seed is None else make_generator(sample_seed(params.seed, index)),
+                    grammar=grammar)
             for index, rid in enumerate(ids)
         ]
         self.scheduler.new_group(samples)

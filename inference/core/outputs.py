@@ -14,6 +14,7 @@ import torch
 
 from inference.request import TokenEvent
 from inference.sampling.batch import SamplingBatch
+from inference.sampling.processors import StepProcessors
 from inference.sampling.sampler import compute_prompt_logprobs
 from inference.sched.context import DynamicInferenceContext
 
@@ -21,6 +22,13 @@ from inference.sched.context import DynamicInferenceContext
 def sampling_batch(ctx: DynamicInferenceContext, slots: np.ndarray) -> SamplingBatch:
     """The sampler's per-row parameters for `slots`, gathered from the per-slot tensors."""
     index = torch.from_numpy(slots)
+    device = ctx.temperature.device
+    processors = ctx.processors.for_rows(slots, ctx.tokens, ctx.seq_len, ctx.prompt_len, device=device)
+    grammar = ctx.grammars.masks(slots)
+    if grammar is not None:
+        processors = processors if processors is not None else StepProcessors()
+        processors.grammar_rows = torch.from_numpy(grammar[0]).to(device)
+        processors.grammar_mask = grammar[1].to(device)
     return SamplingBatch(
         temperature=ctx.temperature[index],
         top_k=ctx.top_k[index],
@@ -29,8 +37,7 @@ def sampling_batch(ctx: DynamicInferenceContext, slots: np.ndarray) -> SamplingB
         generators=[ctx.generators[s] for s in slots.tolist()],
         num_top_logprobs=int(ctx.num_top_logprobs[slots].max()),
         logprobs_mode=ctx.processed_logprobs[index],
-        processors=ctx.processors.for_rows(slots, ctx.tokens, ctx.seq_len, ctx.prompt_len,
-                                           device=ctx.temperature.device),
+        processors=processors,
     )
 
 

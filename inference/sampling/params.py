@@ -11,6 +11,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from inference.sampling.structured import StructuredOutputs
+
 MAX_LOGPROBS = 100  # the largest top-n a request may ask for (sampled or prompt log-probs)
 # NOTE: the sampler keeps temperatures in float32 and takes 1 / T: below MIN_TEMPERATURE 1 / T
 # overflows (0 * inf = NaN at the max logit), above MAX_TEMPERATURE sampling is uniform anyway;
@@ -82,6 +84,10 @@ class SamplingParams:
       logit -= presence * (count > 0) + frequency * count).
     cache_salt: None or a string of at most 256 characters; requests with different salts never
       share prefix-cache blocks.
+    structured_outputs: None or a `StructuredOutputs` (a dict of its fields is taken too): the
+      completion must match it (JSON schema, regex, choice, grammar; see structured.py). The
+      engine compiles it against its tokenizer when the request is added; its token mask is the
+      first processor.
     Processors act on the raw logits; then the truncations apply in the order temperature ->
     top-k -> top-p -> min-p (see sampler.py).
     """
@@ -109,6 +115,7 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] | None = None
     allowed_token_ids: list[int] | None = None
     cache_salt: str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if not (_is_int(self.n) and self.n >= 1):
@@ -176,6 +183,14 @@ class SamplingParams:
                                                 and len(self.cache_salt) <= MAX_CACHE_SALT_LENGTH):
             raise ValueError(f"cache_salt must be None or a string of at most {MAX_CACHE_SALT_LENGTH} characters, "
                              f"got {self.cache_salt!r:.80}")
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputs(**self.structured_outputs)
+            except TypeError as exc:
+                raise ValueError(f"structured_outputs: {exc}") from None
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise ValueError(f"structured_outputs must be None or a StructuredOutputs, "
+                             f"got {self.structured_outputs!r:.80}")
 
     @property
     def greedy(self) -> bool:

@@ -3,6 +3,7 @@
 `StepProcessors` is what one step needs, built by `ProcessorState.for_rows` (processor_state.py)
 from each slot's state; `apply_processors` edits a float32 `[R, V]` copy of the raw logits in
 place, in vLLM's order (its result is the same as vLLM v1's sampler up to float rounding):
+  0. the grammar's token mask (structured outputs, grammar.py): every token it does not allow -inf;
   1. logit_bias: x[r, t] += bias (sparse);
   2. allowed_token_ids: every other token of the row -inf;
   3. bans: bad words (a sequence's last token when the output ends with the rest of it) and
@@ -45,7 +46,9 @@ class StepProcessors:
 
     `bias_*`: sparse (row, token, value) triples; `allowed_rows [A]` the rows restricted to
     `(allowed_entry_rows, allowed_ids)`; `ban_*`: sparse (row, token) pairs set to -inf;
-    `penalties`: the seen pairs. A None field is a processor no row of the step uses.
+    `penalties`: the seen pairs; `grammar_rows [G]` the rows with a grammar and `grammar_mask
+    [G, ceil(V / 32)]` int32 their allowed tokens, bit t % 32 of word t // 32 (llguidance's layout).
+    A None field is a processor no row of the step uses.
     """
 
     bias_rows: Tensor | None = None
@@ -57,10 +60,14 @@ class StepProcessors:
     ban_rows: Tensor | None = None
     ban_ids: Tensor | None = None
     penalties: Penalties | None = None
+    grammar_rows: Tensor | None = None
+    grammar_mask: Tensor | None = None
 
 
 def apply_processors(x: Tensor, p: StepProcessors) -> Tensor:
     """Apply `p` to the float32 logits `x [R, V]` in place (see the module docstring); returns x."""
+    if p.grammar_rows is not None:
+        _apply_grammar(x, p.grammar_rows, p.grammar_mask)
     if p.bias_rows is not None:
         x.index_put_((p.bias_rows, p.bias_ids), p.bias_values, accumulate=True)
     if p.allowed_rows is not None:
@@ -72,6 +79,21 @@ def apply_processors(x: Tensor, p: StepProcessors) -> Tensor:
     if p.penalties is not None:
         _apply_penalties(x, p.penalties)
     return x
+
+
+# bit j of byte b, for every byte: unpacks a bitmask by one gather instead of 32 shifts
+_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)[None, :]) & 1).bool()
+
+
+def _apply_grammar(x: Tensor, rows: Tensor, mask: Tensor) -> None:
+    vocab = x.shape[1]
+    mask = mask.to(x.device)
+    bits = _BYTE_BITS.to(x.device)[mask.contiguous().view(torch.uint8).long()]  # little-endian words
+    allowed = bits.view(mask.shape[0], -1)[:, :vocab]
+    if rows.numel() == x.shape[0]:  # NOTE: rows are sorted and distinct, so every row, in order
+        x.masked_fill_(~allowed, _NEG_INF)
+    else:
+        x[rows] = x[rows].masked_fill_(~allowed, _NEG_INF)
 
 
 def _apply_penalties(x: Tensor, pen: Penalties) -> None:

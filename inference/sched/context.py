@@ -26,6 +26,7 @@ from inference.errors import BlockOverflowError
 from inference.kv_cache.allocator import KVBlockAllocator
 from inference.kv_cache.hashing import block_hashes, chain_key
 from inference.request import FinishReason, Request, RequestStatus
+from inference.sampling.grammar import GrammarSlots
 from inference.sampling.params import LogprobsMode
 from inference.sampling.processor_state import ProcessorState
 from inference.sched.prompt_logprobs import PromptScores, servable_prefix
@@ -96,6 +97,7 @@ class DynamicInferenceContext:
         self.stop_ids = np.full((n, 4), -1, dtype=np.int64)  # widened when a request has more
         # logit processors' per-slot state (penalty counts kept as tokens are appended)
         self.processors = ProcessorState(n, vocab_size, eos_token_ids)
+        self.grammars = GrammarSlots(n, vocab_size)  # structured outputs: a matcher per constrained slot
         self.free_slots: list[int] = list(range(n - 1, -1, -1))
         self.active: list[int] = []
         self.paused: list[int] = []
@@ -293,6 +295,7 @@ class DynamicInferenceContext:
         self.stop_ids[slot, : len(stops)] = stops
         prompt_len, seq_len = int(self.prompt_len[slot]), int(self.seq_len[slot])
         self.processors.bind(slot, p, self.tokens[slot, :prompt_len], self.tokens[slot, prompt_len:seq_len])
+        self.grammars.bind(slot, req.grammar, self.tokens[slot, prompt_len:seq_len])
 
     def grow(self, slot: int, new_kv_len: int) -> bool:
         """Make `slot`'s table cover `new_kv_len` tokens; False (nothing changed) if no block."""
@@ -324,6 +327,7 @@ class DynamicInferenceContext:
         self.token_versions[slots, pos] = self._version_of()
         self.seq_len[slots] = pos + 1
         self.processors.append(slots, new_tokens)
+        grammar_done = self.grammars.accept(slots, new_tokens)
         first = slots[pos == self.prompt_len[slots]]
         if first.size:
             now = time.perf_counter()
@@ -331,6 +335,7 @@ class DynamicInferenceContext:
                 self.requests[slot].first_token_time = now
         is_stop = np.isin(new_tokens, eos_token_ids) & ~self.ignore_eos[slots]
         is_stop |= (self.stop_ids[slots] == new_tokens[:, None]).any(axis=1)
+        is_stop |= grammar_done
         done = is_stop | (pos + 1 >= self.max_len[slots])
         if not done.any():
             return []
@@ -365,6 +370,7 @@ class DynamicInferenceContext:
             self.requests[slot] = None
             self.generators[slot] = None
             self.processors.release(slot)
+            self.grammars.release(slot)
             if slot in self.active:
                 self.active.remove(slot)
             else:
@@ -420,6 +426,7 @@ class DynamicInferenceContext:
             self.allocator.reset()
         self.num_blocks[:] = 0
         self.processors.reset()
+        self.grammars.reset()
         self.hashes = [[] for _ in range(self.config.max_requests)]
         self.requests = [None] * self.config.max_requests
         self.free_slots = list(range(self.config.max_requests - 1, -1, -1))

@@ -18,7 +18,7 @@ from inference.sampling.params import SamplingParams
 from rollout.types import Rollout
 from rollout.wire.codec import ProtocolError
 from rollout.wire.kinds import ErrorCode
-from rollout.wire.messages import ErrorReply, HealthInfo, RoutedExperts, SampleOutput, Sampling
+from rollout.wire.messages import ErrorReply, HealthInfo, RoutedExperts, SampleOutput, Sampling, StructuredOutputsWire
 
 __all__ = ["error_from_reply", "error_reply", "output_from_wire", "output_to_wire", "sampling_params_from_wire",
            "sampling_params_to_wire"]
@@ -84,6 +84,8 @@ def sampling_params_to_wire(params: SamplingParams) -> Sampling:
         fields["bad_words_token_ids"] = [[int(t) for t in seq] for seq in params.bad_words_token_ids]
     if params.allowed_token_ids is not None:
         fields["allowed_token_ids"] = [int(t) for t in params.allowed_token_ids]
+    if params.structured_outputs is not None:
+        fields["structured_outputs"] = StructuredOutputsWire(**params.structured_outputs.as_dict())
     return Sampling(**fields)
 
 
@@ -97,6 +99,9 @@ def sampling_params_from_wire(sampling: Sampling) -> SamplingParams:
         fields["bad_words_token_ids"] = [list(seq) for seq in sampling.bad_words_token_ids]
     if sampling.allowed_token_ids is not None:
         fields["allowed_token_ids"] = list(sampling.allowed_token_ids)
+    if sampling.structured_outputs is not None:
+        so = sampling.structured_outputs
+        fields["structured_outputs"] = {name: getattr(so, name) for name in so.__struct_fields__}
     try:
         return SamplingParams(**fields)
     except ValueError as exc:  # the engine's messages start with the field's name

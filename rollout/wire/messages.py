@@ -29,6 +29,7 @@ from inference.sampling.params import (
     MAX_TOP_K,
     LogprobsMode,
 )
+from inference.sampling.structured import MAX_CHOICES, MAX_GRAMMAR_CHARS
 from rollout.wire.kinds import (
     MAX_ABORT_TARGETS,
     MAX_KV_EVENTS,
@@ -100,6 +101,24 @@ class _Request(_Message):
 # ---- requests --------------------------------------------------------------------------------
 
 
+GrammarText = Annotated[str, Meta(max_length=MAX_GRAMMAR_CHARS)]
+
+
+class StructuredOutputsWire(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """`inference.StructuredOutputs` on the wire (the same fields; `json` as JSON text). That exactly
+    one constraint is set, the engine's own validation checks."""
+
+    json: Optional[GrammarText] = None
+    regex: Optional[GrammarText] = None
+    choice: Optional[Annotated[list[GrammarText], Meta(min_length=1, max_length=MAX_CHOICES)]] = None
+    grammar: Optional[GrammarText] = None
+    json_object: bool = False
+    structural_tag: Optional[GrammarText] = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: Optional[GrammarText] = None
+
+
 class Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """`inference.SamplingParams` on the wire: the same fields, names and ranges.
 
@@ -130,6 +149,7 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     bad_words_token_ids: Optional[Annotated[list[TokenSequence], Meta(max_length=MAX_STOP_TOKENS)]] = None
     allowed_token_ids: Optional[Annotated[list[NonNegInt], Meta(min_length=1, max_length=MAX_TOKEN_IDS)]] = None
     cache_salt: Optional[Annotated[str, Meta(max_length=MAX_CACHE_SALT_LENGTH)]] = None
+    structured_outputs: Optional[StructuredOutputsWire] = None
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.repetition_penalty):

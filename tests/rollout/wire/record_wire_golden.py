@@ -44,7 +44,9 @@ def messages() -> dict[str, tuple[msgspec.Struct, list[str]]]:
                                logprobs_mode=LogprobsMode.PROCESSED, return_routed_experts=True,
                                repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=-0.25, min_tokens=4,
                                logit_bias={5: -100.0, 9: 2.5}, bad_words_token_ids=[[3], [4, 6]],
-                               allowed_token_ids=[1, 2, 5, 9], cache_salt="tenant-a")
+                               allowed_token_ids=[1, 2, 5, 9], cache_salt="tenant-a",
+                               structured_outputs=p.StructuredOutputsWire(json='{"type": "object"}',
+                                                                          disable_any_whitespace=True))
     routes = p.RoutedExperts(layers=2, k=2, experts=np.arange(4 * 2 * 2, dtype=np.int32))
     out: dict[str, tuple[msgspec.Struct, list[str]]] = {
         "generate_minimal": (p.Generate(request_id="r1", prompt_token_ids=ids), ["request_id", "prompt_token_ids"]),

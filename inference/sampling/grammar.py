@@ -1,0 +1,210 @@
+"""Structured outputs in the engine: grammars compiled against the tokenizer, one matcher per slot.
+
+llguidance (pinned; its CPU mask path, Rust, GIL released) does the grammar work. Three parts:
+
+* `grammar_text(spec)`: a `StructuredOutputs` as llguidance's grammar, with vLLM's meanings
+  (its guidance backend's): JSON whitespace flexible unless `disable_any_whitespace`,
+  `json_object` the schema `{"type": "object"}`, `grammar` Lark or GBNF.
+* `GrammarCompiler`: the engine's; loads the tokenizer on first use (~0.3 s for a 49k vocabulary)
+  and compiles each distinct spec once (LRU), a refusal being a `ValueError` naming the field.
+  A compiled grammar is a template matcher that is never advanced: each sample gets a copy.
+* `GrammarSlots`: the context's, one matcher per slot. `masks(slots)` fills one step's bitmask
+  rows (all matchers at once, in llguidance's thread pool); `accept(slots, tokens)` advances them
+  and says which rows are done: the grammar stopped (only EOS could follow, which vLLM does not
+  emit either) or the token was refused (a contradiction between processors, e.g. `min_tokens`
+  banning what the grammar needs; the request ends rather than run on unconstrained).
+
+The mask is part of the processing: PROCESSED log-probs see it, RAW (the model's, what a trainer
+recomputes) do not.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import llguidance as llg
+import llguidance.torch as llg_torch
+import numpy as np
+import torch
+from torch import Tensor
+
+from inference.sampling.structured import StructuredOutputs
+
+logger = logging.getLogger(__name__)
+
+GRAMMAR_CACHE_SIZE = 256
+_GRAMMAR_THREADS = 2  # mask filling is a few ms for hundreds of rows; more threads only contend
+
+
+def grammar_text(spec: StructuredOutputs) -> str:
+    """`spec` as an llguidance grammar (not yet checked: `GrammarCompiler.compile` does that)."""
+    kind = spec.kind
+    if kind in ("json", "json_object"):
+        schema = json.loads(spec.json) if kind == "json" else {"type": "object"}
+        if spec.disable_additional_properties:
+            schema = _closed_objects(schema)
+        options: dict = {"whitespace_flexible": not spec.disable_any_whitespace}
+        if spec.whitespace_pattern is not None:
+            options["whitespace_pattern"] = spec.whitespace_pattern
+        return llg.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+    if kind == "regex":
+        return llg.grammar_from("regex", spec.regex)
+    if kind == "choice":
+        return llg.grammar_from("choice", json.dumps(list(spec.choice)))
+    if kind == "grammar":
+        return llg.grammar_from("grammar", spec.grammar)
+    return _structural_tag(spec.structural_tag)
+
+
+def _closed_objects(schema):
+    """The schema with `additionalProperties: false` on every object schema that does not say."""
+    if isinstance(schema, list):
+        return [_closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed_objects(v) for k, v in schema.items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _structural_tag(text: str) -> str:
+    """vLLM's structural tag, `{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`: free
+    text in which a trigger starts the structure whose `begin` it opens."""
+    tag = json.loads(text)
+    if not isinstance(tag, dict) or not isinstance(tag.get("structures"), list) or not tag["structures"]:
+        raise ValueError("structured_outputs.structural_tag: needs a non-empty `structures` list")
+    triggers = tag.get("triggers")
+    if not isinstance(triggers, list) or not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError("structured_outputs.structural_tag: needs `triggers`, a list of non-empty strings")
+    tags = []
+    for s in tag["structures"]:
+        if not (isinstance(s, dict) and isinstance(s.get("begin"), str) and isinstance(s.get("end"), str)
+                and isinstance(s.get("schema"), (dict, str))):
+            raise ValueError("structured_outputs.structural_tag: each structure has `begin`, `schema`, `end`")
+        trigger = next((t for t in triggers if s["begin"].startswith(t)), None)
+        if trigger is None:
+            raise ValueError(f"structured_outputs.structural_tag: no trigger starts {s['begin']!r}")
+        tags.append(llg.StructTag(trigger=trigger, begin=s["begin"], grammar=s["schema"], end=s["end"]))
+    return llg.StructTag.to_grammar(tags)
+
+
+class GrammarCompiler:
+    """Compiles specs against the tokenizer at `tokenizer` (a `tokenizer.json` or its directory;
+    None: this engine has none and refuses structured outputs). `vocab_size` is the logits' width
+    (tokens past the tokenizer's are never allowed); `eos_token_ids` end a completed grammar."""
+
+    def __init__(self, tokenizer: str | Path | None, vocab_size: int, eos_token_ids) -> None:
+        self.source = None if tokenizer is None else Path(tokenizer)
+        if self.source is not None and self.source.is_dir():
+            self.source = self.source / "tokenizer.json"
+        self.vocab_size = vocab_size
+        self.eos_token_ids = [int(t) for t in eos_token_ids]
+        self._tokenizer: llg.LLTokenizer | None = None
+        self._cache: OrderedDict[StructuredOutputs, llg.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()  # NOTE: requests are checked on callers' threads, not only the loop's
+
+    @property
+    def available(self) -> bool:
+        return self.source is not None and self.source.is_file()
+
+    def tokenizer(self) -> llg.LLTokenizer:
+        if self._tokenizer is None:
+            if not self.available:
+                raise ValueError("structured_outputs: this engine has no tokenizer (a tokenizer.json beside the "
+                                 "model, or InferenceConfig.tokenizer) to compile grammars against")
+            self._tokenizer = llg.LLTokenizer(str(self.source), n_vocab=self.vocab_size,
+                                              eos_token=self.eos_token_ids or None)
+        return self._tokenizer
+
+    def compile(self, spec: StructuredOutputs) -> llg.LLMatcher:
+        """The template matcher of `spec` (cached; never advance it: `GrammarSlots.bind` copies it)."""
+        with self._lock:
+            template = self._cache.get(spec)
+            if template is not None:
+                self._cache.move_to_end(spec)
+                return template
+            tokenizer = self.tokenizer()
+            try:
+                text = grammar_text(spec)
+            except (ValueError, TypeError, AssertionError) as exc:
+                message = str(exc)
+                raise ValueError(message if message.startswith("structured_outputs")
+                                 else f"structured_outputs.{spec.kind}: {message}") from None
+            template = llg.LLMatcher(tokenizer, text, log_level=0)
+            if template.is_error():
+                raise ValueError(f"structured_outputs.{spec.kind}: {template.get_error()}")
+            self._cache[spec] = template
+            if len(self._cache) > GRAMMAR_CACHE_SIZE:
+                self._cache.popitem(last=False)
+            return template
+
+
+class GrammarSlots:
+    """One matcher per slot of `slots` slots, and the step's bitmask buffer (`[rows, ceil(V / 32)]`
+    int32, grown on demand). Invariant: `matchers[s]` is set iff slot s serves a request with a
+    grammar, and has consumed exactly that slot's output tokens."""
+
+    __slots__ = ("matchers", "uses", "vocab_size", "_bitmask", "_executor")
+
+    def __init__(self, slots: int, vocab_size: int) -> None:
+        self.matchers: list[llg.LLMatcher | None] = [None] * slots
+        self.uses = np.zeros(slots, dtype=bool)
+        self.vocab_size = vocab_size
+        self._bitmask: Tensor | None = None
+        self._executor: llg.LLExecutor | None = None
+
+    def bind(self, slot: int, template: llg.LLMatcher | None, output: np.ndarray) -> None:
+        """Slot `slot` now serves a request with grammar `template` (None: unconstrained) and
+        `output` tokens so far (after a preemption, the matcher catches up on them)."""
+        self.release(slot)
+        if template is None:
+            return
+        matcher = template.deep_copy()
+        if len(output):
+            matcher.consume_tokens([int(t) for t in output])
+        self.matchers[slot] = matcher
+        self.uses[slot] = True
+
+    def release(self, slot: int) -> None:
+        self.matchers[slot] = None
+        self.uses[slot] = False
+
+    def reset(self) -> None:
+        for slot in np.flatnonzero(self.uses).tolist():
+            self.release(slot)
+
+    def masks(self, slots: np.ndarray) -> tuple[np.ndarray, Tensor] | None:
+        """(the batch rows with a grammar, their bitmasks `[G, W]` int32) for a step sampling `slots`;
+        None when no row has one."""
+        rows = np.flatnonzero(self.uses[slots])
+        if rows.size == 0:
+            return None
+        width = (self.vocab_size + 31) // 32
+        if self._bitmask is None or self._bitmask.shape[0] < rows.size:
+            self._bitmask = torch.empty((max(rows.size, 2 * (0 if self._bitmask is None else len(self._bitmask))),
+                                         width), dtype=torch.int32)
+            self._executor = self._executor or llg.LLExecutor(_GRAMMAR_THREADS)
+        bitmask = self._bitmask[: rows.size]
+        work = [(self.matchers[int(slots[r])], i) for i, r in enumerate(rows.tolist())]
+        llg_torch.fill_next_token_bitmask_par(self._executor, work, bitmask)
+        return rows, bitmask
+
+    def accept(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """Advance each grammar slot of `slots` by its token; returns per row whether its request is
+        done (grammar stopped, or the token refused: see module docstring)."""
+        done = np.zeros(slots.size, dtype=bool)
+        rows = np.flatnonzero(self.uses[slots])
+        for r in rows.tolist():
+            matcher = self.matchers[int(slots[r])]
+            if not matcher.consume_token(int(tokens[r])):
+                logger.warning("structured outputs: token %d refused by the grammar (%s); the request ends",
+                               int(tokens[r]), matcher.get_error())
+                done[r] = True
+            elif matcher.is_stopped():
+                done[r] = True
+        return done
