@@ -34,6 +34,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from inference import PauseMode, SamplingParams, SuspendPolicy
+from rollout.http import structured
 from rollout.http.disconnects import unless_disconnected
 from rollout.http.errors import APIError, from_exception
 from rollout.http.front import HttpFront
@@ -160,7 +161,8 @@ def _sampling(front: HttpFront, sp: SGLangSampling, max_tokens: int, top: int) -
                            repetition_penalty=sp.repetition_penalty, presence_penalty=sp.presence_penalty,
                            frequency_penalty=sp.frequency_penalty, min_tokens=sp.min_new_tokens, cache_salt=None,
                            logit_bias=sp.logit_bias, bad_words=None, allowed_token_ids=None, logprobs_mode=None)
-    return sampling_params(front.codec, body, n=sp.n, max_tokens=max_tokens, logprobs=top)
+    return sampling_params(front.codec, body, n=sp.n, max_tokens=max_tokens, logprobs=top,
+                           structured=structured.from_sglang(sp))
 
 
 def _per_prompt(value: Any, count: int, name: str) -> Optional[list]:
