@@ -3,8 +3,11 @@
 llguidance (pinned; its CPU mask path, Rust, GIL released) does the grammar work. Three parts:
 
 * `grammar_text(spec)`: a `StructuredOutputs` as llguidance's grammar, with vLLM's meanings
-  (its guidance backend's): JSON whitespace flexible unless `disable_any_whitespace`,
-  `json_object` the schema `{"type": "object"}`, `grammar` Lark or GBNF.
+  (its guidance backend's): `json_object` the schema `{"type": "object"}`, `grammar` Lark or
+  GBNF; whitespace in JSON as `whitespace_pattern` says, none with `disable_any_whitespace`, and
+  otherwise `BOUNDED_WHITESPACE` (vLLM allows any run of it: a model that wants what the grammar
+  forbids then writes newlines until `max_tokens`, a known failure that a bound turns into
+  progress; pretty-printed JSON, one newline and an indent of up to 20, still fits).
 * `GrammarCompiler`: the engine's; loads the tokenizer on first use (~0.3 s for a 49k vocabulary)
   and compiles each distinct spec once (LRU), a refusal being a `ValueError` naming the field.
   A compiled grammar is a template matcher that is never advanced: each sample gets a copy.
@@ -37,6 +40,7 @@ from inference.sampling.structured import StructuredOutputs
 logger = logging.getLogger(__name__)
 
 GRAMMAR_CACHE_SIZE = 256
+BOUNDED_WHITESPACE = r"(\r?\n)?[ \t]{0,20}"  # between two JSON tokens
 _GRAMMAR_THREADS = 2  # mask filling is a few ms for hundreds of rows; more threads only contend
 
 
@@ -48,8 +52,8 @@ def grammar_text(spec: StructuredOutputs) -> str:
         if spec.disable_additional_properties:
             schema = _closed_objects(schema)
         options: dict = {"whitespace_flexible": not spec.disable_any_whitespace}
-        if spec.whitespace_pattern is not None:
-            options["whitespace_pattern"] = spec.whitespace_pattern
+        if not spec.disable_any_whitespace:
+            options["whitespace_pattern"] = spec.whitespace_pattern or BOUNDED_WHITESPACE
         return llg.LLMatcher.grammar_from_json_schema(schema, defaults=options)
     if kind == "regex":
         return llg.grammar_from("regex", spec.regex)

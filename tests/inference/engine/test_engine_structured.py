@@ -194,7 +194,8 @@ def test_an_engine_without_a_tokenizer_refuses_structured_outputs(model):
 
 
 def test_options_follow_vllm(tokenizer_dir):
-    """disable_additional_properties closes every object; whitespace off forbids it between tokens."""
+    """disable_additional_properties closes every object; whitespace off forbids it between tokens,
+    a pattern replaces the bounded default."""
     tok = llg.LLTokenizer(str(tokenizer_dir / "tokenizer.json"), n_vocab=VOCAB, eos_token=[EOS])
     loose = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
@@ -209,6 +210,10 @@ def test_options_follow_vllm(tokenizer_dir):
     assert not accepts(StructuredOutputs(json=json.dumps(loose), disable_any_whitespace=True), '{"a": 1}')
     assert accepts(StructuredOutputs(json=json.dumps(loose), disable_any_whitespace=True), '{"a":1}')
     assert accepts(StructuredOutputs(json_object=True), '{"x": [1, {"y": null}]}')
+    # whitespace is bounded by default (one newline, an indent of up to 20): pretty-printing fits
+    assert accepts(StructuredOutputs(json=json.dumps(loose)), '{\n    "a": 1\n}')
+    assert not accepts(StructuredOutputs(json=json.dumps(loose)), '{\n\n"a": 1}')
+    assert accepts(StructuredOutputs(json=json.dumps(loose), whitespace_pattern=r"\s*"), '{\n\n"a": 1}')
     assert not accepts(StructuredOutputs(json_object=True), '[1]')
     tag = {"structures": [{"begin": "<f=a>", "schema": loose, "end": "</f>"}], "triggers": ["<f="]}
     assert accepts(StructuredOutputs(structural_tag=json.dumps(tag)), 'free text <f=a>{"a": 3}</f> more')
