@@ -81,19 +81,20 @@ def apply_processors(x: Tensor, p: StepProcessors) -> Tensor:
     return x
 
 
-# bit j of byte b, for every byte: unpacks a bitmask by one gather instead of 32 shifts
-_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)[None, :]) & 1).bool()
+# what a mask byte adds to its 8 tokens' logits, for every byte value: 0 where the bit is set, -inf
+# where not; one row gather per byte unpacks a bitmask (several times faster than shifting 32 bits)
+_BYTE_ADD = torch.where(((torch.arange(256)[:, None] >> torch.arange(8)[None, :]) & 1).bool(), 0.0, _NEG_INF)
 
 
 def _apply_grammar(x: Tensor, rows: Tensor, mask: Tensor) -> None:
     vocab = x.shape[1]
-    mask = mask.to(x.device)
-    bits = _BYTE_BITS.to(x.device)[mask.contiguous().view(torch.uint8).long()]  # little-endian words
-    allowed = bits.view(mask.shape[0], -1)[:, :vocab]
+    mask = mask.to(x.device).contiguous()
+    add = _BYTE_ADD.to(x.device).index_select(0, mask.view(torch.uint8).view(-1).int())  # little-endian words
+    add = add.view(mask.shape[0], -1)[:, :vocab]
     if rows.numel() == x.shape[0]:  # NOTE: rows are sorted and distinct, so every row, in order
-        x.masked_fill_(~allowed, _NEG_INF)
+        x.add_(add)
     else:
-        x[rows] = x[rows].masked_fill_(~allowed, _NEG_INF)
+        x.index_add_(0, rows, add)
 
 
 def _apply_penalties(x: Tensor, pen: Penalties) -> None:
