@@ -33,7 +33,7 @@ from rollout.http.front import HttpFront
 from rollout.http.generation import Delta, Generation, GenSpec, Sample
 from rollout.http.logprobs import chat_top, completion_top, echoed_prompt, prompt_entries
 from rollout.http.schemas import ChatCompletionRequest, CompletionRequest
-from rollout.http.sessions import Render, Reply
+from rollout.http.sessions import Render, Reply, calls_of
 from rollout.http.tools import ToolChoiceError, ToolPlan, plan_tools
 
 router = APIRouter()
@@ -228,8 +228,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
     def remember() -> None:
         if session_id:
-            front.sessions.record(session_id, messages, body.tools, prompt,
-                                  [Reply(s.text, list(s.ids)) for s in gen.samples], render)
+            replies = []
+            for s in gen.samples:
+                content, calls = plan.parse(s.text)
+                matched = calls_of([c.as_dict() for c in calls]) or ()
+                replies.append(Reply(s.text, list(s.ids), content if calls else None, matched))
+            front.sessions.record(session_id, messages, body.tools, prompt, replies, render)
 
     if body.stream:
         return _stream(gen, _chat_chunks(front, body, gen, rid, remember, plan), headers)

@@ -255,3 +255,29 @@ def test_follow_up_turn_renders(oai, model_dir):
     prompt = TextCodec.load(model_dir).decode(reply.model_extra["prompt_token_ids"], skip_special_tokens=False)
     assert prompt.endswith(f"<|im_start|>assistant\n{CALL}<|im_end|>\n<|im_start|>user\n<tool_response>\n"
                            '{"city": "Paris", "temp_c": 21}\n</tool_response><|im_end|>\n<|im_start|>assistant\n')
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_session_continues_through_a_tool_call(oai, http_server, stream):
+    """Agentic RL's loop: the call goes back with the tool's answer in the same session, and the
+    next prompt is the first prompt + the ids sampled for the call, verbatim + the template's rest
+    (the template renders the call exactly as the model wrote it: nothing re-tokenized)."""
+    session = {"X-Session-ID": f"agent-{stream}"}
+    first = ask(oai, extra_headers=session)
+    if stream:  # the same reply, streamed: the session must remember it just the same
+        with oai.chat.completions.stream(model=MODEL, messages=QUESTION, tools=TOOLS, temperature=0,
+                                         max_tokens=48, extra_headers=session) as s:
+            for _ in s:
+                pass
+            assert s.get_final_completion().choices[0].message.tool_calls
+    call = first.choices[0].message.tool_calls[0]
+    turn = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"city": "Paris", "temp_c": 21})}]
+    with httpx.Client(timeout=WAIT_S) as web:
+        before = web.get(f"{http_server.http_url}/get_server_info").json()["sessions"]
+        second = oai.chat.completions.create(model=MODEL, messages=turn, tools=TOOLS, temperature=0, max_tokens=4,
+                                             extra_headers=session)
+        after = web.get(f"{http_server.http_url}/get_server_info").json()["sessions"]
+    assert after["continued"] == before["continued"] + 1 and after["restarted"] == before["restarted"]
+    head = first.model_extra["prompt_token_ids"] + first.choices[0].model_extra["token_ids"]
+    assert second.model_extra["prompt_token_ids"][:len(head)] == head
