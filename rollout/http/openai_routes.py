@@ -178,8 +178,11 @@ async def _completion_chunks(front: HttpFront, body: CompletionRequest, gen: Gen
             if opening:
                 choice["prompt_token_ids"] = gen.spec.prompts[s.group]
             choice["token_ids"] = d.ids
-        yield sse({"id": rid, "object": "text_completion", "created": created, "model": body.model,
-                   "choices": [choice]})
+        chunk = {"id": rid, "object": "text_completion", "created": created, "model": body.model,
+                 "choices": [choice]}
+        if _continuous_usage(body):
+            chunk["usage"] = _usage(gen.spec.prompts, gen.samples)
+        yield sse(chunk)
     if body.stream_options is not None and body.stream_options.include_usage:
         yield sse({"id": rid, "object": "text_completion", "created": created, "model": body.model, "choices": [],
                    "usage": _usage(gen.spec.prompts, gen.samples)})
@@ -290,6 +293,8 @@ async def _chat_chunks(front: HttpFront, body: ChatCompletionRequest, gen: Gener
         if body.return_token_ids is not False:
             choice["token_ids"] = d.ids
         chunk["choices"] = [choice]
+        if _continuous_usage(body):
+            chunk["usage"] = _usage(gen.spec.prompts, gen.samples)
         yield sse(chunk)
     done()
     if body.stream_options is not None and body.stream_options.include_usage:
@@ -347,6 +352,12 @@ def _index(gen: Generation, s: Sample) -> int:
 
 def _stop_reason(s: Sample) -> Any:
     return s.matched if isinstance(s.matched, str) else None
+
+
+def _continuous_usage(body: Any) -> bool:
+    """vLLM's `stream_options.continuous_usage_stats`: every chunk says the usage so far."""
+    options = body.stream_options
+    return options is not None and options.include_usage and options.continuous_usage_stats
 
 
 def _usage(prompts: list[list[int]], samples: list[Sample]) -> dict[str, int]:

@@ -28,7 +28,8 @@ Required: a list of `{"name", "parameters"}` objects, one of the tools each (at 
 `parallel_tool_calls` is false), answered as those calls, `finish_reason` "tool_calls". A function
 without `parameters` takes none (an empty object). A forced reply is parsed once it ended
 (`ForcedCallStream`): its calls are sent whole, as above; one cut short by `max_tokens` stays
-text. Free of FastAPI imports: the CLI reads `TOOL_PARSERS`.
+text. With `parallel_tool_calls` false, a free reply's calls past its first are dropped (OpenAI's
+promise: at most one call). Free of FastAPI imports: the CLI reads `TOOL_PARSERS`.
 """
 
 from __future__ import annotations
@@ -103,7 +104,10 @@ def parse_call(text: str) -> Optional[ToolCall]:
 
 
 class ToolStream:
-    """Base: a reply's text in, `ToolDelta`s out; `calls` holds every call parsed so far."""
+    """Base: a reply's text in, `ToolDelta`s out; `calls` holds every call parsed so far.
+    `max_calls`: calls past this many are dropped (`parallel_tool_calls` false: at most one)."""
+
+    max_calls: Optional[int] = None
 
     def __init__(self) -> None:
         self.calls: list[ToolCall] = []
@@ -116,6 +120,8 @@ class ToolStream:
         raise NotImplementedError
 
     def _call(self, call: ToolCall, out: ToolDelta) -> None:
+        if self.max_calls is not None and len(self.calls) >= self.max_calls:
+            return
         out.calls.append((len(self.calls), call))
         self.calls.append(call)
 
@@ -300,10 +306,14 @@ class ToolPlan:
     parser: ToolParser = ToolParser.NONE
     forced: Optional[StructuredOutputs] = None
     named: Optional[str] = None
+    max_calls: Optional[int] = None  # 1 when `parallel_tool_calls` is false
 
     def stream(self) -> Optional[ToolStream]:
         """A fresh stream for one reply, None when replies are not parsed."""
-        return ForcedCallStream(self.named) if self.forced is not None else tool_stream(self.parser)
+        stream = ForcedCallStream(self.named) if self.forced is not None else tool_stream(self.parser)
+        if stream is not None:
+            stream.max_calls = self.max_calls
+        return stream
 
     def parse(self, text: str) -> tuple[Optional[str], list[ToolCall]]:
         """A whole reply as (content, calls): content None when free calls left no text, "" for a
@@ -326,7 +336,7 @@ def plan_tools(tool_choice: Any, tools: Optional[list[dict]], parser: ToolParser
                parallel_tool_calls: Optional[bool] = None) -> ToolPlan:
     """The `ToolPlan` of a chat body; `ToolChoiceError` for a `tool_choice` refused."""
     if tool_choice is None or tool_choice == "auto":
-        return ToolPlan(parser if tools else ToolParser.NONE)
+        return ToolPlan(parser if tools else ToolParser.NONE, max_calls=1 if parallel_tool_calls is False else None)
     if tool_choice == "none":
         return ToolPlan()
     if tool_choice == "required" and tools == []:

@@ -177,3 +177,11 @@ def test_cli_flag():
     base = ["--connect", "tcp://127.0.0.1:1", "--model", "m"]
     assert parser.parse_args(base).tool_call_parser == "none"
     assert parser.parse_args([*base, "--tool-call-parser", "llama3_json"]).tool_call_parser == "llama3_json"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    plan = plan_tools("auto", WEATHER, ToolParser.HERMES, parallel_tool_calls=False)
+    content, calls = plan.parse(QWEN_TWO_CALLS)
+    assert content == "I will look both up.\n" and [c.name for c in calls] == ["get_weather"]
+    assert [c.name for c in plan_tools("auto", WEATHER, ToolParser.HERMES).parse(QWEN_TWO_CALLS)[1]] == \
+        ["get_weather", "get_time"]
