@@ -178,6 +178,7 @@ class DynamicInferenceEngine:
                 self._channels[rid] = self._step_channel
             return ids
 
+        self.core.grammars.precompile([sampling_params])
         ids = self.calls.run(add)
         return ids[0] if len(ids) == 1 else ids
 
@@ -206,6 +207,7 @@ class DynamicInferenceEngine:
             self.core.check_room(sum(params.n for _, params in checked))
             return [self._add_stream(prompt, params, stream_tokens, callback, client) for prompt, params in checked]
 
+        self.core.grammars.precompile(params_list)
         return self.calls.run(add_all)
 
     def _add_stream(self, prompt: list[int], params: SamplingParams, stream_tokens: bool,
@@ -249,6 +251,7 @@ class DynamicInferenceEngine:
                 out.append(self._add_stream(checked_prompt, checked_params, stream_tokens_, callback, client))
             return out
 
+        self.core.grammars.precompile(params_list)
         return self.calls.run(add_each)
 
     @staticmethod

@@ -117,35 +117,57 @@ class GrammarCompiler:
         return self.source is not None and self.source.is_file()
 
     def tokenizer(self) -> llg.LLTokenizer:
-        if self._tokenizer is None:
-            if not self.available:
-                raise ValueError("structured_outputs: this engine has no tokenizer (a tokenizer.json beside the "
-                                 "model, or InferenceConfig.tokenizer) to compile grammars against")
-            self._tokenizer = llg.LLTokenizer(str(self.source), n_vocab=self.vocab_size,
-                                              eos_token=self.eos_token_ids or None)
-        return self._tokenizer
+        with self._lock:
+            if self._tokenizer is None:
+                if not self.available:
+                    raise ValueError("structured_outputs: this engine has no tokenizer (a tokenizer.json beside the "
+                                     "model, or InferenceConfig.tokenizer) to compile grammars against")
+                try:
+                    self._tokenizer = llg.LLTokenizer(str(self.source), n_vocab=self.vocab_size,
+                                                      eos_token=self.eos_token_ids or None)
+                except (ValueError, RuntimeError) as exc:
+                    raise ValueError(f"structured_outputs: the tokenizer {self.source} cannot serve grammars "
+                                     f"over {self.vocab_size} logits: {exc}") from None
+            return self._tokenizer
 
     def compile(self, spec: StructuredOutputs) -> llg.LLMatcher:
-        """The template matcher of `spec` (cached; never advance it: `GrammarSlots.bind` copies it)."""
+        """The template matcher of `spec` (cached; never advance it: `GrammarSlots.bind` copies it).
+
+        NOTE: compiled outside the lock (llguidance releases the GIL while it builds a grammar): a
+        caller's thread compiles before the engine loop asks (`DynamicInferenceEngine` does), so the
+        loop finds it cached and never waits on a large grammar; two threads racing on one spec
+        both compile it, harmlessly."""
         with self._lock:
             template = self._cache.get(spec)
             if template is not None:
                 self._cache.move_to_end(spec)
                 return template
-            tokenizer = self.tokenizer()
-            try:
-                text = grammar_text(spec)
-            except (ValueError, TypeError, AssertionError) as exc:
-                message = str(exc)
-                raise ValueError(message if message.startswith("structured_outputs")
-                                 else f"structured_outputs.{spec.kind}: {message}") from None
-            template = llg.LLMatcher(tokenizer, text, log_level=0)
-            if template.is_error():
-                raise ValueError(f"structured_outputs.{spec.kind}: {template.get_error()}")
+        tokenizer = self.tokenizer()
+        try:
+            text = grammar_text(spec)
+        except (ValueError, TypeError, AssertionError) as exc:
+            message = str(exc)
+            raise ValueError(message if message.startswith("structured_outputs")
+                             else f"structured_outputs.{spec.kind}: {message}") from None
+        template = llg.LLMatcher(tokenizer, text, log_level=0)
+        if template.is_error():
+            raise ValueError(f"structured_outputs.{spec.kind}: {template.get_error()}")
+        with self._lock:
             self._cache[spec] = template
             if len(self._cache) > GRAMMAR_CACHE_SIZE:
                 self._cache.popitem(last=False)
-            return template
+        return template
+
+    def precompile(self, params_list) -> None:
+        """Compile the constraints of `params_list` (SamplingParams or None) into the cache, on the
+        caller's thread; a refusal is left for the engine's own check to raise."""
+        for params in params_list:
+            spec = getattr(params, "structured_outputs", None)
+            if spec is not None and self.available:
+                try:
+                    self.compile(spec)
+                except ValueError:
+                    pass
 
 
 class GrammarSlots:

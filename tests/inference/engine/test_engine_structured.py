@@ -235,3 +235,30 @@ def test_the_mask_unpacks_bit_t_of_word_t_over_32_for_any_rows():
             bits = np.unpackbits(mask[i].view(np.uint8), bitorder="little")[:vocab].astype(bool)
             want[r, torch.from_numpy(~bits)] = -math.inf
         assert torch.equal(got, want)
+
+
+def test_grammars_compile_on_the_callers_thread_not_the_loops(model, tokenizer_dir, monkeypatch):
+    """With the step loop in its own thread, a new constraint is built (LLMatcher) by the thread
+    that submits it; the loop's own check finds it cached."""
+    import threading
+
+    import inference.sampling.grammar as grammar
+
+    built_on = []
+    real = grammar.llg.LLMatcher
+
+    def recording(*args, **kwargs):
+        built_on.append(threading.get_ident())
+        return real(*args, **kwargs)
+
+    eng = engine(model, tokenizer_dir)
+    eng.start()
+    try:
+        monkeypatch.setattr(grammar.llg, "LLMatcher", recording)
+        stream = eng.submit([1, 5, 6], SamplingParams(temperature=0, max_tokens=8,
+                                                      structured_outputs={"regex": "[a-d]{3}"}))
+        [out] = stream.result(timeout=30)
+    finally:
+        eng.stop()
+    assert out.finish_reason is FinishReason.STOP
+    assert built_on == [threading.get_ident()]
