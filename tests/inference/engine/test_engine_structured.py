@@ -221,20 +221,25 @@ def test_options_follow_vllm(tokenizer_dir):
 
 
 def test_the_mask_unpacks_bit_t_of_word_t_over_32_for_any_rows():
-    """`apply_processors`' grammar step against numpy's own bit unpacking, vocabulary not a multiple
-    of 32, a subset of the rows and then all of them."""
+    """`apply_processors`' grammar step against numpy's own bit unpacking: a vocabulary not a multiple
+    of 32, a subset of the rows and then all of them; SmolLM2's vocabulary over 30 rows, which the
+    step unpacks in chunks of rows."""
     rng = np.random.default_rng(0)
-    vocab = 70
-    for rows in (np.array([1, 3]), np.arange(4)):
-        mask = rng.integers(-2**31, 2**31, size=(rows.size, 3), dtype=np.int64).astype(np.int32)
-        x = torch.randn(4, vocab)
-        got = apply_processors(x.clone(), StepProcessors(grammar_rows=torch.from_numpy(rows),
-                                                         grammar_mask=torch.from_numpy(mask)))
-        want = x.clone()
-        for i, r in enumerate(rows):
-            bits = np.unpackbits(mask[i].view(np.uint8), bitorder="little")[:vocab].astype(bool)
-            want[r, torch.from_numpy(~bits)] = -math.inf
-        assert torch.equal(got, want)
+    for vocab, total, subsets in [(70, 4, (np.array([1, 3]), np.arange(4))),
+                                  (VOCAB, 30, (np.sort(rng.choice(30, 24, replace=False)), np.arange(30)))]:
+        words = (vocab + 31) // 32
+        for rows in subsets:
+            mask = rng.integers(-2**31, 2**31, size=(rows.size, words), dtype=np.int64).astype(np.int32)
+            mask[0] = -1  # a row with every token allowed, and one with none
+            mask[-1] = 0
+            x = torch.randn(total, vocab)
+            got = apply_processors(x.clone(), StepProcessors(grammar_rows=torch.from_numpy(rows),
+                                                             grammar_mask=torch.from_numpy(mask)))
+            want = x.clone()
+            for i, r in enumerate(rows):
+                bits = np.unpackbits(mask[i].view(np.uint8), bitorder="little")[:vocab].astype(bool)
+                want[r, torch.from_numpy(~bits)] = -math.inf
+            assert torch.equal(got, want), (vocab, rows.size)
 
 
 def test_grammars_compile_on_the_callers_thread_not_the_loops(model, tokenizer_dir, monkeypatch):
