@@ -475,6 +475,9 @@ class EngineCore:
         return {
             "state": self.state.value,
             "pause_mode": None if self.pause_mode is None else self.pause_mode.value,
+            "dtype": str(self.model.spec.dtype).removeprefix("torch."),
+            "block_size": self.config.block_size,
+            "max_sequence_length": self.config.max_sequence_length,
             "steps": self.num_steps,
             "generated_tokens": self.generated_tokens,
             "prefill_tokens": self.context.prefill_tokens,
