@@ -8,10 +8,10 @@ vLLM (SkyRL's remote client, TRL's async GRPO, prime-rl, verifiers) drive this f
   cache after an abort or a wait, never for keep) -> `{"status": "paused"}`; `/resume` ->
   `{"status": "resumed"}`; `/is_paused`; `/abort_requests` (`request_ids`, none: all) ->
   `{"status": "aborted", "aborted": n}`.
-* `/sleep` (`level` 1: the KV cache freed, the weights kept; 2: the weights freed too) and
-  `/wake_up`, answering 200 with no body; `/is_sleeping`. `tags` are taken when they name all
-  that sleeps (`kv_cache`, `weights`); waking one part alone is refused (400 naming `tags`)
-  until the engine sleeps by tag.
+* `/sleep` (`level` 1: the KV cache freed, the weights moved to host; 2: the weights dropped, a
+  weight update must load new ones) and `/wake_up`, by part with `tags` (`kv_cache`, `weights`;
+  each part sleeps and wakes once, so a repeated call changes nothing), answering 200 with no
+  body; `/is_sleeping` (true while any part sleeps).
 * `/reset_prefix_cache` (`reset_running_requests`) -> `{"success": bool}`: false while requests
   hold blocks, as vLLM answers, unless `reset_running_requests` (then the running are recomputed).
 * `/get_world_size` (one engine process: 1), `/weight_info` (`{"weight_version"}`),
@@ -194,29 +194,25 @@ def _tags(request: Request) -> Optional[list[str]]:
 
 @router.post("/sleep")
 async def sleep(request: Request, level: int = Query(1)) -> Response:
+    """Level 1: the KV cache freed, the weights moved to host (kept); level 2: the weights dropped
+    (a complete weight update must load new ones before the engine generates). `tags`: only those
+    parts; each part sleeps once (asleep already: nothing changes)."""
     if level not in (1, 2):
         raise APIError(400, f"Sleep level must be 1 or 2, got {level}", param="level")
-    tags = _tags(request)
-    weights = level == 2 if tags is None else "weights" in tags
-    if tags is not None and "kv_cache" not in tags:
-        raise APIError(400, "Sleeping the weights alone is not supported: the KV cache sleeps with them (add "
-                            "tags=kv_cache)", param="tags")
-    front = front_of(request)
-    if await _state(front) == "suspended":
-        return Response(status_code=200)  # NOTE: asleep already: sleeping again changes nothing
-    await _call(front.client.suspend(SuspendPolicy.RECOMPUTE, offload_weights=weights))
+    tags = _tags(request) or list(SLEEP_TAGS)
+    await _call(front_of(request).client.suspend(SuspendPolicy.RECOMPUTE, tags=tags, discard_weights=level == 2))
     return Response(status_code=200)
 
 
 @router.post("/wake_up")
 async def wake_up(request: Request) -> Response:
+    """`tags`: only those parts (the weights first, to load new ones, then the KV cache); a part
+    awake already is left as it is."""
     tags = _tags(request)
-    if tags is not None and set(tags) != set(SLEEP_TAGS):
-        raise APIError(400, f"Waking {tags} alone is not supported: the engine wakes whole (omit tags, or pass "
-                            "both kv_cache and weights)", param="tags")
     front = front_of(request)
-    if await _state(front) == "suspended":
-        await _call(front.client.resume())
+    if tags is None and await _state(front) != "suspended":
+        return Response(status_code=200)  # NOTE: awake already: nothing to do, as vLLM answers
+    await _call(front.client.resume(tags=tags))
     return Response(status_code=200)
 
 

@@ -191,17 +191,39 @@ def test_abort_requests_by_id_and_all(web, front_url):
     assert web.post("/abort_requests", json={}).json() == {"status": "aborted", "aborted": 0}
 
 
-def test_sleep_and_wake_up(web):
+def test_sleep_and_wake_up_by_tag(web, engine):
+    """vLLM's RL cycle: sleep, wake the weights (to load new ones), then the KV cache; each call
+    once per part, so a repeated one changes nothing."""
+    prompt = [1, 2000, 3000]
+    want = greedy(engine, prompt, 4)
     assert web.get("/is_sleeping").json() == {"is_sleeping": False}
     assert web.post("/sleep", params={"level": 1}).status_code == 200
     assert web.get("/is_sleeping").json() == {"is_sleeping": True}
+    assert engine.core.asleep == {"kv_cache", "weights"}
     assert web.post("/sleep", params={"level": 1}).status_code == 200  # asleep already: nothing changes
-    assert web.post("/wake_up", params={"tags": "weights"}).status_code == 400  # one part alone: refused
-    assert web.post("/wake_up").status_code == 200
+    assert web.post("/wake_up", params={"tags": "weights"}).status_code == 200
+    assert engine.core.asleep == {"kv_cache"} and web.get("/is_sleeping").json() == {"is_sleeping": True}
+    assert web.post("/wake_up", params={"tags": "weights"}).status_code == 200  # awake already
+    assert web.post("/wake_up", params={"tags": "kv_cache"}).status_code == 200
     assert web.get("/is_sleeping").json() == {"is_sleeping": False}
     assert web.post("/wake_up").status_code == 200  # awake already
+    body = {"token_ids": prompt, "sampling_params": {"temperature": 0, "max_tokens": 4, "ignore_eos": True}}
+    assert web.post("/inference/v1/generate", json=body).json()["choices"][0]["token_ids"] == want
+
+
+def test_sleep_level_two_drops_the_weights_until_an_update(web, engine):
+    """Level 2 frees the weights' bytes with no copy (this model's tied embedding and head too);
+    after an update, greedy is what it was."""
+    body = {"token_ids": [1, 2000, 3000], "sampling_params": {"temperature": 0, "max_tokens": 4, "ignore_eos": True}}
+    want = web.post("/inference/v1/generate", json=body).json()["choices"][0]["token_ids"]
+    weights = {n: t.detach().clone() for n, t in engine.model.named_tensors().items()}
+    assert web.post("/sleep", params={"level": 2}).status_code == 200
+    assert engine.core.weights.offloaded_bytes() == 0 and engine.core.weights.discarded_bytes() > 0
+    assert web.post("/wake_up").status_code == 200
     out = web.post("/inference/v1/generate", json={"token_ids": [1, 2], "sampling_params": {"max_tokens": 2}})
-    assert out.status_code == 200
+    assert out.status_code == 503 and "discarded" in out.json()["error"]["message"]
+    engine.update_weights(weights)  # the trainer's update (the weight routes, in their own tests)
+    assert web.post("/inference/v1/generate", json=body).json()["choices"][0]["token_ids"] == want
 
 
 def test_reset_prefix_cache_and_server_info(web):
