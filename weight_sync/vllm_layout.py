@@ -1,0 +1,138 @@
+"""vLLM's broadcast layout of a weight update, both ends, for peers that speak vLLM's RL API.
+
+What travels (vLLM `VLLM_VERSION`'s `NCCLWeightTransferEngine`, `packed_tensor.py`), over a
+weight-update group whose rank 0 is the trainer and whose workers start at `rank_offset`:
+
+* unpacked (`packed` false): one broadcast per tensor, in `names` order, each its own bytes;
+* packed: the tensors' bytes concatenated in `names` order, no padding, cut into chunks: a chunk
+  takes tensors until its total exceeds `packed_buffer_size_bytes` (the tensor that crosses the
+  line is its last one, so a tensor larger than the buffer travels in a chunk of its own, or with
+  those before it), one broadcast per chunk. The receiver computes the same cut from the
+  per-parameter metadata (`names`, `dtype_names`, `shapes`) alone. The trainer keeps
+  `packed_num_buffers` chunks in flight (vLLM's rotating buffers); that changes no byte on the wire.
+
+`tests/fixtures/vllm_packing` holds what vLLM's own producer broadcast for tiny tensors; the
+tests compare `pack_chunks` with it byte for byte. vLLM's consumer views each tensor in place,
+which fails for a tensor at an offset its dtype does not divide; `unpack_chunk` copies those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Optional
+
+import torch
+
+from weight_sync.manifest import Manifest, dtype_name, tensor_nbytes
+from weight_sync.transports.distributed import WeightGroup
+
+VLLM_VERSION = "0.23.0"  # the release whose routes, bodies and layout are mirrored (README: vLLM's RL API)
+DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1024**3  # vLLM's defaults, which the trainer and workers must share
+DEFAULT_PACKED_NUM_BUFFERS = 2
+
+
+def plan_chunks(sizes: Sequence[int], buffer_bytes: int) -> list[range]:
+    """The tensors (indices) of each packed chunk, given each tensor's byte size."""
+    if buffer_bytes < 1:
+        raise ValueError(f"packed_buffer_size_bytes must be >= 1, got {buffer_bytes}")
+    chunks, start, total = [], 0, 0
+    for i, size in enumerate(sizes):
+        total += size
+        if total > buffer_bytes:
+            chunks.append(range(start, i + 1))
+            start, total = i + 1, 0
+    if start < len(sizes):
+        chunks.append(range(start, len(sizes)))
+    return chunks
+
+
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(torch.uint8).view(-1)
+
+
+def pack_chunks(tensors: Sequence[torch.Tensor], buffer_bytes: int,
+                device: Optional[torch.device] = None) -> Iterable[torch.Tensor]:
+    """Each chunk's bytes (uint8, on `device`, default the tensors' own), built one at a time."""
+    for chunk in plan_chunks([t.numel() * t.element_size() for t in tensors], buffer_bytes):
+        parts = [flat_bytes(tensors[i]) for i in chunk]
+        packed = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+        yield packed if device is None else packed.to(device)
+
+
+def unpack_chunk(chunk: torch.Tensor, manifest: Manifest, indices: range) -> dict[str, torch.Tensor]:
+    """The tensors `indices` of `manifest` in `chunk`: views where the offset allows, else copies."""
+    out, at = {}, 0
+    for i in indices:
+        dtype, shape = manifest.torch_dtypes[i], manifest.shapes[i]
+        size = tensor_nbytes(dtype, shape)
+        piece = chunk[at : at + size]
+        item = torch.empty((), dtype=dtype).element_size()
+        if (piece.storage_offset() % item) != 0:
+            piece = piece.clone()  # NOTE: vLLM's consumer fails here; a fresh tensor is aligned
+        out[manifest.names[i]] = piece.view(dtype).view(shape)
+        at += size
+    return out
+
+
+def update_info(named: Sequence[tuple[str, torch.Tensor]], *, packed: bool = True,
+                buffer_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+                num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS) -> dict[str, Any]:
+    """vLLM's `update_info` (`NCCLWeightTransferUpdateInfo`) for these tensors."""
+    info: dict[str, Any] = {"names": [n for n, _ in named], "dtype_names": [dtype_name(t.dtype) for _, t in named],
+                            "shapes": [list(t.shape) for _, t in named], "packed": packed}
+    if packed:
+        info.update(packed_buffer_size_bytes=buffer_bytes, packed_num_buffers=num_buffers)
+    return info
+
+
+# ---- over a weight-update group ------------------------------------------------------------------
+
+
+def send(group: WeightGroup, tensors: Sequence[torch.Tensor], *, packed: bool = True,
+         buffer_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES, num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS) -> int:
+    """Rank 0's side: broadcast `tensors` in vLLM's layout, `num_buffers` chunks in flight; bytes sent."""
+    if num_buffers < 1:
+        raise ValueError(f"packed_num_buffers must be >= 1, got {num_buffers}")
+    if packed:
+        chunks = pack_chunks(tensors, buffer_bytes, group.device)
+    else:
+        chunks = (t.detach().to(group.device).contiguous() for t in tensors)
+    in_flight: list[tuple[Any, torch.Tensor]] = []
+    sent = 0
+    for chunk in chunks:
+        if len(in_flight) == num_buffers:
+            group._wait(in_flight.pop(0)[0], "a packed broadcast")
+        in_flight.append((group.broadcast_async(chunk), chunk))  # NOTE: held until its broadcast is done
+        sent += chunk.numel() * chunk.element_size()
+    for work, _ in in_flight:
+        group._wait(work, "a packed broadcast")
+    return sent
+
+
+def receive(group: WeightGroup, manifest: Manifest, buffer_bytes: Optional[int],
+            load: Callable[[dict[str, torch.Tensor]], None]) -> int:
+    """A worker's side: the broadcasts of `manifest` in vLLM's layout (`buffer_bytes` None:
+    unpacked), each chunk's tensors handed to `load`; bytes received. A failed load is raised
+    after the last broadcast, so the trainer is never left waiting on this rank."""
+    if buffer_bytes is None:
+        chunks = [range(i, i + 1) for i in range(len(manifest.names))]
+    else:
+        chunks = plan_chunks(manifest.tensor_bytes(), buffer_bytes)
+    sizes = manifest.tensor_bytes()
+    received, failure = 0, None
+    for chunk in chunks:
+        buf = torch.empty(sum(sizes[i] for i in chunk), dtype=torch.uint8, device=group.device)
+        group.broadcast(buf)
+        received += buf.numel()
+        if failure is None:
+            try:
+                load(unpack_chunk(buf, manifest, chunk))
+            except Exception as exc:  # noqa: BLE001 (raised once the trainer is done)
+                failure = exc
+    if failure is not None:
+        raise failure
+    return received
+
+
+__all__ = ["DEFAULT_PACKED_BUFFER_SIZE_BYTES", "DEFAULT_PACKED_NUM_BUFFERS", "VLLM_VERSION", "pack_chunks",
+           "plan_chunks", "receive", "send", "unpack_chunk", "update_info"]
