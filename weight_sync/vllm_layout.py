@@ -11,6 +11,8 @@ weight-update group whose rank 0 is the trainer and whose workers start at `rank
   per-parameter metadata (`names`, `dtype_names`, `shapes`) alone. The trainer keeps
   `packed_num_buffers` chunks in flight (vLLM's rotating buffers); that changes no byte on the wire.
 
+Both ends over a weight-update group: `weight_sync.transports.vllm_broadcast`.
+
 `tests/fixtures/vllm_packing` holds what vLLM's own producer broadcast for tiny tensors; the
 tests compare `pack_chunks` with it byte for byte. vLLM's consumer views each tensor in place,
 which fails for a tensor at an offset its dtype does not divide; `unpack_chunk` copies those.
@@ -18,13 +20,12 @@ which fails for a tensor at an offset its dtype does not divide; `unpack_chunk` 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Optional
 
 import torch
 
 from weight_sync.manifest import Manifest, dtype_name, tensor_nbytes
-from weight_sync.transports.distributed import WeightGroup
 
 VLLM_VERSION = "0.23.0"  # the release whose routes, bodies and layout are mirrored (README: vLLM's RL API)
 DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1024**3  # vLLM's defaults, which the trainer and workers must share
@@ -85,54 +86,5 @@ def update_info(named: Sequence[tuple[str, torch.Tensor]], *, packed: bool = Tru
     return info
 
 
-# ---- over a weight-update group ------------------------------------------------------------------
-
-
-def send(group: WeightGroup, tensors: Sequence[torch.Tensor], *, packed: bool = True,
-         buffer_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES, num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS) -> int:
-    """Rank 0's side: broadcast `tensors` in vLLM's layout, `num_buffers` chunks in flight; bytes sent."""
-    if num_buffers < 1:
-        raise ValueError(f"packed_num_buffers must be >= 1, got {num_buffers}")
-    if packed:
-        chunks = pack_chunks(tensors, buffer_bytes, group.device)
-    else:
-        chunks = (t.detach().to(group.device).contiguous() for t in tensors)
-    in_flight: list[tuple[Any, torch.Tensor]] = []
-    sent = 0
-    for chunk in chunks:
-        if len(in_flight) == num_buffers:
-            group._wait(in_flight.pop(0)[0], "a packed broadcast")
-        in_flight.append((group.broadcast_async(chunk), chunk))  # NOTE: held until its broadcast is done
-        sent += chunk.numel() * chunk.element_size()
-    for work, _ in in_flight:
-        group._wait(work, "a packed broadcast")
-    return sent
-
-
-def receive(group: WeightGroup, manifest: Manifest, buffer_bytes: Optional[int],
-            load: Callable[[dict[str, torch.Tensor]], None]) -> int:
-    """A worker's side: the broadcasts of `manifest` in vLLM's layout (`buffer_bytes` None:
-    unpacked), each chunk's tensors handed to `load`; bytes received. A failed load is raised
-    after the last broadcast, so the trainer is never left waiting on this rank."""
-    if buffer_bytes is None:
-        chunks = [range(i, i + 1) for i in range(len(manifest.names))]
-    else:
-        chunks = plan_chunks(manifest.tensor_bytes(), buffer_bytes)
-    sizes = manifest.tensor_bytes()
-    received, failure = 0, None
-    for chunk in chunks:
-        buf = torch.empty(sum(sizes[i] for i in chunk), dtype=torch.uint8, device=group.device)
-        group.broadcast(buf)
-        received += buf.numel()
-        if failure is None:
-            try:
-                load(unpack_chunk(buf, manifest, chunk))
-            except Exception as exc:  # noqa: BLE001 (raised once the trainer is done)
-                failure = exc
-    if failure is not None:
-        raise failure
-    return received
-
-
-__all__ = ["DEFAULT_PACKED_BUFFER_SIZE_BYTES", "DEFAULT_PACKED_NUM_BUFFERS", "VLLM_VERSION", "pack_chunks",
-           "plan_chunks", "receive", "send", "unpack_chunk", "update_info"]
+__all__ = ["DEFAULT_PACKED_BUFFER_SIZE_BYTES", "DEFAULT_PACKED_NUM_BUFFERS", "VLLM_VERSION", "flat_bytes",
+           "pack_chunks", "plan_chunks", "unpack_chunk", "update_info"]

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from weight_sync import Manifest, WeightGroup
 from weight_sync.manifest import DTYPES
-from weight_sync.vllm_layout import pack_chunks, plan_chunks, receive, send, unpack_chunk, update_info
+from weight_sync.transports.vllm_broadcast import receive, send
+from weight_sync.vllm_layout import pack_chunks, plan_chunks, unpack_chunk, update_info
 
 FIXTURE = json.loads((Path(__file__).parents[1] / "fixtures" / "vllm_packing" / "packed_broadcasts.json").read_text())
 CASES = {case["name"]: case for case in FIXTURE["cases"]}
