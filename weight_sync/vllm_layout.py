@@ -28,6 +28,8 @@ import torch
 from weight_sync.manifest import Manifest, dtype_name, tensor_nbytes
 
 VLLM_VERSION = "0.23.0"  # the release whose routes, bodies and layout are mirrored (README: vLLM's RL API)
+# NOTE: vLLM's init_info names no group: both ends use this one (its name prefixes the group's store keys)
+VLLM_GROUP = "vllm_weight_transfer"
 DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1024**3  # vLLM's defaults, which the trainer and workers must share
 DEFAULT_PACKED_NUM_BUFFERS = 2
 
@@ -86,5 +88,5 @@ def update_info(named: Sequence[tuple[str, torch.Tensor]], *, packed: bool = Tru
     return info
 
 
-__all__ = ["DEFAULT_PACKED_BUFFER_SIZE_BYTES", "DEFAULT_PACKED_NUM_BUFFERS", "VLLM_VERSION", "flat_bytes",
+__all__ = ["DEFAULT_PACKED_BUFFER_SIZE_BYTES", "DEFAULT_PACKED_NUM_BUFFERS", "VLLM_GROUP", "VLLM_VERSION", "flat_bytes",
            "pack_chunks", "plan_chunks", "unpack_chunk", "update_info"]

@@ -28,7 +28,15 @@ from typing import Any, Optional
 import torch
 
 from weight_sync.buckets import as_bytes, fill_checksums, holds_all, manifest_for, unpack_bucket, word_sum
-from weight_sync.manifest import ChecksumError, Manifest, ManifestError, align, check_against_model, dtype_name
+from weight_sync.manifest import (
+    ChecksumError,
+    Manifest,
+    ManifestError,
+    Naming,
+    align,
+    check_against_model,
+    dtype_name,
+)
 from weight_sync.sources import DistributedSource
 from weight_sync.transports import Transport, vllm_broadcast
 from weight_sync.transports.distributed import PIPELINE_DEPTH, GroupError, ReceiveBuffer, RefusedError, WeightGroup
@@ -255,7 +263,10 @@ class DistributedTransport:
             sequence = True  # NOTE: SGLang's callers send part of the model per call, and no `finish`
         try:
             version = _sequence_version(manifest, opened, receiver.engine.policy_version)
-            naming = check_against_model(manifest, receiver.spec, complete=not sequence)
+            if manifest.names or not sequence:
+                naming = check_against_model(manifest, receiver.spec, complete=not sequence)
+            else:  # NOTE: no tensor: vLLM's start (opens a sequence) or finish (commits the open one)
+                naming = Naming.HF
             accepted = None
         except (ManifestError, KeyError, ValueError) as exc:
             accepted = exc
