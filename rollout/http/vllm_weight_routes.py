@@ -131,10 +131,11 @@ async def _body(request: Request, *, optional: bool = False) -> dict[str, Any]:
 
 
 def _parse(kind: type, value: Any, field: str) -> Any:
+    """`value` as `kind`; a refusal worded as vLLM's `parse_init_info` / `parse_update_info` word theirs."""
     try:
         return msgspec.convert(value, kind)
     except (msgspec.ValidationError, ValueError) as exc:
-        raise VllmRefusal(400, f"{field}: {exc}", "BadRequestError") from None
+        raise VllmRefusal(400, f"Invalid {field} for NCCLWeightTransferEngine: {exc}", "BadRequestError") from None
 
 
 async def _run(call) -> Response:

@@ -82,10 +82,15 @@ def version(web: httpx.Client) -> int:
 def test_the_four_phases_packed_then_unpacked_equal_an_engine_on_those_weights(trainer, web, weights, expected):
     assert greedy(web) == expected["old"]
     v = version(web)
-    # packed, several chunks (the embedding alone is 6 MiB), the model in two /update_weights calls
-    sent = trainer.update(weights["new"], packed=True, buffer_bytes=1 << 20, num_buffers=3,
-                          weight_version=str(v + 1), calls=2)
+    # packed, several chunks (the embedding alone is 6 MiB), the model in two /update_weights calls;
+    # until the finish the old weights serve
+    trainer.each("/start_weight_update", {"is_checkpoint_format": True})
+    half = len(weights["new"]) // 2
+    sent = trainer.send(weights["new"][:half], packed=True, buffer_bytes=1 << 20, num_buffers=3)
+    sent += trainer.send(weights["new"][half:], packed=True, buffer_bytes=1 << 20, num_buffers=3)
     assert sent == sum(t.numel() * t.element_size() for _, t in weights["new"])
+    assert (version(web), greedy(web)) == (v, expected["old"])
+    trainer.each("/finish_weight_update", {"weight_version": str(v + 1)})
     assert version(web) == v + 1
     assert greedy(web) == expected["new"]
     trainer.update(weights["old"], packed=False)  # vLLM's one broadcast a tensor; the next version
@@ -113,7 +118,8 @@ def test_bad_input_gets_vllms_status_and_body_and_the_server_keeps_serving(serve
     assert r.status_code == 400 and "pickled" in r.json()["error"]["message"]
     r = web.post("/init_weight_transfer_engine", json={"init_info": {"master_address": "127.0.0.1",
                                                                     "master_port": 1, "world_size": 2}})
-    assert r.status_code == 400 and "rank_offset" in r.json()["error"]["message"]
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("Invalid init_info for ")
+    assert "rank_offset" in r.json()["error"]["message"]
     r = web.post("/finish_weight_update", json={"weight_version": "v1"})  # nothing is open
     assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
     assert server.proc.poll() is None
