@@ -20,6 +20,9 @@ vLLM's wording; what the engine refuses keeps our status (400 a bad request, 503
 timeout). Where we differ on purpose: a failure anywhere (a broadcast, a tensor for another model,
 a commit that misses tensors) aborts the whole update, and the old weights keep serving.
 
+Read from vllm-project/vllm: `vllm/entrypoints/serve/dev/rlhf/api_router.py` (0100a212), the
+dataclasses of `vllm/distributed/weight_transfer/nccl_engine.py` (04b06efe) and `base.py` (02f250b0).
+
 Not served: vLLM's CUDA IPC `update_info` (`ipc_handles`): those are pickled torch reductions, and
 nothing pickled is loaded here (`/update_weights_from_tensor` takes our msgpack handle instead).
 """
