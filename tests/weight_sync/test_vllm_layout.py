@@ -87,7 +87,8 @@ def test_both_ends_over_gloo_on_loopback(packed, buffer_bytes, num_buffers):
     def worker():
         member = WeightGroup.join("127.0.0.1", trainer.port, world_size=2, rank=1, timeout_s=10.0)
         members.append(member)
-        receive(member, manifest, buffer_bytes if packed else None, got.update)
+        receive(member, manifest, buffer_bytes if packed else None,  # NOTE: views of reused buffers: copied
+                lambda named: got.update({n: t.clone() for n, t in named.items()}), num_buffers=num_buffers)
 
     thread = threading.Thread(target=worker)
     thread.start()

@@ -9,12 +9,12 @@ every broadcast (the trainer is never left waiting) and refuses after the last o
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
 from weight_sync.manifest import Manifest
-from weight_sync.transports.distributed import WeightGroup
+from weight_sync.transports.distributed import ReceiveBuffer, WeightGroup
 from weight_sync.vllm_layout import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     DEFAULT_PACKED_NUM_BUFFERS,
@@ -26,45 +26,51 @@ from weight_sync.vllm_layout import (
 
 def send(group: WeightGroup, tensors: Sequence[torch.Tensor], *, packed: bool = True,
          buffer_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES, num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS) -> int:
-    """Rank 0's side: broadcast `tensors` in vLLM's layout, `num_buffers` chunks in flight; bytes sent."""
+    """Rank 0's side: broadcast `tensors` in vLLM's layout, `num_buffers` chunks in flight (each
+    held until its broadcast is done: vLLM's rotating buffers); bytes sent."""
     if num_buffers < 1:
         raise ValueError(f"packed_num_buffers must be >= 1, got {num_buffers}")
     if packed:
         chunks = pack_chunks(tensors, buffer_bytes, group.device)
     else:
-        chunks = (t.detach().to(group.device).contiguous() for t in tensors)
-    in_flight: list[tuple[Any, torch.Tensor]] = []
+        chunks = (t.detach().to(group.device).contiguous().view(torch.uint8).view(-1) for t in tensors)
     sent = 0
-    for chunk in chunks:
-        if len(in_flight) == num_buffers:
-            group._wait(in_flight.pop(0)[0], "a packed broadcast")
-        in_flight.append((group.broadcast_async(chunk), chunk))  # NOTE: held until its broadcast is done
-        sent += chunk.numel() * chunk.element_size()
-    for work, _ in in_flight:
-        group._wait(work, "a packed broadcast")
+
+    def counted(chunk: torch.Tensor) -> torch.Tensor:
+        nonlocal sent
+        sent += chunk.numel()
+        return chunk
+
+    group.pipeline((counted(c) for c in chunks), depth=num_buffers)
     return sent
 
 
 def receive(group: WeightGroup, manifest: Manifest, buffer_bytes: Optional[int],
-            load: Callable[[dict[str, torch.Tensor]], None]) -> int:
+            load: Callable[[dict[str, torch.Tensor]], None], num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS) -> int:
     """A worker's side: the broadcasts of `manifest` in vLLM's layout (`buffer_bytes` None:
-    unpacked), each chunk's tensors handed to `load`; bytes received. A failed load is raised
-    after the last broadcast, so the trainer is never left waiting on this rank."""
+    unpacked), into `num_buffers` rotating buffers, so a chunk arrives while the one before it is
+    loaded; each chunk's tensors handed to `load` (views of a reused buffer: `load` copies them).
+    Returns the bytes received. A failed load is raised after the last broadcast, so the trainer
+    is never left waiting on this rank."""
     if buffer_bytes is None:
         chunks = [range(i, i + 1) for i in range(len(manifest.names))]
     else:
         chunks = plan_chunks(manifest.tensor_bytes(), buffer_bytes)
     sizes = manifest.tensor_bytes()
-    received, failure = 0, None
-    for chunk in chunks:
-        buf = torch.empty(sum(sizes[i] for i in chunk), dtype=torch.uint8, device=group.device)
-        group.broadcast(buf)
-        received += buf.numel()
+    nbytes = [sum(sizes[i] for i in chunk) for chunk in chunks]
+    buffers = [ReceiveBuffer(group.device) for _ in range(max(1, num_buffers))]
+    failure: Optional[BaseException] = None
+
+    def arrived(k: int, data: torch.Tensor) -> None:
+        nonlocal failure
         if failure is None:
             try:
-                load(unpack_chunk(buf, manifest, chunk))
+                load(unpack_chunk(data, manifest, chunks[k]))
             except Exception as exc:  # noqa: BLE001 (raised once the trainer is done)
                 failure = exc
+
+    landing = (buffers[k % len(buffers)].get(n)[:n] for k, n in enumerate(nbytes))
+    group.pipeline(landing, arrived, depth=len(buffers))
     if failure is not None:
         raise failure
-    return received
+    return sum(nbytes)
