@@ -12,10 +12,12 @@ from safetensors.torch import load_file
 
 from inference import DynamicInferenceEngine, SamplingParams
 from tests.rollout.http_util import HTTP_SERVER_ARGS, WAIT_S, engine_config, save_tiny_chat_model
+from weight_sync.vllm_layout import pack_chunks, update_info
 from weight_sync.vllm_trainer import VllmPhaseError, VllmWeightTrainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PROMPTS = [[1, 400, 500, 600], [50, 60, 70]]
+SYNC_TIMEOUT_S = 4.0
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +30,9 @@ def dirs(tmp_path_factory):
 def server(dirs):
     from rollout import ServerProcess
 
-    proc = ServerProcess(dirs[0], *HTTP_SERVER_ARGS, ready_timeout=WAIT_S)
+    # NOTE: a short bound on every wait of an update, so a trainer that dies mid-broadcast costs seconds
+    proc = ServerProcess(dirs[0], *HTTP_SERVER_ARGS, "--weight-sync-timeout-s", str(SYNC_TIMEOUT_S),
+                         ready_timeout=WAIT_S)
     try:
         assert proc.http_url is not None, "\n".join(proc.output)
         yield proc
@@ -146,6 +150,25 @@ def test_a_failed_or_partial_update_leaves_the_old_weights_serving(trainer, web,
     assert refused.value.phase == "/finish_weight_update" and refused.value.status == 400
     assert (version(web), greedy(web)) == (v, expected["old"])
     # the group still works: a whole update commits
+    trainer.update(new, packed=True, buffer_bytes=1 << 20)
+    assert (version(web), greedy(web)) == (v + 1, expected["new"])
+    trainer.update(weights["old"], packed=True)
+    assert greedy(web) == expected["old"]
+
+
+def test_a_trainer_gone_mid_broadcast_leaves_the_old_weights_serving(trainer, server, web, weights, expected):
+    v = version(web)
+    new = weights["new"]
+    trainer.each("/start_weight_update", {})
+    body = {"update_info": update_info(new, packed=True, buffer_bytes=1 << 20)}
+    call = trainer._calls.submit(trainer.post, server.http_url, "/update_weights", body)
+    trainer.group.broadcast(next(iter(pack_chunks([t for _, t in new], 1 << 20))))  # the first chunk only
+    trainer.close_group()  # NOTE: the trainer is gone: the engine's next wait runs out
+    with pytest.raises(VllmPhaseError) as refused:
+        call.result(timeout=SYNC_TIMEOUT_S * 5)
+    assert refused.value.status >= 500
+    assert (version(web), greedy(web)) == (v, expected["old"])
+    trainer.init()  # a new group, as vLLM's trainers make one after a failure
     trainer.update(new, packed=True, buffer_bytes=1 << 20)
     assert (version(web), greedy(web)) == (v + 1, expected["new"])
     trainer.update(weights["old"], packed=True)
