@@ -175,6 +175,19 @@ def test_a_trainer_gone_mid_broadcast_leaves_the_old_weights_serving(trainer, se
     assert greedy(web) == expected["old"]
 
 
+def test_update_weights_without_start_commits_once_the_model_is_complete(trainer, web, weights, expected):
+    """vLLM's single-call clients (before the start / finish phases): the call that completes the
+    model commits it; a call with part of it keeps the update open for the rest."""
+    v = version(web)
+    new = weights["new"]
+    trainer.send(new[:1], packed=True)
+    assert (version(web), greedy(web)) == (v, expected["old"])
+    trainer.send(new[1:], packed=False)
+    assert (version(web), greedy(web)) == (v + 1, expected["new"])
+    trainer.send(weights["old"], packed=True)
+    assert (version(web), greedy(web)) == (v + 2, expected["old"])
+
+
 def test_prime_rl_weight_dir_is_a_disk_update_committed_at_once(web, dirs, expected):
     v = version(web)
     r = web.post("/update_weights", json={"weight_dir": str(dirs[1])})
