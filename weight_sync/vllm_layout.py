@@ -58,7 +58,7 @@ def pack_chunks(tensors: Sequence[torch.Tensor], buffer_bytes: int,
     """Each chunk's bytes (uint8, on `device`, default the tensors' own), built one at a time."""
     for chunk in plan_chunks([t.numel() * t.element_size() for t in tensors], buffer_bytes):
         parts = [flat_bytes(tensors[i]) for i in chunk]
-        packed = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+        packed = torch.cat(parts) if len(parts) > 1 else parts[0]  # NOTE: a lone tensor travels as it lies
         yield packed if device is None else packed.to(device)
 
 

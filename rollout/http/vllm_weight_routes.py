@@ -94,6 +94,8 @@ def phases_of(request: Request) -> VllmPhases:
 
 
 class VllmRefusal(Exception):
+    """A refusal answered in vLLM's error shape: `status`, `message`, and vLLM's `type` for it."""
+
     def __init__(self, status: int, message: str, type: str) -> None:
         super().__init__(message)
         self.status, self.message, self.type = status, message, type

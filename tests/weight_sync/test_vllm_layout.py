@@ -76,29 +76,33 @@ def test_chunks_partition_the_tensors_and_close_past_the_buffer(sizes, buffer_by
         assert sum(sizes[i] for i in c[:-1]) <= buffer_bytes
 
 
-@pytest.mark.parametrize("packed,buffer_bytes,num_buffers", [(True, 48, 2), (True, 100, 3), (False, 1, 1)])
-def test_both_ends_over_gloo_on_loopback(packed, buffer_bytes, num_buffers):
+@pytest.mark.parametrize("packed,buffer_bytes,num_buffers,workers", [(True, 48, 2, 1), (True, 100, 3, 2),
+                                                                    (False, 1, 1, 1)])
+def test_both_ends_over_gloo_on_loopback(packed, buffer_bytes, num_buffers, workers):
+    """The trainer is rank 0, the workers ranks 1.. (vLLM's rank_offset); every worker gets every tensor."""
     named = fixture_tensors(CASES["odd_64"])
     manifest = manifest_of(named)
-    trainer = WeightGroup.host("127.0.0.1", 0, world_size=2, timeout_s=10.0)
-    got: dict[str, torch.Tensor] = {}
+    trainer = WeightGroup.host("127.0.0.1", 0, world_size=1 + workers, timeout_s=10.0)
+    got: dict[int, dict[str, torch.Tensor]] = {rank: {} for rank in range(1, 1 + workers)}
     members = []
 
-    def worker():
-        member = WeightGroup.join("127.0.0.1", trainer.port, world_size=2, rank=1, timeout_s=10.0)
+    def worker(rank: int) -> None:
+        member = WeightGroup.join("127.0.0.1", trainer.port, world_size=1 + workers, rank=rank, timeout_s=10.0)
         members.append(member)
         receive(member, manifest, buffer_bytes if packed else None,  # NOTE: views of reused buffers: copied
-                lambda named: got.update({n: t.clone() for n, t in named.items()}), num_buffers=num_buffers)
+                lambda named: got[rank].update({n: t.clone() for n, t in named.items()}), num_buffers=num_buffers)
 
-    thread = threading.Thread(target=worker)
-    thread.start()
+    threads = [threading.Thread(target=worker, args=(rank,)) for rank in got]
+    for t in threads:
+        t.start()
     try:
         trainer.connect()
         sent = send(trainer, [t for _, t in named], packed=packed, buffer_bytes=buffer_bytes, num_buffers=num_buffers)
-        thread.join(timeout=20)
-        assert not thread.is_alive()
+        for t in threads:
+            t.join(timeout=20)
+        assert not any(t.is_alive() for t in threads)
         assert sent == sum(manifest.tensor_bytes())
-        assert all(torch.equal(got[n], t) for n, t in named)
+        assert all(torch.equal(got[rank][n], t) for rank in got for n, t in named)
     finally:
         for g in [trainer, *members]:
             g.close()
