@@ -407,13 +407,17 @@ class DynamicInferenceEngine:
 
     resume_generation = continue_
 
-    def suspend(self, policy: Optional[SuspendPolicy] = None, *, offload_weights: bool = False) -> SuspendReport:
-        """Free the KV buffer and step workspaces (and, if asked, the engine's own weights)."""
-        return self.calls.run(self.core.suspend, policy, offload_weights=offload_weights)
+    def suspend(self, policy: Optional[SuspendPolicy] = None, *, offload_weights: bool = False,
+                tags: Optional[Sequence[str]] = None, discard_weights: bool = False) -> SuspendReport:
+        """Free the KV buffer and step workspaces (and, if asked, the engine's own weights), or the
+        parts `tags` names (`kv_cache`, `weights`), each once; see `EngineCore.suspend`."""
+        return self.calls.run(self.core.suspend, policy, offload_weights=offload_weights, tags=tags,
+                              discard_weights=discard_weights)
 
-    def resume(self) -> None:
-        """Re-allocate what suspend freed; `ResumeMemoryError` (still suspended) if it can't."""
-        self.calls.run(self.core.resume)
+    def resume(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Re-allocate what suspend freed (or the parts `tags` names); `ResumeMemoryError` (still
+        suspended) if it can't."""
+        self.calls.run(self.core.resume, tags)
 
     # ---- weights -----------------------------------------------------------------------------
 

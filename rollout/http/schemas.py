@@ -311,7 +311,7 @@ class PauseGenerationReqInput(Strict):
 
 
 class MemoryOccupationReqInput(Strict):
-    tags: Optional[list[Literal["kv_cache", "weights"]]] = None
+    tags: Optional[list[Literal["kv_cache", "weights", "cuda_graph"]]] = None
 
 
 class UpdateWeightFromDiskReqInput(Strict):
