@@ -188,6 +188,27 @@ def test_update_weights_without_start_commits_once_the_model_is_complete(trainer
     assert (version(web), greedy(web)) == (v + 2, expected["old"])
 
 
+def test_colocated_cycle_sleep_level_2_wake_weights_update_wake_kv(trainer, web, weights, expected):
+    """SkyRL's colocated order: weights dropped by sleep level 2, woken alone, the four phases load
+    new ones, then the KV cache wakes and the engine serves them."""
+    v = version(web)
+    assert web.post("/sleep", params={"level": 2}).status_code == 200
+    assert web.post("/wake_up", params={"tags": "weights"}).status_code == 200
+    trainer.update(weights["new"], packed=True, buffer_bytes=1 << 20, weight_version=str(v + 1))
+    assert web.post("/wake_up", params={"tags": "kv_cache"}).status_code == 200
+    assert web.get("/is_sleeping").json() == {"is_sleeping": False}
+    assert (version(web), greedy(web)) == (v + 1, expected["new"])
+    trainer.update(weights["old"], packed=True)
+    assert greedy(web) == expected["old"]
+
+
+def test_one_pinned_vllm_version():
+    from rollout.http.vllm_routes import VLLM_API_VERSION
+    from weight_sync.vllm_layout import VLLM_VERSION
+
+    assert VLLM_VERSION == VLLM_API_VERSION
+
+
 def test_prime_rl_weight_dir_is_a_disk_update_committed_at_once(web, dirs, expected):
     v = version(web)
     r = web.post("/update_weights", json={"weight_dir": str(dirs[1])})
