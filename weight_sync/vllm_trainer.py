@@ -66,7 +66,7 @@ class VllmWeightTrainer:
                                  name=VLLM_GROUP, backend=self.backend, timeout_s=self.timeout_s, device=self.device,
                                  trusted_network=self.trusted_network)
         self.group = group
-        calls = [self._calls.submit(self.post, url, "/init_weight_transfer_engine", {"init_info": {
+        calls = [self.post_async(url, "/init_weight_transfer_engine", {"init_info": {
             "master_address": self.master_address, "master_port": group.port, "rank_offset": 1 + k,
             "world_size": 1 + len(self.engines)}}) for k, url in enumerate(self.engines)]
         try:
@@ -94,7 +94,7 @@ class VllmWeightTrainer:
              num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS) -> int:
         """One `/update_weights` call to every engine, with its broadcasts; the bytes broadcast."""
         body = {"update_info": update_info(named, packed=packed, buffer_bytes=buffer_bytes, num_buffers=num_buffers)}
-        calls = [self._calls.submit(self.post, url, "/update_weights", body) for url in self.engines]
+        calls = [self.post_async(url, "/update_weights", body) for url in self.engines]
         try:
             return vllm_broadcast.send(self.group, [t for _, t in named], packed=packed, buffer_bytes=buffer_bytes,
                                        num_buffers=num_buffers)
@@ -102,7 +102,11 @@ class VllmWeightTrainer:
             self._collect(calls)
 
     def each(self, path: str, body: dict[str, Any]) -> None:
-        self._collect([self._calls.submit(self.post, url, path, body) for url in self.engines])
+        self._collect([self.post_async(url, path, body) for url in self.engines])
+
+    def post_async(self, url: str, path: str, body: dict[str, Any]) -> concurrent.futures.Future:
+        """`post` on a thread of its own (a call the engine answers only once the broadcasts are in)."""
+        return self._calls.submit(self.post, url, path, body)
 
     # ---- plumbing ------------------------------------------------------------------------------
 

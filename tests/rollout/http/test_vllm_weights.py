@@ -161,7 +161,7 @@ def test_a_trainer_gone_mid_broadcast_leaves_the_old_weights_serving(trainer, se
     new = weights["new"]
     trainer.each("/start_weight_update", {})
     body = {"update_info": update_info(new, packed=True, buffer_bytes=1 << 20)}
-    call = trainer._calls.submit(trainer.post, server.http_url, "/update_weights", body)
+    call = trainer.post_async(server.http_url, "/update_weights", body)
     trainer.group.broadcast(next(iter(pack_chunks([t for _, t in new], 1 << 20))))  # the first chunk only
     trainer.close_group()  # NOTE: the trainer is gone: the engine's next wait runs out
     with pytest.raises(VllmPhaseError) as refused:
