@@ -68,6 +68,9 @@ def messages() -> dict[str, tuple[msgspec.Struct, list[str]]]:
             policy=p.UpdatePolicy.RECOMPUTE), []),
         "update_distributed_unpacked": (p.UpdateWeights(request_id="u4", source=DistributedSource(
             manifest=manifest(layout=False))), []),
+        "update_distributed_vllm_packed": (p.UpdateWeights(request_id="u7", source=DistributedSource(
+            manifest=manifest(layout=False), group_name="vllm_weight_transfer", finish=False,
+            packed_buffer_bytes=1 << 30)), []),
         "update_shm": (p.UpdateWeights(request_id="u5", source=SharedMemorySource(
             manifest=manifest(), segment="rollout-wsync-1234-abcdef012345", token=99, piece_bytes=1 << 20)), []),
         "update_cuda_ipc": (p.UpdateWeights(request_id="u6", source=SharedMemorySource(
