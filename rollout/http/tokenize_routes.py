@@ -8,14 +8,16 @@
 * `/detokenize` takes `tokens` and answers `{"prompt"}`.
 * `/tokenizer_info` answers the tokenizer's configuration, as `tokenizer_config.json` holds it:
   `tokenizer_class` and the tokenizer's init arguments (the chat template among them).
-* `/v1/chat/completions/render` takes a chat completion's body and answers vLLM's
-  `[conversation, engine_prompts]`: the messages as the template saw them, and one
-  `{"prompt", "prompt_token_ids"}`, the prompt the chat route would run (no session continued).
+* `/v1/chat/completions/render` takes a chat completion's body and answers what vLLM (0.22) answers:
+  the token-in request it would run, `{"request_id", "token_ids", "features", "sampling_params",
+  "model", "stream", "stream_options", "cache_salt", "priority", "kv_transfer_params"}`, ready to
+  post to `/inference/v1/generate` (the prompt the chat route would run; no session continued).
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import Annotated, Any, Optional, Union
 
 from fastapi import APIRouter, Request, Response
@@ -117,9 +119,32 @@ def _plain(value: Any) -> bool:
 @router.post("/v1/chat/completions/render")
 async def render_chat(body: ChatCompletionRequest, request: Request) -> Response:
     front = front_of(request)
-    front.check_model(body.model)
+    model = front.check_model(body.model)
     messages = [m.as_template_dict() for m in body.messages]
     render = Render(body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs)
     ids, _ = await front.chat_prompt(None, messages, body.tools, render)
-    return json_response([messages, [{"prompt": front.codec.decode(ids, skip_special_tokens=False),
-                                      "prompt_token_ids": ids}]])
+    return json_response({"request_id": f"chatcmpl-{uuid.uuid4().hex}", "token_ids": ids, "features": None,
+                          "sampling_params": _generate_sampling(body), "model": model, "stream": body.stream,
+                          "stream_options": None, "cache_salt": body.cache_salt, "priority": 0,
+                          "kv_transfer_params": None})
+
+
+# a chat body's field -> its name in vLLM's SamplingParams, when both are set and not at their neutral values
+_CARRIED = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+            "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "bad_words",
+            "allowed_token_ids", "prompt_logprobs", "skip_special_tokens", "include_stop_str_in_output",
+            "logprobs_mode")
+
+
+def _generate_sampling(body: ChatCompletionRequest) -> dict[str, Any]:
+    """The chat body's sampling as `/inference/v1/generate` takes it (vLLM's field names)."""
+    out: dict[str, Any] = {name: getattr(body, name) for name in _CARRIED if getattr(body, name) is not None}
+    if body.completion_limit() is not None:
+        out["max_tokens"] = body.completion_limit()
+    if body.stop is not None:
+        out["stop"] = body.stop
+    if body.logprobs:
+        out["logprobs"] = body.top_logprobs or 0
+    if body.structured_outputs is not None:
+        out["structured_outputs"] = body.structured_outputs.model_dump(by_alias=True, exclude_defaults=True)
+    return out

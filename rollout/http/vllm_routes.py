@@ -253,6 +253,9 @@ class VllmSamplingParams(Strict):
     spaces_between_special_tokens: Literal[True] = True
     detokenize: bool = True
     logprobs_mode: Optional[Literal["raw", "processed", "raw_logprobs", "processed_logprobs"]] = None
+    # vLLM's RequestOutputKind, for a stream: 0 cumulative (each chunk all ids so far), 1 delta (the
+    # new ids; a stream's default), 2 final only (one chunk at the end); an answer not streamed is whole
+    output_kind: Optional[Literal[0, 1, 2]] = None
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -296,7 +299,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
                    stream=bool(body.stream), session_id=request.headers.get("X-Session-ID"), rid=rid)
     gen = front.generation(spec)
     if body.stream:
-        return StreamingResponse(_chunks(front, gen, rid, top), media_type="text/event-stream")
+        return StreamingResponse(_chunks(front, gen, rid, top, sp.output_kind), media_type="text/event-stream")
     samples = await gen.run()
     out = {"request_id": rid, "choices": [_choice(front, s, 0, s.ids, top, s.finish_reason) for s in samples],
            "prompt_logprobs": None}
@@ -334,10 +337,19 @@ def version_spans(versions: list[int], start: int = 0) -> list[dict[str, int]]:
     return spans
 
 
-async def _chunks(front: HttpFront, gen: Generation, rid: str, top: Optional[int]) -> AsyncIterator[bytes]:
+CUMULATIVE, FINAL_ONLY = 0, 2
+
+
+async def _chunks(front: HttpFront, gen: Generation, rid: str, top: Optional[int],
+                  kind: Optional[int]) -> AsyncIterator[bytes]:
     try:
-        async for d in gen.deltas():
-            yield sse({"request_id": rid, "choices": [_choice(front, d.sample, d.start, d.ids, top, d.finish_reason)]})
+        if kind == FINAL_ONLY:
+            for s in await gen.run():
+                yield sse({"request_id": rid, "choices": [_choice(front, s, 0, s.ids, top, s.finish_reason)]})
+        else:
+            async for d in gen.deltas():
+                start, ids = (0, d.sample.ids[:d.start + len(d.ids)]) if kind == CUMULATIVE else (d.start, d.ids)
+                yield sse({"request_id": rid, "choices": [_choice(front, d.sample, start, ids, top, d.finish_reason)]})
     except APIError as err:
         yield sse({"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.status}})
     yield b"data: [DONE]\n\n"

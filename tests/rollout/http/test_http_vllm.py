@@ -188,10 +188,16 @@ def test_tokenize_detokenize_tokenizer_info_and_render(web, codec):
     info = web.get("/tokenizer_info").json()
     assert info["tokenizer_class"] and info["eos_token"] == codec.tokenizer.eos_token
     assert info["chat_template"] == codec.tokenizer.chat_template
-    rendered = web.post("/v1/chat/completions/render", json={"messages": messages}).json()
-    conversation, (engine_prompt,) = rendered
-    assert conversation == messages and engine_prompt["prompt_token_ids"] == codec.chat_ids(messages)
-    assert engine_prompt["prompt"] == codec.render(messages)
+    rendered = web.post("/v1/chat/completions/render", json={"messages": messages, "temperature": 0,
+                                                             "max_tokens": 3, "logprobs": True}).json()
+    assert rendered["token_ids"] == codec.chat_ids(messages) and rendered["model"] == NAMES[0]
+    assert rendered["sampling_params"] == {"temperature": 0, "max_tokens": 3, "logprobs": 0, "n": 1,
+                                           "ignore_eos": False, "min_tokens": 0, "skip_special_tokens": True,
+                                           "include_stop_str_in_output": False}
+    # vLLM's render-then-generate: the rendered request runs as it is
+    generated = web.post("/inference/v1/generate", json=rendered)
+    assert generated.status_code == 200, generated.text
+    assert len(generated.json()["choices"][0]["token_ids"]) <= 3
 
 
 def test_chat_template_fields(web, codec):

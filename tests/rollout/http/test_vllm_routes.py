@@ -95,6 +95,20 @@ def test_generate_streams_the_same_ids(web, engine):
     assert spans[0]["start"] == 0 and spans[-1]["end"] == 5
 
 
+@pytest.mark.parametrize("kind", [0, 2])
+def test_generate_streams_by_output_kind(web, engine, kind):
+    """vLLM's RequestOutputKind: cumulative chunks hold every id so far; final-only is one chunk."""
+    prompt = [1, 2000, 3000]
+    body = {"token_ids": prompt, "stream": True,
+            "sampling_params": {"temperature": 0, "max_tokens": 5, "ignore_eos": True, "output_kind": kind}}
+    with web.stream("POST", "/inference/v1/generate", json=body) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    ids = [c["choices"][0]["token_ids"] for c in chunks]
+    want = greedy(engine, prompt, 5)
+    assert ids[-1] == want and all(want[:len(i)] == i for i in ids)
+    assert len(chunks) == 1 if kind == 2 else len(chunks) > 1
+
+
 def test_generate_refuses_bad_input_with_vllms_400(web):
     def refused(body: dict, param: str) -> None:
         out = web.post("/inference/v1/generate", json=body)
