@@ -10,8 +10,9 @@ vLLM (SkyRL's remote client, TRL's async GRPO, prime-rl, verifiers) drive this f
   `{"status": "aborted", "aborted": n}`.
 * `/sleep` (`level` 1: the KV cache freed, the weights moved to host; 2: the weights dropped, a
   weight update must load new ones) and `/wake_up`, by part with `tags` (`kv_cache`, `weights`;
-  each part sleeps and wakes once, so a repeated call changes nothing), answering 200 with no
-  body; `/is_sleeping` (true while any part sleeps).
+  each part sleeps and wakes once, so a repeated call changes nothing), answering 200 (vLLM sends
+  no body; here `{"status", "level", "tags"}` as received); `/is_sleeping` (true while any part
+  sleeps). `/pause` answers `mode` and `clear_cache` as received beside vLLM's `status`.
 * `/reset_prefix_cache` (`reset_running_requests`) -> `{"success": bool}`: false while requests
   hold blocks, as vLLM answers, unless `reset_running_requests` (then the running are recomputed).
 * `/get_world_size` (one engine process: 1), `/weight_info` (`{"weight_version"}`),
@@ -89,7 +90,9 @@ async def pause(request: Request, mode: str = Query("abort"), wait_for_inflight_
     await _call(front.client.pause(PAUSE_MODES[mode]))
     if clear_cache and mode != "keep":
         await _call(front.client.reset_prefix_cache())
-    return json_response({"status": "paused"})
+    # NOTE: vLLM answers the status; the parameters as received come too (SkyRL's client tests read them)
+    return json_response({"status": "paused", "mode": mode,
+                          "clear_cache": request.query_params.get("clear_cache", "true")})
 
 
 @router.post("/resume")
@@ -199,9 +202,10 @@ async def sleep(request: Request, level: int = Query(1)) -> Response:
     parts; each part sleeps once (asleep already: nothing changes)."""
     if level not in (1, 2):
         raise APIError(400, f"Sleep level must be 1 or 2, got {level}", param="level")
-    tags = _tags(request) or list(SLEEP_TAGS)
-    await _call(front_of(request).client.suspend(SuspendPolicy.RECOMPUTE, tags=tags, discard_weights=level == 2))
-    return Response(status_code=200)
+    asked = _tags(request)
+    await _call(front_of(request).client.suspend(SuspendPolicy.RECOMPUTE, tags=asked or list(SLEEP_TAGS),
+                                                 discard_weights=level == 2))
+    return json_response({"status": "sleeping", "level": level, "tags": asked})
 
 
 @router.post("/wake_up")
@@ -210,10 +214,9 @@ async def wake_up(request: Request) -> Response:
     awake already is left as it is."""
     tags = _tags(request)
     front = front_of(request)
-    if tags is None and await _state(front) != "suspended":
-        return Response(status_code=200)  # NOTE: awake already: nothing to do, as vLLM answers
-    await _call(front.client.resume(tags=tags))
-    return Response(status_code=200)
+    if tags is not None or await _state(front) == "suspended":  # NOTE: awake already: nothing to do
+        await _call(front.client.resume(tags=tags))
+    return json_response({"status": "awake", "tags": tags})
 
 
 @router.get("/is_sleeping")

@@ -147,7 +147,8 @@ def test_pause_keep_then_resume_finishes_in_flight_work(web, front_url):
     worker = threading.Thread(target=run)
     worker.start()
     time.sleep(0.3)
-    assert web.post("/pause", params={"mode": "keep"}).json() == {"status": "paused"}
+    assert web.post("/pause", params={"mode": "keep"}).json() == {"status": "paused", "mode": "keep",
+                                                                   "clear_cache": "true"}
     assert web.get("/is_paused").json() == {"is_paused": True}
     assert web.post("/resume").json() == {"status": "resumed"}
     assert web.get("/is_paused").json() == {"is_paused": False}
@@ -168,7 +169,7 @@ def test_pause_abort_ends_in_flight_with_abort(web, front_url):
     worker = threading.Thread(target=run)
     worker.start()
     time.sleep(0.3)
-    assert web.post("/pause").json() == {"status": "paused"}  # vLLM's default mode: abort
+    assert web.post("/pause").json()["mode"] == "abort"  # vLLM's default mode
     worker.join(WAIT_S)
     assert result["r"].json()["choices"][0]["finish_reason"] == "abort"
     web.post("/resume")
@@ -211,7 +212,7 @@ def test_sleep_and_wake_up_by_tag(web, engine):
     prompt = [1, 2000, 3000]
     want = greedy(engine, prompt, 4)
     assert web.get("/is_sleeping").json() == {"is_sleeping": False}
-    assert web.post("/sleep", params={"level": 1}).status_code == 200
+    assert web.post("/sleep", params={"level": 1}).json() == {"status": "sleeping", "level": 1, "tags": None}
     assert web.get("/is_sleeping").json() == {"is_sleeping": True}
     assert engine.core.asleep == {"kv_cache", "weights"}
     assert web.post("/sleep", params={"level": 1}).status_code == 200  # asleep already: nothing changes
