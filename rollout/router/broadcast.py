@@ -126,7 +126,8 @@ def merge_stats(replies: list[dict[str, StatValue]]) -> dict[str, StatValue]:
         values = [e[key] for e in engines if key in e]
         if all(isinstance(v, (int, float)) for v in values):
             total = sum(values)
-            out[key] = total / len(values) if any(word in key for word in _MEANS) else total
+            # NOTE: by whole words: "generated_tokens" holds "rate" but is a count
+            out[key] = total / len(values) if set(key.split("_")) & set(_MEANS) else total
         else:
             out[key] = values[0] if len(set(map(str, values))) == 1 else "mixed"
     return out

@@ -68,3 +68,26 @@ async def _stats(address: str) -> dict:
 
     async with AsyncRolloutClient(address, timeout=WAIT_S) as c:
         return await c.stats()
+
+
+def test_metrics_through_the_router_sum_the_fleet(routed_front, one_torch_thread):
+    """`/metrics` on a front over the router: the fleet's counters, summed over its replicas."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def generated() -> float:
+        text = httpx.get(f"{routed_front.url}/metrics", timeout=WAIT_S).text
+        family = next(f for f in text_string_to_metric_families(text) if f.name == "vllm:generation_tokens")
+        return family.samples[0].value
+
+    before = generated()
+    client = openai.OpenAI(base_url=f"{routed_front.url}/v1", api_key="unused", timeout=WAIT_S, max_retries=0)
+    client.completions.create(model=MODEL, prompt=[[1, 5, 6], [1, 7, 8]], max_tokens=4, temperature=0,
+                              extra_body={"ignore_eos": True})
+    client.close()
+    import time
+
+    deadline = time.monotonic() + WAIT_S  # NOTE: a replica reports its tokens once its step loop has gone round
+    while generated() - before < 8 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert generated() - before == 8

@@ -248,3 +248,30 @@ def test_reset_prefix_cache_and_server_info(web):
     assert info["model_config"]["max_model_len"] == MAX_LEN and info["model_config"]["dtype"] == "float32"
     assert info["model_config"]["served_model_name"] == [MODEL] and info["lora_config"] is None
     assert isinstance(web.get("/server_info").json()["vllm_config"], str)
+
+
+def test_metrics_in_prometheus_text_with_vllms_names(web):
+    """A scrape, a generation of 5 tokens, another scrape: the counters moved by exactly what was done."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict[str, float]:
+        r = web.get("/metrics")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        out = {}
+        for family in text_string_to_metric_families(r.text):
+            for sample in family.samples:
+                if sample.labels.get("model_name") == MODEL and sample.labels.get("part") in (None, "weights"):
+                    out[sample.name] = sample.value
+        return out
+
+    before = scrape()
+    prompt = [1, 2000, 3000, 4000]
+    web.post("/inference/v1/generate", json={"token_ids": prompt, "sampling_params": {
+        "temperature": 0, "max_tokens": 5, "ignore_eos": True}})
+    after = scrape()
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 5
+    assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == len(prompt)
+    assert after["vllm:prefix_cache_queries_total"] >= after["vllm:prefix_cache_hits_total"]
+    assert after["vllm:num_requests_running"] == 0 and 0 <= after["vllm:kv_cache_usage_perc"] <= 1
+    assert after["rollout:policy_version"] == float(web.get("/weight_info").json()["weight_version"])
+    assert after["rollout:asleep"] == 0

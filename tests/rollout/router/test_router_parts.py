@@ -224,9 +224,12 @@ def test_fanout_outcome_and_merged_figures():
     refused.on_reply("a", ErrorReply(code=ErrorCode.ENGINE_STATE, message="no", request_id="y"))
     assert refused.outcome(Kind.PAUSE, 2).code is ErrorCode.ENGINE_STATE
     assert sum_stats([{"bytes": 1, "k": "x"}, {"bytes": 2}]) == {"bytes": 3, "k": "x"}
-    merged = merge_stats([{"engine/steps": 3, "engine/prefix_hit_rate": 0.5, "engine/state": "running", "x": 1},
-                          {"engine/steps": 4, "engine/prefix_hit_rate": 0.25, "engine/state": "paused"}])
-    assert merged == {"steps": 7, "prefix_hit_rate": 0.375, "state": "mixed"}
+    merged = merge_stats([{"engine/steps": 3, "engine/prefix_hit_rate": 0.5, "engine/state": "running", "x": 1,
+                           "engine/generated_tokens": 5},
+                          {"engine/steps": 4, "engine/prefix_hit_rate": 0.25, "engine/state": "paused",
+                           "engine/generated_tokens": 6}])
+    # NOTE: "generated_tokens" holds the letters of "rate": a count all the same, summed
+    assert merged == {"steps": 7, "prefix_hit_rate": 0.375, "state": "mixed", "generated_tokens": 11}
 
 
 def test_replica_verdicts_by_the_clock():
