@@ -1,0 +1,168 @@
+"""The delta mode of the in-memory transports (gloo / NCCL broadcast, shared memory): the trainer
+sends what changed since what it last sent (`weight_sync.delta_codec`), the replica applies it to
+a copy of its live weights and commits only if the result hashes as the trainer's full weights.
+
+One delta update, as a full one but with the payload in place of the buckets:
+
+1. the replica checks the `DeltaSource` before a byte moves: its model (names, shapes, dtypes)
+   and its base (its policy version is the delta's `base_version`); a replica on another base
+   refuses (`BaseMismatchError`), in step with the group (`agree`), so nothing moves;
+2. the payload travels as one opaque bucket (`DeltaManifest.carrier`): broadcast in pieces
+   over the group (`bucket_broadcast`), or published piece by piece in a segment (`shm`), with
+   the transport's checksums;
+3. the changed tensors are copied from the live weights into the update's staging buffers and
+   the changes applied there; the full resulting weights (changed and unchanged tensors, in
+   manifest order) are hashed (`weight_sync.weights_hash`) and compared with the trainer's
+   hash; only then are they loaded into the staged update (partial: unchanged tensors stay as
+   they are) and, once every replica agreed (gloo), committed.
+
+Any failure aborts: the old weights keep serving (double staging), or, in place, nothing was
+written (the loads come after the hash matched). The sender then drops its base and sends a
+full update next (`WeightSender`, `delta=True`).
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import torch
+
+from inference.errors import EngineStateError
+from weight_sync.buckets import as_bytes, word_sum
+from weight_sync.delta_codec import apply_delta, encode_delta
+from weight_sync.delta_manifest import PAYLOAD_NAME, BaseMismatchError, DeltaError, DeltaManifest
+from weight_sync.manifest import ManifestError, Naming, check_against_model, dtype_name
+from weight_sync.sources import DeltaSource
+from weight_sync.transports import Transport
+from weight_sync.transports.bucket_broadcast import receive_buckets, send_buckets
+from weight_sync.transports.distributed import GroupError, WeightGroup
+from weight_sync.transports.shm import SegmentPlan, fill_segment, read_segment
+from weight_sync.weights_hash import weights_hash
+
+
+class DeltaTransport:
+    """`send` on the trainer (a `WeightSender` in delta mode, given the base it last sent),
+    `receive` on a replica (a `WeightReceiver`)."""
+
+    transports = ()  # NOTE: no `Transport` of its own: a delta rides the sender's gloo / nccl / shm
+    source_type = DeltaSource
+
+    def send(self, sender: Any, named: list[tuple[str, torch.Tensor]], version: int, policy: Any,
+             base: Any) -> int:
+        """The delta from `base` (a `SentWeights`) to `named` (CPU tensors of the replica dtype);
+        returns the payload bytes moved."""
+        names, tensors = [n for n, _ in named], [t for _, t in named]
+        changes, payload = encode_delta(base.tensors, tensors)
+        delta = DeltaManifest(names=names, dtypes=[dtype_name(t.dtype) for t in tensors],
+                              shapes=[list(t.shape) for t in tensors], changes=changes, base_version=base.version,
+                              version=version, weights_hash=weights_hash(names, tensors),
+                              payload_bytes=payload.numel(), payload_checksum=word_sum(payload))
+        carrier = delta.carrier()
+        what = f"delta sync from version {base.version} to {version}"
+        if sender.transport is Transport.SHM:
+            plan = SegmentPlan.of(carrier, sender.piece_bytes)
+            region = sender.regions.get(plan.segment_bytes)
+            token = secrets.randbits(63) or 1
+            source = DeltaSource(delta=delta, segment=region.name, token=token, piece_bytes=plan.piece_bytes)
+            futures = sender.each(lambda t: t.update(source, policy))
+            sender.move_then_collect(futures, what, lambda: fill_segment(region, plan, [payload.numpy()], token))
+            return payload.numel()
+        if sender.group is None or sender.group.broken is not None:
+            sender.regroup()
+        group = sender.group
+        source = DeltaSource(delta=delta, group_name=sender.group_name)
+        futures = sender.each(lambda t: t.update(source, policy))
+        return sender.move_then_collect(futures, what, lambda: send_buckets(group, carrier,
+                                                                            [payload.view(torch.float64)]))
+
+    def receive(self, receiver: Any, source: DeltaSource, policy: Any) -> int:
+        """Check, receive, apply, hash, commit (see module docstring); the new version."""
+        delta = source.delta
+        group = receiver.group(source.group_name) if source.group_name is not None else None
+        try:
+            naming = check_against_model(delta.model_manifest(), receiver.spec)
+            live = _check_base(receiver, delta)
+        except (ManifestError, KeyError, ValueError) as exc:
+            _refuse(receiver, group, exc)
+        if group is not None:
+            def load() -> None:
+                receive_buckets(group, delta.carrier(), True, receiver.group_buffer,
+                                lambda tensors: _apply(receiver, delta, live, naming, as_bytes(tensors[PAYLOAD_NAME])))
+        else:
+            def load() -> None:
+                _read_payload(receiver, source, lambda payload: _apply(receiver, delta, live, naming, payload))
+        try:
+            return receiver.staged(delta.version, source.staging, policy, load, partial=True)
+        except GroupError:
+            receiver.close_group(group.name)
+            raise
+
+
+def _check_base(receiver: Any, delta: DeltaManifest) -> dict[str, torch.Tensor]:
+    """The live weights the delta applies to, if this replica holds its base as named tensors
+    of the delta's dtypes; else `BaseMismatchError` (it needs a full sync)."""
+    engine = receiver.engine
+    if engine.policy_version != delta.base_version:
+        raise BaseMismatchError(f"this replica is at version {engine.policy_version}, the delta applies to version "
+                                f"{delta.base_version}: it needs a full sync")
+    live = engine.model.named_tensors()
+    dtype = dtype_name(receiver.spec.dtype)
+    wrong = [n for n, d in zip(delta.names, delta.dtypes) if n not in live or d != dtype]
+    if wrong:
+        raise BaseMismatchError(f"this replica does not hold {wrong[:4]} as named {dtype} tensors (another layout "
+                                "or dtype): it needs a full sync")
+    return live
+
+
+def _refuse(receiver: Any, group: WeightGroup | None, why: BaseException) -> None:
+    """Say no in step with the sender (over a group), count the refusal, raise `why`."""
+    if group is not None:
+        try:
+            group.agree(False)
+        except GroupError:
+            receiver.close_group(group.name)
+    receiver.abort(why)
+    raise why
+
+
+def _read_payload(receiver: Any, source: DeltaSource, apply: Any) -> None:
+    """The payload out of the sender's segment into the receiver's warm host buffer, then `apply(it)`."""
+    delta = source.delta
+    plan = SegmentPlan.of(delta.carrier(), source.piece_bytes)
+    payload = receiver.host_buffer.get(delta.payload_bytes)[: delta.payload_bytes]
+    read_segment(receiver.mappings, source.segment, plan, source.token, [payload.numpy()], receiver.timeout_s,
+                 lambda bucket: None)
+    apply(payload)
+
+
+def _apply(receiver: Any, delta: DeltaManifest, live: dict[str, torch.Tensor], naming: Naming,
+           payload: torch.Tensor) -> None:
+    """The changed tensors rebuilt from copies of the live ones, the result hashed, then loaded."""
+    changed = delta.changed
+    names = [delta.names[i] for i in changed]
+    buffers: dict[str, torch.Tensor] = {}
+    if receiver.engine.model.device.type == "cpu":
+        try:
+            buffers = receiver.engine.staging_buffers(names)
+        except EngineStateError:  # NOTE: in place: loads copy into the live weights, after the hash matched
+            buffers = {}
+    targets = {}
+    with torch.no_grad():
+        for i, name in zip(changed, names):
+            target = buffers.get(name)
+            if target is None:
+                target = torch.empty(live[name].shape, dtype=live[name].dtype)
+            targets[i] = target.copy_(live[name])
+    apply_delta(targets, delta.changes, payload.cpu())
+    result = [targets[i] if i in targets else live[name] for i, name in enumerate(delta.names)]
+    got = weights_hash(delta.names, result)
+    if got != delta.weights_hash:
+        raise DeltaError(f"the weights this delta makes hash to {got.hex()}, the trainer's to "
+                         f"{delta.weights_hash.hex()}: this replica's base is not the trainer's (or a piece was "
+                         "lost); nothing was committed, and a full sync heals it")
+    receiver.load({delta.names[i]: targets[i] for i in changed}, naming)
+    receiver.stats.bytes_received += delta.payload_bytes
+
+
+__all__ = ["DeltaTransport"]
