@@ -148,8 +148,9 @@ class WeightSender:
     # ---- the one call --------------------------------------------------------------------------
 
     def sync(self, weights: Weights, version: Optional[int] = None, *, policy: Any = None) -> Optional[int]:
-        """Move `weights` into every replica under `version` (default: the last one + 1); returns
-        it once every target committed, raises `SyncError` (no replica on a mix) otherwise."""
+        """Move `weights` into every replica under `version` (default: the last one + 1, or after a
+        failed sync the targets' highest + 1); returns it once every target committed, raises
+        `SyncError` (no replica on a mix) otherwise."""
         named = named_tensors(weights, tp_group=self.tp_group)
         if named is None:
             return None  # NOTE: a tensor-parallel rank other than 0: its shards went to rank 0
@@ -159,10 +160,15 @@ class WeightSender:
         version = self._next_version(version)
         policy = policy if policy is not None else self.policy
         start = time.perf_counter()
-        if self.delta:
-            moved = self._sync_delta(named, [c is not o for (_, o), (_, c) in zip(original, named)], version, policy)
-        else:
-            moved = BY_TRANSPORT[self.transport].send(self, named, version, policy)
+        try:
+            if self.delta:
+                owned = [c is not o for (_, o), (_, c) in zip(original, named)]
+                moved = self._sync_delta(named, owned, version, policy)
+            else:
+                moved = BY_TRANSPORT[self.transport].send(self, named, version, policy)
+        except BaseException:
+            self.version = None  # NOTE: some replicas may have committed it: the next default asks them
+            raise
         self.version = version
         self.stats.syncs += 1
         self.stats.bytes_sent += moved
