@@ -13,12 +13,12 @@ One delta update, as a full one but with the payload in place of the buckets:
 3. the changed tensors are copied from the live weights into the update's staging buffers and
    the changes applied there; the full resulting weights (changed and unchanged tensors, in
    manifest order) are hashed (`weight_sync.weights_hash`) and compared with the trainer's
-   hash; only then are they loaded into the staged update (partial: unchanged tensors stay as
-   they are) and, once every replica agreed (gloo), committed.
+   hash; only once that matched, and (gloo) every replica agreed, are they loaded into the
+   staged update (partial: unchanged tensors stay as they are) and committed.
 
-Any failure aborts: the old weights keep serving (double staging), or, in place, nothing was
-written (the loads come after the hash matched). The sender then drops its base and sends a
-full update next (`WeightSender`, `delta=True`).
+Any failure aborts: the old weights keep serving, in place too (nothing is written before the
+hash matched and the group agreed, so a trainer killed mid-delta leaves no replica mixed). The
+sender then drops its base and sends a full update next (`WeightSender`, `delta=True`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from inference.errors import EngineStateError
 from weight_sync.buckets import as_bytes, word_sum
 from weight_sync.delta_codec import apply_delta, encode_delta
 from weight_sync.delta_manifest import PAYLOAD_NAME, BaseMismatchError, DeltaError, DeltaManifest
-from weight_sync.manifest import ManifestError, Naming, check_against_model, dtype_name
+from weight_sync.manifest import ManifestError, check_against_model, dtype_name
 from weight_sync.sources import DeltaSource
 from weight_sync.transports import Transport
 from weight_sync.transports.bucket_broadcast import receive_buckets, send_buckets
@@ -85,13 +85,21 @@ class DeltaTransport:
             live = _check_base(receiver, delta)
         except (ManifestError, KeyError, ValueError) as exc:
             _refuse(receiver, group, exc)
-        if group is not None:
-            def load() -> None:
+        rebuilt: dict[str, torch.Tensor] = {}
+
+        def rebuild(payload: torch.Tensor) -> None:
+            rebuilt.update(_rebuild(receiver, delta, live, payload))
+
+        def load() -> None:
+            if group is not None:
                 receive_buckets(group, delta.carrier(), True, receiver.group_buffer,
-                                lambda tensors: _apply(receiver, delta, live, naming, as_bytes(tensors[PAYLOAD_NAME])))
-        else:
-            def load() -> None:
-                _read_payload(receiver, source, lambda payload: _apply(receiver, delta, live, naming, payload))
+                                lambda tensors: rebuild(as_bytes(tensors[PAYLOAD_NAME])))
+            else:
+                _read_payload(receiver, source, rebuild)
+            # NOTE: only now, with the hash matched here (and, over a group, everywhere), is anything
+            # loaded: an in-place replica whose trainer died mid-delta has written nothing
+            receiver.load(rebuilt, naming)
+            receiver.stats.bytes_received += delta.payload_bytes
         try:
             return receiver.staged(delta.version, source.staging, policy, load, partial=True)
         except GroupError:
@@ -136,16 +144,17 @@ def _read_payload(receiver: Any, source: DeltaSource, apply: Any) -> None:
     apply(payload)
 
 
-def _apply(receiver: Any, delta: DeltaManifest, live: dict[str, torch.Tensor], naming: Naming,
-           payload: torch.Tensor) -> None:
-    """The changed tensors rebuilt from copies of the live ones, the result hashed, then loaded."""
+def _rebuild(receiver: Any, delta: DeltaManifest, live: dict[str, torch.Tensor],
+             payload: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The changed tensors rebuilt from copies of the live ones (in the update's staging buffers
+    where the engine hands them out), once the full result hashed as the trainer's; by name."""
     changed = delta.changed
     names = [delta.names[i] for i in changed]
     buffers: dict[str, torch.Tensor] = {}
     if receiver.engine.model.device.type == "cpu":
         try:
             buffers = receiver.engine.staging_buffers(names)
-        except EngineStateError:  # NOTE: in place: loads copy into the live weights, after the hash matched
+        except EngineStateError:  # NOTE: in place: the load copies into the live weights
             buffers = {}
     targets = {}
     with torch.no_grad():
@@ -161,8 +170,7 @@ def _apply(receiver: Any, delta: DeltaManifest, live: dict[str, torch.Tensor], n
         raise DeltaError(f"the weights this delta makes hash to {got.hex()}, the trainer's to "
                          f"{delta.weights_hash.hex()}: this replica's base is not the trainer's (or a piece was "
                          "lost); nothing was committed, and a full sync heals it")
-    receiver.load({delta.names[i]: targets[i] for i in changed}, naming)
-    receiver.stats.bytes_received += delta.payload_bytes
+    return {delta.names[i]: targets[i] for i in changed}
 
 
 __all__ = ["DeltaTransport"]
