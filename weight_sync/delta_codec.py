@@ -11,8 +11,9 @@ at lr 1e-6 about 1% of bf16 words change; XOR_ZSTD then usually wins, SPARSE on 
 barely move (norms).
 
 Apply is the mirror, on the replica: decompressed a chunk at a time into a warm scratch buffer
-and XORed into the copy of the base. Every length is checked against the manifest first; bytes
-that do not decode, or decode to the wrong length, raise `DeltaError`.
+and XORed with the base straight into the staging buffer (one pass, no copy of the base first).
+Every length is checked against the manifest first; bytes that do not decode, or decode to the
+wrong length, raise `DeltaError`.
 """
 
 from __future__ import annotations
@@ -103,15 +104,18 @@ def encode_delta(base: Sequence[torch.Tensor], new: Sequence[torch.Tensor]) -> t
     return changes, payload
 
 
-def apply_change(target: np.ndarray, change: TensorChange, data: np.ndarray, scratch: np.ndarray) -> None:
-    """Turn `target` (words of the base, writable) into the new tensor: `data` is the change's
-    `nbytes` of the payload (uint8), `scratch` a uint8 buffer of at least `CHUNK_BYTES`."""
+def apply_change(target: np.ndarray, base: np.ndarray, change: TensorChange, data: np.ndarray,
+                 scratch: np.ndarray) -> None:
+    """Write the new tensor into `target` (words, writable) from `base` (its words as the replica
+    holds them; may be `target` itself): `data` is the change's `nbytes` of the payload (uint8),
+    `scratch` a uint8 buffer of at least `CHUNK_BYTES`. One pass over the bytes: the XOR reads the
+    base and writes the target, no copy of the base first."""
     if data.size != change.nbytes:
         raise DeltaError(f"a change of {change.nbytes} bytes got {data.size}")
+    if target.shape != base.shape or target.dtype != base.dtype:
+        raise ValueError(f"apply_change: target {target.shape} {target.dtype} for base {base.shape} {base.dtype}")
     n = target.size
     encoding = change.encoding
-    if encoding is Encoding.UNCHANGED:
-        return
     if encoding is Encoding.FULL:
         target[:] = data.view(target.dtype)
         return
@@ -119,12 +123,18 @@ def apply_change(target: np.ndarray, change: TensorChange, data: np.ndarray, scr
         index = data[: change.count * INDEX_BYTES].view(np.uint32)
         if index.size and int(index.max()) >= n:
             raise DeltaError(f"a sparse change indexes element {int(index.max())} of a tensor of {n}")
+        if target is not base:
+            np.copyto(target, base)
         target[index] = data[change.count * INDEX_BYTES :].view(target.dtype)
         return
-    _apply_xor_zstd(target, data, scratch)
+    if encoding is Encoding.XOR_ZSTD:
+        _apply_xor_zstd(target, base, data, scratch)
+        return
+    if target is not base:
+        np.copyto(target, base)
 
 
-def _apply_xor_zstd(target: np.ndarray, data: np.ndarray, scratch: np.ndarray) -> None:
+def _apply_xor_zstd(target: np.ndarray, base: np.ndarray, data: np.ndarray, scratch: np.ndarray) -> None:
     step = CHUNK_BYTES // target.itemsize
     try:
         reader = zstandard.ZstdDecompressor().stream_reader(memoryview(data), read_across_frames=False)
@@ -132,7 +142,7 @@ def _apply_xor_zstd(target: np.ndarray, data: np.ndarray, scratch: np.ndarray) -
             hi = min(target.size, lo + step)
             xor = scratch[: (hi - lo) * target.itemsize]
             _read_exactly(reader, xor)
-            np.bitwise_xor(target[lo:hi], xor.view(target.dtype), out=target[lo:hi])
+            np.bitwise_xor(base[lo:hi], xor.view(target.dtype), out=target[lo:hi])
         if reader.read(1):
             raise DeltaError("an XOR_ZSTD change decodes to more bytes than its tensor holds")
     except zstandard.ZstdError as exc:
@@ -148,13 +158,17 @@ def _read_exactly(reader, out: np.ndarray) -> None:
         got += n
 
 
-def apply_delta(targets: Mapping[int, torch.Tensor], changes: Sequence[TensorChange], payload: torch.Tensor) -> None:
-    """`apply_change` for each `targets[i]` (a CPU tensor holding tensor i's base, written in place)."""
+def apply_delta(targets: Mapping[int, tuple[torch.Tensor, torch.Tensor]], changes: Sequence[TensorChange],
+                payload: torch.Tensor) -> None:
+    """`apply_change` for each `targets[i] = (target, base)`: CPU tensors, the target written whole
+    (it may be the base itself, changed in place)."""
     scratch = np.empty(CHUNK_BYTES, dtype=np.uint8)
     data = payload.numpy()
-    for i, target in targets.items():
+    for i, (target, base) in targets.items():
         change = changes[i]
-        apply_change(words(target), change, data[change.offset : change.offset + change.nbytes], scratch)
+        target_words = words(target)
+        base_words = target_words if base is target else words(base)
+        apply_change(target_words, base_words, change, data[change.offset : change.offset + change.nbytes], scratch)
 
 
 __all__ = ["CHUNK_BYTES", "Encoded", "apply_change", "apply_delta", "encode_change", "encode_delta", "words"]

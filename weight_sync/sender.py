@@ -147,10 +147,12 @@ class WeightSender:
 
     # ---- the one call --------------------------------------------------------------------------
 
-    def sync(self, weights: Weights, version: Optional[int] = None, *, policy: Any = None) -> Optional[int]:
+    def sync(self, weights: Weights, version: Optional[int] = None, *, policy: Any = None,
+             full: bool = False) -> Optional[int]:
         """Move `weights` into every replica under `version` (default: the last one + 1, or after a
         failed sync the targets' highest + 1); returns it once every target committed, raises
-        `SyncError` (no replica on a mix) otherwise."""
+        `SyncError` (no replica on a mix) otherwise. `full`: a full sync in delta mode too (a
+        periodic refresh; the benchmark's contrast)."""
         named = named_tensors(weights, tp_group=self.tp_group)
         if named is None:
             return None  # NOTE: a tensor-parallel rank other than 0: its shards went to rank 0
@@ -163,7 +165,7 @@ class WeightSender:
         try:
             if self.delta:
                 owned = [c is not o for (_, o), (_, c) in zip(original, named)]
-                moved = self._sync_delta(named, owned, version, policy)
+                moved = self._sync_delta(named, owned, version, policy, full)
             else:
                 moved = BY_TRANSPORT[self.transport].send(self, named, version, policy)
         except BaseException:
@@ -176,11 +178,12 @@ class WeightSender:
         self.stats.last_seconds = time.perf_counter() - start
         return version
 
-    def _sync_delta(self, named: list[tuple[str, torch.Tensor]], owned: list[bool], version: int, policy: Any) -> int:
+    def _sync_delta(self, named: list[tuple[str, torch.Tensor]], owned: list[bool], version: int, policy: Any,
+                    full: bool) -> int:
         """A delta from the base when every target holds it, else a full sync; the base after."""
         named = [(n, t.cpu()) for n, t in named]  # NOTE: the codec runs on host (a GPU trainer pays one copy)
         base, self.sent = self.sent, None  # NOTE: until this sync commits everywhere, no base is trusted
-        use_delta = base is not None and base.fits(named) and self._targets_hold(base.version)
+        use_delta = not full and base is not None and base.fits(named) and self._targets_hold(base.version)
         if use_delta:
             moved = DELTA.send(self, named, version, policy, base)
         else:

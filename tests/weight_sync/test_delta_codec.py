@@ -42,10 +42,12 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def round_trip(base: list[torch.Tensor], new: list[torch.Tensor]) -> list[TensorChange]:
     changes, payload = encode_delta(base, new)
-    targets = {i: b.clone() for i, b in enumerate(base)}
-    apply_delta(targets, changes, payload)
-    for i, t in enumerate(new):
-        assert torch.equal(bits(targets[i]), bits(t)), f"tensor {i} differs after apply"
+    into_new = {i: (torch.full_like(b, float("nan")), b) for i, b in enumerate(base)}  # a buffer holding anything
+    in_place = {i: (c, c) for i, c in enumerate(b.clone() for b in base)}
+    for targets in (into_new, in_place):
+        apply_delta(targets, changes, payload)
+        for i, t in enumerate(new):
+            assert torch.equal(bits(targets[i][0]), bits(t)), f"tensor {i} differs after apply"
     return changes
 
 
@@ -97,16 +99,16 @@ def test_bytes_that_do_not_decode_are_a_delta_error():
     corrupt = payload.clone()
     corrupt[delta.changes[0].offset + 40] ^= 0xFF
     with pytest.raises(DeltaError):
-        apply_delta({0: base[0].clone()}, delta.changes, corrupt)
+        apply_delta({0: (base[0].clone(), base[0])}, delta.changes, corrupt)
     short = list(delta.changes)
     short[0] = TensorChange(Encoding.XOR_ZSTD, short[0].count, short[0].offset, short[0].nbytes - 8)
     with pytest.raises(DeltaError, match="short|decode"):
-        apply_delta({0: base[0].clone()}, short, payload)
+        apply_delta({0: (base[0].clone(), base[0])}, short, payload)
     index = payload.clone()
     at = delta.changes[1].offset
     index[at : at + 4] = torch.tensor([0xFF] * 4, dtype=torch.uint8)  # element 2**32 - 1 of a tensor of 1000
     with pytest.raises(DeltaError, match="indexes element"):
-        apply_delta({1: base[1].clone()}, delta.changes, index)
+        apply_delta({1: (base[1].clone(), base[1])}, delta.changes, index)
 
 
 def test_a_delta_manifest_that_contradicts_itself_is_refused_at_decode():

@@ -10,11 +10,12 @@ One delta update, as a full one but with the payload in place of the buckets:
 2. the payload travels as one opaque bucket (`DeltaManifest.carrier`): broadcast in pieces
    over the group (`bucket_broadcast`), or published piece by piece in a segment (`shm`), with
    the transport's checksums;
-3. the changed tensors are copied from the live weights into the update's staging buffers and
-   the changes applied there; the full resulting weights (changed and unchanged tensors, in
-   manifest order) are hashed (`weight_sync.weights_hash`) and compared with the trainer's
-   hash; only once that matched, and (gloo) every replica agreed, are they loaded into the
-   staged update (partial: unchanged tensors stay as they are) and committed.
+3. the changed tensors are rebuilt from the live weights and the changes straight into the
+   update's staging buffers (one pass, `delta_codec.apply_change`); the full resulting weights
+   (changed and unchanged tensors, in manifest order) are hashed (`weight_sync.weights_hash`)
+   and compared with the trainer's hash; only once that matched, and (gloo) every replica
+   agreed, are they loaded into the staged update (partial: unchanged tensors stay as they
+   are) and committed.
 
 Any failure aborts: the old weights keep serving, in place too (nothing is written before the
 hash matched and the group agreed, so a trainer killed mid-delta leaves no replica mixed). The
@@ -157,20 +158,19 @@ def _rebuild(receiver: Any, delta: DeltaManifest, live: dict[str, torch.Tensor],
         except EngineStateError:  # NOTE: in place: the load copies into the live weights
             buffers = {}
     targets = {}
-    with torch.no_grad():
-        for i, name in zip(changed, names):
-            target = buffers.get(name)
-            if target is None:
-                target = torch.empty(live[name].shape, dtype=live[name].dtype)
-            targets[i] = target.copy_(live[name])
+    for i, name in zip(changed, names):
+        base = live[name].detach().cpu()  # NOTE: a GPU replica rebuilds on host (one copy each way)
+        target = buffers.get(name)
+        targets[i] = (target if target is not None else torch.empty_like(base), base)
     apply_delta(targets, delta.changes, payload.cpu())
-    result = [targets[i] if i in targets else live[name] for i, name in enumerate(delta.names)]
+    rebuilt = {i: target for i, (target, _) in targets.items()}
+    result = [rebuilt[i] if i in rebuilt else live[name] for i, name in enumerate(delta.names)]
     got = weights_hash(delta.names, result)
     if got != delta.weights_hash:
         raise DeltaError(f"the weights this delta makes hash to {got.hex()}, the trainer's to "
                          f"{delta.weights_hash.hex()}: this replica's base is not the trainer's (or a piece was "
                          "lost); nothing was committed, and a full sync heals it")
-    return {delta.names[i]: targets[i] for i in changed}
+    return {delta.names[i]: rebuilt[i] for i in changed}
 
 
 __all__ = ["DeltaTransport"]
