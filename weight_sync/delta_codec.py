@@ -88,19 +88,40 @@ def encode_delta(base: Sequence[torch.Tensor], new: Sequence[torch.Tensor]) -> t
     """Every tensor's change (CPU tensors of the replica dtype, in manifest order) and the flat
     uint8 payload holding them, each at an 8-byte boundary, zero-padded to a multiple of `ALIGN`."""
     scratch = np.empty(CHUNK_BYTES, dtype=np.uint8)
-    encoded = [encode_change(words(b), words(t), scratch) for b, t in zip(base, new)]
-    changes, at = [], 0
-    for e in encoded:
-        changes.append(TensorChange(e.encoding, e.count, at, e.nbytes))
-        at = align(at + e.nbytes, 8)
+    (changes,), payload = _pack([[encode_change(words(b), words(t), scratch) for b, t in zip(base, new)]])
+    return changes, payload
+
+
+def encode_mixed(base: Sequence[torch.Tensor], new: Sequence[torch.Tensor]
+                 ) -> tuple[list[TensorChange], list[TensorChange], torch.Tensor]:
+    """One payload for a weight group whose replicas do not all hold `base`: the delta's changes,
+    then every new tensor as FULL; (the delta's changes, the full ones, the payload)."""
+    scratch = np.empty(CHUNK_BYTES, dtype=np.uint8)
+    delta = [encode_change(words(b), words(t), scratch) for b, t in zip(base, new)]
+    full = [Encoded(Encoding.FULL, t.numel(), [words(t)]) for t in new]
+    (delta_changes, full_changes), payload = _pack([delta, full])
+    return delta_changes, full_changes, payload
+
+
+def _pack(sections: Sequence[Sequence[Encoded]]) -> tuple[list[list[TensorChange]], torch.Tensor]:
+    """The sections' changes laid out back to back in one payload, and the payload."""
+    changes: list[list[TensorChange]] = []
+    at = 0
+    for section in sections:
+        laid = []
+        for e in section:
+            laid.append(TensorChange(e.encoding, e.count, at, e.nbytes))
+            at = align(at + e.nbytes, 8)
+        changes.append(laid)
     payload = torch.zeros(max(ALIGN, align(at)), dtype=torch.uint8)
     out = payload.numpy()
-    for change, e in zip(changes, encoded):
-        at = change.offset
-        for part in e.parts:
-            raw = np.frombuffer(part, dtype=np.uint8) if isinstance(part, bytes) else part.view(np.uint8).reshape(-1)
-            out[at : at + raw.size] = raw
-            at += raw.size
+    for section, laid in zip(sections, changes):
+        for change, e in zip(laid, section):
+            at = change.offset
+            for part in e.parts:
+                raw = np.frombuffer(part, dtype=np.uint8) if isinstance(part, bytes) else part.view(np.uint8)
+                out[at : at + raw.size] = raw.reshape(-1)
+                at += raw.size
     return changes, payload
 
 
@@ -171,4 +192,5 @@ def apply_delta(targets: Mapping[int, tuple[torch.Tensor, torch.Tensor]], change
         apply_change(target_words, base_words, change, data[change.offset : change.offset + change.nbytes], scratch)
 
 
-__all__ = ["CHUNK_BYTES", "Encoded", "apply_change", "apply_delta", "encode_change", "encode_delta", "words"]
+__all__ = ["CHUNK_BYTES", "Encoded", "apply_change", "apply_delta", "encode_change", "encode_delta", "encode_mixed",
+           "words"]

@@ -11,13 +11,18 @@ base or a lost or corrupted piece can never commit.
 The payload travels over the transports' bucket machinery as one opaque tensor of 8-byte words
 (`carrier`), so it gets their pieces, pipelining and checksums unchanged (`payload_checksum` is
 its word sum, the carrier bucket's checksum).
+
+A delta whose `base_version` is None applies onto any weights: every change is FULL. It is what
+a replica that needs a full sync gets while the others of its weight group take the delta: both
+manifests describe one shared payload (the delta's changes, then every tensor's bytes), so one
+broadcast or one segment serves both, each replica reading its own manifest.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from typing import Annotated
+from typing import Annotated, Optional
 
 import msgspec
 from msgspec import Meta
@@ -77,7 +82,7 @@ class DeltaManifest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     dtypes: Annotated[list[str], Meta(max_length=MAX_TENSORS)]
     shapes: Annotated[list[Shape], Meta(max_length=MAX_TENSORS)]
     changes: Annotated[list[TensorChange], Meta(max_length=MAX_TENSORS)]
-    base_version: NonNegInt
+    base_version: Optional[NonNegInt]  # None: onto any weights (every change FULL)
     version: NonNegInt
     weights_hash: Annotated[bytes, Meta(min_length=HASH_BYTES, max_length=HASH_BYTES)]
     payload_bytes: Annotated[int, Meta(ge=ALIGN, multiple_of=ALIGN)]
@@ -90,8 +95,10 @@ class DeltaManifest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                                 f"{len(self.changes)} changes")
         if len(set(self.names)) != n:
             raise ManifestError("delta: a tensor name appears twice")
-        if self.version <= self.base_version:
+        if self.base_version is not None and self.version <= self.base_version:
             raise ManifestError(f"delta: version {self.version} does not follow its base {self.base_version}")
+        if self.base_version is None and any(c.encoding is not Encoding.FULL for c in self.changes):
+            raise ManifestError("delta: without a base version every change must be FULL")
         if not 0 <= self.payload_checksum < 2**64:
             raise ManifestError(f"delta: payload_checksum {self.payload_checksum} is not a 64-bit unsigned integer")
         for i, (dtype, shape, change) in enumerate(zip(self.dtypes, self.shapes, self.changes)):

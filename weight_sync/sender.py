@@ -27,8 +27,9 @@ What moves them is the `Transport`'s object (`weight_sync.transports.table`):
 the last one (`weight_sync.transports.delta`), committed only if every replica's result hashes as
 the trainer's full weights; the sender keeps what it last sent as the base (`SentWeights`: one
 copy of the model in the replica dtype, on host). A sync is full instead when there is no base
-yet, when the last sync failed (a replica may hold anything), or when a target's version is not
-the base's (it restarted, or another sender updated it): that is checked before a byte moves.
+yet, or when the last sync failed (a replica may hold anything); a target whose version is not
+the base's (it restarted, or another sender updated it) gets the same update in full, out of the
+delta's own payload, while the others take the delta (checked before a byte moves).
 
 `tensor_by_tensor=True` (gloo / nccl) does what several frameworks still do: one control call and
 one broadcast per tensor, no buckets, no checksums; kept as a contrast (the benchmark prints it).
@@ -82,6 +83,7 @@ class SenderStats:
     last_bytes: int = 0
     delta_syncs: int = 0  # syncs that sent a delta (delta mode); the others were full
     last_delta: bool = False
+    last_full_targets: int = 0  # of the last delta sync: targets not on its base, given it in full
 
 
 def named_tensors(weights: Weights, *, tp_group: Any = None) -> Optional[list[tuple[str, torch.Tensor]]]:
@@ -183,23 +185,25 @@ class WeightSender:
         """A delta from the base when every target holds it, else a full sync; the base after."""
         named = [(n, t.cpu()) for n, t in named]  # NOTE: the codec runs on host (a GPU trainer pays one copy)
         base, self.sent = self.sent, None  # NOTE: until this sync commits everywhere, no base is trusted
-        use_delta = not full and base is not None and base.fits(named) and self._targets_hold(base.version)
+        holders = self._holding(base.version) if not full and base is not None and base.fits(named) else []
+        use_delta = any(holders)
         if use_delta:
-            moved = DELTA.send(self, named, version, policy, base)
+            moved = DELTA.send(self, named, version, policy, base, holders)
         else:
             moved = BY_TRANSPORT[self.transport].send(self, named, version, policy)
         self.sent = SentWeights.keep(named, version, owned)
         self.stats.delta_syncs += use_delta
         self.stats.last_delta = use_delta
+        self.stats.last_full_targets = holders.count(False) if use_delta else 0
         return moved
 
-    def _targets_hold(self, version: int) -> bool:
-        """Whether every target's policy version is `version` (asked before a byte moves)."""
+    def _holding(self, version: int) -> list[bool]:
+        """Whether each target's policy version is `version` (asked before a byte moves)."""
         try:
             answers = self.collect(self.each(lambda t: t.weight_version()), "weight_version")
         except SyncError:
-            return False
-        return all(int(v) == version for v in answers)
+            return [False] * len(self.targets)
+        return [int(v) == version for v in answers]
 
     def _next_version(self, version: Optional[int]) -> int:
         if version is not None:

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weight_sync.delta_codec import CHUNK_BYTES, apply_delta, encode_delta
+from weight_sync.delta_codec import CHUNK_BYTES, apply_delta, encode_delta, encode_mixed
 from weight_sync.delta_manifest import DeltaError, DeltaManifest, Encoding, TensorChange
 from weight_sync.manifest import ManifestError
 from weight_sync.weights_hash import weights_hash
@@ -141,3 +141,19 @@ def test_the_full_weights_hash_sees_swaps_and_renames_an_additive_sum_misses():
     assert int(words.sum()) == int(swapped.view(torch.int64).sum())
     assert weights_hash(["a", "b"], [swapped, b]) != h
     assert np.frombuffer(h, dtype=np.uint8).size == 16
+
+
+def test_one_mixed_payload_serves_the_replicas_on_the_base_and_those_that_need_it_in_full():
+    base = [torch.randn(20_000).bfloat16(), torch.ones(64).bfloat16()]
+    new = [changed_copy(base[0], 0.01, 1), changed_at(base[1], 2)]
+    delta, full, payload = encode_mixed(base, new)
+    assert [c.encoding for c in full] == [Encoding.FULL] * 2
+    assert all(c.offset >= max(d.offset + d.nbytes for d in delta) for c in full)  # the full section follows
+    elsewhere = [torch.randn(20_000).bfloat16(), torch.zeros(64).bfloat16()]  # a replica on other weights
+    for changes, start in ((delta, base), (full, elsewhere)):
+        targets = {i: (torch.empty_like(b), b) for i, b in enumerate(start)}
+        apply_delta(targets, changes, payload)
+        assert all(torch.equal(bits(targets[i][0]), bits(t)) for i, t in enumerate(new))
+    manifest, _ = delta_of(base, new)
+    with pytest.raises(ManifestError, match="FULL"):  # without a base, only full tensors make sense
+        DeltaManifest(**{**msgspec.structs.asdict(manifest), "base_version": None})

@@ -1,8 +1,9 @@
 """Delta syncs between real processes on CPU (`rollout serve` replicas, one staging double, one in
 place): a delta over gloo or shared memory ends where a fresh engine of the new weights is; a
-corrupted piece, a replica moved to another version, or a trainer killed mid-delta commits
-nothing anywhere (the in-place replica too keeps serving: a delta writes only after its hash
-matched), and the next sync heals. Every wait is bounded; the weight-sync timeout is a few seconds."""
+corrupted piece or a trainer killed mid-delta commits nothing anywhere (the in-place replica too
+keeps serving: a delta writes only after its hash matched), and the next sync heals; a replica
+moved to another version gets the update in full while the other takes the delta. Every wait is
+bounded; the weight-sync timeout is a few seconds."""
 
 from __future__ import annotations
 
@@ -98,7 +99,8 @@ def test_a_corrupted_delta_piece_commits_nowhere_and_the_next_sync_heals(replica
     assert [remote_outputs(c) for c in clients] == [expected["step1"]] * 2
 
 
-def test_a_replica_moved_to_another_version_gets_a_full_sync(replicas, models, tmp_path):
+def test_a_replica_moved_to_another_version_gets_the_update_in_full_while_the_other_takes_the_delta(
+        replicas, models, tmp_path):
     clients, (dirs, expected) = replicas[1], models
     v = max(versions(clients))
     with delta_sender(clients, Transport.SHM) as sender:
@@ -107,8 +109,10 @@ def test_a_replica_moved_to_another_version_gets_a_full_sync(replicas, models, t
             other.sync(hf_weights(dirs["step2"]), version=v + 2)  # another trainer moved replica B on
         aborted = [stat(c, "updates_aborted") for c in clients]
         assert sender.sync(hf_weights(dirs["step1"]), version=v + 3) == v + 3
-        assert not sender.stats.last_delta  # B's version said so before a byte moved: no refusal, a full sync
+        # B's version said so before a byte moved: no refusal; B read the payload's full section, A its delta
+        assert sender.stats.last_delta and sender.stats.last_full_targets == 1
         assert [stat(c, "updates_aborted") for c in clients] == aborted
+        assert [remote_outputs(c) for c in clients] == [expected["step1"]] * 2
         assert sender.sync(hf_weights(dirs["step2"]), version=v + 4) == v + 4 and sender.stats.last_delta
     assert [remote_outputs(c) for c in clients] == [expected["step2"]] * 2
 

@@ -1,8 +1,9 @@
 """Delta syncs between a trainer and in-process replicas (gloo groups across threads, shared
 memory): after many AdamW steps at lr 1e-6 (fp32 master weights, bf16 replicas) every replica is
 bitwise the trainer's bf16 cast and generates what a fresh engine does; a replica on another base
-gets a full sync; a delta that cannot reproduce the trainer's hash, or whose piece was corrupted,
-aborts with nothing applied (in place too), and the next sync heals."""
+gets the update in full out of the same payload while the rest of its group takes the delta; a
+delta that cannot reproduce the trainer's hash, or whose piece was corrupted, aborts with nothing
+applied (in place too), and the next sync heals."""
 
 from __future__ import annotations
 
@@ -96,24 +97,32 @@ def test_after_100_delta_syncs_the_replicas_are_bitwise_the_trainers_bf16_cast(r
 
 
 @pytest.mark.parametrize("transport", [Transport.GLOO, Transport.SHM])
-def test_a_replica_on_another_base_gets_a_full_sync_decided_before_a_byte_moves(replicas, transport):
+def test_in_one_group_a_replica_on_another_base_gets_the_update_in_full_while_the_other_takes_the_delta(
+        replicas, transport):
     engines, receivers = replicas
     trainer = Trainer()
+    full_bytes = sum(p.numel() * 2 for p in trainer.model.parameters())
     with delta_sender(receivers, transport) as sender:
         sender.sync(trainer.model)
         trainer.step()
         sender.sync(trainer.model)
-        assert sender.stats.last_delta
+        assert sender.stats.last_delta and sender.stats.last_full_targets == 0
+        delta_bytes = sender.stats.last_bytes
         engines[1].update_weights(dict(tiny_llama(2).named_parameters()), version=7)  # someone else moved it on
         trainer.step()
         assert sender.sync(trainer.model, version=8) == 8
-        assert not sender.stats.last_delta  # the versions were asked first: a full sync to both
+        # the versions were asked first: replica 1 reads the same payload's full section, replica 0 its delta
+        assert sender.stats.last_delta and sender.stats.last_full_targets == 1
+        assert sender.stats.last_bytes >= full_bytes + delta_bytes / 4
+        for engine in engines:
+            assert_bitwise(engine, trainer.model)
         trainer.step()
         sender.sync(trainer.model)
-        assert sender.stats.last_delta  # a base again
+        assert sender.stats.last_full_targets == 0 and sender.stats.last_bytes < full_bytes / 4  # both on the base
     for engine in engines:
         assert_bitwise(engine, trainer.model)
     assert [r.stats.updates_aborted for r in receivers] == [0, 0]
+    assert [r.stats.updates_committed for r in receivers] == [4, 4]
 
 
 def diverge(engine) -> None:

@@ -20,6 +20,11 @@ One delta update, as a full one but with the payload in place of the buckets:
 Any failure aborts: the old weights keep serving, in place too (nothing is written before the
 hash matched and the group agreed, so a trainer killed mid-delta leaves no replica mixed). The
 sender then drops its base and sends a full update next (`WeightSender`, `delta=True`).
+
+Where only some replicas of a group hold the base, the others get the same update in full out of
+the same payload (a manifest without a base, every tensor FULL): one broadcast, or one segment,
+for the whole group, so the group moves the model's bytes once that sync, and every replica ends
+on the same weights.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import torch
 
 from inference.errors import EngineStateError
 from weight_sync.buckets import as_bytes, word_sum
-from weight_sync.delta_codec import apply_delta, encode_delta
+from weight_sync.delta_codec import apply_delta, encode_delta, encode_mixed
 from weight_sync.delta_manifest import PAYLOAD_NAME, BaseMismatchError, DeltaError, DeltaManifest
 from weight_sync.manifest import ManifestError, check_against_model, dtype_name
 from weight_sync.sources import DeltaSource
@@ -50,30 +55,39 @@ class DeltaTransport:
     source_type = DeltaSource
 
     def send(self, sender: Any, named: list[tuple[str, torch.Tensor]], version: int, policy: Any,
-             base: Any) -> int:
-        """The delta from `base` (a `SentWeights`) to `named` (CPU tensors of the replica dtype);
-        returns the payload bytes moved."""
+             base: Any, holders: list[bool]) -> int:
+        """The delta from `base` (a `SentWeights`) to `named` (CPU tensors of the replica dtype)
+        for the targets that hold it (`holders[i]`), the same weights in full for the others,
+        out of one payload (`DeltaManifest` module docstring); returns the payload bytes moved."""
         names, tensors = [n for n, _ in named], [t for _, t in named]
-        changes, payload = encode_delta(base.tensors, tensors)
-        delta = DeltaManifest(names=names, dtypes=[dtype_name(t.dtype) for t in tensors],
-                              shapes=[list(t.shape) for t in tensors], changes=changes, base_version=base.version,
-                              version=version, weights_hash=weights_hash(names, tensors),
-                              payload_bytes=payload.numel(), payload_checksum=word_sum(payload))
+        if all(holders):
+            changes, payload = encode_delta(base.tensors, tensors)
+            full_changes = None
+        else:
+            changes, full_changes, payload = encode_mixed(base.tensors, tensors)
+        common = dict(names=names, dtypes=[dtype_name(t.dtype) for t in tensors],
+                      shapes=[list(t.shape) for t in tensors], version=version,
+                      weights_hash=weights_hash(names, tensors), payload_bytes=payload.numel(),
+                      payload_checksum=word_sum(payload))
+        delta = DeltaManifest(changes=changes, base_version=base.version, **common)
+        full = DeltaManifest(changes=full_changes, base_version=None, **common) if full_changes else None
+        manifests = {id(t): delta if holds else full for t, holds in zip(sender.targets, holders)}
         carrier = delta.carrier()
         what = f"delta sync from version {base.version} to {version}"
         if sender.transport is Transport.SHM:
             plan = SegmentPlan.of(carrier, sender.piece_bytes)
             region = sender.regions.get(plan.segment_bytes)
             token = secrets.randbits(63) or 1
-            source = DeltaSource(delta=delta, segment=region.name, token=token, piece_bytes=plan.piece_bytes)
-            futures = sender.each(lambda t: t.update(source, policy))
+            sources = {k: DeltaSource(delta=m, segment=region.name, token=token, piece_bytes=plan.piece_bytes)
+                       for k, m in manifests.items()}
+            futures = sender.each(lambda t: t.update(sources[id(t)], policy))
             sender.move_then_collect(futures, what, lambda: fill_segment(region, plan, [payload.numpy()], token))
             return payload.numel()
         if sender.group is None or sender.group.broken is not None:
             sender.regroup()
         group = sender.group
-        source = DeltaSource(delta=delta, group_name=sender.group_name)
-        futures = sender.each(lambda t: t.update(source, policy))
+        sources = {k: DeltaSource(delta=m, group_name=sender.group_name) for k, m in manifests.items()}
+        futures = sender.each(lambda t: t.update(sources[id(t)], policy))
         return sender.move_then_collect(futures, what, lambda: send_buckets(group, carrier,
                                                                             [payload.view(torch.float64)]))
 
@@ -112,7 +126,7 @@ def _check_base(receiver: Any, delta: DeltaManifest) -> dict[str, torch.Tensor]:
     """The live weights the delta applies to, if this replica holds its base as named tensors
     of the delta's dtypes; else `BaseMismatchError` (it needs a full sync)."""
     engine = receiver.engine
-    if engine.policy_version != delta.base_version:
+    if delta.base_version is not None and engine.policy_version != delta.base_version:
         raise BaseMismatchError(f"this replica is at version {engine.policy_version}, the delta applies to version "
                                 f"{delta.base_version}: it needs a full sync")
     live = engine.model.named_tensors()
