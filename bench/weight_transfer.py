@@ -60,9 +60,10 @@ from common import llama_spec, load_average, machine_line, print_result  # noqa:
 
 from inference.models.spec import ModelSpec  # noqa: E402
 
-SIZES = {  # name -> (hidden, layers, intermediate, vocab): Llama shapes of ~10M / 99M / 1.03B parameters
+SIZES = {  # name -> (hidden, layers, intermediate, vocab): Llama shapes of ~10M / 99M / 491M / 1.03B parameters
     "10M": (256, 8, 1024, 8192),
     "100M": (768, 8, 2048, 32000),
+    "500M": (1024, 28, 4096, 32000),
     "1B": (2048, 20, 5632, 32000),
 }
 DEFAULT_DTYPES = {"10M": "float32", "100M": "float32", "1B": "bfloat16"}

@@ -229,7 +229,12 @@ def save_model(policy: torch.nn.Module, directory: Path) -> None:
 
     directory.mkdir(parents=True)
     policy.config.save_pretrained(directory)
-    tensors = {n: t.detach().contiguous() for n, t in policy.state_dict().items()}
+    tensors, seen = {}, set()
+    for name, t in policy.state_dict().items():
+        if t.data_ptr() in seen:
+            continue  # NOTE: a tied LM head is the embedding: safetensors refuses a second view of it
+        seen.add(t.data_ptr())
+        tensors[name] = t.detach().contiguous()
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
