@@ -27,9 +27,10 @@ What moves them is the `Transport`'s object (`weight_sync.transports.table`):
 the last one (`weight_sync.transports.delta`), committed only if every replica's result hashes as
 the trainer's full weights; the sender keeps what it last sent as the base (`SentWeights`: one
 copy of the model in the replica dtype, on host). A sync is full instead when there is no base
-yet, or when the last sync failed (a replica may hold anything); a target whose version is not
+yet, or when the last sync failed (a replica may hold anything); a replica whose version is not
 the base's (it restarted, or another sender updated it) gets the same update in full, out of the
-delta's own payload, while the others take the delta (checked before a byte moves).
+delta's own payload, while the others take the delta (every replica's version is asked before a
+byte moves; behind a router, from its stats' per-replica versions).
 
 `tensor_by_tensor=True` (gloo / nccl) does what several frameworks still do: one control call and
 one broadcast per tensor, no buckets, no checksums; kept as a contrast (the benchmark prints it).
@@ -83,7 +84,7 @@ class SenderStats:
     last_bytes: int = 0
     delta_syncs: int = 0  # syncs that sent a delta (delta mode); the others were full
     last_delta: bool = False
-    last_full_targets: int = 0  # of the last delta sync: targets not on its base, given it in full
+    last_full_replicas: int = 0  # of the last delta sync: replicas not on its base, given it in full
 
 
 def named_tensors(weights: Weights, *, tp_group: Any = None) -> Optional[list[tuple[str, torch.Tensor]]]:
@@ -185,25 +186,34 @@ class WeightSender:
         """A delta from the base when every target holds it, else a full sync; the base after."""
         named = [(n, t.cpu()) for n, t in named]  # NOTE: the codec runs on host (a GPU trainer pays one copy)
         base, self.sent = self.sent, None  # NOTE: until this sync commits everywhere, no base is trusted
-        holders = self._holding(base.version) if not full and base is not None and base.fits(named) else []
-        use_delta = any(holders)
+        holding = self._replicas_holding(base.version) if not full and base is not None and base.fits(named) else []
+        use_delta = any(holding)
         if use_delta:
-            moved = DELTA.send(self, named, version, policy, base, holders)
+            moved = DELTA.send(self, named, version, policy, base, mixed=not all(holding))
         else:
             moved = BY_TRANSPORT[self.transport].send(self, named, version, policy)
         self.sent = SentWeights.keep(named, version, owned)
         self.stats.delta_syncs += use_delta
         self.stats.last_delta = use_delta
-        self.stats.last_full_targets = holders.count(False) if use_delta else 0
+        self.stats.last_full_replicas = holding.count(False) if use_delta else 0
         return moved
 
-    def _holding(self, version: int) -> list[bool]:
-        """Whether each target's policy version is `version` (asked before a byte moves)."""
+    def _replicas_holding(self, version: int) -> list[bool]:
+        """Whether each replica's policy version is `version`, asked before a byte moves: each
+        target's, or behind a router each of its replicas' (its stats name them)."""
+        def ask(target: WeightControl) -> list[int]:
+            if len(self.targets) != self.replicas and hasattr(target, "stats"):
+                stats = target.stats()
+                each = [int(v) for k, v in stats.items() if k.startswith("replica/") and k.endswith("/policy_version")]
+                if each:
+                    return each
+            return [int(target.weight_version())]
+
         try:
-            answers = self.collect(self.each(lambda t: t.weight_version()), "weight_version")
+            answers = self.collect(self.each(ask), "weight_version")
         except SyncError:
-            return [False] * len(self.targets)
-        return [int(v) == version for v in answers]
+            return []
+        return [v == version for versions in answers for v in versions]
 
     def _next_version(self, version: Optional[int]) -> int:
         if version is not None:

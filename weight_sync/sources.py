@@ -21,8 +21,10 @@ The others carry the manifest (`weight_sync.manifest`, with the version), checke
 * `DeltaSource`: what changed since the replica's version `delta.base_version`
   (`weight_sync.delta_manifest`), its payload broadcast over a weight-update group or in a
   shared-memory segment, exactly as a full update's buckets travel; committed only if the
-  result hashes as the trainer's full weights do. A replica on another base refuses it before
-  a byte moves (and gets a full update).
+  result hashes as the trainer's full weights do. `full`, when the sender knows some replica is
+  not on the base, describes the same update with every tensor FULL, later in the same payload:
+  such a replica reads that instead; without it, a replica on another base refuses the delta
+  before a byte moves (and the sender's next sync is full).
 
 `staging` (None: the replica's default) chooses double or in-place staging for this update.
 """
@@ -119,6 +121,7 @@ class DeltaSource(msgspec.Struct, tag_field="type", tag="delta", forbid_unknown_
     `group_name`, or in the /dev/shm `segment` (published piece by piece under `token`)."""
 
     delta: DeltaManifest
+    full: Optional[DeltaManifest] = None  # for a replica not on `delta.base_version`: the same update in full
     group_name: Optional[GroupName] = None
     segment: Optional[str] = None
     token: Optional[Annotated[int, Meta(ge=1, le=2**63 - 1)]] = None
@@ -126,6 +129,11 @@ class DeltaSource(msgspec.Struct, tag_field="type", tag="delta", forbid_unknown_
     staging: Optional[Staging] = None
 
     def __post_init__(self) -> None:
+        full = self.full
+        if full is not None and (full.base_version is not None or full.payload_bytes != self.delta.payload_bytes
+                                 or full.payload_checksum != self.delta.payload_checksum
+                                 or full.version != self.delta.version):
+            raise ValueError("a delta source's full manifest has no base and shares the delta's payload and version")
         if (self.group_name is None) == (self.segment is None):
             raise ValueError("a delta source names a weight-update group or a shared-memory segment, exactly one")
         if self.segment is not None:

@@ -110,7 +110,7 @@ def test_a_replica_moved_to_another_version_gets_the_update_in_full_while_the_ot
         aborted = [stat(c, "updates_aborted") for c in clients]
         assert sender.sync(hf_weights(dirs["step1"]), version=v + 3) == v + 3
         # B's version said so before a byte moved: no refusal; B read the payload's full section, A its delta
-        assert sender.stats.last_delta and sender.stats.last_full_targets == 1
+        assert sender.stats.last_delta and sender.stats.last_full_replicas == 1
         assert [stat(c, "updates_aborted") for c in clients] == aborted
         assert [remote_outputs(c) for c in clients] == [expected["step1"]] * 2
         assert sender.sync(hf_weights(dirs["step2"]), version=v + 4) == v + 4 and sender.stats.last_delta
@@ -143,3 +143,43 @@ def test_a_trainer_killed_mid_delta_leaves_every_replica_serving_its_base_and_th
     with delta_sender(clients, Transport(transport)) as sender:  # a new trainer: no base, so a full sync
         assert sender.sync(hf_weights(dirs["step1"]), version=v + 2) == v + 2 and not sender.stats.last_delta
     assert [remote_outputs(c) for c in clients] == [expected["step1"]] * 2
+
+
+def router_sees(client: RolloutClient, versions: list[int]) -> None:
+    """Wait (bounded) until the router's stats, its view of each replica (refreshed by its own
+    health checks), show these versions: what the sender reads before a delta."""
+    deadline = time.monotonic() + 10.0
+    while True:
+        stats = client.stats()
+        seen = sorted(int(v) for k, v in stats.items() if k.startswith("replica/") and k.endswith("/policy_version"))
+        if seen == versions:
+            return
+        assert time.monotonic() < deadline, f"the router sees versions {seen}, not {versions}"
+        time.sleep(0.1)
+
+
+def test_behind_a_router_a_replica_moved_to_another_version_reads_the_full_manifest(models, tmp_path):
+    """The sender reads each replica's version from the router's stats; the replica that another
+    trainer moved on takes the same source's full manifest (a pure delta it would have refused).
+    NOTE: the router itself then keeps the replica it considers stale out of rotation, and sends
+    it no broadcast (its policy: only a directory can be replayed), so that one stays behind."""
+    from rollout.router.process import RouterProcess
+
+    dirs, expected = models
+    serve = (*SERVER_ARGS, "--weight-sync-timeout-s", str(TIMEOUT_S))
+    with RouterProcess("--spawn", "2", "--model", str(dirs["base"]), "--", *serve, ready_timeout=120) as router, \
+            RolloutClient(router.address, timeout=30) as client:
+        with WeightSender([client], Transport.SHM, replicas=2, delta=True, timeout_s=TIMEOUT_S,
+                          bucket_bytes=32 * 1024, piece_bytes=64 * 1024) as sender:
+            sender.sync(hf_weights(dirs["base"]), version=1)
+            router_sees(client, [1, 1])
+            moved = sorted(v for k, v in client.stats().items() if k.startswith("replica/") and
+                           k.endswith("/address"))[1]
+            with RolloutClient(moved, timeout=30) as b, \
+                    WeightSender([b], Transport.DISK, directory=tmp_path, timeout_s=TIMEOUT_S) as other:
+                other.sync(hf_weights(dirs["step2"]), version=2)  # another trainer moved one replica on
+            router_sees(client, [1, 2])
+            assert sender.sync(hf_weights(dirs["step1"]), version=3) == 3
+            assert sender.stats.last_delta and sender.stats.last_full_replicas == 1
+        with RolloutClient(moved, timeout=30) as replica:
+            assert int(replica.get_weight_version()) == 3 and remote_outputs(replica) == expected["step1"]

@@ -106,19 +106,19 @@ def test_in_one_group_a_replica_on_another_base_gets_the_update_in_full_while_th
         sender.sync(trainer.model)
         trainer.step()
         sender.sync(trainer.model)
-        assert sender.stats.last_delta and sender.stats.last_full_targets == 0
+        assert sender.stats.last_delta and sender.stats.last_full_replicas == 0
         delta_bytes = sender.stats.last_bytes
         engines[1].update_weights(dict(tiny_llama(2).named_parameters()), version=7)  # someone else moved it on
         trainer.step()
         assert sender.sync(trainer.model, version=8) == 8
         # the versions were asked first: replica 1 reads the same payload's full section, replica 0 its delta
-        assert sender.stats.last_delta and sender.stats.last_full_targets == 1
+        assert sender.stats.last_delta and sender.stats.last_full_replicas == 1
         assert sender.stats.last_bytes >= full_bytes + delta_bytes / 4
         for engine in engines:
             assert_bitwise(engine, trainer.model)
         trainer.step()
         sender.sync(trainer.model)
-        assert sender.stats.last_full_targets == 0 and sender.stats.last_bytes < full_bytes / 4  # both on the base
+        assert sender.stats.last_full_replicas == 0 and sender.stats.last_bytes < full_bytes / 4  # both on the base
     for engine in engines:
         assert_bitwise(engine, trainer.model)
     assert [r.stats.updates_aborted for r in receivers] == [0, 0]

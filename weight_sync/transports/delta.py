@@ -21,10 +21,11 @@ Any failure aborts: the old weights keep serving, in place too (nothing is writt
 hash matched and the group agreed, so a trainer killed mid-delta leaves no replica mixed). The
 sender then drops its base and sends a full update next (`WeightSender`, `delta=True`).
 
-Where only some replicas of a group hold the base, the others get the same update in full out of
-the same payload (a manifest without a base, every tensor FULL): one broadcast, or one segment,
-for the whole group, so the group moves the model's bytes once that sync, and every replica ends
-on the same weights.
+Where only some replicas of a group hold the base, the source carries a second manifest, `full`:
+the same update with every tensor FULL, later in the same payload. Each replica picks its own (the
+delta if it is on the base, else the full one), so one source, one broadcast or one segment serves
+the whole group (a router forwards it unchanged to each replica), the group moves the model's
+bytes once that sync, and every replica ends on the same weights.
 """
 
 from __future__ import annotations
@@ -55,46 +56,46 @@ class DeltaTransport:
     source_type = DeltaSource
 
     def send(self, sender: Any, named: list[tuple[str, torch.Tensor]], version: int, policy: Any,
-             base: Any, holders: list[bool]) -> int:
-        """The delta from `base` (a `SentWeights`) to `named` (CPU tensors of the replica dtype)
-        for the targets that hold it (`holders[i]`), the same weights in full for the others,
-        out of one payload (`DeltaManifest` module docstring); returns the payload bytes moved."""
+             base: Any, mixed: bool) -> int:
+        """The delta from `base` (a `SentWeights`) to `named` (CPU tensors of the replica dtype),
+        and with `mixed` (some replica is not on the base) the same weights in full later in the
+        same payload, for those replicas (`DeltaManifest` module docstring); the payload bytes."""
         names, tensors = [n for n, _ in named], [t for _, t in named]
-        if all(holders):
+        if mixed:
+            changes, full_changes, payload = encode_mixed(base.tensors, tensors)
+        else:
             changes, payload = encode_delta(base.tensors, tensors)
             full_changes = None
-        else:
-            changes, full_changes, payload = encode_mixed(base.tensors, tensors)
         common = dict(names=names, dtypes=[dtype_name(t.dtype) for t in tensors],
                       shapes=[list(t.shape) for t in tensors], version=version,
                       weights_hash=weights_hash(names, tensors), payload_bytes=payload.numel(),
                       payload_checksum=word_sum(payload))
         delta = DeltaManifest(changes=changes, base_version=base.version, **common)
         full = DeltaManifest(changes=full_changes, base_version=None, **common) if full_changes else None
-        manifests = {id(t): delta if holds else full for t, holds in zip(sender.targets, holders)}
         carrier = delta.carrier()
         what = f"delta sync from version {base.version} to {version}"
         if sender.transport is Transport.SHM:
             plan = SegmentPlan.of(carrier, sender.piece_bytes)
             region = sender.regions.get(plan.segment_bytes)
             token = secrets.randbits(63) or 1
-            sources = {k: DeltaSource(delta=m, segment=region.name, token=token, piece_bytes=plan.piece_bytes)
-                       for k, m in manifests.items()}
-            futures = sender.each(lambda t: t.update(sources[id(t)], policy))
+            source = DeltaSource(delta=delta, full=full, segment=region.name, token=token,
+                                 piece_bytes=plan.piece_bytes)
+            futures = sender.each(lambda t: t.update(source, policy))
             sender.move_then_collect(futures, what, lambda: fill_segment(region, plan, [payload.numpy()], token))
             return payload.numel()
         if sender.group is None or sender.group.broken is not None:
             sender.regroup()
         group = sender.group
-        sources = {k: DeltaSource(delta=m, group_name=sender.group_name) for k, m in manifests.items()}
-        futures = sender.each(lambda t: t.update(sources[id(t)], policy))
+        source = DeltaSource(delta=delta, full=full, group_name=sender.group_name)
+        futures = sender.each(lambda t: t.update(source, policy))
         return sender.move_then_collect(futures, what, lambda: send_buckets(group, carrier,
                                                                             [payload.view(torch.float64)]))
 
     def receive(self, receiver: Any, source: DeltaSource, policy: Any) -> int:
         """Check, receive, apply, hash, commit (see module docstring); the new version."""
-        delta = source.delta
         group = receiver.group(source.group_name) if source.group_name is not None else None
+        on_base = receiver.engine.policy_version == source.delta.base_version
+        delta = source.delta if on_base or source.full is None else source.full  # NOTE: this replica's manifest
         try:
             naming = check_against_model(delta.model_manifest(), receiver.spec)
             live = _check_base(receiver, delta)
