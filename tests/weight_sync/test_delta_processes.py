@@ -158,28 +158,29 @@ def router_sees(client: RolloutClient, versions: list[int]) -> None:
         time.sleep(0.1)
 
 
-def test_behind_a_router_a_replica_moved_to_another_version_reads_the_full_manifest(models, tmp_path):
+def test_behind_a_router_a_replica_moved_to_another_version_reads_the_full_manifest(replicas, models, tmp_path):
     """The sender reads each replica's version from the router's stats; the replica that another
     trainer moved on takes the same source's full manifest (a pure delta it would have refused).
     NOTE: the router itself then keeps the replica it considers stale out of rotation, and sends
     it no broadcast (its policy: only a directory can be replayed), so that one stays behind."""
     from rollout.router.process import RouterProcess
 
-    dirs, expected = models
-    serve = (*SERVER_ARGS, "--weight-sync-timeout-s", str(TIMEOUT_S))
-    with RouterProcess("--spawn", "2", "--model", str(dirs["base"]), "--", *serve, ready_timeout=120) as router, \
+    (procs, clients), (dirs, expected) = replicas, models
+    v = max(versions(clients))
+    addresses = ",".join(p.address for p in procs)  # NOTE: the module's replicas, behind a router of this test's
+    with RouterProcess("--replicas", addresses, ready_timeout=60) as router, \
             RolloutClient(router.address, timeout=30) as client:
         with WeightSender([client], Transport.SHM, replicas=2, delta=True, timeout_s=TIMEOUT_S,
                           bucket_bytes=32 * 1024, piece_bytes=64 * 1024) as sender:
-            sender.sync(hf_weights(dirs["base"]), version=1)
-            router_sees(client, [1, 1])
+            sender.sync(hf_weights(dirs["base"]), version=v + 1)
+            router_sees(client, [v + 1, v + 1])
             moved = sorted(v for k, v in client.stats().items() if k.startswith("replica/") and
                            k.endswith("/address"))[1]
             with RolloutClient(moved, timeout=30) as b, \
                     WeightSender([b], Transport.DISK, directory=tmp_path, timeout_s=TIMEOUT_S) as other:
-                other.sync(hf_weights(dirs["step2"]), version=2)  # another trainer moved one replica on
-            router_sees(client, [1, 2])
-            assert sender.sync(hf_weights(dirs["step1"]), version=3) == 3
+                other.sync(hf_weights(dirs["step2"]), version=v + 2)  # another trainer moved one replica on
+            router_sees(client, [v + 1, v + 2])
+            assert sender.sync(hf_weights(dirs["step1"]), version=v + 3) == v + 3
             assert sender.stats.last_delta and sender.stats.last_full_replicas == 1
         with RolloutClient(moved, timeout=30) as replica:
-            assert int(replica.get_weight_version()) == 3 and remote_outputs(replica) == expected["step1"]
+            assert int(replica.get_weight_version()) == v + 3 and remote_outputs(replica) == expected["step1"]
