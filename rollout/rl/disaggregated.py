@@ -22,6 +22,10 @@ only: generation, and weight sync (the router broadcasts each call to every repl
 their ranks in the trainer's weight-update group). The run begins by syncing the trainer's
 initial weights into all of them.
 
+With `replica_dtype="bfloat16"` the replicas serve the fp32 trainer's bf16 cast; with `delta` every
+sync after the first sends only what changed (`WeightSender(delta=True)`), bitwise the same weights
+(the same seeds then sample the same tokens, step for step).
+
 Checks that can fail: the per-token versions above; no prefix-cache hit crosses a version (the
 replicas' own counters); at the end, every replica's greedy outputs on the held-out prompts (each
 asked directly, not through the router) equal those of a fresh in-process engine built from the
