@@ -132,10 +132,11 @@ def _check_base(receiver: Any, delta: DeltaManifest) -> dict[str, torch.Tensor]:
                                 f"{delta.base_version}: it needs a full sync")
     live = engine.model.named_tensors()
     dtype = dtype_name(receiver.spec.dtype)
-    wrong = [n for n, d in zip(delta.names, delta.dtypes) if n not in live or d != dtype]
+    wrong = [n for n, d, s in zip(delta.names, delta.dtypes, delta.shapes)
+             if n not in live or d != dtype or list(live[n].shape) != list(s)]
     if wrong:
-        raise BaseMismatchError(f"this replica does not hold {wrong[:4]} as named {dtype} tensors (another layout "
-                                "or dtype): it needs a full sync")
+        raise BaseMismatchError(f"this replica does not hold {wrong[:4]} as whole named {dtype} tensors (another "
+                                "layout or dtype, or a share of each as an MoE rank keeps): it needs a full sync")
     return live
 
 
