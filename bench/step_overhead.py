@@ -18,12 +18,16 @@ model forward, in the same run); beside each per-step figure, the same per activ
 cProfile's top functions of the stand-in steps at the largest B (cProfile slows Python code,
 so read it for shares, not times).
 
-`--processors` instead times vLLM's logit processors: per B, two stand-in engines hold B requests
-each, one plain and one with repetition / presence / frequency penalties, 16 logit_bias entries
-and 4 bad words (1 to 3 tokens) on every request; their steps are timed in interleaved runs of
-`PROC_CHUNK` steps (so load drifts hit both alike), and the medians and their ratio on / off are
-printed with the sampling phases beside them. The processors are batched tensor ops: their cost
-per request is a few passes over its logits row, not Python per request.
+`--processors` instead times vLLM's logit processors and structured outputs: per B, three stand-in
+engines hold B requests each: plain ("off"); with repetition / presence / frequency penalties, 16
+logit_bias entries and 4 bad words (1 to 3 tokens) on every request ("proc"); and with all of
+those plus a JSON schema grammar on every request ("all": an array of at least 100 objects, so
+that no grammar ends inside the timed steps; each request's matcher walks its own random JSON,
+the stand-in's logits under the mask). Their steps are timed in interleaved runs of `PROC_CHUNK`
+steps (so load drifts hit all alike), and the medians and the ratios against "off" are printed
+with the sampling phases beside them. The processors are batched tensor ops and the grammar masks
+are filled for all rows at once (llguidance's thread pool): their cost per request is a few
+passes over its logits row, not Python per request.
 
 Usage: `python bench/step_overhead.py [--batches 16,64,256] [--steps 40] [--real-steps 5]
 [--quick] [--threads 2] [--profile] [--processors]`.
@@ -62,6 +66,12 @@ ORIGINAL_REGISTER = core_module.register_full_blocks
 ORIGINAL_SAMPLING_BATCH = out_ops.sampling_batch
 PROC_CHUNK = 4  # stand-in steps per turn of one engine in the --processors comparison
 PROC_BIAS = 16  # logit_bias entries per request there
+PROC_ARMS = ("off", "proc", "all")  # plain; penalties + bias + bad words; those and a grammar
+# the grammar of the "all" arm: JSON that cannot end within the timed steps (>= 100 objects)
+PROC_SCHEMA = {"type": "array", "minItems": 100, "items": {
+    "type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "score": {"type": "integer"},
+                                     "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}}},
+    "required": ["name", "score", "tags"], "additionalProperties": False}}
 PHASES = ("schedule", "build_batch", "forward", "fork_groups", "register_blocks", "sampling_batch", "sample", "commit")
 
 
@@ -142,27 +152,29 @@ def _timed_steps(engine: DynamicInferenceEngine, clock: Stopwatch, steps: int, b
     return walls, phases
 
 
-def _processor_params(vocab: int, max_tokens: int, rng: random.Random) -> SamplingParams:
-    """Every processor the comparison turns on, as one request of it asks for them."""
+def _arm_params(arm: str, vocab: int, max_tokens: int, rng: random.Random) -> SamplingParams:
+    """One request of the `--processors` arm `arm` (see `PROC_ARMS`)."""
+    if arm == "off":
+        return SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
     bias = {rng.randrange(3, vocab): rng.uniform(-5, 5) for _ in range(PROC_BIAS)}
     bad = [[rng.randrange(3, vocab) for _ in range(k)] for k in (1, 1, 2, 3)]
     return SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, repetition_penalty=1.1,
-                          presence_penalty=0.2, frequency_penalty=0.1, logit_bias=bias, bad_words_token_ids=bad)
+                          presence_penalty=0.2, frequency_penalty=0.1, logit_bias=bias, bad_words_token_ids=bad,
+                          structured_outputs={"json": PROC_SCHEMA} if arm == "all" else None)
 
 
-def _decoding_engine(real, batch: int, args: argparse.Namespace, max_tokens: int,
-                     processors: bool) -> DynamicInferenceEngine:
-    """A stand-in engine with `batch` requests, all prefilled and decoding."""
+def _decoding_engine(real, batch: int, args: argparse.Namespace, max_tokens: int, arm: str) -> DynamicInferenceEngine:
+    """A stand-in engine with `batch` requests of arm `arm`, all prefilled and decoding."""
     per_request = -(-(args.prompt_len + max_tokens) // BLOCK_SIZE)
     config = InferenceConfig(block_size=BLOCK_SIZE, num_blocks=batch * per_request + 8, max_requests=MAX_REQUESTS,
-                             max_batch_tokens=STEP_TOKENS, max_sequence_length=1024, dtype=real.spec.dtype)
+                             max_batch_tokens=STEP_TOKENS, max_sequence_length=1024, dtype=real.spec.dtype,
+                             tokenizer=str(smollm2_dir()))
     engine = DynamicInferenceEngine(InstantLogits(real, MAX_REQUESTS), config)
     rng = random.Random(batch)
     vocab = real.spec.vocab_size
     for _ in range(batch):
-        params = (_processor_params(vocab, max_tokens, rng) if processors
-                  else SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True))
-        engine.add_request([rng.randrange(3, vocab) for _ in range(args.prompt_len)], params)
+        engine.add_request([rng.randrange(3, vocab) for _ in range(args.prompt_len)],
+                           _arm_params(arm, vocab, max_tokens, rng))
     while not _decode_ready(engine, batch):
         engine.step()
     return engine
@@ -171,54 +183,57 @@ def _decoding_engine(real, batch: int, args: argparse.Namespace, max_tokens: int
 @dataclass(slots=True)
 class ProcessorResult:
     batch: int
-    step_s: dict[bool, float]  # median stand-in step, processors off / on
-    phases: dict[bool, dict[str, float]]
+    step_s: dict[str, float]  # median stand-in step per arm (PROC_ARMS)
+    phases: dict[str, dict[str, float]]
 
 
 def bench_processors(real, batch: int, args: argparse.Namespace) -> ProcessorResult:
     turns = max(args.steps // PROC_CHUNK, 2)
     prefill_steps = -(-batch * args.prompt_len // STEP_TOKENS) + 1
     max_tokens = prefill_steps + args.warmup + turns * PROC_CHUNK + 4
-    engines = {on: _decoding_engine(real, batch, args, max_tokens, on) for on in (False, True)}
+    engines = {arm: _decoding_engine(real, batch, args, max_tokens, arm) for arm in PROC_ARMS}
     clock = Stopwatch()
-    walls: dict[bool, list[float]] = {False: [], True: []}
-    phases: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+    walls: dict[str, list[float]] = {arm: [] for arm in PROC_ARMS}
+    phases: dict[str, list[dict[str, float]]] = {arm: [] for arm in PROC_ARMS}
     for engine in engines.values():
         _instrument(engine, clock)
     try:
         for engine in engines.values():
             _timed_steps(engine, clock, args.warmup, batch)
         for turn in range(turns):
-            for on in ((False, True) if turn % 2 == 0 else (True, False)):
-                w, ph = _timed_steps(engines[on], clock, PROC_CHUNK, batch)
-                walls[on] += w
-                phases[on] += ph
+            shift = turn % len(PROC_ARMS)  # NOTE: each arm takes each place in the turn order alike
+            for arm in PROC_ARMS[shift:] + PROC_ARMS[:shift]:
+                w, ph = _timed_steps(engines[arm], clock, PROC_CHUNK, batch)
+                walls[arm] += w
+                phases[arm] += ph
     finally:
         _restore()
-    return ProcessorResult(batch, {on: median(walls[on]) for on in walls},
-                           {on: {p: median([ph.get(p, 0.0) for ph in phases[on]]) for p in PHASES} for on in phases})
+    return ProcessorResult(batch, {arm: median(walls[arm]) for arm in walls},
+                           {arm: {p: median([ph.get(p, 0.0) for ph in phases[arm]]) for p in PHASES}
+                            for arm in phases})
 
 
 def print_processor_results(results: list[ProcessorResult]) -> None:
-    print("\n-- logit processors (penalties + logit_bias + bad words on every request) off vs on, stand-in model, "
-          "median ms per decode step")
-    header = (f"{'active':>6} {'step off':>9} {'step on':>9} {'on/off':>7} {'+us/req':>8} {'batch off':>10} "
-              f"{'batch on':>9} {'sample off':>10} {'sample on':>10} {'commit off':>10} {'commit on':>10}")
+    print("\n-- off: plain; proc: penalties + logit_bias + bad words on every request; all: those and a JSON "
+          "grammar on every request; stand-in model, median ms per decode step")
+    header = (f"{'active':>6} {'step off':>9} {'proc':>8} {'all':>8} {'proc/off':>8} {'all/off':>8} "
+              f"{'+us/req':>8} " + " ".join(f"{f'{p} {a}':>11}" for p in ("batch", "sample", "commit")
+                                            for a in PROC_ARMS))
     print(header)
     print("-" * len(header))
     for r in results:
-        off, on = r.phases[False], r.phases[True]
-        ratio = r.step_s[True] / r.step_s[False]
-        print(f"{r.batch:>6} {_ms(r.step_s[False]):>9} {_ms(r.step_s[True]):>9} {ratio:>7.2f} "
-              f"{(r.step_s[True] - r.step_s[False]) * 1e6 / r.batch:>8.1f} {_ms(off['sampling_batch']):>10} "
-              f"{_ms(on['sampling_batch']):>9} {_ms(off['sample']):>10} {_ms(on['sample']):>10} "
-              f"{_ms(off['commit']):>10} {_ms(on['commit']):>10}")
-    print("batch = building the SamplingBatch (the processors' sparse indices: per-row Python only there); "
-          "sample = the sampler (processors applied as batched ops); commit = appending tokens (penalty counts)")
+        step = r.step_s
+        cells = " ".join(f"{_ms(r.phases[a][phase]):>11}" for phase in ("sampling_batch", "sample", "commit")
+                         for a in PROC_ARMS)
+        print(f"{r.batch:>6} {_ms(step['off']):>9} {_ms(step['proc']):>8} {_ms(step['all']):>8} "
+              f"{step['proc'] / step['off']:>8.2f} {step['all'] / step['off']:>8.2f} "
+              f"{(step['all'] - step['off']) * 1e6 / r.batch:>8.1f} {cells}")
+    print("batch = building the SamplingBatch (the processors' sparse indices, the grammar masks filled); "
+          "sample = the sampler (processors and masks applied as batched ops); commit = appending tokens "
+          "(penalty counts, matchers advanced); +us/req = (all - off) / active")
     print_result("step_overhead_processors",
-                 {f"on/off[{r.batch}]": r.step_s[True] / r.step_s[False] for r in results}
-                 | {f"step_ms_on[{r.batch}]": r.step_s[True] * 1e3 for r in results}
-                 | {f"step_ms_off[{r.batch}]": r.step_s[False] * 1e3 for r in results})
+                 {f"{arm}/off[{r.batch}]": r.step_s[arm] / r.step_s["off"] for r in results for arm in ("proc", "all")}
+                 | {f"step_ms_{arm}[{r.batch}]": r.step_s[arm] * 1e3 for r in results for arm in PROC_ARMS})
 
 
 def bench_batch(real, batch: int, args: argparse.Namespace, profile: bool) -> BatchResult:

@@ -178,6 +178,7 @@ class DynamicInferenceEngine:
                 self._channels[rid] = self._step_channel
             return ids
 
+        self.core.grammars.precompile([sampling_params])
         ids = self.calls.run(add)
         return ids[0] if len(ids) == 1 else ids
 
@@ -206,6 +207,7 @@ class DynamicInferenceEngine:
             self.core.check_room(sum(params.n for _, params in checked))
             return [self._add_stream(prompt, params, stream_tokens, callback, client) for prompt, params in checked]
 
+        self.core.grammars.precompile(params_list)
         return self.calls.run(add_all)
 
     def _add_stream(self, prompt: list[int], params: SamplingParams, stream_tokens: bool,
@@ -249,6 +251,7 @@ class DynamicInferenceEngine:
                 out.append(self._add_stream(checked_prompt, checked_params, stream_tokens_, callback, client))
             return out
 
+        self.core.grammars.precompile(params_list)
         return self.calls.run(add_each)
 
     @staticmethod
@@ -404,13 +407,17 @@ class DynamicInferenceEngine:
 
     resume_generation = continue_
 
-    def suspend(self, policy: Optional[SuspendPolicy] = None, *, offload_weights: bool = False) -> SuspendReport:
-        """Free the KV buffer and step workspaces (and, if asked, the engine's own weights)."""
-        return self.calls.run(self.core.suspend, policy, offload_weights=offload_weights)
+    def suspend(self, policy: Optional[SuspendPolicy] = None, *, offload_weights: bool = False,
+                tags: Optional[Sequence[str]] = None, discard_weights: bool = False) -> SuspendReport:
+        """Free the KV buffer and step workspaces (and, if asked, the engine's own weights), or the
+        parts `tags` names (`kv_cache`, `weights`), each once; see `EngineCore.suspend`."""
+        return self.calls.run(self.core.suspend, policy, offload_weights=offload_weights, tags=tags,
+                              discard_weights=discard_weights)
 
-    def resume(self) -> None:
-        """Re-allocate what suspend freed; `ResumeMemoryError` (still suspended) if it can't."""
-        self.calls.run(self.core.resume)
+    def resume(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Re-allocate what suspend freed (or the parts `tags` names); `ResumeMemoryError` (still
+        suspended) if it can't."""
+        self.calls.run(self.core.resume, tags)
 
     # ---- weights -----------------------------------------------------------------------------
 

@@ -70,10 +70,12 @@ class RolloutBackend(Protocol):
 
     def continue_(self) -> None: ...
 
-    def suspend(self, policy: Optional[SuspendPolicy] = None, *, offload_weights: bool = False) -> SuspendReport:
-        """Free the KV buffer (and the weights if asked) for a trainer; requests in flight per `policy`."""
+    def suspend(self, policy: Optional[SuspendPolicy] = None, *, offload_weights: bool = False,
+                tags: Optional[Sequence[str]] = None, discard_weights: bool = False) -> SuspendReport:
+        """Free the KV buffer (and the weights if asked) for a trainer, or the parts `tags` names
+        (`kv_cache`, `weights`); requests in flight per `policy`."""
 
-    def resume(self) -> None: ...
+    def resume(self, *, tags: Optional[Sequence[str]] = None) -> None: ...
 
     def update_weights(self, source: WeightSource, version: Optional[int] = None, *,
                        policy: Optional[UpdatePolicy] = None) -> int:

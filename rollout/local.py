@@ -12,7 +12,7 @@ import logging
 import os
 import queue
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -209,12 +209,14 @@ class RolloutEngine:
 
     # ---- trainer coupling (the engine owns the state machine) --------------------------------
 
-    def suspend(self, policy: Optional[SuspendPolicy] = None, *, offload_weights: bool = False) -> SuspendReport:
-        """Free the KV buffer for the trainer; returns the engine's `SuspendReport`."""
-        return self.engine.suspend(None if policy is None else SuspendPolicy(policy), offload_weights=offload_weights)
+    def suspend(self, policy: Optional[SuspendPolicy] = None, *, offload_weights: bool = False,
+                tags: Optional[Sequence[str]] = None, discard_weights: bool = False) -> SuspendReport:
+        """Free the KV buffer for the trainer (or the parts `tags` names); returns the engine's `SuspendReport`."""
+        return self.engine.suspend(None if policy is None else SuspendPolicy(policy), offload_weights=offload_weights,
+                                   tags=tags, discard_weights=discard_weights)
 
-    def resume(self) -> None:
-        self.engine.resume()
+    def resume(self, *, tags: Optional[Sequence[str]] = None) -> None:
+        self.engine.resume(tags)
 
     def bind_trainer_model(self, module: torch.nn.Module, adapter: Optional[WeightAdapter] = None) -> Any:
         """Alias `module`'s parameters (no copy; another layout than HF's through its `adapter`,

@@ -127,17 +127,20 @@ class TextCodec:
 
     def continuation_ids(self, history: Sequence[Message], prompt_ids: Sequence[int], sampled_ids: Sequence[int],
                          reply: Message, new: Sequence[Message], *, tools: Optional[list[dict]] = None,
-                         template_kwargs: Optional[Mapping[str, Any]] = None) -> Optional[list[int]]:
+                         template_kwargs: Optional[Mapping[str, Any]] = None,
+                         reply_text: Optional[str] = None) -> Optional[list[int]]:
         """Turn k+1's prompt: `prompt_ids` (turn k's, for `history`) + `sampled_ids` (the reply's
         ids, verbatim) + the tokens of the template's text after the reply. None when the
         template is not incremental (rendering the longer conversation changes earlier text),
-        so the caller must start over from `chat_ids`.
+        or does not render `reply` as `reply_text` (the text of `sampled_ids`; default the
+        message's content: a reply with tool calls is rendered from them), so the caller must
+        start over from `chat_ids`.
         """
         kw = {"tools": tools, "template_kwargs": template_kwargs}
         before = self.render(history, **kw)
         with_reply = self.render([*history, reply], add_generation_prompt=False, **kw)
         full = self.render([*history, reply, *new], **kw)
-        content = message_text(reply)
+        content = message_text(reply) if reply_text is None else reply_text
         if not with_reply.startswith(before + content) or not full.startswith(with_reply):
             return None
         closing = with_reply[len(before) + len(content):]

@@ -12,6 +12,9 @@ The others carry the manifest (`weight_sync.manifest`, with the version), checke
   (`init_weights_update_group`); `manifest.layout` None is SGLang's tensor-by-tensor form.
   `finish` makes a sequence of calls one staged update: None commits once every tensor of the
   model is loaded, False keeps the update open for the next call, True commits now.
+  `packed_buffer_bytes` (layout None) is vLLM's packed layout (`weight_sync.vllm_layout`): the
+  tensors concatenated, one broadcast per chunk cut past that many bytes; None with no layout is
+  one broadcast per tensor (SGLang's, and vLLM's unpacked one).
 * `SharedMemorySource`: buckets in a /dev/shm segment (CPU) or behind CUDA IPC handles (GPU).
   This is what `update_weights_from_tensor` takes, msgpack-encoded (`encode_tensor_payload`) in
   place of SGLang's pickled tensors, which are refused (`decode_tensor_payload`). A segment is
@@ -90,6 +93,11 @@ class DistributedSource(msgspec.Struct, tag_field="type", tag="distributed", for
     group_name: GroupName = DEFAULT_GROUP
     finish: Optional[bool] = None
     staging: Optional[Staging] = None
+    packed_buffer_bytes: Optional[Annotated[int, Meta(ge=1, le=2**40)]] = None
+
+    def __post_init__(self) -> None:
+        if self.packed_buffer_bytes is not None and self.manifest.layout is not None:
+            raise ValueError("a distributed source is either bucketed (a layout) or in vLLM's packed layout, not both")
 
 
 class SharedMemorySource(msgspec.Struct, tag_field="type", tag="shared_memory", forbid_unknown_fields=True,

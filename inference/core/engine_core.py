@@ -15,7 +15,7 @@ keeps no outputs: each finished request goes to `on_finished` and each streamed 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any, Optional
 
 import numpy as np
@@ -53,6 +53,7 @@ from inference.weights.staging import Staging
 logger = logging.getLogger(__name__)
 
 KV_TRACE_STEPS = 1 << 14  # steps of blocks-in-use history kept for peak-utilisation queries
+MEMORY_TAGS = ("kv_cache", "weights")  # what suspend frees, part by part (vLLM's sleep tags, SGLang's)
 
 
 class EngineCore:
@@ -86,6 +87,7 @@ class EngineCore:
         self.state = EngineState.RUNNING
         self.pause_mode: Optional[PauseMode] = None
         self._before_suspend: tuple[EngineState, Optional[PauseMode]] = (EngineState.RUNNING, None)
+        self.asleep: set[str] = set()  # the MEMORY_TAGS suspended now (one writer: suspend / resume)
         self._offloaded: Optional[OffloadedCaches] = None
         self.num_steps = 0
         self.generated_tokens = 0
@@ -315,54 +317,96 @@ class EngineCore:
 
     # ---- suspend / resume --------------------------------------------------------------------
 
-    def suspend(self, policy: Optional[SuspendPolicy] = None, *, offload_weights: bool = False) -> SuspendReport:
-        """Free the KV buffer, the step workspaces (and, if asked, the engine's own weights).
+    def suspend(self, policy: Optional[SuspendPolicy] = None, *, offload_weights: bool = False,
+                tags: Optional[Collection[str]] = None, discard_weights: bool = False) -> SuspendReport:
+        """Free memory for a colocated trainer, by part (`MEMORY_TAGS`): `kv_cache` (the KV and
+        state buffers, the step workspaces) and `weights` (the engine's own weight storage, moved
+        to host, or with `discard_weights` dropped: vLLM's sleep level 2). `tags` None: the KV
+        cache, and the weights too with `offload_weights` or `discard_weights`.
 
-        In-flight requests follow `policy` (default: the config's). A second suspend is a no-op.
+        Each part sleeps once: a part already asleep is left as it is (a no-op when all are). The
+        first part to sleep suspends the engine; in-flight requests follow `policy` (default: the
+        config's; OFFLOAD keeps them in place while their KV stays).
         """
-        if self.state is EngineState.SUSPENDED:
+        parts = self._memory_parts(tags, offload_weights or discard_weights)
+        new = parts - self.asleep
+        if not new:
             return SuspendReport.nothing()
         policy = SuspendPolicy(policy or self.config.suspend_policy)
         device = self.kv_cache.device
         before = memory_in_use(device)
         aborted = requeued = offloaded = 0
-        if policy is SuspendPolicy.ABORT:
-            aborted = self.abort_all()
-        elif policy is SuspendPolicy.RECOMPUTE:
-            requeued = self.scheduler.requeue_in_slot_requests()
-        else:
-            offloaded = self._offload_in_slot_requests()
-        buffer_bytes = self.caches.release()  # every cached block goes with the buffers
-        workspace = self.runner.release_workspace()  # CUDA graphs and their memory pool too
-        weight_bytes = self.weights.offload() if offload_weights else 0
+        if not self.asleep:  # NOTE: the first part asleep stops generation; requests follow the policy
+            self._before_suspend = (self.state, self.pause_mode)
+            if policy is SuspendPolicy.ABORT:
+                aborted = self.abort_all()
+            elif policy is SuspendPolicy.RECOMPUTE:
+                requeued = self.scheduler.requeue_in_slot_requests()
+            elif "kv_cache" in new:
+                offloaded = self._offload_in_slot_requests()
+        buffer_bytes = workspace = weight_bytes = 0
+        if "kv_cache" in new:
+            if self.asleep and policy is SuspendPolicy.OFFLOAD and self._offloaded is None:
+                offloaded = self._offload_in_slot_requests()  # NOTE: kept in place while the KV stayed
+            buffer_bytes = self.caches.release()  # every cached block goes with the buffers
+            workspace = self.runner.release_workspace()  # CUDA graphs and their memory pool too
+        if "weights" in new:
+            weight_bytes = self.weights.discard() if discard_weights else self.weights.offload()
         self.weights.drop_spare()  # NOTE: spare staging buffers are the trainer's memory now too
         freed = max(0, before - memory_in_use(device))
-        self._before_suspend = (self.state, self.pause_mode)
+        self.asleep |= new
         self.state = EngineState.SUSPENDED
         report = SuspendReport(buffer_bytes, workspace, weight_bytes, freed, aborted, requeued, offloaded)
-        logger.info("suspended: %s", report)
+        logger.info("suspended %s: %s", sorted(new), report)
         return report
 
-    def resume(self) -> None:
-        """Re-allocate what suspend freed; raises `ResumeMemoryError` (still suspended) if it can't."""
-        if self.state is not EngineState.SUSPENDED:
-            raise EngineStateError(f"resume() without suspend(): the engine is {self.state.value}")
+    def resume(self, tags: Optional[Collection[str]] = None) -> None:
+        """Re-allocate what suspend freed, by part (`tags` None: all that sleeps; a part awake
+        already is left as it is). Generation goes on once no part sleeps. Raises
+        `ResumeMemoryError` (nothing woken) if the memory is not there, and `EngineStateError` for
+        a `resume()` of all while nothing sleeps."""
+        if not self.asleep:
+            if tags is None:
+                raise EngineStateError(f"resume() without suspend(): the engine is {self.state.value}")
+            self._memory_parts(tags, False)  # NOTE: still refuses an unknown tag
+            return
+        wake = set(self.asleep) if tags is None else self._memory_parts(tags, False) & self.asleep
+        if not wake:
+            return
         device = self.kv_cache.device
-        needed = self.caches.nbytes + self.weights.offloaded_bytes()
+        needed = (self.caches.nbytes if "kv_cache" in wake else 0) + (
+            self.weights.offloaded_bytes() + self.weights.discarded_bytes() if "weights" in wake else 0)
         free = available_device_memory(device)
         if needed > free:
             raise ResumeMemoryError(f"resume needs {needed} bytes on {device}, {free} available; still suspended")
-        had_offloaded_weights = self.weights.offloaded
-        try:
-            self.weights.restore()
-            self.caches.reacquire()
-        except (RuntimeError, MemoryError, OSError) as exc:  # an allocation failed: undo, stay suspended
-            if had_offloaded_weights:
-                self.weights.offload()
-            raise ResumeMemoryError(f"resume could not allocate its buffers ({exc}); still suspended") from exc
-        self._restore_offloaded_requests()
-        self.runner.reacquire()  # CUDA graphs captured again
-        self.state, self.pause_mode = self._before_suspend
+        if "weights" in wake:
+            try:
+                self.weights.restore()
+            except (RuntimeError, MemoryError, OSError) as exc:
+                raise ResumeMemoryError(f"resume could not allocate the weights ({exc}); still suspended") from exc
+        if "kv_cache" in wake:
+            try:
+                self.caches.reacquire()
+            except (RuntimeError, MemoryError, OSError) as exc:  # an allocation failed: undo, stay suspended
+                if "weights" in wake and "weights" in self.asleep:
+                    self.weights.offload()
+                raise ResumeMemoryError(f"resume could not allocate its buffers ({exc}); still suspended") from exc
+            self._restore_offloaded_requests()
+        self.asleep -= wake
+        if not self.asleep:
+            self.runner.reacquire()  # CUDA graphs captured again, over the weights and buffers both back
+            self.state, self.pause_mode = self._before_suspend
+
+    def _memory_parts(self, tags: Optional[Collection[str]], weights: bool) -> set[str]:
+        if tags is None:
+            return {"kv_cache", "weights"} if weights else {"kv_cache"}
+        if isinstance(tags, str):
+            tags = [tags]
+        parts = set(tags)
+        unknown = parts - set(MEMORY_TAGS)
+        if unknown or not parts:
+            raise ValueError(f"tags must name some of {list(MEMORY_TAGS)}, got {sorted(map(str, tags))}")
+        return parts
 
     def _offload_in_slot_requests(self) -> int:
         """Copy what every request in a slot holds (KV blocks, state) to host; slots stay as they are."""
@@ -474,7 +518,11 @@ class EngineCore:
         by_client = self.scheduler.waiting_samples()
         return {
             "state": self.state.value,
+            "asleep": ",".join(sorted(self.asleep)),
             "pause_mode": None if self.pause_mode is None else self.pause_mode.value,
+            "dtype": str(self.model.spec.dtype).removeprefix("torch."),
+            "block_size": self.config.block_size,
+            "max_sequence_length": self.config.max_sequence_length,
             "steps": self.num_steps,
             "generated_tokens": self.generated_tokens,
             "prefill_tokens": self.context.prefill_tokens,

@@ -3,8 +3,11 @@
 llguidance (pinned; its CPU mask path, Rust, GIL released) does the grammar work. Three parts:
 
 * `grammar_text(spec)`: a `StructuredOutputs` as llguidance's grammar, with vLLM's meanings
-  (its guidance backend's): JSON whitespace flexible unless `disable_any_whitespace`,
-  `json_object` the schema `{"type": "object"}`, `grammar` Lark or GBNF.
+  (its guidance backend's): `json_object` the schema `{"type": "object"}`, `grammar` Lark or
+  GBNF; whitespace in JSON as `whitespace_pattern` says, none with `disable_any_whitespace`, and
+  otherwise `BOUNDED_WHITESPACE` (vLLM allows any run of it: a model that wants what the grammar
+  forbids then writes newlines until `max_tokens`, a known failure that a bound turns into
+  progress; pretty-printed JSON, one newline and an indent of up to 20, still fits).
 * `GrammarCompiler`: the engine's; loads the tokenizer on first use (~0.3 s for a 49k vocabulary)
   and compiles each distinct spec once (LRU), a refusal being a `ValueError` naming the field.
   A compiled grammar is a template matcher that is never advanced: each sample gets a copy.
@@ -37,6 +40,7 @@ from inference.sampling.structured import StructuredOutputs
 logger = logging.getLogger(__name__)
 
 GRAMMAR_CACHE_SIZE = 256
+BOUNDED_WHITESPACE = r"(\r?\n)?[ \t]{0,20}"  # between two JSON tokens
 _GRAMMAR_THREADS = 2  # mask filling is a few ms for hundreds of rows; more threads only contend
 
 
@@ -48,8 +52,8 @@ def grammar_text(spec: StructuredOutputs) -> str:
         if spec.disable_additional_properties:
             schema = _closed_objects(schema)
         options: dict = {"whitespace_flexible": not spec.disable_any_whitespace}
-        if spec.whitespace_pattern is not None:
-            options["whitespace_pattern"] = spec.whitespace_pattern
+        if not spec.disable_any_whitespace:
+            options["whitespace_pattern"] = spec.whitespace_pattern or BOUNDED_WHITESPACE
         return llg.LLMatcher.grammar_from_json_schema(schema, defaults=options)
     if kind == "regex":
         return llg.grammar_from("regex", spec.regex)
@@ -113,35 +117,57 @@ class GrammarCompiler:
         return self.source is not None and self.source.is_file()
 
     def tokenizer(self) -> llg.LLTokenizer:
-        if self._tokenizer is None:
-            if not self.available:
-                raise ValueError("structured_outputs: this engine has no tokenizer (a tokenizer.json beside the "
-                                 "model, or InferenceConfig.tokenizer) to compile grammars against")
-            self._tokenizer = llg.LLTokenizer(str(self.source), n_vocab=self.vocab_size,
-                                              eos_token=self.eos_token_ids or None)
-        return self._tokenizer
+        with self._lock:
+            if self._tokenizer is None:
+                if not self.available:
+                    raise ValueError("structured_outputs: this engine has no tokenizer (a tokenizer.json beside the "
+                                     "model, or InferenceConfig.tokenizer) to compile grammars against")
+                try:
+                    self._tokenizer = llg.LLTokenizer(str(self.source), n_vocab=self.vocab_size,
+                                                      eos_token=self.eos_token_ids or None)
+                except (ValueError, RuntimeError) as exc:
+                    raise ValueError(f"structured_outputs: the tokenizer {self.source} cannot serve grammars "
+                                     f"over {self.vocab_size} logits: {exc}") from None
+            return self._tokenizer
 
     def compile(self, spec: StructuredOutputs) -> llg.LLMatcher:
-        """The template matcher of `spec` (cached; never advance it: `GrammarSlots.bind` copies it)."""
+        """The template matcher of `spec` (cached; never advance it: `GrammarSlots.bind` copies it).
+
+        NOTE: compiled outside the lock (llguidance releases the GIL while it builds a grammar): a
+        caller's thread compiles before the engine loop asks (`DynamicInferenceEngine` does), so the
+        loop finds it cached and never waits on a large grammar; two threads racing on one spec
+        both compile it, harmlessly."""
         with self._lock:
             template = self._cache.get(spec)
             if template is not None:
                 self._cache.move_to_end(spec)
                 return template
-            tokenizer = self.tokenizer()
-            try:
-                text = grammar_text(spec)
-            except (ValueError, TypeError, AssertionError) as exc:
-                message = str(exc)
-                raise ValueError(message if message.startswith("structured_outputs")
-                                 else f"structured_outputs.{spec.kind}: {message}") from None
-            template = llg.LLMatcher(tokenizer, text, log_level=0)
-            if template.is_error():
-                raise ValueError(f"structured_outputs.{spec.kind}: {template.get_error()}")
+        tokenizer = self.tokenizer()
+        try:
+            text = grammar_text(spec)
+        except (ValueError, TypeError, AssertionError) as exc:
+            message = str(exc)
+            raise ValueError(message if message.startswith("structured_outputs")
+                             else f"structured_outputs.{spec.kind}: {message}") from None
+        template = llg.LLMatcher(tokenizer, text, log_level=0)
+        if template.is_error():
+            raise ValueError(f"structured_outputs.{spec.kind}: {template.get_error()}")
+        with self._lock:
             self._cache[spec] = template
             if len(self._cache) > GRAMMAR_CACHE_SIZE:
                 self._cache.popitem(last=False)
-            return template
+        return template
+
+    def precompile(self, params_list) -> None:
+        """Compile the constraints of `params_list` (SamplingParams or None) into the cache, on the
+        caller's thread; a refusal is left for the engine's own check to raise."""
+        for params in params_list:
+            spec = getattr(params, "structured_outputs", None)
+            if spec is not None and self.available:
+                try:
+                    self.compile(spec)
+                except ValueError:
+                    pass
 
 
 class GrammarSlots:

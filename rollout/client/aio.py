@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Optional, Union
 
 from inference import PauseMode, SamplingParams, SuspendPolicy, SuspendReport, UpdatePolicy
@@ -118,12 +118,13 @@ class AsyncRolloutClient:
         await self._call(self.requests.plain(wire.Continue), timeout)
 
     async def suspend(self, policy: Optional[SuspendPolicy] = None, *, offload_weights: bool = False,
+                      tags: Optional[Sequence[str]] = None, discard_weights: bool = False,
                       timeout: Optional[float] = None) -> SuspendReport:
-        result = await self._call(self.requests.suspend(policy, offload_weights), timeout)
+        result = await self._call(self.requests.suspend(policy, offload_weights, tags, discard_weights), timeout)
         return suspend_report(result.stats)
 
-    async def resume(self, *, timeout: Optional[float] = None) -> None:
-        await self._call(self.requests.plain(wire.Resume), timeout)
+    async def resume(self, *, tags: Optional[Sequence[str]] = None, timeout: Optional[float] = None) -> None:
+        await self._call(self.requests.resume(tags), timeout)
 
     async def update_weights(self, source: WeightSource, version: Optional[int] = None, *,
                              policy: Optional[UpdatePolicy] = None, timeout: Optional[float] = None) -> int:

@@ -285,14 +285,17 @@ class InProcessClient:
         await self._post(self.engine.continue_, "Continue", timeout)
 
     async def suspend(self, policy: Optional[SuspendPolicy] = None, *, offload_weights: bool = False,
+                      tags: Optional[Sequence[str]] = None, discard_weights: bool = False,
                       timeout: Optional[float] = None) -> SuspendReport:
         policy, engine = SuspendPolicy(policy or SuspendPolicy.RECOMPUTE), self.engine
-        report = await self._post(lambda: engine.suspend(policy, offload_weights=bool(offload_weights)), "Suspend",
-                                  timeout, "suspends")
+        report = await self._post(lambda: engine.suspend(policy, offload_weights=bool(offload_weights), tags=tags,
+                                                         discard_weights=bool(discard_weights)),
+                                  "Suspend", timeout, "suspends")
         return suspend_report(_wire_values(dataclasses.asdict(report)))
 
-    async def resume(self, *, timeout: Optional[float] = None) -> None:
-        await self._post(self.engine.resume, "Resume", timeout, "resumes")
+    async def resume(self, *, tags: Optional[Sequence[str]] = None, timeout: Optional[float] = None) -> None:
+        engine = self.engine
+        await self._post(lambda: engine.resume(tags), "Resume", timeout, "resumes")
 
     async def reset_prefix_cache(self, *, timeout: Optional[float] = None) -> None:
         await self._post(self.engine.reset_prefix_cache, "ResetPrefixCache", timeout)

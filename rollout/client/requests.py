@@ -9,6 +9,7 @@ the wire carries as they are.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional, TypeVar, Union
 
@@ -49,9 +50,14 @@ class Requests:
     def pause(self, mode: Union[PauseMode, str]) -> wire.Pause:
         return wire.Pause(request_id=self._id(), mode=PauseMode(mode))
 
-    def suspend(self, policy: Optional[Union[SuspendPolicy, str]], offload_weights: bool) -> wire.Suspend:
+    def suspend(self, policy: Optional[Union[SuspendPolicy, str]], offload_weights: bool,
+                tags: Optional[Sequence[str]] = None, discard_weights: bool = False) -> wire.Suspend:
         return wire.Suspend(request_id=self._id(), policy=SuspendPolicy(policy or SuspendPolicy.RECOMPUTE),
-                            offload_weights=bool(offload_weights))
+                            offload_weights=bool(offload_weights), tags=None if tags is None else list(tags),
+                            discard_weights=bool(discard_weights))
+
+    def resume(self, tags: Optional[Sequence[str]] = None) -> wire.Resume:
+        return wire.Resume(request_id=self._id(), tags=None if tags is None else list(tags))
 
     def update_weights(self, source: WeightSource, version: Optional[int],
                        policy: Optional[Union[UpdatePolicy, str]]) -> wire.UpdateWeights:

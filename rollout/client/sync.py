@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Optional, Union
 
 from inference import PauseMode, SamplingParams, SuspendPolicy, SuspendReport, UpdatePolicy
@@ -122,11 +122,13 @@ class RolloutClient(WeightSyncCalls):
         self._call(self.requests.plain(wire.Continue), timeout)
 
     def suspend(self, policy: Optional[SuspendPolicy] = None, *, offload_weights: bool = False,
+                tags: Optional[Sequence[str]] = None, discard_weights: bool = False,
                 timeout: Optional[float] = None) -> SuspendReport:
-        return suspend_report(self._call(self.requests.suspend(policy, offload_weights), timeout).stats)
+        msg = self.requests.suspend(policy, offload_weights, tags, discard_weights)
+        return suspend_report(self._call(msg, timeout).stats)
 
-    def resume(self, *, timeout: Optional[float] = None) -> None:
-        self._call(self.requests.plain(wire.Resume), timeout)
+    def resume(self, *, tags: Optional[Sequence[str]] = None, timeout: Optional[float] = None) -> None:
+        self._call(self.requests.resume(tags), timeout)
 
     def update_weights(self, source: WeightSource, version: Optional[int] = None, *,
                        policy: Optional[UpdatePolicy] = None, timeout: Optional[float] = None) -> int:

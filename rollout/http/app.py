@@ -32,6 +32,8 @@ from rollout.http.openai_routes import router as openai_router
 from rollout.http.sglang_routes import STATE_CHANGING_GETS
 from rollout.http.sglang_routes import router as sglang_router
 from rollout.http.tokenize_routes import router as tokenize_router
+from rollout.http.vllm_routes import router as vllm_router
+from rollout.http.vllm_weight_routes import router as vllm_weight_router
 from rollout.wire.security import is_loopback
 
 logger = logging.getLogger(__name__)
@@ -46,6 +48,8 @@ def build_app(front: HttpFront) -> FastAPI:
     app.include_router(tokenize_router)
     app.include_router(openai_router)
     app.include_router(sglang_router)
+    app.include_router(vllm_router)
+    app.include_router(vllm_weight_router)
     return app
 
 

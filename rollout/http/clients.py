@@ -14,7 +14,7 @@ the same health and stats keys. Weight calls go through the client too (`update_
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Optional, Protocol, Union, runtime_checkable
 
 from inference import PauseMode, SamplingParams, SuspendPolicy, SuspendReport, UpdatePolicy
@@ -67,9 +67,10 @@ class FrontClient(Protocol):
     async def continue_(self, *, timeout: Optional[float] = None) -> None: ...
 
     async def suspend(self, policy: Optional[SuspendPolicy] = None, *, offload_weights: bool = False,
+                      tags: Optional[Sequence[str]] = None, discard_weights: bool = False,
                       timeout: Optional[float] = None) -> SuspendReport: ...
 
-    async def resume(self, *, timeout: Optional[float] = None) -> None: ...
+    async def resume(self, *, tags: Optional[Sequence[str]] = None, timeout: Optional[float] = None) -> None: ...
 
     async def reset_prefix_cache(self, *, timeout: Optional[float] = None) -> None: ...
 

@@ -65,7 +65,7 @@ VLLM_ROOT_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})  # 
 
 
 def is_openai_path(path: str) -> bool:
-    return path.startswith("/v1/") or path == "/v1" or path in VLLM_ROOT_PATHS
+    return path.startswith(("/v1/", "/inference/v1/")) or path == "/v1" or path in VLLM_ROOT_PATHS
 
 
 def error_response(request: Request, err: APIError, headers: Optional[dict[str, str]] = None) -> JSONResponse:

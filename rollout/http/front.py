@@ -110,10 +110,11 @@ class HttpFront:
     # ---- building blocks -----------------------------------------------------------------------
 
     def sampling(self, body: Any, *, n: int, max_tokens: int, logprobs: Optional[int],
-                 prompt_logprobs: Optional[int] = None) -> SamplingParams:
-        """The engine's `SamplingParams` of a completions or chat body (`rollout.http.sampling`)."""
+                 prompt_logprobs: Optional[int] = None, structured: Any = None) -> SamplingParams:
+        """The engine's `SamplingParams` of a completions or chat body (`rollout.http.sampling`);
+        `structured`: its constraint (`rollout.http.structured`)."""
         return sampling_params(self.codec, body, n=n, max_tokens=max_tokens, logprobs=logprobs,
-                               prompt_logprobs=prompt_logprobs)
+                               prompt_logprobs=prompt_logprobs, structured=structured)
 
     def generation(self, spec: GenSpec) -> Generation:
         return Generation(self, spec)

@@ -29,7 +29,7 @@ import hmac
 import ipaddress
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Optional
 
 from fastapi import Request
 from starlette.exceptions import HTTPException
@@ -111,7 +111,9 @@ class RequestGuard:
                             f"another site may not call it (Origin {origin!r}, Sec-Fetch-Site {site!r}).",
                             code="cross_site_request")
         content_type = request.headers.get("content-type")
-        if (content_type is not None or _has_body(request)) and not _is_json(content_type or ""):
+        # NOTE: what a page can send cross-site without a preflight is refused even empty (a form to
+        # /pause has no body); an empty call with another type (aiohttp's octet-stream) is no such risk
+        if (_is_simple(content_type) or _has_body(request)) and not _is_json(content_type or ""):
             return APIError(415, f"{request.method} {request.url.path} changes the server's state, so a body must be "
                             "sent with `Content-Type: application/json` (an empty call may send `{}`, or nothing).",
                             code="unsupported_media_type")
@@ -173,6 +175,14 @@ class BearerKey:
 def _has_body(request: Request) -> bool:
     length = request.headers.get("content-length")
     return (length is not None and length.strip() not in ("", "0")) or "transfer-encoding" in request.headers
+
+
+SIMPLE_MEDIA = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")  # CORS-safelisted
+
+
+def _is_simple(content_type: Optional[str]) -> bool:
+    """A type a browser sends cross-site without a preflight (a form's, a text body's)."""
+    return content_type is not None and content_type.split(";", 1)[0].strip().lower() in SIMPLE_MEDIA
 
 
 def _is_json(content_type: str) -> bool:

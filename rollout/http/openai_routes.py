@@ -25,14 +25,16 @@ import msgspec
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
+from inference import StructuredOutputs
+from rollout.http import structured
 from rollout.http.disconnects import unless_disconnected
 from rollout.http.errors import APIError, from_exception
 from rollout.http.front import HttpFront
 from rollout.http.generation import Delta, Generation, GenSpec, Sample
 from rollout.http.logprobs import chat_top, completion_top, echoed_prompt, prompt_entries
 from rollout.http.schemas import ChatCompletionRequest, CompletionRequest
-from rollout.http.sessions import Render, Reply
-from rollout.http.tools import ToolChoiceError, ToolParser, check_tool_choice, parse_reply, tool_stream
+from rollout.http.sessions import Render, Reply, calls_of
+from rollout.http.tools import ToolChoiceError, ToolPlan, plan_tools
 
 router = APIRouter()
 SESSION_HEADER = "X-Session-ID"
@@ -176,8 +178,11 @@ async def _completion_chunks(front: HttpFront, body: CompletionRequest, gen: Gen
             if opening:
                 choice["prompt_token_ids"] = gen.spec.prompts[s.group]
             choice["token_ids"] = d.ids
-        yield sse({"id": rid, "object": "text_completion", "created": created, "model": body.model,
-                   "choices": [choice]})
+        chunk = {"id": rid, "object": "text_completion", "created": created, "model": body.model,
+                 "choices": [choice]}
+        if _continuous_usage(body):
+            chunk["usage"] = _usage(gen.spec.prompts, gen.samples)
+        yield sse(chunk)
     if body.stream_options is not None and body.stream_options.include_usage:
         yield sse({"id": rid, "object": "text_completion", "created": created, "model": body.model, "choices": [],
                    "usage": _usage(gen.spec.prompts, gen.samples)})
@@ -208,7 +213,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     front = front_of(request)
     body.model = front.check_model(body.model)
     try:
-        parser = front.config.tool_parser if check_tool_choice(body.tool_choice, body.tools) else ToolParser.NONE
+        plan = plan_tools(body.tool_choice, body.tools, front.config.tool_parser, body.parallel_tool_calls)
     except ToolChoiceError as exc:
         raise APIError(400, str(exc), param="tool_choice") from None
     session_id = body.session_id or request.headers.get(SESSION_HEADER) or None
@@ -219,28 +224,32 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     max_tokens = front.completion_budget([prompt], body.completion_limit(), "messages")
     top = (body.top_logprobs or 0) if body.logprobs else None
     spec = _spec(front, body, [prompt], max_tokens, top, session_id=session_id,
-                 prompt_logprobs=body.prompt_logprobs)
+                 prompt_logprobs=body.prompt_logprobs, forced=plan.forced)
     gen = front.generation(spec)
     rid = f"chatcmpl-{spec.rid}"
     headers = {SESSION_HEADER: session_id} if session_id else None
 
     def remember() -> None:
         if session_id:
-            front.sessions.record(session_id, messages, body.tools, prompt,
-                                  [Reply(s.text, list(s.ids)) for s in gen.samples], render)
+            replies = []
+            for s in gen.samples:
+                content, calls = plan.parse(s.text)
+                matched = calls_of([c.as_dict() for c in calls]) or ()
+                replies.append(Reply(s.text, list(s.ids), content if calls else None, matched))
+            front.sessions.record(session_id, messages, body.tools, prompt, replies, render)
 
     if body.stream:
-        return _stream(gen, _chat_chunks(front, body, gen, rid, remember, parser), headers)
+        return _stream(gen, _chat_chunks(front, body, gen, rid, remember, plan), headers)
     samples = await unless_disconnected(request, gen.run())
     remember()
     choices = []
     for i, s in enumerate(samples):
-        content, calls = parse_reply(parser, s.text)
+        content, calls = plan.parse(s.text)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [c.as_dict() for c in calls]
         choice = {"index": i, "message": message, "logprobs": _chat_logprobs(front, body, s, 0, s.ids),
-                  "finish_reason": "tool_calls" if calls else s.finish_reason, "stop_reason": _stop_reason(s)}
+                  "finish_reason": plan.finish_reason(bool(calls), s.finish_reason), "stop_reason": _stop_reason(s)}
         if body.return_token_ids is not False:
             choice["token_ids"] = s.ids
             choice["prompt_token_ids"] = prompt
@@ -255,10 +264,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
 
 async def _chat_chunks(front: HttpFront, body: ChatCompletionRequest, gen: Generation, rid: str,
-                       done: Any, parser: ToolParser = ToolParser.NONE) -> AsyncIterator[bytes]:
+                       done: Any, plan: ToolPlan) -> AsyncIterator[bytes]:
     created, first = int(time.time()), set()
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model}
-    tools = {_index(gen, s): tool_stream(parser) for s in gen.samples}
+    tools = {_index(gen, s): plan.stream() for s in gen.samples}
     async for d in gen.deltas():
         s = d.sample
         index = _index(gen, s)
@@ -269,7 +278,7 @@ async def _chat_chunks(front: HttpFront, body: ChatCompletionRequest, gen: Gener
             out = calls.feed(d.text)
             if d.finish_reason is not None:
                 out += calls.finish()
-                finish_reason = "tool_calls" if calls.calls else finish_reason
+                finish_reason = plan.finish_reason(bool(calls.calls), finish_reason)
             delta["content"] = out.content
             if out.calls:
                 delta["tool_calls"] = [call.as_delta(i) for i, call in out.calls]
@@ -284,6 +293,8 @@ async def _chat_chunks(front: HttpFront, body: ChatCompletionRequest, gen: Gener
         if body.return_token_ids is not False:
             choice["token_ids"] = d.ids
         chunk["choices"] = [choice]
+        if _continuous_usage(body):
+            chunk["usage"] = _usage(gen.spec.prompts, gen.samples)
         yield sse(chunk)
     done()
     if body.stream_options is not None and body.stream_options.include_usage:
@@ -311,10 +322,11 @@ def _chat_logprobs(front: HttpFront, body: ChatCompletionRequest, s: Sample, sta
 
 
 def _spec(front: HttpFront, body: Any, prompts: list[list[int]], max_tokens: int, logprobs: Optional[int], *,
-          n: Optional[int] = None, session_id: Optional[str] = None, prompt_logprobs: Optional[int] = None
-          ) -> GenSpec:
+          n: Optional[int] = None, session_id: Optional[str] = None, prompt_logprobs: Optional[int] = None,
+          forced: Optional[StructuredOutputs] = None) -> GenSpec:
     n = body.n if n is None else n
-    sampling = front.sampling(body, n=n, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    sampling = front.sampling(body, n=n, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                              structured=structured.from_openai(body, forced))
     return GenSpec(prompts, n, sampling, stops=body.stop_strings(), include_stop=body.include_stop_str_in_output,
                    skip_special_tokens=body.skip_special_tokens, stream=body.stream, session_id=session_id,
                    rid=uuid.uuid4().hex)
@@ -340,6 +352,12 @@ def _index(gen: Generation, s: Sample) -> int:
 
 def _stop_reason(s: Sample) -> Any:
     return s.matched if isinstance(s.matched, str) else None
+
+
+def _continuous_usage(body: Any) -> bool:
+    """vLLM's `stream_options.continuous_usage_stats`: every chunk says the usage so far."""
+    options = body.stream_options
+    return options is not None and options.include_usage and options.continuous_usage_stats
 
 
 def _usage(prompts: list[list[int]], samples: list[Sample]) -> dict[str, int]:

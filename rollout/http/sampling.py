@@ -7,6 +7,7 @@ OpenAI's and vLLM's names map one to one onto the engine's, with these translati
   and after one space, the second kept only when that space makes a different first token and the
   same number of tokens (a word inside text, not at its start); each becomes one banned sequence
   of `bad_words_token_ids`.
+* `structured`: the body's output constraint, built by `rollout.http.structured`.
 * A field at its neutral value is not passed on, so an engine without that field still serves
   a request that does not use it; a non-neutral one the engine does not know is a 400 naming it.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from inference import LogprobsMode, SamplingParams
+from inference import LogprobsMode, SamplingParams, StructuredOutputs
 from rollout.http.errors import APIError, engine_param
 from rollout.text import TextCodec
 
@@ -26,7 +27,8 @@ EXTRAS = {"repetition_penalty": ("repetition_penalty", 1.0), "presence_penalty":
 
 
 def sampling_params(codec: TextCodec, body: Any, *, n: int, max_tokens: int, logprobs: Optional[int],
-                    prompt_logprobs: Optional[int] = None) -> SamplingParams:
+                    prompt_logprobs: Optional[int] = None, structured: Optional[StructuredOutputs] = None
+                    ) -> SamplingParams:
     fields: dict[str, Any] = dict(
         n=n, max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
@@ -49,6 +51,8 @@ def sampling_params(codec: TextCodec, body: Any, *, n: int, max_tokens: int, log
             raise APIError(400, f"allowed_token_ids holds token id {bad}, out of vocabulary (size "
                                 f"{codec.vocab_size}).", param="allowed_token_ids")
         fields["allowed_token_ids"] = list(body.allowed_token_ids)
+    if structured is not None:
+        fields["structured_outputs"] = structured
     try:
         return SamplingParams(**fields)
     except TypeError as exc:  # NOTE: an engine without one of the extra fields

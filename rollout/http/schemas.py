@@ -80,6 +80,52 @@ class StreamOptions(Strict):
     continuous_usage_stats: bool = False
 
 
+class StructuredOutputsBody(Strict):
+    """vLLM's `structured_outputs` (its `StructuredOutputsParams` fields; rollout.http.structured).
+    `disable_fallback` is honoured trivially: there is one backend (llguidance) and no fallback.
+    NOTE: `json` is `json_` here (pydantic's BaseModel has a `json` attribute)."""
+
+    json_: Optional[Union[str, dict[str, Any]]] = Field(None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[Annotated[list[str], Field(min_length=1)]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    structural_tag: Optional[Union[str, dict[str, Any]]] = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: Optional[str] = None
+
+
+class JsonSchemaFormat(Strict):
+    """OpenAI's `response_format.json_schema`; `schema` is required here (vLLM's too, in effect)."""
+
+    name: Annotated[str, Field(min_length=1, max_length=64)] = "response"
+    description: Optional[str] = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(Strict):
+    """OpenAI's `response_format` (text, json_object, json_schema) and vLLM's structural tag
+    (`structures` and `triggers`)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: Optional[JsonSchemaFormat] = None
+    structures: Optional[list[dict[str, Any]]] = None
+    triggers: Optional[list[str]] = None
+
+    @model_validator(mode="after")
+    def _complete(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise refuse("response_format", "response_format of type json_schema needs `json_schema` "
+                                            "(with its `schema`).")
+        if self.type == "structural_tag" and (not self.structures or not self.triggers):
+            raise refuse("response_format", "response_format of type structural_tag needs `structures` and "
+                                            "`triggers`.")
+        return self
+
+
 class _Sampling(Strict):
     """What completions and chat completions share."""
 
@@ -114,6 +160,9 @@ class _Sampling(Strict):
     return_token_ids: Optional[bool] = None  # None: returned (RL clients need them); False: left out
     return_tokens_as_token_ids: bool = False
     session_id: Optional[Annotated[str, Field(min_length=1, max_length=256)]] = None
+    # structured outputs (rollout.http.structured): vLLM's field or OpenAI's, not both
+    structured_outputs: Optional[StructuredOutputsBody] = None
+    response_format: Optional[ResponseFormat] = None
 
     @model_validator(mode="after")
     def _shared_checks(self) -> _Sampling:
@@ -177,7 +226,6 @@ class ChatCompletionRequest(_Sampling):
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], dict[str, Any]]] = None  # rollout.http.tools
     parallel_tool_calls: Optional[bool] = None
-    response_format: Optional[dict[str, Literal["text"]]] = None
     # vLLM's chat fields
     chat_template_kwargs: Optional[dict[str, Any]] = None
     add_generation_prompt: bool = True
@@ -200,8 +248,8 @@ class ChatCompletionRequest(_Sampling):
 
 
 class SGLangSampling(Strict):
-    """SGLang's `sampling_params` (its SamplingParams names); neutral values only for the rest
-    (`json_schema`, `regex`, `ebnf`: no constrained decoding here)."""
+    """SGLang's `sampling_params` (its SamplingParams names); at most one of its constraints
+    (`json_schema`, `regex`, `ebnf`, `structural_tag`: rollout.http.structured)."""
 
     max_new_tokens: Annotated[int, Field(ge=1)] = 128
     stop: Optional[Union[str, list[str]]] = None
@@ -221,9 +269,10 @@ class SGLangSampling(Strict):
     repetition_penalty: Annotated[float, Field(gt=0, le=MAX_PENALTY)] = 1.0
     min_new_tokens: Annotated[int, Field(ge=0)] = 0
     logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100)]]] = None
-    json_schema: Optional[Literal[None]] = None
-    regex: Optional[Literal[None]] = None
-    ebnf: Optional[Literal[None]] = None
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
+    structural_tag: Optional[str] = None
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -262,7 +311,7 @@ class PauseGenerationReqInput(Strict):
 
 
 class MemoryOccupationReqInput(Strict):
-    tags: Optional[list[Literal["kv_cache", "weights"]]] = None
+    tags: Optional[list[Literal["kv_cache", "weights", "cuda_graph"]]] = None
 
 
 class UpdateWeightFromDiskReqInput(Strict):

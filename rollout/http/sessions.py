@@ -8,6 +8,11 @@ reply's sampled ids verbatim + the tokens of only what the chat template adds af
 earlier turns are never re-tokenized, so the ids a trainer sees for turn k are exactly those
 sampled, and the engine's prefix cache finds the whole previous turn.
 
+A reply parsed into tool calls continues too: the next request's assistant message names the same
+calls (function names and arguments; the call ids are the client's business) and the same text
+around them, and the chat template must render that message as exactly the text the model wrote
+(`continuation_ids` checks it; a template that writes calls its own way starts over instead).
+
 A turn rendered another way (`add_generation_prompt` false, `continue_final_message`) neither
 continues nor changes its session: its prompt does not end where the next turn's would begin.
 Anything else (a different history, an edited reply, other tools or template kwargs, an unknown or
@@ -19,6 +24,7 @@ idle for `ttl_s` is forgotten.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import OrderedDict
@@ -27,11 +33,22 @@ from typing import Any, Optional
 
 from rollout.text import TextCodec, message_text
 
+Call = tuple[str, Any]  # a tool call as matched: its function's name, its arguments as parsed JSON
+
 
 @dataclass(slots=True)
 class Reply:
+    """One choice as sampled (`text`, `ids`) and as answered: `content` (None: the text itself) and
+    the tool calls parsed from it."""
+
     text: str
     ids: list[int]
+    content: Optional[str] = None
+    calls: tuple[Call, ...] = ()
+
+    @property
+    def shown(self) -> str:
+        return self.text if self.content is None and not self.calls else (self.content or "")
 
 
 @dataclass(slots=True)
@@ -119,11 +136,27 @@ def _continue(codec: TextCodec, session: Session, messages: list[dict[str, Any]]
             or len(messages) < n + 2 or messages[:n] != session.messages:
         return None
     reply = messages[n]
-    if reply.get("role") != "assistant" or reply.get("tool_calls"):
+    calls = calls_of(reply.get("tool_calls") or [])
+    if reply.get("role") != "assistant" or calls is None:
         return None
     text = message_text(reply)
-    chosen = next((r for r in session.replies if r.text == text), None)
+    chosen = next((r for r in session.replies if r.shown == text and r.calls == calls), None)
     if chosen is None:
         return None
     return codec.continuation_ids(session.messages, session.prompt_ids, chosen.ids, reply, messages[n + 1:],
-                                  tools=tools, template_kwargs=template_kwargs)
+                                  tools=tools, template_kwargs=template_kwargs, reply_text=chosen.text)
+
+
+def calls_of(tool_calls: list[Any]) -> Optional[tuple[Call, ...]]:
+    """OpenAI's `tool_calls` as matched (None when one is not a function call with JSON arguments)."""
+    out = []
+    for call in tool_calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            return None
+        arguments = function.get("arguments")
+        try:
+            out.append((function["name"], json.loads(arguments) if isinstance(arguments, str) else arguments))
+        except ValueError:
+            return None
+    return tuple(out)

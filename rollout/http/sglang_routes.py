@@ -34,6 +34,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from inference import PauseMode, SamplingParams, SuspendPolicy
+from rollout.http import structured
 from rollout.http.disconnects import unless_disconnected
 from rollout.http.errors import APIError, from_exception
 from rollout.http.front import HttpFront
@@ -160,7 +161,8 @@ def _sampling(front: HttpFront, sp: SGLangSampling, max_tokens: int, top: int) -
                            repetition_penalty=sp.repetition_penalty, presence_penalty=sp.presence_penalty,
                            frequency_penalty=sp.frequency_penalty, min_tokens=sp.min_new_tokens, cache_salt=None,
                            logit_bias=sp.logit_bias, bad_words=None, allowed_token_ids=None, logprobs_mode=None)
-    return sampling_params(front.codec, body, n=sp.n, max_tokens=max_tokens, logprobs=top)
+    return sampling_params(front.codec, body, n=sp.n, max_tokens=max_tokens, logprobs=top,
+                           structured=structured.from_sglang(sp))
 
 
 def _per_prompt(value: Any, count: int, name: str) -> Optional[list]:
@@ -222,17 +224,27 @@ async def flush_cache(request: Request) -> Response:
 
 @router.api_route("/release_memory_occupation", methods=["GET", "POST"])
 async def release_memory_occupation(request: Request) -> Response:
+    """`tags` (none: all): each part freed once (`cuda_graph` goes with the KV cache, whose step
+    workspaces hold the graphs); the weights are kept on host."""
     body = await _optional(request, MemoryOccupationReqInput)
-    weights = body.tags is None or "weights" in body.tags
-    await _memory_call(front_of(request).client.suspend(SuspendPolicy.RECOMPUTE, offload_weights=weights))
+    await _memory_call(front_of(request).client.suspend(SuspendPolicy.RECOMPUTE, tags=_memory_parts(body.tags)))
     return Response(status_code=200)
 
 
 @router.api_route("/resume_memory_occupation", methods=["GET", "POST"])
 async def resume_memory_occupation(request: Request) -> Response:
-    await _optional(request, MemoryOccupationReqInput)
-    await _memory_call(front_of(request).client.resume())
+    """`tags` (none: all that sleeps; SGLang's 400 when nothing does): each part woken once, one
+    awake already left as it is (slime wakes the weights, loads them, then the KV cache)."""
+    body = await _optional(request, MemoryOccupationReqInput)
+    client = front_of(request).client
+    await _memory_call(client.resume(tags=None if body.tags is None else _memory_parts(body.tags)))
     return Response(status_code=200)
+
+
+def _memory_parts(tags: Optional[list[str]]) -> list[str]:
+    if tags is None:
+        return ["kv_cache", "weights"]
+    return sorted({"kv_cache" if t == "cuda_graph" else t for t in tags})
 
 
 @router.get("/get_weight_version")

@@ -20,9 +20,16 @@ one are the same by construction. Its invariants:
 * `content` is the text outside the calls, as written except for the whitespace right after a
   call (Qwen2.5 puts a newline between blocks).
 
-`tool_choice` "required" and a named function need the reply constrained to a call (a grammar):
-`check_tool_choice` refuses them (`ToolChoiceError`, the route's 400 naming `tool_choice`) until the
-engine has constrained decoding. Free of FastAPI imports: the CLI reads `TOOL_PARSERS`.
+`tool_choice` "required" and a named function force a call, by constrained decoding as vLLM does
+it (`plan_tools`): the reply is JSON that the engine's grammar holds to, not the model's own call
+syntax, and compact (no whitespace between tokens; see `_compact`). Named: the function's
+arguments (its `parameters` schema), answered as one call of it, `finish_reason` "stop".
+Required: a list of `{"name", "parameters"}` objects, one of the tools each (at most one when
+`parallel_tool_calls` is false), answered as those calls, `finish_reason` "tool_calls". A function
+without `parameters` takes none (an empty object). A forced reply is parsed once it ended
+(`ForcedCallStream`): its calls are sent whole, as above; one cut short by `max_tokens` stays
+text. With `parallel_tool_calls` false, a free reply's calls past its first are dropped (OpenAI's
+promise: at most one call). Free of FastAPI imports: the CLI reads `TOOL_PARSERS`.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from inference import StructuredOutputs
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -95,7 +104,10 @@ def parse_call(text: str) -> Optional[ToolCall]:
 
 
 class ToolStream:
-    """Base: a reply's text in, `ToolDelta`s out; `calls` holds every call parsed so far."""
+    """Base: a reply's text in, `ToolDelta`s out; `calls` holds every call parsed so far.
+    `max_calls`: calls past this many are dropped (`parallel_tool_calls` false: at most one)."""
+
+    max_calls: Optional[int] = None
 
     def __init__(self) -> None:
         self.calls: list[ToolCall] = []
@@ -108,6 +120,8 @@ class ToolStream:
         raise NotImplementedError
 
     def _call(self, call: ToolCall, out: ToolDelta) -> None:
+        if self.max_calls is not None and len(self.calls) >= self.max_calls:
+            return
         out.calls.append((len(self.calls), call))
         self.calls.append(call)
 
@@ -248,46 +262,141 @@ def tool_stream(parser: ToolParser) -> Optional[ToolStream]:
     return None
 
 
-def parse_reply(parser: ToolParser, text: str) -> tuple[Optional[str], list[ToolCall]]:
-    """A whole reply as (content, calls): content None when calls were parsed and no text is left."""
-    stream = tool_stream(parser)
-    if stream is None:
-        return text, []
-    out = stream.feed(text)
-    out += stream.finish()
-    content = out.content
-    if stream.calls and not content:
-        return None, stream.calls
-    return content, stream.calls
+class ForcedCallStream(ToolStream):
+    """A forced reply (see module docstring): held whole, parsed at the end. `name`: the function
+    a named choice forces; None for "required" (a JSON list of calls)."""
+
+    def __init__(self, name: Optional[str]) -> None:
+        super().__init__()
+        self.name = name
+        self.buffer = ""
+
+    def feed(self, text: str) -> ToolDelta:
+        self.buffer += text
+        return ToolDelta()
+
+    def finish(self) -> ToolDelta:
+        out, text, self.buffer, self.finished = ToolDelta(), self.buffer, "", True
+        calls = self._parse(text)
+        if calls is None:
+            out.content = text
+        for call in calls or ():
+            self._call(call, out)
+        return out
+
+    def _parse(self, text: str) -> Optional[list[ToolCall]]:
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            return None
+        if self.name is not None:
+            return [ToolCall(self.name, json.dumps(obj, ensure_ascii=False))] if isinstance(obj, dict) else None
+        if not isinstance(obj, list) or not obj:
+            return None
+        calls = [parse_call(json.dumps(item)) for item in obj]
+        return None if any(c is None for c in calls) else calls
 
 
-def check_tool_choice(tool_choice: Any, tools: Optional[list[dict]]) -> bool:
-    """Whether to parse the reply for calls; `ToolChoiceError` for a `tool_choice` refused.
+@dataclass(slots=True)
+class ToolPlan:
+    """How a chat reply is read for calls: `parser` for a free reply (NONE: not parsed), or a forced
+    call: `forced`, the constraint the reply is decoded under, and `named`, the function a named
+    choice forces (None for "required")."""
 
-    NOTE: "required" and a named function are where a grammar-constrained path slots in: build
-    the grammar of the calls here (from `tools`) and pass it with the sampling parameters; the
-    parsing after it is the same as for "auto".
-    """
-    if tool_choice is None:
-        return bool(tools)
+    parser: ToolParser = ToolParser.NONE
+    forced: Optional[StructuredOutputs] = None
+    named: Optional[str] = None
+    max_calls: Optional[int] = None  # 1 when `parallel_tool_calls` is false
+
+    def stream(self) -> Optional[ToolStream]:
+        """A fresh stream for one reply, None when replies are not parsed."""
+        stream = ForcedCallStream(self.named) if self.forced is not None else tool_stream(self.parser)
+        if stream is not None:
+            stream.max_calls = self.max_calls
+        return stream
+
+    def parse(self, text: str) -> tuple[Optional[str], list[ToolCall]]:
+        """A whole reply as (content, calls): content None when free calls left no text, "" for a
+        forced call (vLLM's answer)."""
+        stream = self.stream()
+        if stream is None:
+            return text, []
+        out = stream.feed(text)
+        out += stream.finish()
+        if stream.calls and not out.content:
+            return ("" if self.forced is not None else None), stream.calls
+        return out.content, stream.calls
+
+    def finish_reason(self, calls: bool, reason: Optional[str]) -> Optional[str]:
+        """A choice's `finish_reason`: "tool_calls" when calls were made, except for a named choice."""
+        return "tool_calls" if calls and self.named is None else reason
+
+
+def plan_tools(tool_choice: Any, tools: Optional[list[dict]], parser: ToolParser,
+               parallel_tool_calls: Optional[bool] = None) -> ToolPlan:
+    """The `ToolPlan` of a chat body; `ToolChoiceError` for a `tool_choice` refused."""
+    if tool_choice is None or tool_choice == "auto":
+        return ToolPlan(parser if tools else ToolParser.NONE, max_calls=1 if parallel_tool_calls is False else None)
     if tool_choice == "none":
-        return False
-    if tool_choice == "auto":
-        return bool(tools)
+        return ToolPlan()
     if tool_choice == "required" and tools == []:
-        return False  # OpenAI's answer: no tool to call, so no call required
+        return ToolPlan()  # OpenAI's answer: no tool to call, so no call required
     if not tools:
         raise ToolChoiceError("When using `tool_choice`, `tools` must be set.")
-    if isinstance(tool_choice, dict):
-        function = tool_choice.get("function")
-        name = function.get("name") if isinstance(function, dict) else None
-        if not isinstance(name, str) or tool_choice.get("type", "function") != "function":
-            raise ToolChoiceError("Invalid `tool_choice`: a named tool choice is "
-                                '`{"type": "function", "function": {"name": "my_function"}}`.')
-        if name not in {(t.get("function") or {}).get("name") for t in tools if isinstance(t, dict)}:
-            raise ToolChoiceError("The tool specified in `tool_choice` does not match any of the specified `tools`.")
-        what = f"a named tool choice (`{name}`)"
-    else:
-        what = f'`tool_choice` "{tool_choice}"'
-    raise ToolChoiceError(f"{what} is not supported: forcing a tool call needs constrained decoding (a grammar "
-                        'of the calls), which this server does not have yet; use `tool_choice` "auto" or "none".')
+    functions = _functions(tools)
+    if tool_choice == "required":
+        return ToolPlan(forced=_compact(_calls_schema(functions, parallel_tool_calls)))
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str) or tool_choice.get("type", "function") != "function":
+        raise ToolChoiceError("Invalid `tool_choice`: a named tool choice is "
+                              '`{"type": "function", "function": {"name": "my_function"}}`.')
+    if name not in functions:
+        raise ToolChoiceError("The tool specified in `tool_choice` does not match any of the specified `tools`.")
+    return ToolPlan(forced=_compact(functions[name]), named=name)
+
+
+def _compact(schema: dict) -> StructuredOutputs:
+    # NOTE: JSON without whitespace between its tokens: with whitespace free, a model that wants to
+    # write its own call syntax where the grammar forbids it (a `}}` or `</tool_call>`) can spend its
+    # whole budget on newlines, the one thing still allowed
+    return StructuredOutputs(json=json.dumps(schema), disable_any_whitespace=True)
+
+
+_NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}  # OpenAI: no parameters
+
+
+def _functions(tools: list[dict]) -> dict[str, dict]:
+    """{name: its parameters' JSON schema} of OpenAI's `tools`."""
+    out = {}
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ToolChoiceError('Each of `tools` is `{"type": "function", "function": {"name": ..., '
+                                  '"parameters": {...}}}`.')
+        parameters = function.get("parameters") or _NO_ARGUMENTS
+        if not isinstance(parameters, dict):
+            raise ToolChoiceError(f"The parameters of tool `{function['name']}` must be a JSON schema object.")
+        out[function["name"]] = parameters
+    return out
+
+
+def _calls_schema(functions: dict[str, dict], parallel: Optional[bool]) -> dict:
+    """The JSON schema of a "required" reply: a non-empty list of calls, each one of the tools.
+    The tools' `$defs` move to the top, where their `#/$defs/...` references point."""
+    defs: dict[str, Any] = {}
+    options = []
+    for name, parameters in functions.items():
+        parameters = dict(parameters)
+        for key, schema in (parameters.pop("$defs", None) or {}).items():
+            if key in defs and defs[key] != schema:
+                raise ToolChoiceError(f"Tools define `$defs/{key}` differently; rename one of them.")
+            defs[key] = schema
+        options.append({"properties": {"name": {"type": "string", "enum": [name]}, "parameters": parameters},
+                        "required": ["name", "parameters"], "additionalProperties": False})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": options}}
+    if parallel is False:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema

@@ -132,6 +132,13 @@ def merge_stats(replies: list[dict[str, StatValue]]) -> dict[str, StatValue]:
     return out
 
 
+def asleep_parts(msg: Suspend) -> set[str]:
+    """The parts a `Suspend` puts to sleep (the engine's reading of it)."""
+    if msg.tags is not None:
+        return set(msg.tags)
+    return {"kv_cache", "weights"} if msg.offload_weights or msg.discard_weights else {"kv_cache"}
+
+
 @dataclass(slots=True)
 class FleetState:
     """What every replica should be in (see module docstring); None version: no replica seen yet."""
@@ -160,10 +167,19 @@ class FleetState:
         self.paused = None
 
     def _suspended(self, msg: Suspend) -> None:
-        self.suspended = msg
+        if self.suspended is None:
+            self.suspended = msg
+            return
+        parts = sorted(asleep_parts(self.suspended) | asleep_parts(msg))  # NOTE: each part sleeps once
+        self.suspended = msgspec.structs.replace(self.suspended, tags=parts,
+                                                 discard_weights=self.suspended.discard_weights or msg.discard_weights)
 
     def _resumed(self, msg: Resume) -> None:
-        self.suspended = None
+        if self.suspended is None or msg.tags is None:
+            self.suspended = None
+            return
+        left = sorted(asleep_parts(self.suspended) - set(msg.tags))
+        self.suspended = msgspec.structs.replace(self.suspended, tags=left) if left else None
 
     def _updated(self, msg: UpdateWeights) -> None:
         # NOTE: only a directory can be read again by one replica later: a broadcast over a
@@ -195,7 +211,8 @@ class FleetState:
             plan.append(Continue(request_id=next_id()))
         if self.suspended is not None:
             plan.append(Suspend(request_id=next_id(), policy=self.suspended.policy,
-                                offload_weights=self.suspended.offload_weights))
+                                offload_weights=self.suspended.offload_weights, tags=self.suspended.tags,
+                                discard_weights=self.suspended.discard_weights))
         return plan
 
 

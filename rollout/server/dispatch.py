@@ -67,7 +67,7 @@ class ServerCalls:
 
     def table(self) -> dict[type, Callable[[bytes, Any, float], None]]:
         return {
-            Abort: self.abort, Pause: self.pause, Continue: self.simple, Suspend: self.suspend, Resume: self.simple,
+            Abort: self.abort, Pause: self.pause, Continue: self.simple, Suspend: self.suspend, Resume: self.resume,
             ResetPrefixCache: self.simple, Stats: self.stats, UpdateWeights: self.update_weights,
             InitWeightsUpdateGroup: self.join_group, DestroyWeightsUpdateGroup: self.leave_group,
             Health: self.health, Heartbeat: self.heartbeat, GetWeightVersion: self.heartbeat,
@@ -106,7 +106,7 @@ class ServerCalls:
 
     def simple(self, peer: bytes, msg: Any, now: float) -> None:
         engine = self.engine
-        call = {Continue: engine.continue_, Resume: engine.resume, ResetPrefixCache: engine.reset_prefix_cache}
+        call = {Continue: engine.continue_, ResetPrefixCache: engine.reset_prefix_cache}
         self._post(peer, msg, call[type(msg)])
 
     def abort(self, peer: Optional[bytes], msg: Abort, now: float, records: Optional[list] = None) -> None:
@@ -128,8 +128,13 @@ class ServerCalls:
 
     def suspend(self, peer: bytes, msg: Suspend, now: float) -> None:
         engine = self.engine
-        self._post(peer, msg, lambda: engine.suspend(msg.policy, offload_weights=msg.offload_weights),
+        self._post(peer, msg, lambda: engine.suspend(msg.policy, offload_weights=msg.offload_weights, tags=msg.tags,
+                                                     discard_weights=msg.discard_weights),
                    lambda report: {"stats": dataclasses.asdict(report)})
+
+    def resume(self, peer: bytes, msg: Resume, now: float) -> None:
+        engine = self.engine
+        self._post(peer, msg, lambda: engine.resume(msg.tags))
 
     def stats(self, peer: bytes, msg: Stats, now: float) -> None:
         engine = self.engine

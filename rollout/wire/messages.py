@@ -193,15 +193,24 @@ class Continue(_Request, tag=Kind.CONTINUE.value):
     """Undo `Pause`."""
 
 
+MemoryTag = Literal["kv_cache", "weights"]
+
+
 class Suspend(_Request, tag=Kind.SUSPEND.value):
-    """Free the KV / state buffers (and the weights if `offload_weights`) for a colocated trainer."""
+    """Free the KV / state buffers (and the weights if `offload_weights`) for a colocated trainer;
+    `tags`: the parts to free instead (each part once, `inference.core.engine_core.MEMORY_TAGS`);
+    `discard_weights`: drop the weights rather than keep a host copy (vLLM's sleep level 2)."""
 
     policy: SuspendPolicy = SuspendPolicy.RECOMPUTE
     offload_weights: bool = False
+    tags: Optional[Annotated[list[MemoryTag], Meta(min_length=1, max_length=2)]] = None
+    discard_weights: bool = False
 
 
 class Resume(_Request, tag=Kind.RESUME.value):
-    """Undo `Suspend`."""
+    """Undo `Suspend` (`tags`: only those parts; a part awake already is left as it is)."""
+
+    tags: Optional[Annotated[list[MemoryTag], Meta(min_length=1, max_length=2)]] = None
 
 
 class UpdateWeights(_Request, tag=Kind.UPDATE_WEIGHTS.value):

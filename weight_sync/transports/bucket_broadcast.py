@@ -11,8 +11,8 @@ One bucketed update, every rank in step (`send_buckets` / `receive_buckets`):
 3. `agree` again on each rank's verdict on its buckets (checksums, loads): all replicas commit,
    or none does.
 
-Without a layout (SGLang's calls) only broadcasts happen, one per tensor, in manifest order
-(`send_tensors` / `receive_tensors`).
+Without a layout (SGLang's calls, vLLM's) only broadcasts happen, one per tensor in manifest
+order (`send_tensors`; received by `weight_sync.transports.vllm_broadcast`), or vLLM's packed chunks.
 
 `DistributedTransport` is the `gloo` / `nccl` transport: these steps, with the control calls that
 tell each replica what comes (`send`), and a replica's side of them (`receive`).
@@ -28,9 +28,17 @@ from typing import Any, Optional
 import torch
 
 from weight_sync.buckets import as_bytes, fill_checksums, holds_all, manifest_for, unpack_bucket, word_sum
-from weight_sync.manifest import ChecksumError, Manifest, ManifestError, align, check_against_model, dtype_name
+from weight_sync.manifest import (
+    ChecksumError,
+    Manifest,
+    ManifestError,
+    Naming,
+    align,
+    check_against_model,
+    dtype_name,
+)
 from weight_sync.sources import DistributedSource
-from weight_sync.transports import Transport
+from weight_sync.transports import Transport, vllm_broadcast
 from weight_sync.transports.distributed import PIPELINE_DEPTH, GroupError, ReceiveBuffer, RefusedError, WeightGroup
 
 PIECE_BYTES = 32 * 2**20  # a broadcast: few of them (each has a fixed cost), the next one summed while one flies
@@ -205,25 +213,6 @@ def send_tensors(group: WeightGroup, tensors: Sequence[torch.Tensor]) -> int:
     return sent
 
 
-def receive_tensors(group: WeightGroup, manifest: Manifest,
-                    load: Callable[[dict[str, torch.Tensor]], None]) -> int:
-    """The receiving side of `send_tensors`: each tensor loaded as it arrives; bytes received. A
-    failed load is raised after the last broadcast (the sender knows no other way to stop)."""
-    received, failure = 0, None
-    for name, dtype, shape in zip(manifest.names, manifest.torch_dtypes, manifest.shapes):
-        t = torch.empty(shape, dtype=dtype, device=group.device)
-        group.broadcast(t)
-        received += t.numel() * t.element_size()
-        if failure is None:
-            try:
-                load({name: t})
-            except Exception as exc:  # noqa: BLE001 (raised once the sender is done)
-                failure = exc
-    if failure is not None:
-        raise failure
-    return received
-
-
 # ---- the transport: both sides of one update -----------------------------------------------------
 
 
@@ -273,13 +262,16 @@ class DistributedTransport:
         if not sequence and source.finish is None and not _whole_model(manifest, receiver.spec):
             sequence = True  # NOTE: SGLang's callers send part of the model per call, and no `finish`
         try:
-            version = _sequence_version(manifest, opened)
-            naming = check_against_model(manifest, receiver.spec, complete=not sequence)
+            version = _sequence_version(manifest, opened, receiver.engine.policy_version)
+            if manifest.names or not sequence:
+                naming = check_against_model(manifest, receiver.spec, complete=not sequence)
+            else:  # NOTE: no tensor: vLLM's start (opens a sequence) or finish (commits the open one)
+                naming = Naming.HF
             accepted = None
         except (ManifestError, KeyError, ValueError) as exc:
             accepted = exc
         if accepted is not None:
-            _refuse(receiver, group, manifest, accepted)
+            _refuse(receiver, group, source, accepted)
         start = time.perf_counter()
         try:
             if opened is None:
@@ -290,8 +282,8 @@ class DistributedTransport:
             def load(named: dict[str, torch.Tensor]) -> None:
                 receiver.load(named, naming)
 
-            if manifest.layout is None:
-                received = receive_tensors(group, manifest, load)
+            if manifest.layout is None:  # NOTE: vLLM's layout, packed or one tensor a broadcast (SGLang's too)
+                received = vllm_broadcast.receive(group, manifest, source.packed_buffer_bytes, load)
             else:
                 direct = receiver.staging_buffers(manifest, group.device)
                 received = receive_buckets(group, manifest, True, receiver.group_buffer, load, direct)
@@ -308,24 +300,31 @@ class DistributedTransport:
             raise
 
 
-def _refuse(receiver: Any, group: WeightGroup, manifest: Manifest, why: BaseException) -> None:
+def _refuse(receiver: Any, group: WeightGroup, source: DistributedSource, why: BaseException) -> None:
     """Say no in step with the sender, so it is not left waiting, then raise `why`."""
+    manifest = source.manifest
     try:
         if manifest.layout is not None:
             group.agree(False)
-        else:  # NOTE: SGLang's calls have no handshake: drain the broadcasts it will send anyway
-            receive_tensors(group, manifest, lambda named: None)
+        else:  # NOTE: SGLang's and vLLM's calls have no handshake: drain the broadcasts it will send anyway
+            vllm_broadcast.receive(group, manifest, source.packed_buffer_bytes, lambda named: None)
     except GroupError:
         receiver.close_group(group.name)
     receiver.abort(why)
     raise why
 
 
-def _sequence_version(manifest: Manifest, opened: Any) -> Optional[int]:
-    """The version of a call of a sequence: its manifest's, which a later call must not contradict."""
+def _sequence_version(manifest: Manifest, opened: Any, current: int) -> Optional[int]:
+    """The version of a call of a sequence: its manifest's, which a later call must not contradict
+    (an update opened without one commits as `current + 1`, so a later call may name only that)."""
     if opened is None:
         return manifest.version
-    if manifest.version is None or opened.version is None:
+    if manifest.version is None:
+        return opened.version
+    if opened.version is None:
+        if manifest.version != current + 1:
+            raise ManifestError(f"version {manifest.version}: the open update was begun without a version, so it "
+                                f"commits as {current + 1}, the next one")
         return opened.version
     if manifest.version != opened.version:
         raise ManifestError(f"this call's manifest says version {manifest.version}, the open update's is "

@@ -195,14 +195,14 @@ class WeightGroup:
         return bool(flag.item())
 
     def pipeline(self, pieces: Iterable[torch.Tensor],
-                 on_piece: Optional[Callable[[int, torch.Tensor], None]] = None) -> None:
+                 on_piece: Optional[Callable[[int, torch.Tensor], None]] = None, depth: int = PIPELINE_DEPTH) -> None:
         """Broadcast each of `pieces` (flat uint8 tensors, drawn one at a time) from rank 0,
-        `PIPELINE_DEPTH` in flight; `on_piece(k, piece)` in order once piece `k` is complete (a
-        receiver sums it while the next ones arrive)."""
+        `depth` in flight; `on_piece(k, piece)` in order once piece `k` is complete (a
+        receiver sums it while the next ones arrive), before piece `k + depth` is drawn."""
         pending: list[tuple[Any, int, torch.Tensor]] = []
         for k, piece in enumerate(pieces):
             pending.append((self.broadcast_async(piece), k, piece))
-            if len(pending) == PIPELINE_DEPTH:
+            if len(pending) >= depth:
                 self._finish(pending.pop(0), on_piece)
         while pending:
             self._finish(pending.pop(0), on_piece)

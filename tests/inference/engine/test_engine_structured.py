@@ -194,7 +194,8 @@ def test_an_engine_without_a_tokenizer_refuses_structured_outputs(model):
 
 
 def test_options_follow_vllm(tokenizer_dir):
-    """disable_additional_properties closes every object; whitespace off forbids it between tokens."""
+    """disable_additional_properties closes every object; whitespace off forbids it between tokens,
+    a pattern replaces the bounded default."""
     tok = llg.LLTokenizer(str(tokenizer_dir / "tokenizer.json"), n_vocab=VOCAB, eos_token=[EOS])
     loose = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
@@ -209,6 +210,10 @@ def test_options_follow_vllm(tokenizer_dir):
     assert not accepts(StructuredOutputs(json=json.dumps(loose), disable_any_whitespace=True), '{"a": 1}')
     assert accepts(StructuredOutputs(json=json.dumps(loose), disable_any_whitespace=True), '{"a":1}')
     assert accepts(StructuredOutputs(json_object=True), '{"x": [1, {"y": null}]}')
+    # whitespace is bounded by default (one newline, an indent of up to 20): pretty-printing fits
+    assert accepts(StructuredOutputs(json=json.dumps(loose)), '{\n    "a": 1\n}')
+    assert not accepts(StructuredOutputs(json=json.dumps(loose)), '{\n\n"a": 1}')
+    assert accepts(StructuredOutputs(json=json.dumps(loose), whitespace_pattern=r"\s*"), '{\n\n"a": 1}')
     assert not accepts(StructuredOutputs(json_object=True), '[1]')
     tag = {"structures": [{"begin": "<f=a>", "schema": loose, "end": "</f>"}], "triggers": ["<f="]}
     assert accepts(StructuredOutputs(structural_tag=json.dumps(tag)), 'free text <f=a>{"a": 3}</f> more')
@@ -216,17 +221,49 @@ def test_options_follow_vllm(tokenizer_dir):
 
 
 def test_the_mask_unpacks_bit_t_of_word_t_over_32_for_any_rows():
-    """`apply_processors`' grammar step against numpy's own bit unpacking, vocabulary not a multiple
-    of 32, a subset of the rows and then all of them."""
+    """`apply_processors`' grammar step against numpy's own bit unpacking: a vocabulary not a multiple
+    of 32, a subset of the rows and then all of them; SmolLM2's vocabulary over 30 rows, which the
+    step unpacks in chunks of rows."""
     rng = np.random.default_rng(0)
-    vocab = 70
-    for rows in (np.array([1, 3]), np.arange(4)):
-        mask = rng.integers(-2**31, 2**31, size=(rows.size, 3), dtype=np.int64).astype(np.int32)
-        x = torch.randn(4, vocab)
-        got = apply_processors(x.clone(), StepProcessors(grammar_rows=torch.from_numpy(rows),
-                                                         grammar_mask=torch.from_numpy(mask)))
-        want = x.clone()
-        for i, r in enumerate(rows):
-            bits = np.unpackbits(mask[i].view(np.uint8), bitorder="little")[:vocab].astype(bool)
-            want[r, torch.from_numpy(~bits)] = -math.inf
-        assert torch.equal(got, want)
+    for vocab, total, subsets in [(70, 4, (np.array([1, 3]), np.arange(4))),
+                                  (VOCAB, 30, (np.sort(rng.choice(30, 24, replace=False)), np.arange(30)))]:
+        words = (vocab + 31) // 32
+        for rows in subsets:
+            mask = rng.integers(-2**31, 2**31, size=(rows.size, words), dtype=np.int64).astype(np.int32)
+            mask[0] = -1  # a row with every token allowed, and one with none
+            mask[-1] = 0
+            x = torch.randn(total, vocab)
+            got = apply_processors(x.clone(), StepProcessors(grammar_rows=torch.from_numpy(rows),
+                                                             grammar_mask=torch.from_numpy(mask)))
+            want = x.clone()
+            for i, r in enumerate(rows):
+                bits = np.unpackbits(mask[i].view(np.uint8), bitorder="little")[:vocab].astype(bool)
+                want[r, torch.from_numpy(~bits)] = -math.inf
+            assert torch.equal(got, want), (vocab, rows.size)
+
+
+def test_grammars_compile_on_the_callers_thread_not_the_loops(model, tokenizer_dir, monkeypatch):
+    """With the step loop in its own thread, a new constraint is built (LLMatcher) by the thread
+    that submits it; the loop's own check finds it cached."""
+    import threading
+
+    import inference.sampling.grammar as grammar
+
+    built_on = []
+    real = grammar.llg.LLMatcher
+
+    def recording(*args, **kwargs):
+        built_on.append(threading.get_ident())
+        return real(*args, **kwargs)
+
+    eng = engine(model, tokenizer_dir)
+    eng.start()
+    try:
+        monkeypatch.setattr(grammar.llg, "LLMatcher", recording)
+        stream = eng.submit([1, 5, 6], SamplingParams(temperature=0, max_tokens=8,
+                                                      structured_outputs={"regex": "[a-d]{3}"}))
+        [out] = stream.result(timeout=30)
+    finally:
+        eng.stop()
+    assert out.finish_reason is FinishReason.STOP
+    assert built_on == [threading.get_ident()]

@@ -537,3 +537,18 @@ def test_api_key_and_binding(model_dir):
             assert c.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).json()["data"][0]["id"] == MODEL
     finally:
         front.stop()
+
+
+def test_memory_occupation_by_tag_in_slimes_order(web):
+    """slime's colocated cycle: release all, resume the weights (to load new ones), then the KV
+    cache; each tag once (the second resume of a part changes nothing); `cuda_graph` goes with the
+    KV cache."""
+    assert web.post("/release_memory_occupation", json={}).status_code == 200
+    assert web.post("/release_memory_occupation", json={"tags": ["weights"]}).status_code == 200  # asleep already
+    assert web.post("/resume_memory_occupation", json={"tags": ["weights"]}).status_code == 200
+    r = web.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 503  # the KV cache still sleeps
+    assert web.post("/resume_memory_occupation", json={"tags": ["weights"]}).status_code == 200
+    assert web.post("/resume_memory_occupation", json={"tags": ["kv_cache", "cuda_graph"]}).status_code == 200
+    assert web.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}).is_success
+    assert web.post("/resume_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200  # awake: no-op

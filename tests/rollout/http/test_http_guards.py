@@ -210,3 +210,14 @@ def test_engine_refusals_for_now_say_when_to_retry():
                                (TensorStateDeallocatedError(None, "suspended"), 503, "1")]:
         err = from_exception(exc)
         assert (err.status, err.headers) == (status, {"Retry-After": retry}), exc
+
+
+def test_an_empty_call_of_another_media_type_passes_a_form_does_not(web):
+    """aiohttp (SkyRL's client) posts `/pause?mode=keep` with no body as application/octet-stream:
+    no page can send that cross-site without a preflight, so it passes the guard (here to a body
+    check, a 400); an empty form or text post is refused."""
+    octet = {"Content-Type": "application/octet-stream"}
+    assert web.post("/v1/completions", headers=octet).status_code == 400
+    for media in ("application/x-www-form-urlencoded", "text/plain;charset=UTF-8", "multipart/form-data; boundary=x"):
+        r = web.post("/v1/completions", headers={"Content-Type": media})
+        assert r.status_code == 415, media

@@ -309,3 +309,21 @@ def test_sampling_extras_are_honoured_end_to_end(web):
     repeated = web.post("/v1/completions", json={**base, "max_tokens": 8, "logit_bias": {"42": 8.0},
                                                  "repetition_penalty": 50.0}).json()["choices"][0]["token_ids"]
     assert repeated.count(42) == 1  # biased in once, then penalised out
+
+
+def test_continuous_usage_stats_count_every_chunk(oai):
+    """vLLM's `continuous_usage_stats`: each chunk's usage is the tokens so far (chat and completions)."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chat = oai.chat.completions.create(model=NAMES[0], messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                                       temperature=0, stream=True, stream_options=options,
+                                       extra_body={"ignore_eos": True})
+    text = oai.completions.create(model=NAMES[0], prompt=[5, 6, 7], max_tokens=6, temperature=0, stream=True,
+                                  stream_options=options, extra_body={"ignore_eos": True})
+    for stream in (chat, text):
+        seen, counts = 0, []
+        for chunk in stream:
+            assert chunk.usage is not None
+            seen += sum(len(c.model_extra["token_ids"]) for c in chunk.choices)
+            counts.append(chunk.usage.completion_tokens)
+            assert chunk.usage.completion_tokens == seen and chunk.usage.prompt_tokens > 0
+        assert counts[-1] == 6 and len(counts) > 2

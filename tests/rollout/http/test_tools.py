@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout.http.tools import ToolChoiceError, ToolParser, check_tool_choice, parse_reply, tool_stream
+from rollout.http.tools import ToolChoiceError, ToolParser, ToolPlan, plan_tools, tool_stream
 
 QWEN_TWO_CALLS = ('I will look both up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
                   '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}\n</tool_call>')
@@ -63,7 +63,7 @@ def named(calls) -> list[tuple[str, dict]]:
 
 @pytest.mark.parametrize(("parser", "reply", "content", "calls"), CASES)
 def test_whole_reply(parser, reply, content, calls):
-    got_content, got_calls = parse_reply(parser, reply)
+    got_content, got_calls = ToolPlan(parser).parse(reply)
     assert got_content == content
     assert named(got_calls) == calls
     for call in got_calls:
@@ -75,7 +75,7 @@ def test_whole_reply(parser, reply, content, calls):
 def test_split_anywhere_matches_whole(parser, reply, content, calls):
     """Two pieces cut at every character, and one character at a time: the same content and calls,
     each call once, whole (index, id, type, name, arguments), in order."""
-    whole_content, whole_calls = parse_reply(parser, reply)
+    whole_content, whole_calls = ToolPlan(parser).parse(reply)
     cuts = [[reply[:k], reply[k:]] for k in range(len(reply) + 1)] + [list(reply)]
     for pieces in cuts:
         got_content, got_calls = streamed(parser, pieces)
@@ -101,7 +101,7 @@ def test_any_partition_matches_whole(case, cuts):
     parser, reply, _, _ = case
     points = sorted({c % (len(reply) + 1) for c in cuts})
     pieces = [reply[a:b] for a, b in zip([0, *points], [*points, len(reply)])]
-    whole_content, whole_calls = parse_reply(parser, reply)
+    whole_content, whole_calls = ToolPlan(parser).parse(reply)
     got_content, got_calls = streamed(parser, pieces)
     assert got_content == (whole_content or "")
     assert [d["function"]["arguments"] for _, d in got_calls] == [c.arguments for c in whole_calls]
@@ -109,24 +109,54 @@ def test_any_partition_matches_whole(case, cuts):
 
 def test_no_parser_keeps_text():
     assert tool_stream(ToolParser.NONE) is None
-    assert parse_reply(ToolParser.NONE, QWEN_TWO_CALLS) == (QWEN_TWO_CALLS, [])
+    assert ToolPlan(ToolParser.NONE).parse(QWEN_TWO_CALLS) == (QWEN_TWO_CALLS, [])
 
 
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 
 
 def test_tool_choice():
-    assert check_tool_choice(None, WEATHER) and check_tool_choice("auto", WEATHER)
-    assert not check_tool_choice(None, None) and not check_tool_choice("none", WEATHER)
-    assert not check_tool_choice("required", [])  # OpenAI: nothing to call, nothing required
-    for choice, words in [("required", "constrained decoding"),
-                          ({"type": "function", "function": {"name": "get_weather"}}, "constrained decoding"),
-                          ({"type": "function", "function": {"name": "other"}}, "does not match"),
+    hermes = ToolParser.HERMES
+    assert plan_tools(None, WEATHER, hermes) == ToolPlan(hermes) == plan_tools("auto", WEATHER, hermes)
+    assert plan_tools(None, None, hermes) == ToolPlan() == plan_tools("none", WEATHER, hermes)
+    assert plan_tools("required", [], hermes) == ToolPlan()  # OpenAI: nothing to call, nothing required
+    for choice, words in [({"type": "function", "function": {"name": "other"}}, "does not match"),
                           ({"type": "function"}, "named tool choice")]:
         with pytest.raises(ToolChoiceError, match=words):
-            check_tool_choice(choice, WEATHER)
+            plan_tools(choice, WEATHER, hermes)
     with pytest.raises(ToolChoiceError, match="`tools` must be set"):
-        check_tool_choice("required", None)
+        plan_tools("required", None, hermes)
+
+
+TWO_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+                 "type": "object", "properties": {"city": {"$ref": "#/$defs/city"}}, "required": ["city"],
+                 "$defs": {"city": {"type": "string"}}}}},
+             {"type": "function", "function": {"name": "get_time"}}]
+
+
+def test_forced_calls_are_json_under_a_schema_and_parse_back():
+    """Named: the arguments alone, one call of that function, finish "stop". Required: a list of
+    {name, parameters}, each one of the tools ($defs hoisted to the top), finish "tool_calls"."""
+    import jsonschema
+
+    named = plan_tools({"type": "function", "function": {"name": "get_weather"}}, TWO_TOOLS, ToolParser.NONE)
+    assert named.named == "get_weather" and named.forced.kind == "json"
+    content, calls = named.parse('{"city": "Paris"}')
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    assert named.finish_reason(True, "stop") == "stop"
+    required = plan_tools("required", TWO_TOOLS, ToolParser.HERMES)
+    schema = json.loads(required.forced.json)
+    reply = [{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_time", "parameters": {}}]
+    jsonschema.validate(reply, schema)
+    for bad in ([], [{"name": "get_weather", "parameters": {"city": 3}}], [{"name": "nope", "parameters": {}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    content, calls = required.parse(json.dumps(reply))
+    assert content == "" and [c.name for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0].arguments) == {"city": "Oslo"} and required.finish_reason(True, "stop") == "tool_calls"
+    assert required.parse('[{"name": "get_weather", "param') == ('[{"name": "get_weather", "param', [])
+    single = json.loads(plan_tools("required", TWO_TOOLS, ToolParser.NONE, parallel_tool_calls=False).forced.json)
+    assert single["maxItems"] == 1
 
 
 def test_front_config_names_the_field():
@@ -147,3 +177,11 @@ def test_cli_flag():
     base = ["--connect", "tcp://127.0.0.1:1", "--model", "m"]
     assert parser.parse_args(base).tool_call_parser == "none"
     assert parser.parse_args([*base, "--tool-call-parser", "llama3_json"]).tool_call_parser == "llama3_json"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    plan = plan_tools("auto", WEATHER, ToolParser.HERMES, parallel_tool_calls=False)
+    content, calls = plan.parse(QWEN_TWO_CALLS)
+    assert content == "I will look both up.\n" and [c.name for c in calls] == ["get_weather"]
+    assert [c.name for c in plan_tools("auto", WEATHER, ToolParser.HERMES).parse(QWEN_TWO_CALLS)[1]] == \
+        ["get_weather", "get_time"]

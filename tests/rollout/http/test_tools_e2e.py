@@ -181,13 +181,69 @@ def test_tool_choice_none_is_text(oai):
     assert choice.finish_reason == "stop"
 
 
+FORCED_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "London", "Tokyo"]}},
+                   "required": ["city"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "description": "The time now."}}]
+ARGUMENTS = {name: t["function"].get("parameters", {"type": "object", "properties": {}})
+             for name, t in ((t["function"]["name"], t) for t in FORCED_TOOLS)}
+
+
+def forced(oai, tool_choice, **kwargs):
+    return oai.chat.completions.create(model=MODEL, messages=QUESTION, tools=FORCED_TOOLS, tool_choice=tool_choice,
+                                       temperature=0, max_tokens=48, **kwargs)
+
+
+def test_named_tool_choice_forces_that_call(oai):
+    """vLLM's answer: the grammar writes the function's arguments; content "", finish "stop"."""
+    import jsonschema
+
+    choice = forced(oai, {"type": "function", "function": {"name": "get_weather"}}).choices[0]
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), ARGUMENTS["get_weather"])
+    assert choice.message.content == "" and choice.finish_reason == "stop"
+    time_call = forced(oai, {"type": "function", "function": {"name": "get_time"}}).choices[0].message.tool_calls
+    assert [c.function.name for c in time_call] == ["get_time"] and json.loads(time_call[0].function.arguments) == {}
+
+
+def test_required_tool_choice_forces_some_call(oai):
+    """One call (`parallel_tool_calls` false) of one of the tools; without the bound this model
+    repeats its call until `max_tokens`, and a reply cut short stays text (nothing half-parsed)."""
+    import jsonschema
+
+    choice = forced(oai, "required", parallel_tool_calls=False).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == ""
+    [call] = choice.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), ARGUMENTS[call.function.name])
+    free = forced(oai, "required").choices[0]
+    if free.finish_reason == "tool_calls":
+        for call in free.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), ARGUMENTS[call.function.name])
+    else:
+        assert free.finish_reason == "length" and not free.message.tool_calls
+        assert free.message.content.startswith('[{"name":"')
+
+
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_forced_call_refused(oai, tool_choice):
+def test_forced_calls_stream_as_whole_calls(oai, tool_choice):
+    whole = forced(oai, tool_choice, parallel_tool_calls=False).choices[0]
+    assert whole.message.tool_calls
+    with oai.chat.completions.stream(model=MODEL, messages=QUESTION, tools=FORCED_TOOLS, tool_choice=tool_choice,
+                                     temperature=0, max_tokens=48, parallel_tool_calls=False) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == whole.finish_reason
+    assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+
+
+def test_forcing_a_call_and_a_response_format_is_refused(oai):
     with pytest.raises(openai.BadRequestError) as err:
-        ask(oai, tool_choice=tool_choice)
-    assert err.value.status_code == 400
+        forced(oai, "required", response_format={"type": "json_object"})
     assert err.value.body["param"] == "tool_choice"
-    assert "tool_choice" in err.value.message and "constrained decoding" in err.value.message
 
 
 def test_follow_up_turn_renders(oai, model_dir):
@@ -199,3 +255,29 @@ def test_follow_up_turn_renders(oai, model_dir):
     prompt = TextCodec.load(model_dir).decode(reply.model_extra["prompt_token_ids"], skip_special_tokens=False)
     assert prompt.endswith(f"<|im_start|>assistant\n{CALL}<|im_end|>\n<|im_start|>user\n<tool_response>\n"
                            '{"city": "Paris", "temp_c": 21}\n</tool_response><|im_end|>\n<|im_start|>assistant\n')
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_session_continues_through_a_tool_call(oai, http_server, stream):
+    """Agentic RL's loop: the call goes back with the tool's answer in the same session, and the
+    next prompt is the first prompt + the ids sampled for the call, verbatim + the template's rest
+    (the template renders the call exactly as the model wrote it: nothing re-tokenized)."""
+    session = {"X-Session-ID": f"agent-{stream}"}
+    first = ask(oai, extra_headers=session)
+    if stream:  # the same reply, streamed: the session must remember it just the same
+        with oai.chat.completions.stream(model=MODEL, messages=QUESTION, tools=TOOLS, temperature=0,
+                                         max_tokens=48, extra_headers=session) as s:
+            for _ in s:
+                pass
+            assert s.get_final_completion().choices[0].message.tool_calls
+    call = first.choices[0].message.tool_calls[0]
+    turn = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"city": "Paris", "temp_c": 21})}]
+    with httpx.Client(timeout=WAIT_S) as web:
+        before = web.get(f"{http_server.http_url}/get_server_info").json()["sessions"]
+        second = oai.chat.completions.create(model=MODEL, messages=turn, tools=TOOLS, temperature=0, max_tokens=4,
+                                             extra_headers=session)
+        after = web.get(f"{http_server.http_url}/get_server_info").json()["sessions"]
+    assert after["continued"] == before["continued"] + 1 and after["restarted"] == before["restarted"]
+    head = first.model_extra["prompt_token_ids"] + first.choices[0].model_extra["token_ids"]
+    assert second.model_extra["prompt_token_ids"][:len(head)] == head
