@@ -1,8 +1,8 @@
-"""Delta syncs of a ~0.5B-parameter random model of a real (Llama) shape, `stress` only (a few
-minutes and ~14 GiB on 2 cores): an fp32 trainer (AdamW at lr 1e-6, random gradients: Adam's
-steps are ~lr whatever their scale) and two bf16 replicas in one gloo group, one staging double,
-one in place. After 100 delta syncs both are bitwise the trainer's bf16 cast and generate what a
-fresh engine of that cast does."""
+"""Delta syncs of a ~0.5B-parameter random model of a real (Llama) shape, `stress` only (~15
+minutes and ~14 GiB on 2 cores, mostly the random gradients and AdamW): an fp32 trainer (AdamW at
+lr 1e-6, random gradients: Adam's steps are ~lr whatever their scale) and two bf16 replicas in one
+gloo group, one staging double, one in place. After 100 delta syncs both are bitwise the
+trainer's bf16 cast and generate what a fresh engine of that cast does."""
 
 from __future__ import annotations
 
