@@ -2,6 +2,7 @@
 
     python bench/weight_transfer.py                 # 100M (fp32) and 1B (bf16) random parameters
     python bench/weight_transfer.py --quick         # 10M, one repeat: a smoke run
+    python bench/weight_transfer.py --delta         # delta syncs against full ones (bf16, gloo and shm)
     python bench/weight_transfer.py --device cuda   # GPU: trainer tensors and replicas on CUDA; shm is CUDA
                                                 # IPC, nccl with a replica on cuda:1 when there are 2 GPUs
 
@@ -24,6 +25,11 @@ buffer: the steady state is what an RL loop pays each step), then `--repeats` ti
   transport is measured against. The header also prints the streaming copy+checksum kernel the
   transports use (`weight_sync.memcopy`) on the same bytes, a faster reference (shm can beat a
   `copy_` with one replica: its trainer and replica each stream the bytes once, overlapped).
+
+`--delta` (`bench/delta_sync.py`): a `WeightSender(delta=True)` alternates full syncs
+(`sync(full=True)`) and delta syncs of a bf16 model whose weights change, between syncs, at the
+density measured on SmolLM2 (fp32 AdamW at lr 1e-6, bf16 cast); it prints bytes on the wire and
+seconds of each, and their ratios (full / delta), medians of interleaved pairs.
 
 GB/s is model bytes / seconds until every replica committed; `xraw` is the raw copy's time over
 the sync's (1.0 = as fast as one in-process copy of the model). A raw copy runs right before
@@ -54,9 +60,10 @@ from common import llama_spec, load_average, machine_line, print_result  # noqa:
 
 from inference.models.spec import ModelSpec  # noqa: E402
 
-SIZES = {  # name -> (hidden, layers, intermediate, vocab): Llama shapes of ~10M / 99M / 1.03B parameters
+SIZES = {  # name -> (hidden, layers, intermediate, vocab): Llama shapes of ~10M / 99M / 491M / 1.03B parameters
     "10M": (256, 8, 1024, 8192),
     "100M": (768, 8, 2048, 32000),
+    "500M": (1024, 28, 4096, 32000),
     "1B": (2048, 20, 5632, 32000),
 }
 DEFAULT_DTYPES = {"10M": "float32", "100M": "float32", "1B": "bfloat16"}
@@ -307,10 +314,15 @@ def main() -> int:
     parser.add_argument("--disk-dir", default=None, help="where the disk transport writes (default: a temp dir)")
     parser.add_argument("--slow-contrast", action="store_true", help="also run tensor-by-tensor at 1B")
     parser.add_argument("--quick", action="store_true", help="10M, one repeat, 2 replicas")
+    parser.add_argument("--delta", action="store_true", help="delta syncs against full ones (bench/delta_sync.py)")
     args = parser.parse_args()
     if args.quick:
         args.sizes, args.repeats, args.replicas = "10M", 1, "2"
     args.replicas = [int(r) for r in args.replicas.split(",")]
+    if args.delta:
+        from delta_sync import run_delta_bench
+
+        return run_delta_bench(args)
     if args.transports is None:
         args.transports = ",".join(TRANSPORTS[:2] + ("nccl",) + TRANSPORTS[2:]) if args.device != "cpu" else \
             ",".join(TRANSPORTS)

@@ -3,6 +3,7 @@
     python examples/disaggregated_grpo.py                   # on-policy: generate, train, sync in turn
     python examples/disaggregated_grpo.py --off-policy 1    # generation of step k+1 overlaps training on k
     python examples/disaggregated_grpo.py --transport shm --replicas 3
+    python examples/disaggregated_grpo.py --replica-dtype bfloat16 --delta   # bf16 replicas, delta syncs
     python examples/disaggregated_grpo.py --help
 
 The colocated demo's task (a 2-layer Llama learns to continue counting up to 9) with the engines

@@ -67,9 +67,14 @@ def _add_grpo_arguments(parser: argparse.ArgumentParser) -> None:
     dis.add_argument("--transport", choices=["gloo", "shm", "disk"], default="gloo",
                      help="how the weights travel (gloo broadcast, shared memory, a safetensors directory)")
     dis.add_argument("--sync-timeout-s", type=float, default=60.0, help="bound of every wait of a weight sync")
+    dis.add_argument("--replica-dtype", choices=["float32", "bfloat16"], default="float32",
+                     help="what the replicas serve: the fp32 weights, or their bf16 cast")
+    dis.add_argument("--delta", action="store_true", help="send each step only what changed since the last sync "
+                     "(gloo / shm; bitwise, checked by a hash of the full weights)")
 
 
-_DISAGGREGATED_ARGS = ("disaggregated", "replicas", "router", "off_policy", "transport", "sync_timeout_s")
+_DISAGGREGATED_ARGS = ("disaggregated", "replicas", "router", "off_policy", "transport", "sync_timeout_s",
+                       "replica_dtype", "delta")
 
 
 def config_from_args(args: argparse.Namespace) -> GRPOConfig:
@@ -84,7 +89,8 @@ def grpo_main(args: argparse.Namespace) -> int:
         from rollout.rl.disaggregated import DisaggregatedConfig, format_disaggregated, run_disaggregated_grpo
 
         dcfg = DisaggregatedConfig(replicas=args.replicas, router=args.router, off_policy=args.off_policy,
-                                   transport=args.transport, sync_timeout_s=args.sync_timeout_s)
+                                   transport=args.transport, sync_timeout_s=args.sync_timeout_s,
+                                   replica_dtype=args.replica_dtype, delta=args.delta)
         print(format_disaggregated(run_disaggregated_grpo(cfg, dcfg)), flush=True)
         return 0
     summary = run_grpo(cfg)

@@ -213,11 +213,12 @@ class WeightReceiver:
     # ---- the staged update: what the transports' receive sides call ----------------------------
 
     def staged(self, version: Optional[int], staging: Optional[Staging], policy: Any,
-               load: Callable[[], None]) -> int:
-        """One update in one call: begin, `load()` the bytes into it, commit; any failure aborts."""
+               load: Callable[[], None], *, partial: bool = False) -> int:
+        """One update in one call: begin, `load()` the bytes into it, commit; any failure aborts.
+        `partial`: the tensors not loaded stay as they are (a delta's unchanged ones)."""
         start = time.perf_counter()
         try:
-            self.begin(version, staging)
+            self.begin(version, staging, partial=partial)
             load()
             return self.commit(policy, start)
         except BaseException as exc:
@@ -229,10 +230,11 @@ class WeightReceiver:
         self._cancel_watchdog()
         return self._open
 
-    def begin(self, version: Optional[int], staging: Optional[Staging], group: str = "") -> OpenUpdate:
+    def begin(self, version: Optional[int], staging: Optional[Staging], group: str = "", *,
+              partial: bool = False) -> OpenUpdate:
         staging = Staging(staging or self.staging)
         retain = self.retain_staging and staging is Staging.DOUBLE
-        self.engine.begin_update(version, staging, retain_staging=retain)
+        self.engine.begin_update(version, staging, partial=partial, retain_staging=retain)
         self._open = OpenUpdate(version, group)
         return self._open
 

@@ -23,6 +23,15 @@ What moves them is the `Transport`'s object (`weight_sync.transports.table`):
   `keep_last=k` the sender deletes the directories it wrote beyond the last k, once every
   replica committed a newer one (None keeps them all: checkpoints).
 
+`delta=True` (gloo / nccl / shm): after a first full sync, each sync sends only what changed since
+the last one (`weight_sync.transports.delta`), committed only if every replica's result hashes as
+the trainer's full weights; the sender keeps what it last sent as the base (`SentWeights`: one
+copy of the model in the replica dtype, on host). A sync is full instead when there is no base
+yet, or when the last sync failed (a replica may hold anything); a replica whose version is not
+the base's (it restarted, or another sender updated it) gets the same update in full, out of the
+delta's own payload, while the others take the delta (every replica's version is asked before a
+byte moves; behind a router, from its stats' per-replica versions).
+
 `tensor_by_tensor=True` (gloo / nccl) does what several frameworks still do: one control call and
 one broadcast per tensor, no buckets, no checksums; kept as a contrast (the benchmark prints it).
 
@@ -46,11 +55,12 @@ import torch
 
 from weight_sync.buckets import DEFAULT_BUCKET_BYTES
 from weight_sync.control import WeightControl
+from weight_sync.delta_base import SentWeights
 from weight_sync.sources import DEFAULT_GROUP, DEFAULT_PIECE_BYTES
 from weight_sync.transports import Transport
 from weight_sync.transports.distributed import GroupError, WeightGroup
 from weight_sync.transports.shm import RegionPool
-from weight_sync.transports.table import BY_TRANSPORT
+from weight_sync.transports.table import BY_TRANSPORT, DELTA
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +82,9 @@ class SenderStats:
     bytes_sent: int = 0  # bytes moved by the transport (before fan-out to replicas)
     last_seconds: float = 0.0
     last_bytes: int = 0
+    delta_syncs: int = 0  # syncs that sent a delta (delta mode); the others were full
+    last_delta: bool = False
+    last_full_replicas: int = 0  # of the last delta sync: replicas not on its base, given it in full
 
 
 def named_tensors(weights: Weights, *, tp_group: Any = None) -> Optional[list[tuple[str, torch.Tensor]]]:
@@ -102,8 +115,10 @@ class WeightSender:
                  group_name: str = DEFAULT_GROUP, directory: Optional[str | Path] = None,
                  tensor_by_tensor: bool = False, policy: Any = None, tp_group: Any = None,
                  keep_last: Optional[int] = None, piece_bytes: int = DEFAULT_PIECE_BYTES,
-                 trusted_network: bool = False) -> None:
+                 trusted_network: bool = False, delta: bool = False) -> None:
         transport = Transport(transport)
+        if delta and (transport not in (*_DISTRIBUTED, Transport.SHM) or tensor_by_tensor):
+            raise ValueError("delta mode rides the bucketed in-memory transports (gloo / nccl / shm)")
         if transport is Transport.DISK and directory is None:
             raise ValueError("the disk transport needs a directory the replicas can read")
         if tensor_by_tensor and transport not in _DISTRIBUTED:
@@ -122,6 +137,8 @@ class WeightSender:
         self.tensor_by_tensor = tensor_by_tensor
         self.keep_last = keep_last
         self.piece_bytes = piece_bytes
+        self.delta = delta
+        self.sent: Optional[SentWeights] = None  # delta mode: what every replica committed last
         self.written: list[Path] = []  # the disk transport's version directories, oldest first
         self.version: Optional[int] = None
         self.stats = SenderStats()
@@ -133,24 +150,70 @@ class WeightSender:
 
     # ---- the one call --------------------------------------------------------------------------
 
-    def sync(self, weights: Weights, version: Optional[int] = None, *, policy: Any = None) -> Optional[int]:
-        """Move `weights` into every replica under `version` (default: the last one + 1); returns
-        it once every target committed, raises `SyncError` (no replica on a mix) otherwise."""
+    def sync(self, weights: Weights, version: Optional[int] = None, *, policy: Any = None,
+             full: bool = False) -> Optional[int]:
+        """Move `weights` into every replica under `version` (default: the last one + 1, or after a
+        failed sync the targets' highest + 1); returns it once every target committed, raises
+        `SyncError` (no replica on a mix) otherwise. `full`: a full sync in delta mode too (a
+        periodic refresh; the benchmark's contrast)."""
         named = named_tensors(weights, tp_group=self.tp_group)
         if named is None:
             return None  # NOTE: a tensor-parallel rank other than 0: its shards went to rank 0
+        original = named
         if self.dtype is not None:
             named = [(n, t.to(self.dtype)) for n, t in named]
         version = self._next_version(version)
         policy = policy if policy is not None else self.policy
         start = time.perf_counter()
-        moved = BY_TRANSPORT[self.transport].send(self, named, version, policy)
+        try:
+            if self.delta:
+                owned = [c is not o for (_, o), (_, c) in zip(original, named)]
+                moved = self._sync_delta(named, owned, version, policy, full)
+            else:
+                moved = BY_TRANSPORT[self.transport].send(self, named, version, policy)
+        except BaseException:
+            self.version = None  # NOTE: some replicas may have committed it: the next default asks them
+            raise
         self.version = version
         self.stats.syncs += 1
         self.stats.bytes_sent += moved
         self.stats.last_bytes = moved
         self.stats.last_seconds = time.perf_counter() - start
         return version
+
+    def _sync_delta(self, named: list[tuple[str, torch.Tensor]], owned: list[bool], version: int, policy: Any,
+                    full: bool) -> int:
+        """A delta from the base when every target holds it, else a full sync; the base after."""
+        named = [(n, t.cpu()) for n, t in named]  # NOTE: the codec runs on host (a GPU trainer pays one copy)
+        base, self.sent = self.sent, None  # NOTE: until this sync commits everywhere, no base is trusted
+        holding = self._replicas_holding(base.version) if not full and base is not None and base.fits(named) else []
+        use_delta = any(holding)
+        if use_delta:
+            moved = DELTA.send(self, named, version, policy, base, mixed=not all(holding))
+        else:
+            moved = BY_TRANSPORT[self.transport].send(self, named, version, policy)
+        self.sent = SentWeights.keep(named, version, owned)
+        self.stats.delta_syncs += use_delta
+        self.stats.last_delta = use_delta
+        self.stats.last_full_replicas = holding.count(False) if use_delta else 0
+        return moved
+
+    def _replicas_holding(self, version: int) -> list[bool]:
+        """Whether each replica's policy version is `version`, asked before a byte moves: each
+        target's, or behind a router each of its replicas' (its stats name them)."""
+        def ask(target: WeightControl) -> list[int]:
+            if len(self.targets) != self.replicas and hasattr(target, "stats"):
+                stats = target.stats()
+                each = [int(v) for k, v in stats.items() if k.startswith("replica/") and k.endswith("/policy_version")]
+                if each:
+                    return each
+            return [int(target.weight_version())]
+
+        try:
+            answers = self.collect(self.each(ask), "weight_version")
+        except SyncError:
+            return []
+        return [v == version for versions in answers for v in versions]
 
     def _next_version(self, version: Optional[int]) -> int:
         if version is not None:

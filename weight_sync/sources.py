@@ -21,6 +21,13 @@ The others carry the manifest (`weight_sync.manifest`, with the version), checke
   filled while the replicas copy it: each `piece_bytes` piece is published in the segment's
   header under this update's `token` with its checksum (`weight_sync.transports.shm`), so the
   manifest's bucket checksums are 0 there.
+* `DeltaSource`: what changed since the replica's version `delta.base_version`
+  (`weight_sync.delta_manifest`), its payload broadcast over a weight-update group or in a
+  shared-memory segment, exactly as a full update's buckets travel; committed only if the
+  result hashes as the trainer's full weights do. `full`, when the sender knows some replica is
+  not on the base, describes the same update with every tensor FULL, later in the same payload:
+  such a replica reads that instead; without it, a replica on another base refuses the delta
+  before a byte moves (and the sender's next sync is full).
 
 `staging` (None: the replica's default) chooses double or in-place staging for this update.
 """
@@ -34,6 +41,7 @@ import msgspec
 from msgspec import Meta
 
 from inference.weights.staging import Staging
+from weight_sync.delta_manifest import DeltaManifest
 from weight_sync.manifest import ALIGN, Manifest, ManifestError
 
 # NOTE: the wire's types and limits live here, not in `weight_sync.transports` (whose transports
@@ -116,12 +124,42 @@ class SharedMemorySource(msgspec.Struct, tag_field="type", tag="shared_memory", 
             raise ValueError(f"{len(self.cuda_ipc)} CUDA IPC buffers for {len(self.manifest.layout.buckets)} buckets")
 
 
-WeightSource = Union[DiskSource, DistributedSource, SharedMemorySource]
+class DeltaSource(msgspec.Struct, tag_field="type", tag="delta", forbid_unknown_fields=True, kw_only=True):
+    """A delta update (see module docstring): its payload over the weight-update group
+    `group_name`, or in the /dev/shm `segment` (published piece by piece under `token`)."""
+
+    delta: DeltaManifest
+    full: Optional[DeltaManifest] = None  # for a replica not on `delta.base_version`: the same update in full
+    group_name: Optional[GroupName] = None
+    segment: Optional[str] = None
+    token: Optional[Annotated[int, Meta(ge=1, le=2**63 - 1)]] = None
+    piece_bytes: Annotated[int, Meta(ge=MIN_PIECE_BYTES, le=2**40, multiple_of=ALIGN)] = DEFAULT_PIECE_BYTES
+    staging: Optional[Staging] = None
+
+    def __post_init__(self) -> None:
+        full = self.full
+        if full is not None and (full.base_version is not None or full.payload_bytes != self.delta.payload_bytes
+                                 or full.payload_checksum != self.delta.payload_checksum
+                                 or full.version != self.delta.version):
+            raise ValueError("a delta source's full manifest has no base and shares the delta's payload and version")
+        if (self.group_name is None) == (self.segment is None):
+            raise ValueError("a delta source names a weight-update group or a shared-memory segment, exactly one")
+        if self.segment is not None:
+            check_segment_name(self.segment)
+            if self.token is None:
+                raise ValueError("a delta source in a shared-memory segment needs the update's token")
+
+
+WeightSource = Union[DiskSource, DistributedSource, SharedMemorySource, DeltaSource]
 
 
 def source_version(source: WeightSource) -> Optional[int]:
     """The version `source` says its update commits under (None: the replica's next)."""
-    return source.version if isinstance(source, DiskSource) else source.manifest.version
+    if isinstance(source, DiskSource):
+        return source.version
+    if isinstance(source, DeltaSource):
+        return source.delta.version
+    return source.manifest.version
 
 
 def with_version(source: WeightSource, version: Optional[int]) -> WeightSource:

@@ -22,6 +22,10 @@ only: generation, and weight sync (the router broadcasts each call to every repl
 their ranks in the trainer's weight-update group). The run begins by syncing the trainer's
 initial weights into all of them.
 
+With `replica_dtype="bfloat16"` the replicas serve the fp32 trainer's bf16 cast; with `delta` every
+sync after the first sends only what changed (`WeightSender(delta=True)`), bitwise the same weights
+(the same seeds then sample the same tokens, step for step).
+
 Checks that can fail: the per-token versions above; no prefix-cache hit crosses a version (the
 replicas' own counters); at the end, every replica's greedy outputs on the held-out prompts (each
 asked directly, not through the router) equal those of a fresh in-process engine built from the
@@ -65,6 +69,7 @@ from rollout.types import RolloutBatch
 from weight_sync import Transport, WeightSender
 
 STARTUP_TIMEOUT_S = 180.0
+REPLICA_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(slots=True)
@@ -77,6 +82,8 @@ class DisaggregatedConfig:
     transport: Transport = Transport.GLOO  # a string from the CLI or a config converts here
     sync_timeout_s: float = 60.0  # bound of every wait of a weight sync, both sides
     replica_threads: int = 1  # torch threads per replica (the demo's ops are too small to split)
+    replica_dtype: str = "float32"  # "bfloat16": the replicas serve the bf16 cast of the fp32 trainer
+    delta: bool = False  # each sync sends what changed since the last one (weight_sync delta mode; gloo / shm)
 
     def __post_init__(self) -> None:
         self.transport = Transport(self.transport)
@@ -88,6 +95,11 @@ class DisaggregatedConfig:
             raise ValueError(f"DisaggregatedConfig.sync_timeout_s must be > 0, got {self.sync_timeout_s!r}")
         if self.replica_threads < 1:
             raise ValueError(f"DisaggregatedConfig.replica_threads must be >= 1, got {self.replica_threads!r}")
+        if self.replica_dtype not in REPLICA_DTYPES:
+            raise ValueError(f"DisaggregatedConfig.replica_dtype must be one of {sorted(REPLICA_DTYPES)}, got "
+                             f"{self.replica_dtype!r}")
+        if self.delta and self.transport not in (Transport.GLOO, Transport.SHM):
+            raise ValueError(f"DisaggregatedConfig.delta rides gloo or shm, not {self.transport.value}")
 
 
 @dataclass(slots=True)
@@ -96,6 +108,9 @@ class DisaggregatedSummary:
     replicas: int
     off_policy: int
     transport: str
+    delta: bool
+    replica_dtype: str
+    delta_syncs: int  # syncs that sent a delta (the first one, and any after a failure, are full)
     step_seconds: float  # median wall time of a training step (generation wait, train, sync)
     sync_seconds: float  # median wall time of a weight sync, until every replica committed
     startup_seconds: float  # the replicas' start and the first sync (not in the steps)
@@ -156,7 +171,7 @@ def serve_args(cfg: GRPOConfig, dcfg: DisaggregatedConfig, task: Task) -> list[s
     samples = prompts * cfg.samples_per_prompt
     longest = task.max_prompt_tokens + task.max_tokens
     blocks = samples * -(-longest // cfg.block_size)
-    return ["--dtype", "float32", "--threads", str(dcfg.replica_threads), "--block-size", str(cfg.block_size),
+    return ["--dtype", dcfg.replica_dtype, "--threads", str(dcfg.replica_threads), "--block-size", str(cfg.block_size),
             "--num-blocks", str(blocks), "--max-requests", str(samples), "--max-batch-tokens", str(max(2048, samples)),
             "--max-seq-len", str(longest), "--weight-sync-timeout-s", str(dcfg.sync_timeout_s)]
 
@@ -206,6 +221,7 @@ def run_disaggregated_grpo(cfg: GRPOConfig, dcfg: Optional[DisaggregatedConfig] 
     run.history = tracker.history
     return DisaggregatedSummary(
         run=run, replicas=fleet.replicas, off_policy=dcfg.off_policy, transport=dcfg.transport.value,
+        delta=dcfg.delta, replica_dtype=dcfg.replica_dtype, delta_syncs=loop.delta_syncs,
         step_seconds=statistics.median(h["time/step"] for h in tracker.history),
         sync_seconds=statistics.median(h["time/weight_update"] for h in tracker.history),
         startup_seconds=startup, max_staleness=loop.max_staleness, replicas_match_trainer=matches)
@@ -217,7 +233,12 @@ def save_model(policy: torch.nn.Module, directory: Path) -> None:
 
     directory.mkdir(parents=True)
     policy.config.save_pretrained(directory)
-    tensors = {n: t.detach().contiguous() for n, t in policy.state_dict().items()}
+    tensors, seen = {}, set()
+    for name, t in policy.state_dict().items():
+        if t.data_ptr() in seen:
+            continue  # NOTE: a tied LM head is the embedding: safetensors refuses a second view of it
+        seen.add(t.data_ptr())
+        tensors[name] = t.detach().contiguous()
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -230,8 +251,10 @@ class _Loop:
         self.tracker, self.fleet = tracker, fleet
         directory = {"directory": work / "sync", "keep_last": 1} if dcfg.transport is Transport.DISK else {}
         # NOTE: one target, the router, standing for `fleet.replicas` engines (each claims its rank)
+        cast = REPLICA_DTYPES[dcfg.replica_dtype]
         self.sender = WeightSender([fleet.client], dcfg.transport, replicas=fleet.replicas,
-                                   timeout_s=dcfg.sync_timeout_s, **directory)
+                                   timeout_s=dcfg.sync_timeout_s, delta=dcfg.delta,
+                                   dtype=None if cast is torch.float32 else cast, **directory)
         mode = LogprobsMode.RAW if cfg.temperature == 1.0 else LogprobsMode.PROCESSED
         self.sampling = SamplingParams(temperature=cfg.temperature, max_tokens=task.max_tokens, logprobs_mode=mode)
         self.ahead = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="generate-ahead")
@@ -329,6 +352,10 @@ class _Loop:
 
         return {"heldout/greedy": mean_reward(greedy), "heldout/sampled": mean_reward(sampled)}, [greedy, sampled]
 
+    @property
+    def delta_syncs(self) -> int:
+        return self.sender.stats.delta_syncs
+
     def close(self) -> None:
         self.ahead.shutdown(wait=False, cancel_futures=True)
         self.sender.close()
@@ -340,7 +367,8 @@ class _Loop:
 
         prompts = [list(p.prompt_ids) for p in self.task.held_out()] or [[1, 2]]
         greedy = dataclasses.replace(self.sampling, temperature=0.0, seed=None)
-        fresh = RolloutEngine(self.policy, engine_config(self.cfg, self.task))
+        config = dataclasses.replace(engine_config(self.cfg, self.task), dtype=REPLICA_DTYPES[self.dcfg.replica_dtype])
+        fresh = RolloutEngine(self.policy, config)  # NOTE: the replicas' dtype: a bf16 fleet serves the bf16 cast
         try:
             expected = [r.completion_ids for r in fresh.generate(prompts, 1, greedy)]
         finally:
@@ -358,7 +386,8 @@ class _Loop:
 def format_disaggregated(s: DisaggregatedSummary) -> str:
     mode = "off-policy 1 (generation of step k+1 overlaps training on k)" if s.off_policy else "on-policy"
     return "\n".join([
-        f"disaggregated: {s.replicas} replicas, weights over {s.transport} every step, {mode}",
+        f"disaggregated: {s.replicas} {s.replica_dtype} replicas, weights over {s.transport} every step"
+        f"{f' as deltas ({s.delta_syncs} delta syncs)' if s.delta else ''}, {mode}",
         format_summary(s.run),
         f"per step: {s.step_seconds:.3f} s median (weight sync {s.sync_seconds * 1e3:.1f} ms median); replicas "
         f"started in {s.startup_seconds:.1f} s; max staleness {s.max_staleness} version(s)",

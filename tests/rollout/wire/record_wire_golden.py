@@ -21,7 +21,8 @@ import numpy as np
 from inference import FinishReason, LogprobsMode, PauseMode, Staging, SuspendPolicy, UpdatePolicy
 from rollout.wire import codec, kinds
 from rollout.wire import messages as wire
-from weight_sync import DiskSource, DistributedSource, SharedMemorySource
+from weight_sync import DeltaSource, DiskSource, DistributedSource, SharedMemorySource
+from weight_sync.delta_manifest import DeltaManifest, Encoding, TensorChange
 from weight_sync.manifest import Bucket, Layout, Manifest
 from weight_sync.sources import CudaIpcBuffer
 
@@ -35,6 +36,17 @@ def manifest(layout: bool = True) -> Manifest:
     return Manifest(names=["model.embed_tokens.weight", "lm_head.weight"], dtypes=["float32", "bfloat16"],
                     shapes=[[16, 8], [16, 8]], version=7, total_bytes=768,
                     layout=Layout(offsets=[0, 512], buckets=[Bucket(0, 2, 768, 2**63 + 5)]) if layout else None)
+
+
+def delta_manifest(base_version) -> DeltaManifest:
+    """Two bf16 tensors: one changed in 3 words (sparse), one unchanged; or (no base) both in full."""
+    if base_version is None:
+        changes = [TensorChange(Encoding.FULL, 8, 0, 16), TensorChange(Encoding.FULL, 4, 16, 8)]
+    else:
+        changes = [TensorChange(Encoding.SPARSE, 3, 0, 18), TensorChange(Encoding.UNCHANGED, 0, 24, 0)]
+    return DeltaManifest(names=["a.weight", "b.weight"], dtypes=["bfloat16", "bfloat16"], shapes=[[2, 4], [4]],
+                         changes=changes, base_version=base_version, version=5, weights_hash=bytes(range(16)),
+                         payload_bytes=64, payload_checksum=2**64 - 1)
 
 
 def messages() -> dict[str, tuple[msgspec.Struct, list[str]]]:
@@ -73,6 +85,11 @@ def messages() -> dict[str, tuple[msgspec.Struct, list[str]]]:
             packed_buffer_bytes=1 << 30)), []),
         "update_shm": (p.UpdateWeights(request_id="u5", source=SharedMemorySource(
             manifest=manifest(), segment="rollout-wsync-1234-abcdef012345", token=99, piece_bytes=1 << 20)), []),
+        "update_delta_group": (p.UpdateWeights(request_id="u8", source=DeltaSource(
+            delta=delta_manifest(base_version=4), full=delta_manifest(base_version=None), group_name="g1")), []),
+        "update_delta_shm": (p.UpdateWeights(request_id="u9", source=DeltaSource(
+            delta=delta_manifest(base_version=4), segment="rollout-wsync-1234-abcdef012345", token=7,
+            staging=Staging.DOUBLE)), []),
         "update_cuda_ipc": (p.UpdateWeights(request_id="u6", source=SharedMemorySource(
             manifest=manifest(),
             cuda_ipc=[CudaIpcBuffer(0, b"\x01\x02", 4096, 0, 128, b"\x03", 8, b"\x04", True)])), []),
