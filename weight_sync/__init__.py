@@ -22,6 +22,7 @@ from weight_sync.sources import (
     DiskSource,
     DistributedSource,
     SharedMemorySource,
+    VersionSource,
     WeightSource,
     decode_tensor_payload,
     encode_tensor_payload,
@@ -36,7 +37,8 @@ __all__ = [
     "DEFAULT_GROUP", "MEGATRON_ADAPTER", "BaseMismatchError", "CheckpointError", "DeltaError", "DeltaSource",
     "DiskAccess", "DiskAccessError", "DiskSource",
     "DistributedSource", "Manifest", "ManifestError", "Naming",
-    "SharedMemorySource", "Staging", "SyncError", "Transport", "UpdateOutcome", "WeightControl", "WeightGroup",
+    "SharedMemorySource", "Staging", "SyncError", "Transport", "UpdateOutcome", "VersionSource", "WeightControl",
+    "WeightGroup",
     "WeightReceiver", "WeightSender", "WeightSource", "decode_tensor_payload", "detect_naming", "encode_tensor_payload",
     "hf_to_megatron", "megatron_to_hf", "parse_weight_version", "source_version", "with_version",
 ]

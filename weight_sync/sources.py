@@ -150,12 +150,19 @@ class DeltaSource(msgspec.Struct, tag_field="type", tag="delta", forbid_unknown_
                 raise ValueError("a delta source in a shared-memory segment needs the update's token")
 
 
-WeightSource = Union[DiskSource, DistributedSource, SharedMemorySource, DeltaSource]
+class VersionSource(msgspec.Struct, tag_field="type", tag="version_only", forbid_unknown_fields=True, kw_only=True):
+    """No bytes: the weights stay as they are and serve under `version` from now on (vLLM's and
+    SGLang's `/update_weight_version`: the trainer names the weights it put in by other means)."""
+
+    version: Annotated[int, Meta(ge=0)]
+
+
+WeightSource = Union[DiskSource, DistributedSource, SharedMemorySource, DeltaSource, VersionSource]
 
 
 def source_version(source: WeightSource) -> Optional[int]:
     """The version `source` says its update commits under (None: the replica's next)."""
-    if isinstance(source, DiskSource):
+    if isinstance(source, (DiskSource, VersionSource)):
         return source.version
     if isinstance(source, DeltaSource):
         return source.delta.version

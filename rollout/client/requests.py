@@ -9,18 +9,23 @@ the wire carries as they are.
 from __future__ import annotations
 
 import os
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional, TypeVar, Union
 
+import weight_sync
 from inference import PauseMode, SuspendPolicy, UpdatePolicy
 from rollout.backend import WeightSource
 from rollout.client.connection import Connection
 from rollout.wire import messages as wire
-from weight_sync import DeltaSource, DiskSource, DistributedSource, SharedMemorySource, with_version
+from weight_sync import DiskSource, with_version
 
 Plain = TypeVar("Plain", wire.Continue, wire.Resume, wire.ResetPrefixCache, wire.Stats, wire.Health,
                 wire.GetWeightVersion, wire.IsSleeping)
+
+
+SOURCE_TYPES = typing.get_args(weight_sync.WeightSource)  # every kind a served engine can read
 
 
 def weight_source(source: WeightSource, version: Optional[int]) -> WeightSource:
@@ -28,7 +33,7 @@ def weight_source(source: WeightSource, version: Optional[int]) -> WeightSource:
     else a weight_sync source (committing under `version`, None: its own)."""
     if isinstance(source, (str, os.PathLike)):
         source = DiskSource(path=str(Path(source).absolute()))
-    elif not isinstance(source, (DiskSource, DistributedSource, SharedMemorySource, DeltaSource)):
+    elif not isinstance(source, SOURCE_TYPES):
         raise TypeError("a remote engine loads weights from a safetensors directory it can read (a path), or a "
                         f"weight_sync source (weight_sync.WeightSender sends those); got {type(source).__name__}")
     return with_version(source, version)

@@ -15,7 +15,9 @@ vLLM (SkyRL's remote client, TRL's async GRPO, prime-rl, verifiers) drive this f
   sleeps). `/pause` answers `mode` and `clear_cache` as received beside vLLM's `status`.
 * `/reset_prefix_cache` (`reset_running_requests`) -> `{"success": bool}`: false while requests
   hold blocks, as vLLM answers, unless `reset_running_requests` (then the running are recomputed).
-* `/get_world_size` (one engine process: 1), `/weight_info` (`{"weight_version"}`),
+* `/update_weight_version` (`new_version`; SGLang's `abort_all_requests`, default false here: the
+  requests in flight go on, their later tokens under the new version), `/get_world_size` (one
+  engine process: 1), `/weight_info` (`{"weight_version"}`),
   `/server_info` (`config_format` text or json: `vllm_config` with the fields clients read:
   model, served names, dtype, max model length, block size, parallel sizes, no LoRA).
 * `/inference/v1/generate`: `token_ids`, `sampling_params` (vLLM's `SamplingParams` fields),
@@ -38,7 +40,7 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 
-from inference import PauseMode, SuspendPolicy
+from inference import PauseMode, SuspendPolicy, UpdatePolicy
 from rollout.http import structured
 from rollout.http.errors import APIError, from_exception
 from rollout.http.front import HttpFront
@@ -47,6 +49,7 @@ from rollout.http.logprobs import chat_top, prompt_entries
 from rollout.http.openai_routes import json_response, sse
 from rollout.http.sampling import sampling_params
 from rollout.http.schemas import MAX_N, MAX_STOP, MAX_TOP_LOGPROBS, Strict, StructuredOutputsBody, refuse
+from weight_sync import ManifestError, VersionSource, parse_weight_version
 
 router = APIRouter()
 VLLM_API_VERSION = "0.22.1"  # the vLLM release whose RL routes these mirror
@@ -150,6 +153,29 @@ async def reset_prefix_cache(request: Request, reset_running_requests: bool = Qu
     else:
         await _call(front.client.reset_prefix_cache())
     return json_response({"success": True})
+
+
+class UpdateWeightVersion(Strict):
+    """vLLM's body (`new_version`) and SGLang's (`abort_all_requests` too; SGLang aborts by default,
+    this front keeps in-flight work unless asked, and says which it did)."""
+
+    new_version: Union[Annotated[str, Field(min_length=1, max_length=64)], Annotated[int, Field(ge=0)]]
+    abort_all_requests: bool = False
+
+
+@router.post("/update_weight_version")
+async def update_weight_version(body: UpdateWeightVersion, request: Request) -> Response:
+    """The weights serve under `new_version` from now on (nothing moves; the prefix cache starts
+    over, as after any update); requests in flight go on, their later tokens under the new version."""
+    try:
+        version = parse_weight_version(body.new_version)
+    except ManifestError as exc:
+        raise APIError(400, str(exc), param="new_version") from None
+    policy = UpdatePolicy.ABORT if body.abort_all_requests else UpdatePolicy.KEEP
+    await _call(front_of(request).client.update_weights(VersionSource(version=version), policy=policy))
+    kept = "aborted" if body.abort_all_requests else "kept"
+    return json_response({"success": True, "new_version": body.new_version,
+                          "message": f"Weight version updated to {body.new_version}; requests in flight {kept}."})
 
 
 @router.get("/get_world_size")

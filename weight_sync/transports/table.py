@@ -16,9 +16,10 @@ from weight_sync.transports.bucket_broadcast import DistributedTransport
 from weight_sync.transports.delta import DeltaTransport
 from weight_sync.transports.disk import DiskTransport
 from weight_sync.transports.shared_memory import SharedMemoryTransport
+from weight_sync.transports.version_only import VersionTransport
 
 DELTA = DeltaTransport()
-TRANSPORT_OBJECTS = (DistributedTransport(), SharedMemoryTransport(), DiskTransport(), DELTA)
+TRANSPORT_OBJECTS = (DistributedTransport(), SharedMemoryTransport(), DiskTransport(), DELTA, VersionTransport())
 BY_TRANSPORT = {transport: obj for obj in TRANSPORT_OBJECTS for transport in obj.transports}
 BY_SOURCE = {obj.source_type: obj for obj in TRANSPORT_OBJECTS}
 

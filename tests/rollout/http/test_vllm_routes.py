@@ -275,3 +275,31 @@ def test_metrics_in_prometheus_text_with_vllms_names(web):
     assert after["vllm:num_requests_running"] == 0 and 0 <= after["vllm:kv_cache_usage_perc"] <= 1
     assert after["rollout:policy_version"] == float(web.get("/weight_info").json()["weight_version"])
     assert after["rollout:asleep"] == 0
+
+
+def test_update_weight_version_keeps_in_flight_work_and_splits_its_spans(web, front_url):
+    """vLLM's and SGLang's `/update_weight_version`: nothing aborted (unless asked); the request in
+    flight goes on and its tokens after the change carry the new version."""
+    result = {}
+
+    def run() -> None:
+        with httpx.Client(base_url=front_url, timeout=WAIT_S) as c:
+            result["r"] = c.post("/inference/v1/generate", json={
+                "token_ids": [1, 2, 3], "sampling_params": {"temperature": 0, "max_tokens": 300, "ignore_eos": True}})
+
+    old = int(web.get("/weight_info").json()["weight_version"])
+    worker = threading.Thread(target=run)
+    worker.start()
+    time.sleep(0.3)
+    new = old + 5
+    out = web.post("/update_weight_version", json={"new_version": f"v{new}"})
+    assert out.status_code == 200 and out.json()["success"] is True and "kept" in out.json()["message"]
+    worker.join(WAIT_S)
+    choice = result["r"].json()["choices"][0]
+    assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 300
+    spans = choice["weight_versions"]
+    assert [s["version"] for s in spans] == [old, new] and spans[0]["end"] == spans[1]["start"]
+    assert spans[0]["start"] == 0 and spans[1]["end"] == 300
+    assert web.get("/weight_info").json() == {"weight_version": str(new)}
+    assert web.post("/update_weight_version", json={"new_version": str(new)}).status_code == 400  # not newer
+    assert web.post("/update_weight_version", json={"new_version": "latest"}).status_code == 400

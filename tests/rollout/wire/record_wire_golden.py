@@ -21,7 +21,7 @@ import numpy as np
 from inference import FinishReason, LogprobsMode, PauseMode, Staging, SuspendPolicy, UpdatePolicy
 from rollout.wire import codec, kinds
 from rollout.wire import messages as wire
-from weight_sync import DeltaSource, DiskSource, DistributedSource, SharedMemorySource
+from weight_sync import DeltaSource, DiskSource, DistributedSource, SharedMemorySource, VersionSource
 from weight_sync.delta_manifest import DeltaManifest, Encoding, TensorChange
 from weight_sync.manifest import Bucket, Layout, Manifest
 from weight_sync.sources import CudaIpcBuffer
@@ -73,6 +73,8 @@ def messages() -> dict[str, tuple[msgspec.Struct, list[str]]]:
         "resume_tags": (p.Resume(request_id="c5", tags=["weights"]), []),
         "update_disk_minimal": (p.UpdateWeights(request_id="u1", source=DiskSource(path="/w")),
                                 ["request_id", "source"]),
+        "update_version_only": (p.UpdateWeights(request_id="u10", source=VersionSource(version=12),
+                                                policy=p.UpdatePolicy.KEEP), []),
         "update_disk_full": (p.UpdateWeights(request_id="u2", source=DiskSource(path="/w", version=3),
                                              policy=p.UpdatePolicy.KEEP), []),
         "update_distributed": (p.UpdateWeights(request_id="u3", source=DistributedSource(
