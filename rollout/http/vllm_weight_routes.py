@@ -173,9 +173,7 @@ async def init_weight_transfer_engine(request: Request) -> Response:
 @router.post("/start_weight_update")
 async def start_weight_update(request: Request) -> Response:
     async def call() -> Response:
-        await _body(request, optional=True)  # NOTE: `is_checkpoint_format` (TRL, slime) changes nothing here
-        await _update(front_of(request), _source(finish=False))
-        phases_of(request).started = True
+        await _start(request, await _body(request, optional=True))
         return json_response({"message": "Weight update started"})
     return await _run(call)
 
@@ -183,28 +181,7 @@ async def start_weight_update(request: Request) -> Response:
 @router.post("/update_weights")
 async def update_weights(request: Request) -> Response:
     async def call() -> Response:
-        body = await _body(request)
-        front, phases = front_of(request), phases_of(request)
-        if body.get("weight_dir") is not None and body.get("update_info") is None:  # prime-rl's
-            if not isinstance(body["weight_dir"], str):
-                raise VllmRefusal(400, "weight_dir: expected a path", "BadRequestError")
-            await front.weights.update_weights_from_disk(body["weight_dir"], timeout=front.timeout)
-            return json_response({"message": "Weights updated"})
-        if body.get("update_info") is None:
-            raise _bad_body("Missing 'update_info' in request body")
-        if isinstance(body["update_info"], dict) and "ipc_handles" in body["update_info"]:
-            raise VllmRefusal(400, "update_info.ipc_handles: vLLM's CUDA IPC handles are pickled torch reductions, "
-                              "and nothing pickled is loaded here; broadcast the weights (packed or not), or send "
-                              "weight_sync's msgpack handle to /update_weights_from_tensor", "BadRequestError")
-        info = _parse(UpdateInfo, body["update_info"], "update_info")
-        source = _source(info.names, info.dtype_names, info.shapes,
-                         info.packed_buffer_size_bytes if info.packed else None,
-                         finish=False if phases.started else None)
-        try:
-            await _update(front, source)
-        except BaseException:
-            phases.started = False  # NOTE: the engine aborted the whole update
-            raise
+        await _update_weights(request, await _body(request))
         return json_response({"message": "Weights updated"})
     return await _run(call)
 
@@ -212,12 +189,93 @@ async def update_weights(request: Request) -> Response:
 @router.post("/finish_weight_update")
 async def finish_weight_update(request: Request) -> Response:
     async def call() -> Response:
-        body = await _body(request, optional=True)
-        version = parse_weight_version(body.get("weight_version"))
-        phases = phases_of(request)
-        phases.started = False
-        await _update(front_of(request), _source(version=version, finish=True))
+        await _finish(request, await _body(request, optional=True))
         return json_response({"message": "Weight update finished"})
+    return await _run(call)
+
+
+async def _start(request: Request, body: dict[str, Any]) -> None:
+    """NOTE: `is_checkpoint_format` (TRL, slime, SkyRL) changes nothing here: names are HF's either way."""
+    await _update(front_of(request), _source(finish=False))
+    phases_of(request).started = True
+
+
+async def _update_weights(request: Request, body: dict[str, Any]) -> None:
+    front, phases = front_of(request), phases_of(request)
+    if body.get("weight_dir") is not None and body.get("update_info") is None:  # prime-rl's
+        if not isinstance(body["weight_dir"], str):
+            raise VllmRefusal(400, "weight_dir: expected a path", "BadRequestError")
+        await front.weights.update_weights_from_disk(body["weight_dir"], timeout=front.timeout)
+        return
+    if body.get("update_info") is None:
+        raise _bad_body("Missing 'update_info' in request body")
+    if isinstance(body["update_info"], dict) and "ipc_handles" in body["update_info"]:
+        raise VllmRefusal(400, "update_info.ipc_handles: vLLM's CUDA IPC handles are pickled torch reductions, "
+                          "and nothing pickled is loaded here; broadcast the weights (packed or not), or send "
+                          "weight_sync's msgpack handle to /update_weights_from_tensor", "BadRequestError")
+    info = _parse(UpdateInfo, body["update_info"], "update_info")
+    source = _source(info.names, info.dtype_names, info.shapes,
+                     info.packed_buffer_size_bytes if info.packed else None,
+                     finish=False if phases.started else None)
+    try:
+        await _update(front, source)
+    except BaseException:
+        phases.started = False  # NOTE: the engine aborted the whole update
+        raise
+
+
+async def _finish(request: Request, body: dict[str, Any]) -> None:
+    version = parse_weight_version(body.get("weight_version"))
+    phases = phases_of(request)
+    phases.started = False
+    await _update(front_of(request), _source(version=version, finish=True))
+
+
+async def _refuse_ipc(request: Request, body: dict[str, Any]) -> None:
+    raise VllmRefusal(400, "update_weights_ipc: its update_info carries pickled CUDA IPC handles, and nothing "
+                      "pickled is loaded here; broadcast the weights (update_weights_nccl) instead", "BadRequestError")
+
+
+async def _reset_prefix_cache(request: Request, body: dict[str, Any]) -> None:
+    await front_of(request).client.reset_prefix_cache()
+
+
+# /collective_rpc: the worker methods RL frameworks call, mapped onto the same calls as the routes
+# (SkyRL's NewInferenceWorkerWrap: skyrl_start_weight_update, update_weights_nccl,
+# skyrl_finish_weight_update, update_weights_ipc); any other method is refused, naming these
+RPC_METHODS = {
+    "skyrl_start_weight_update": _start,
+    "start_weight_update": _start,
+    "update_weights_nccl": _update_weights,
+    "update_weights": _update_weights,
+    "skyrl_finish_weight_update": _finish,
+    "finish_weight_update": _finish,
+    "update_weights_ipc": _refuse_ipc,
+    "reset_prefix_cache": _reset_prefix_cache,
+}
+
+
+@router.post("/collective_rpc")
+async def collective_rpc(request: Request) -> Response:
+    """vLLM's `{"method", "args", "kwargs", "timeout"}`, answered `{"results": [one per worker]}`
+    (one worker here); the methods served are `RPC_METHODS`' (see above), keyword arguments only."""
+    async def call() -> Response:
+        body = await _body(request)
+        method = body.get("method")
+        if method is None:
+            raise _bad_body("Missing 'method' in request body")
+        handler = RPC_METHODS.get(method)
+        if handler is None:
+            raise VllmRefusal(400, f"collective_rpc: method {method!r} is not served here; served: "
+                              f"{sorted(RPC_METHODS)}", "BadRequestError")
+        if body.get("args"):
+            raise VllmRefusal(400, f"collective_rpc: {method} takes keyword arguments only (kwargs)",
+                              "BadRequestError")
+        kwargs = body.get("kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise VllmRefusal(400, "collective_rpc: kwargs must be an object", "BadRequestError")
+        await handler(request, kwargs)
+        return json_response({"results": [None]})
     return await _run(call)
 
 

@@ -218,3 +218,27 @@ def test_prime_rl_weight_dir_is_a_disk_update_committed_at_once(web, dirs, expec
     assert r.status_code == 400 and version(web) == v + 1
     assert web.post("/update_weights", json={"weight_dir": str(dirs[0])}).status_code == 200
     assert greedy(web) == expected["old"]
+
+
+def test_skyrls_collective_rpc_phases_load_the_weights(trainer, web, weights, expected):
+    """SkyRL's path (its worker extension's methods through `/collective_rpc`): start, the NCCL-style
+    update with the broadcasts, finish; an unknown method and pickled IPC handles are refused."""
+    from weight_sync.transports import vllm_broadcast
+
+    v = version(web)
+    rpc = lambda method, **kwargs: trainer.each("/collective_rpc", {"method": method, "kwargs": kwargs})  # noqa: E731
+    rpc("skyrl_start_weight_update", is_checkpoint_format=True)
+    named = weights["new"]
+    body = {"method": "update_weights_nccl", "kwargs": {"update_info": update_info(named, packed=True)}}
+    calls = [trainer.post_async(url, "/collective_rpc", body) for url in trainer.engines]
+    vllm_broadcast.send(trainer.group, [t for _, t in named], packed=True)
+    for call in calls:
+        call.result(timeout=2 * WAIT_S)
+    assert (version(web), greedy(web)) == (v, expected["old"])  # the old weights serve until the finish
+    rpc("skyrl_finish_weight_update")
+    assert (version(web), greedy(web)) == (v + 1, expected["new"])
+    assert web.post("/collective_rpc", json={"method": "report_device_id"}).status_code == 400
+    refused = web.post("/collective_rpc", json={"method": "update_weights_ipc", "kwargs": {"update_info": {}}})
+    assert refused.status_code == 400 and "pickled" in refused.json()["error"]["message"]
+    trainer.update(weights["old"], packed=True)
+    assert greedy(web) == expected["old"]
