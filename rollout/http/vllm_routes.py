@@ -197,7 +197,9 @@ async def server_info(request: Request, config_format: str = Query("text")) -> R
     cfg = front.config
     config = {
         "model_config": {"model": cfg.model_path or cfg.model_name, "served_model_name": list(front.model_names),
-                         "tokenizer": cfg.model_path or cfg.model_name, "dtype": stats.get("engine/dtype"),
+                         "tokenizer": cfg.model_path or cfg.model_name,
+                         # NOTE: vLLM's JSON dump stringifies the torch.dtype ("torch.bfloat16"); TRL strips it
+                         "dtype": f"torch.{stats.get('engine/dtype')}",
                          "max_model_len": cfg.max_model_len, "vocab_size": front.codec.vocab_size},
         "cache_config": {"block_size": stats.get("engine/block_size"),
                          "num_gpu_blocks": stats.get("engine/total_blocks"), "enable_prefix_caching": True},

@@ -245,7 +245,7 @@ def test_reset_prefix_cache_and_server_info(web):
     assert web.post("/reset_prefix_cache").json() == {"success": True}
     assert web.get("/get_world_size").json() == {"world_size": 1}
     info = web.get("/server_info", params={"config_format": "json"}).json()["vllm_config"]
-    assert info["model_config"]["max_model_len"] == MAX_LEN and info["model_config"]["dtype"] == "float32"
+    assert info["model_config"]["max_model_len"] == MAX_LEN and info["model_config"]["dtype"] == "torch.float32"
     assert info["model_config"]["served_model_name"] == [MODEL] and info["lora_config"] is None
     assert isinstance(web.get("/server_info").json()["vllm_config"], str)
 
