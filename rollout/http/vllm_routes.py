@@ -145,11 +145,13 @@ async def reset_prefix_cache(request: Request, reset_running_requests: bool = Qu
     if busy and not reset_running_requests:
         return json_response({"success": False})
     if busy:  # NOTE: the running give their blocks back (recomputed from their tokens), then the reset
+        was_paused = stats.get("engine/state") == "paused"
         await _call(front.client.pause(PauseMode.RETRACT))
         try:
             await _call(front.client.reset_prefix_cache())
         finally:
-            await _call(front.client.continue_())
+            if not was_paused:  # NOTE: a caller's own pause stays in place
+                await _call(front.client.continue_())
     else:
         await _call(front.client.reset_prefix_cache())
     return json_response({"success": True})

@@ -52,6 +52,17 @@ def web(front_url):
         c.post("/wake_up")
 
 
+def wait_running(web, count: int = 1) -> None:
+    """Until `count` requests are in a slot (read from `/metrics`), bounded."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        line = next(ln for ln in web.get("/metrics").text.splitlines() if ln.startswith("vllm:num_requests_running"))
+        if float(line.split()[-1]) >= count:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{count} requests never ran")
+
+
 def greedy(engine, prompt: list[int], max_tokens: int) -> list[int]:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     return engine.generate([prompt], params, timeout=WAIT_S)[0].generated_token_ids
@@ -146,7 +157,7 @@ def test_pause_keep_then_resume_finishes_in_flight_work(web, front_url):
 
     worker = threading.Thread(target=run)
     worker.start()
-    time.sleep(0.3)
+    wait_running(web)
     assert web.post("/pause", params={"mode": "keep"}).json() == {"status": "paused", "mode": "keep",
                                                                    "clear_cache": "true"}
     assert web.get("/is_paused").json() == {"is_paused": True}
@@ -168,7 +179,7 @@ def test_pause_abort_ends_in_flight_with_abort(web, front_url):
 
     worker = threading.Thread(target=run)
     worker.start()
-    time.sleep(0.3)
+    wait_running(web)
     assert web.post("/pause").json()["mode"] == "abort"  # vLLM's default mode
     worker.join(WAIT_S)
     assert result["r"].json()["choices"][0]["finish_reason"] == "abort"
@@ -196,7 +207,7 @@ def test_abort_requests_by_id_and_all(web, front_url):
     workers = [threading.Thread(target=run, args=(rid,)) for rid in ("a", "b")]
     for w in workers:
         w.start()
-    time.sleep(0.4)
+    wait_running(web, 2)
     assert web.post("/abort_requests", json={"request_ids": ["a"]}).json() == {"status": "aborted", "aborted": 1}
     workers[0].join(WAIT_S)
     assert results["a"]["choices"][0]["finish_reason"] == "abort"
@@ -290,7 +301,7 @@ def test_update_weight_version_keeps_in_flight_work_and_splits_its_spans(web, fr
     old = int(web.get("/weight_info").json()["weight_version"])
     worker = threading.Thread(target=run)
     worker.start()
-    time.sleep(0.3)
+    wait_running(web)
     new = old + 5
     out = web.post("/update_weight_version", json={"new_version": f"v{new}"})
     assert out.status_code == 200 and out.json()["success"] is True and "kept" in out.json()["message"]
@@ -303,3 +314,26 @@ def test_update_weight_version_keeps_in_flight_work_and_splits_its_spans(web, fr
     assert web.get("/weight_info").json() == {"weight_version": str(new)}
     assert web.post("/update_weight_version", json={"new_version": str(new)}).status_code == 400  # not newer
     assert web.post("/update_weight_version", json={"new_version": "latest"}).status_code == 400
+
+
+def test_reset_with_running_requests_retracts_them_and_keeps_a_callers_pause(web, front_url):
+    """`reset_running_requests`: the running give their blocks back (recomputed) and the cache
+    resets; a pause the caller had made stays in place."""
+    result = {}
+
+    def run() -> None:
+        with httpx.Client(base_url=front_url, timeout=WAIT_S) as c:
+            result["r"] = c.post("/inference/v1/generate", json={
+                "token_ids": [1, 2, 3], "sampling_params": {"temperature": 0, "max_tokens": 300, "ignore_eos": True}})
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    wait_running(web)
+    assert web.post("/reset_prefix_cache").json() == {"success": False}  # blocks held: vLLM's answer
+    web.post("/pause", params={"mode": "keep"})
+    assert web.post("/reset_prefix_cache", params={"reset_running_requests": True}).json() == {"success": True}
+    assert web.get("/is_paused").json() == {"is_paused": True}
+    web.post("/resume")
+    worker.join(WAIT_S)
+    choice = result["r"].json()["choices"][0]
+    assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 300
