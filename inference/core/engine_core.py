@@ -26,7 +26,7 @@ from inference.config import InferenceConfig, PauseMode, SuspendedAddPolicy, Sus
 from inference.core import outputs as out_ops
 from inference.core.ep_step import ExpertParallelSteps
 from inference.core.memory import SuspendReport, available_device_memory, memory_in_use
-from inference.core.states import EngineState, OnFinished, OnTokens
+from inference.core.states import EngineState, OnFinished, OnTokens, memory_parts
 from inference.errors import (
     BlockOverflowError,
     EngineStateError,
@@ -53,7 +53,6 @@ from inference.weights.staging import Staging
 logger = logging.getLogger(__name__)
 
 KV_TRACE_STEPS = 1 << 14  # steps of blocks-in-use history kept for peak-utilisation queries
-MEMORY_TAGS = ("kv_cache", "weights")  # what suspend frees, part by part (vLLM's sleep tags, SGLang's)
 
 
 class EngineCore:
@@ -328,7 +327,7 @@ class EngineCore:
         first part to sleep suspends the engine; in-flight requests follow `policy` (default: the
         config's; OFFLOAD keeps them in place while their KV stays).
         """
-        parts = self._memory_parts(tags, offload_weights or discard_weights)
+        parts = memory_parts(tags, offload_weights or discard_weights)
         new = parts - self.asleep
         if not new:
             return SuspendReport.nothing()
@@ -368,9 +367,9 @@ class EngineCore:
         if not self.asleep:
             if tags is None:
                 raise EngineStateError(f"resume() without suspend(): the engine is {self.state.value}")
-            self._memory_parts(tags, False)  # NOTE: still refuses an unknown tag
+            memory_parts(tags, False)  # NOTE: still refuses an unknown tag
             return
-        wake = set(self.asleep) if tags is None else self._memory_parts(tags, False) & self.asleep
+        wake = set(self.asleep) if tags is None else memory_parts(tags, False) & self.asleep
         if not wake:
             return
         device = self.kv_cache.device
@@ -396,17 +395,6 @@ class EngineCore:
         if not self.asleep:
             self.runner.reacquire()  # CUDA graphs captured again, over the weights and buffers both back
             self.state, self.pause_mode = self._before_suspend
-
-    def _memory_parts(self, tags: Optional[Collection[str]], weights: bool) -> set[str]:
-        if tags is None:
-            return {"kv_cache", "weights"} if weights else {"kv_cache"}
-        if isinstance(tags, str):
-            tags = [tags]
-        parts = set(tags)
-        unknown = parts - set(MEMORY_TAGS)
-        if unknown or not parts:
-            raise ValueError(f"tags must name some of {list(MEMORY_TAGS)}, got {sorted(map(str, tags))}")
-        return parts
 
     def _offload_in_slot_requests(self) -> int:
         """Copy what every request in a slot holds (KV blocks, state) to host; slots stay as they are."""

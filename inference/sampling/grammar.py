@@ -211,9 +211,9 @@ class GrammarSlots:
         if rows.size == 0:
             return None
         width = (self.vocab_size + 31) // 32
-        if self._bitmask is None or self._bitmask.shape[0] < rows.size:
-            self._bitmask = torch.empty((max(rows.size, 2 * (0 if self._bitmask is None else len(self._bitmask))),
-                                         width), dtype=torch.int32)
+        have = 0 if self._bitmask is None else len(self._bitmask)
+        if have < rows.size:  # NOTE: grown by doubling, never shrunk
+            self._bitmask = torch.empty((max(rows.size, 2 * have), width), dtype=torch.int32)
             self._executor = self._executor or llg.LLExecutor(_GRAMMAR_THREADS)
         bitmask = self._bitmask[: rows.size]
         work = [(self.matchers[int(slots[r])], i) for i, r in enumerate(rows.tolist())]

@@ -102,6 +102,14 @@ def engine_param(message: str) -> Optional[str]:
     return BODY_NAMES.get(match.group(1), match.group(1))
 
 
+async def engine_call(awaitable: Any) -> Any:
+    """`await awaitable`, an engine-side refusal raised as the `APIError` it means (`from_exception`)."""
+    try:
+        return await awaitable
+    except Exception as exc:  # noqa: BLE001 (mapped onto the HTTP status it means)
+        raise from_exception(exc) from None
+
+
 def from_exception(exc: BaseException) -> APIError:
     """What an exception from the engine side means to an HTTP client."""
     if isinstance(exc, APIError):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -118,6 +119,12 @@ class HttpFront:
 
     def generation(self, spec: GenSpec) -> Generation:
         return Generation(self, spec)
+
+    async def abort_where(self, chosen: Callable[[str], bool]) -> int:
+        """Abort the running generations whose request id `chosen` picks; how many."""
+        gens = [gen for rid, gen in list(self.inflight.items()) if chosen(rid)]
+        await asyncio.gather(*(gen.abort() for gen in gens))
+        return len(gens)
 
     async def encode(self, text: str) -> list[int]:
         try:

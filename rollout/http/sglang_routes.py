@@ -36,7 +36,7 @@ from fastapi.responses import StreamingResponse
 from inference import PauseMode, SamplingParams, SuspendPolicy
 from rollout.http import structured
 from rollout.http.disconnects import unless_disconnected
-from rollout.http.errors import APIError, from_exception
+from rollout.http.errors import APIError, engine_call, from_exception
 from rollout.http.front import HttpFront
 from rollout.http.generation import GenSpec, Sample
 from rollout.http.logprobs import ranked as top_entries
@@ -192,22 +192,20 @@ def _rids(rid: Any, count: int) -> list[str]:
 @router.post("/abort_request")
 async def abort_request(body: AbortReq, request: Request) -> Response:
     front = front_of(request)
-    chosen = [gen for rid, gen in list(front.inflight.items())
-              if body.abort_all or rid == body.rid or rid.startswith(f"{body.rid}-")]
-    await asyncio.gather(*(gen.abort() for gen in chosen))
+    await front.abort_where(lambda rid: body.abort_all or rid == body.rid or rid.startswith(f"{body.rid}-"))
     return Response(status_code=200)
 
 
 @router.post("/pause_generation")
 async def pause_generation(request: Request) -> Response:
     body = await _optional(request, PauseGenerationReqInput)
-    await _call(front_of(request).client.pause(PAUSE_MODES[body.mode]))
+    await engine_call(front_of(request).client.pause(PAUSE_MODES[body.mode]))
     return json_response({"message": "Generation paused successfully.", "status": "ok"})
 
 
 @router.post("/continue_generation")
 async def continue_generation(request: Request) -> Response:
-    await _call(front_of(request).client.continue_())
+    await engine_call(front_of(request).client.continue_())
     return json_response({"message": "Generation continued successfully.", "status": "ok"})
 
 
@@ -215,10 +213,10 @@ async def continue_generation(request: Request) -> Response:
 async def flush_cache(request: Request) -> Response:
     """Refused (400) while requests hold KV blocks (running, or paused in place), as SGLang does."""
     client = front_of(request).client
-    stats = await _call(client.stats())
+    stats = await engine_call(client.stats())
     if float(stats.get("kv_utilization", 0.0) or 0.0) > 0.0:
         return Response(FLUSH_MESSAGE, status_code=400, media_type="text/plain")
-    await _call(client.reset_prefix_cache())
+    await engine_call(client.reset_prefix_cache())
     return Response(FLUSH_MESSAGE, status_code=200, media_type="text/plain")
 
 
@@ -249,7 +247,7 @@ def _memory_parts(tags: Optional[list[str]]) -> list[str]:
 
 @router.get("/get_weight_version")
 async def get_weight_version(request: Request) -> Response:
-    return json_response({"weight_version": str(await _call(front_of(request).policy_version()))})
+    return json_response({"weight_version": str(await engine_call(front_of(request).policy_version()))})
 
 
 @router.get("/get_model_info")
@@ -258,7 +256,7 @@ async def get_model_info(request: Request) -> Response:
     return json_response({"model_path": front.config.model_path or front.config.model_name,
                           "tokenizer_path": front.config.model_path or front.config.model_name,
                           "is_generation": True, "preferred_sampling_params": None,
-                          "weight_version": str(await _call(front.policy_version())),
+                          "weight_version": str(await engine_call(front.policy_version())),
                           "has_image_understanding": False, "has_audio_understanding": False})
 
 
@@ -266,7 +264,7 @@ async def get_model_info(request: Request) -> Response:
 async def get_server_info(request: Request) -> Response:
     """The engine server's stats (SGLang's `internal_states`) and this front's session counters."""
     front = front_of(request)
-    stats = await _call(front.client.stats())
+    stats = await engine_call(front.client.stats())
     sessions = front.sessions
     return json_response({"internal_states": [stats], "sglang_api_version": SGLANG_API_VERSION,
                           "max_model_len": front.config.max_model_len, "served_model_name": front.config.model_name,
@@ -350,13 +348,6 @@ async def health_generate(request: Request) -> Response:
     except Exception:  # noqa: BLE001
         return Response(status_code=503)
     return Response(status_code=200)
-
-
-async def _call(awaitable: Any) -> Any:
-    try:
-        return await awaitable
-    except Exception as exc:  # noqa: BLE001
-        raise from_exception(exc) from exc
 
 
 async def _memory_call(awaitable: Any) -> Any:

@@ -30,7 +30,6 @@ vLLM (SkyRL's remote client, TRL's async GRPO, prime-rl, verifiers) drive this f
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
@@ -41,12 +40,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 
 from inference import PauseMode, SuspendPolicy, UpdatePolicy
+from inference.core.states import MEMORY_TAGS
 from rollout.http import structured
-from rollout.http.errors import APIError, from_exception
+from rollout.http.errors import APIError, engine_call
 from rollout.http.front import HttpFront
 from rollout.http.generation import Generation, GenSpec, Sample
 from rollout.http.logprobs import chat_top, prompt_entries
-from rollout.http.openai_routes import json_response, sse
+from rollout.http.openai_routes import front_of, json_response, sse
 from rollout.http.sampling import sampling_params
 from rollout.http.schemas import MAX_N, MAX_STOP, MAX_TOP_LOGPROBS, Strict, StructuredOutputsBody, refuse
 from weight_sync import ManifestError, VersionSource, parse_weight_version
@@ -54,11 +54,6 @@ from weight_sync import ManifestError, VersionSource, parse_weight_version
 router = APIRouter()
 VLLM_API_VERSION = "0.22.1"  # the vLLM release whose RL routes these mirror
 PAUSE_MODES = {"abort": PauseMode.ABORT, "wait": PauseMode.WAIT, "keep": PauseMode.KEEP}
-SLEEP_TAGS = ("kv_cache", "weights")
-
-
-def front_of(request: Request) -> HttpFront:
-    return request.app.state.front
 
 
 def vllm_error(status: int, message: str) -> JSONResponse:
@@ -66,17 +61,8 @@ def vllm_error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
-async def _call(awaitable: Any) -> Any:
-    try:
-        return await awaitable
-    except APIError:
-        raise
-    except Exception as exc:  # noqa: BLE001 (mapped onto the HTTP status it means)
-        raise from_exception(exc) from None
-
-
 async def _state(front: HttpFront) -> str:
-    return (await _call(front.client.stats())).get("engine/state", "running")
+    return (await engine_call(front.client.stats())).get("engine/state", "running")
 
 
 # ---- control -------------------------------------------------------------------------------------
@@ -90,9 +76,9 @@ async def pause(request: Request, mode: str = Query("abort"), wait_for_inflight_
     if wait_for_inflight_requests and mode == "abort":  # NOTE: vLLM's deprecated spelling of mode=wait
         mode = "wait"
     front = front_of(request)
-    await _call(front.client.pause(PAUSE_MODES[mode]))
+    await engine_call(front.client.pause(PAUSE_MODES[mode]))
     if clear_cache and mode != "keep":
-        await _call(front.client.reset_prefix_cache())
+        await engine_call(front.client.reset_prefix_cache())
     # NOTE: vLLM answers the status; the parameters as received come too (SkyRL's client tests read them)
     return json_response({"status": "paused", "mode": mode,
                           "clear_cache": request.query_params.get("clear_cache", "true")})
@@ -100,7 +86,7 @@ async def pause(request: Request, mode: str = Query("abort"), wait_for_inflight_
 
 @router.post("/resume")
 async def resume(request: Request) -> Response:
-    await _call(front_of(request).client.continue_())
+    await engine_call(front_of(request).client.continue_())
     return json_response({"status": "resumed"})
 
 
@@ -114,9 +100,7 @@ class AbortRequests(Strict):
 
 
 async def _abort(front: HttpFront, request_ids: Optional[list[str]]) -> int:
-    chosen = [gen for rid, gen in list(front.inflight.items()) if not request_ids or rid in request_ids]
-    await asyncio.gather(*(gen.abort() for gen in chosen))
-    return len(chosen)
+    return await front.abort_where(lambda rid: not request_ids or rid in request_ids)
 
 
 @router.post("/abort_requests")
@@ -140,20 +124,20 @@ async def reset_prefix_cache(request: Request, reset_running_requests: bool = Qu
                              reset_external: bool = Query(False)) -> Response:
     """`reset_external`: there is no external (connector) cache, so nothing more to reset."""
     front = front_of(request)
-    stats = await _call(front.client.stats())
+    stats = await engine_call(front.client.stats())
     busy = float(stats.get("kv_utilization", 0.0) or 0.0) > 0.0
     if busy and not reset_running_requests:
         return json_response({"success": False})
     if busy:  # NOTE: the running give their blocks back (recomputed from their tokens), then the reset
         was_paused = stats.get("engine/state") == "paused"
-        await _call(front.client.pause(PauseMode.RETRACT))
+        await engine_call(front.client.pause(PauseMode.RETRACT))
         try:
-            await _call(front.client.reset_prefix_cache())
+            await engine_call(front.client.reset_prefix_cache())
         finally:
             if not was_paused:  # NOTE: a caller's own pause stays in place
-                await _call(front.client.continue_())
+                await engine_call(front.client.continue_())
     else:
-        await _call(front.client.reset_prefix_cache())
+        await engine_call(front.client.reset_prefix_cache())
     return json_response({"success": True})
 
 
@@ -174,7 +158,7 @@ async def update_weight_version(body: UpdateWeightVersion, request: Request) -> 
     except ManifestError as exc:
         raise APIError(400, str(exc), param="new_version") from None
     policy = UpdatePolicy.ABORT if body.abort_all_requests else UpdatePolicy.KEEP
-    await _call(front_of(request).client.update_weights(VersionSource(version=version), policy=policy))
+    await engine_call(front_of(request).client.update_weights(VersionSource(version=version), policy=policy))
     kept = "aborted" if body.abort_all_requests else "kept"
     return json_response({"success": True, "new_version": body.new_version,
                           "message": f"Weight version updated to {body.new_version}; requests in flight {kept}."})
@@ -187,7 +171,7 @@ async def get_world_size(include_dp: bool = Query(True)) -> Response:
 
 @router.get("/weight_info")
 async def weight_info(request: Request) -> Response:
-    return json_response({"weight_version": str(await _call(front_of(request).policy_version()))})
+    return json_response({"weight_version": str(await engine_call(front_of(request).policy_version()))})
 
 
 @router.get("/server_info")
@@ -195,7 +179,7 @@ async def server_info(request: Request, config_format: str = Query("text")) -> R
     if config_format not in ("text", "json"):
         raise APIError(400, f"config_format must be text or json, got {config_format!r}", param="config_format")
     front = front_of(request)
-    stats = await _call(front.client.stats())
+    stats = await engine_call(front.client.stats())
     cfg = front.config
     config = {
         "model_config": {"model": cfg.model_path or cfg.model_name, "served_model_name": list(front.model_names),
@@ -219,9 +203,9 @@ async def server_info(request: Request, config_format: str = Query("text")) -> R
 
 def _tags(request: Request) -> Optional[list[str]]:
     tags = request.query_params.getlist("tags") or None
-    bad = [t for t in tags or () if t not in SLEEP_TAGS]
+    bad = [t for t in tags or () if t not in MEMORY_TAGS]
     if bad:
-        raise APIError(400, f"Unknown sleep tags {bad}: expected {list(SLEEP_TAGS)}", param="tags")
+        raise APIError(400, f"Unknown sleep tags {bad}: expected {list(MEMORY_TAGS)}", param="tags")
     return tags
 
 
@@ -233,7 +217,7 @@ async def sleep(request: Request, level: int = Query(1)) -> Response:
     if level not in (1, 2):
         raise APIError(400, f"Sleep level must be 1 or 2, got {level}", param="level")
     asked = _tags(request)
-    await _call(front_of(request).client.suspend(SuspendPolicy.RECOMPUTE, tags=asked or list(SLEEP_TAGS),
+    await engine_call(front_of(request).client.suspend(SuspendPolicy.RECOMPUTE, tags=asked or list(MEMORY_TAGS),
                                                  discard_weights=level == 2))
     return json_response({"status": "sleeping", "level": level, "tags": asked})
 
@@ -245,7 +229,7 @@ async def wake_up(request: Request) -> Response:
     tags = _tags(request)
     front = front_of(request)
     if tags is not None or await _state(front) == "suspended":  # NOTE: awake already: nothing to do
-        await _call(front.client.resume(tags=tags))
+        await engine_call(front.client.resume(tags=tags))
     return json_response({"status": "awake", "tags": tags})
 
 

@@ -27,6 +27,7 @@ from typing import Any, Optional, Union
 import msgspec
 
 from inference.config import PauseMode
+from inference.core.states import memory_parts
 from rollout.wire.kinds import ErrorCode, Kind
 from rollout.wire.messages import (
     Continue,
@@ -134,10 +135,8 @@ def merge_stats(replies: list[dict[str, StatValue]]) -> dict[str, StatValue]:
 
 
 def asleep_parts(msg: Suspend) -> set[str]:
-    """The parts a `Suspend` puts to sleep (the engine's reading of it)."""
-    if msg.tags is not None:
-        return set(msg.tags)
-    return {"kv_cache", "weights"} if msg.offload_weights or msg.discard_weights else {"kv_cache"}
+    """The parts a `Suspend` puts to sleep (the engine's own reading of it)."""
+    return memory_parts(msg.tags, msg.offload_weights or msg.discard_weights)
 
 
 @dataclass(slots=True)

@@ -1,4 +1,7 @@
-"""Fixtures every HTTP test module shares; each module says what `model_dir` and `front_url` are."""
+"""Fixtures the HTTP test modules share. By default `model_dir` is the tiny chat model, `http_server`
+a `rollout serve --http` process on it, and `front_url` its front twice over: its own (calling the
+engine in process) and one in this process over ZMQ to the same server; a module that needs another
+model or front defines its own fixture of that name."""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ import openai
 import pytest
 
 from rollout.text import TextCodec
-from tests.rollout.http_util import WAIT_S
+from tests.rollout.http_util import HTTP_SERVER_ARGS, MAX_LEN, MODEL, WAIT_S, save_tiny_chat_model
 
 
 @pytest.fixture(scope="module")
@@ -18,3 +21,38 @@ def codec(model_dir):
 def oai(front_url):
     with openai.OpenAI(base_url=f"{front_url}/v1", api_key="unused", timeout=WAIT_S, max_retries=0) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
+
+
+@pytest.fixture(scope="module")
+def http_server(model_dir):
+    from rollout import ServerProcess
+
+    proc = ServerProcess(model_dir, *HTTP_SERVER_ARGS, ready_timeout=WAIT_S)
+    try:
+        assert proc.http_url is not None, "\n".join(proc.output)
+        yield proc
+    finally:
+        proc.stop(grace_s=5.0)
+
+
+@pytest.fixture(scope="module", params=["in_process", "zmq"])
+def front_url(request, http_server, model_dir):
+    """The HTTP front under test: `rollout serve --http`'s own, or one over ZMQ to the same server."""
+    if request.param == "in_process":
+        yield http_server.http_url
+        return
+    from rollout.http.clients import FrontClient
+    from rollout.http.launch import start_front
+
+    front = start_front(http_server.address, model_dir, served_model_name=MODEL, max_model_len=MAX_LEN,
+                        timeout=WAIT_S)
+    try:
+        assert isinstance(front.front.client, FrontClient)
+        yield front.url
+    finally:
+        front.stop()

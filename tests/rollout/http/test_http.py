@@ -22,44 +22,9 @@ import pytest
 
 from inference import DynamicInferenceEngine, SamplingParams
 from rollout.http.sglang_routes import SGLANG_API_VERSION
-from tests.rollout.http_util import HTTP_SERVER_ARGS, MAX_LEN, MODEL, WAIT_S, engine_config, save_tiny_chat_model
+from tests.rollout.http_util import MAX_LEN, MODEL, WAIT_S, engine_config, save_tiny_chat_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
-
-
-@pytest.fixture(scope="module")
-def http_server(model_dir):
-    from rollout import ServerProcess
-
-    proc = ServerProcess(model_dir, *HTTP_SERVER_ARGS, ready_timeout=WAIT_S)
-    try:
-        assert proc.http_url is not None, "\n".join(proc.output)
-        yield proc
-    finally:
-        proc.stop(grace_s=5.0)
-
-
-@pytest.fixture(scope="module", params=["in_process", "zmq"])
-def front_url(request, http_server, model_dir):
-    """The HTTP front under test: `rollout serve --http`'s own, or one over ZMQ to the same server."""
-    if request.param == "in_process":
-        yield http_server.http_url
-        return
-    from rollout.http.clients import FrontClient
-    from rollout.http.launch import start_front
-
-    front = start_front(http_server.address, model_dir, served_model_name=MODEL, max_model_len=MAX_LEN,
-                        timeout=WAIT_S)
-    try:
-        assert isinstance(front.front.client, FrontClient)
-        yield front.url
-    finally:
-        front.stop()
 
 
 @pytest.fixture(scope="module")

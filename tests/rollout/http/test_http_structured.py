@@ -12,7 +12,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.rollout.http_util import HTTP_SERVER_ARGS, MAX_LEN, MODEL, WAIT_S, save_tiny_chat_model
+from tests.rollout.http_util import MODEL, WAIT_S
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -24,38 +24,6 @@ PERSON = {"type": "object", "properties": {
     "required": ["name", "age", "pet"], "additionalProperties": False}
 ASK = [{"role": "user", "content": "Describe a person."}]
 COMPACT = {"disable_any_whitespace": True}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat"))
-
-
-@pytest.fixture(scope="module")
-def http_server(model_dir):
-    from rollout import ServerProcess
-
-    proc = ServerProcess(model_dir, *HTTP_SERVER_ARGS, ready_timeout=WAIT_S)
-    try:
-        assert proc.http_url is not None, "\n".join(proc.output)
-        yield proc
-    finally:
-        proc.stop(grace_s=5.0)
-
-
-@pytest.fixture(scope="module", params=["in_process", "zmq"])
-def front_url(request, http_server, model_dir):
-    if request.param == "in_process":
-        yield http_server.http_url
-        return
-    from rollout.http.launch import start_front
-
-    front = start_front(http_server.address, model_dir, served_model_name=MODEL, max_model_len=MAX_LEN,
-                        timeout=WAIT_S)
-    try:
-        yield front.url
-    finally:
-        front.stop()
 
 
 @pytest.fixture

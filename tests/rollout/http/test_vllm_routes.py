@@ -4,9 +4,10 @@ itself. A front on an engine in this process (`serve_front`), real HTTP."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
-import threading
 import time
+from typing import Optional
 
 import httpx
 import pytest
@@ -50,6 +51,21 @@ def web(front_url):
         yield c
         c.post("/resume")
         c.post("/wake_up")
+
+
+POSTER = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="in-flight")
+
+
+def in_flight(front_url: str, max_tokens: int, request_id: Optional[str] = None) -> concurrent.futures.Future:
+    """A greedy generation of `max_tokens` posted on another thread: the future of its response."""
+    body = {"token_ids": [1, 2, 3], "sampling_params": {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True}}
+    if request_id is not None:
+        body["request_id"] = request_id
+
+    def post() -> httpx.Response:
+        with httpx.Client(base_url=front_url, timeout=WAIT_S) as c:
+            return c.post("/inference/v1/generate", json=body)
+    return POSTER.submit(post)
 
 
 def wait_running(web, count: int = 1) -> None:
@@ -148,41 +164,24 @@ def test_version_spans_cover_runs():
 def test_pause_keep_then_resume_finishes_in_flight_work(web, front_url):
     """`/pause?mode=keep` freezes a request mid-generation; `/resume` lets it finish (SkyRL's and
     TRL's weight-sync cycle)."""
-    result = {}
-
-    def run() -> None:
-        with httpx.Client(base_url=front_url, timeout=WAIT_S) as c:
-            result["r"] = c.post("/inference/v1/generate", json={
-                "token_ids": [1, 2, 3], "sampling_params": {"temperature": 0, "max_tokens": 300, "ignore_eos": True}})
-
-    worker = threading.Thread(target=run)
-    worker.start()
+    pending = in_flight(front_url, 300)
     wait_running(web)
     assert web.post("/pause", params={"mode": "keep"}).json() == {"status": "paused", "mode": "keep",
                                                                    "clear_cache": "true"}
     assert web.get("/is_paused").json() == {"is_paused": True}
     assert web.post("/resume").json() == {"status": "resumed"}
     assert web.get("/is_paused").json() == {"is_paused": False}
-    worker.join(WAIT_S)
-    reply = result["r"].json()
-    assert result["r"].status_code == 200 and reply["choices"][0]["finish_reason"] == "length"
+    response = pending.result(WAIT_S)
+    reply = response.json()
+    assert response.status_code == 200 and reply["choices"][0]["finish_reason"] == "length"
     assert len(reply["choices"][0]["token_ids"]) == 300
 
 
 def test_pause_abort_ends_in_flight_with_abort(web, front_url):
-    result = {}
-
-    def run() -> None:
-        with httpx.Client(base_url=front_url, timeout=WAIT_S) as c:
-            result["r"] = c.post("/inference/v1/generate", json={
-                "token_ids": [1, 2, 3], "sampling_params": {"temperature": 0, "max_tokens": 400, "ignore_eos": True}})
-
-    worker = threading.Thread(target=run)
-    worker.start()
+    pending = in_flight(front_url, 400)
     wait_running(web)
     assert web.post("/pause").json()["mode"] == "abort"  # vLLM's default mode
-    worker.join(WAIT_S)
-    assert result["r"].json()["choices"][0]["finish_reason"] == "abort"
+    assert pending.result(WAIT_S).json()["choices"][0]["finish_reason"] == "abort"
     web.post("/resume")
 
 
@@ -196,24 +195,12 @@ def test_bad_control_input_is_a_400_and_the_server_serves_on(web):
 
 
 def test_abort_requests_by_id_and_all(web, front_url):
-    results = {}
-
-    def run(rid: str) -> None:
-        with httpx.Client(base_url=front_url, timeout=WAIT_S) as c:
-            results[rid] = c.post("/inference/v1/generate", json={
-                "request_id": rid, "token_ids": [1, 2, 3],
-                "sampling_params": {"temperature": 0, "max_tokens": 400, "ignore_eos": True}}).json()
-
-    workers = [threading.Thread(target=run, args=(rid,)) for rid in ("a", "b")]
-    for w in workers:
-        w.start()
+    pending = {rid: in_flight(front_url, 400, request_id=rid) for rid in ("a", "b")}
     wait_running(web, 2)
     assert web.post("/abort_requests", json={"request_ids": ["a"]}).json() == {"status": "aborted", "aborted": 1}
-    workers[0].join(WAIT_S)
-    assert results["a"]["choices"][0]["finish_reason"] == "abort"
+    assert pending["a"].result(WAIT_S).json()["choices"][0]["finish_reason"] == "abort"
     assert web.post("/inference/v1/abort_requests", json={"request_ids": ["b"]}).status_code == 200
-    workers[1].join(WAIT_S)
-    assert results["b"]["choices"][0]["finish_reason"] == "abort"
+    assert pending["b"].result(WAIT_S).json()["choices"][0]["finish_reason"] == "abort"
     assert web.post("/abort_requests", json={}).json() == {"status": "aborted", "aborted": 0}
 
 
@@ -291,22 +278,13 @@ def test_metrics_in_prometheus_text_with_vllms_names(web):
 def test_update_weight_version_keeps_in_flight_work_and_splits_its_spans(web, front_url):
     """vLLM's and SGLang's `/update_weight_version`: nothing aborted (unless asked); the request in
     flight goes on and its tokens after the change carry the new version."""
-    result = {}
-
-    def run() -> None:
-        with httpx.Client(base_url=front_url, timeout=WAIT_S) as c:
-            result["r"] = c.post("/inference/v1/generate", json={
-                "token_ids": [1, 2, 3], "sampling_params": {"temperature": 0, "max_tokens": 300, "ignore_eos": True}})
-
     old = int(web.get("/weight_info").json()["weight_version"])
-    worker = threading.Thread(target=run)
-    worker.start()
+    pending = in_flight(front_url, 300)
     wait_running(web)
     new = old + 5
     out = web.post("/update_weight_version", json={"new_version": f"v{new}"})
     assert out.status_code == 200 and out.json()["success"] is True and "kept" in out.json()["message"]
-    worker.join(WAIT_S)
-    choice = result["r"].json()["choices"][0]
+    choice = pending.result(WAIT_S).json()["choices"][0]
     assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 300
     spans = choice["weight_versions"]
     assert [s["version"] for s in spans] == [old, new] and spans[0]["end"] == spans[1]["start"]
@@ -319,21 +297,12 @@ def test_update_weight_version_keeps_in_flight_work_and_splits_its_spans(web, fr
 def test_reset_with_running_requests_retracts_them_and_keeps_a_callers_pause(web, front_url):
     """`reset_running_requests`: the running give their blocks back (recomputed) and the cache
     resets; a pause the caller had made stays in place."""
-    result = {}
-
-    def run() -> None:
-        with httpx.Client(base_url=front_url, timeout=WAIT_S) as c:
-            result["r"] = c.post("/inference/v1/generate", json={
-                "token_ids": [1, 2, 3], "sampling_params": {"temperature": 0, "max_tokens": 300, "ignore_eos": True}})
-
-    worker = threading.Thread(target=run)
-    worker.start()
+    pending = in_flight(front_url, 300)
     wait_running(web)
     assert web.post("/reset_prefix_cache").json() == {"success": False}  # blocks held: vLLM's answer
     web.post("/pause", params={"mode": "keep"})
     assert web.post("/reset_prefix_cache", params={"reset_running_requests": True}).json() == {"success": True}
     assert web.get("/is_paused").json() == {"is_paused": True}
     web.post("/resume")
-    worker.join(WAIT_S)
-    choice = result["r"].json()["choices"][0]
+    choice = pending.result(WAIT_S).json()["choices"][0]
     assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 300
