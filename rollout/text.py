@@ -37,8 +37,14 @@ class PromptTooLongError(ValueError):
     """A text too long to be a prompt of this codec's `max_tokens`, seen before tokenizing it."""
 
 
+class TokenizerUnavailableError(ValueError):
+    """Text asked of a codec without a tokenizer (a front started with `--skip-tokenizer-init`)."""
+
+
 class TextCodec:
     """Encode, decode and render chat for one model. Thread-safe for reads (HF fast tokenizers)."""
+
+    has_text = True  # a tokenizer behind it (see TokenOnlyCodec)
 
     def __init__(self, tokenizer: Any, name: str = "", max_tokens: Optional[int] = None) -> None:
         self.tokenizer = tokenizer
@@ -150,6 +156,61 @@ class TextCodec:
             closing = closing[len(self.eos_text):]
         suffix = closing + full[len(with_reply):]
         return [*map(int, prompt_ids), *map(int, sampled_ids), *self.encode(suffix, add_special_tokens=False)]
+
+
+class TokenOnlyCodec(TextCodec):
+    """What a front knows of a model without its tokenizer, as vLLM's `--skip-tokenizer-init`
+    serves: token ids in and out. The vocabulary size and EOS come from the model's config.json;
+    a completion's text is empty (nothing decodes it), a log-prob's token is `token_id:N`, and
+    anything that needs text in (a text or chat prompt, stop strings, bad words, tokenize) is
+    refused with `TokenizerUnavailableError`, a 400 over HTTP."""
+
+    has_text = False
+
+    def __init__(self, vocab_size: int, eos_token_ids: Sequence[int] = (), name: str = "",
+                 max_tokens: Optional[int] = None) -> None:
+        if vocab_size < 1:
+            raise ValueError(f"TokenOnlyCodec.vocab_size must be >= 1, got {vocab_size}")
+        self.tokenizer = None
+        self.name, self.max_tokens, self.vocab_size = name, max_tokens, int(vocab_size)
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.eos_text = ""
+
+    @classmethod
+    def from_config(cls, model_dir: Union[str, os.PathLike]) -> TokenOnlyCodec:
+        """From `model_dir/config.json` (`vocab_size`; `eos_token_id`, one id or a list)."""
+        import json
+
+        path = Path(model_dir)
+        try:
+            config = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise FileNotFoundError(f"{path}: no readable config.json for a token-only front ({exc})") from None
+        if not isinstance(config.get("vocab_size"), int):
+            raise ValueError(f"{path / 'config.json'}: no integer vocab_size")
+        eos = config.get("eos_token_id")
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        return cls(config["vocab_size"], eos, name=path.name)
+
+    def refuse(self, what: str) -> TokenizerUnavailableError:
+        return TokenizerUnavailableError(f"{what} needs a tokenizer, and this server was started without one "
+                                         "(--skip-tokenizer-init): send token ids")
+
+    @cached_property
+    def longest_token_chars(self) -> int:
+        raise self.refuse("text")
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        raise self.refuse("a text prompt")
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return ""
+
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        return [f"token_id:{int(t)}" for t in ids]
+
+    def render(self, messages: Sequence[Message], **_: Any) -> str:
+        raise self.refuse("a chat prompt")
 
 
 def has_tokenizer(path: Union[str, os.PathLike]) -> bool:

@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from inference import SamplingParams
 from inference.errors import ContextOverflowError, EngineStateError, OverloadedError
 from rollout.http.schemas import FIELD_ERROR, LONE_SURROGATE
-from rollout.text import PromptTooLongError
+from rollout.text import PromptTooLongError, TokenizerUnavailableError
 from rollout.wire.codec import ProtocolError
 from rollout.wire.kinds import ErrorCode
 
@@ -192,6 +192,11 @@ async def http_error_handler(request: Request, exc: StarletteHTTPException) -> J
     return error_response(request, APIError(exc.status_code, message, code=None), headers=exc.headers)
 
 
+async def no_tokenizer_handler(request: Request, exc: TokenizerUnavailableError) -> JSONResponse:
+    """Text asked of a token-only front (`--skip-tokenizer-init`), wherever a route met it."""
+    return error_response(request, APIError(400, str(exc)))
+
+
 async def internal_error_handler(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("%s %s failed", request.method, request.url.path)
     return error_response(request, APIError(500, f"{type(exc).__name__}: {exc}", type="server_error"))
@@ -201,4 +206,5 @@ def install(app: Any) -> None:
     app.add_exception_handler(RequestValidationError, validation_handler)
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    app.add_exception_handler(TokenizerUnavailableError, no_tokenizer_handler)
     app.add_exception_handler(Exception, internal_error_handler)

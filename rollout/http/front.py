@@ -118,6 +118,8 @@ class HttpFront:
                                prompt_logprobs=prompt_logprobs, structured=structured)
 
     def generation(self, spec: GenSpec) -> Generation:
+        if spec.stops and not self.codec.has_text:  # NOTE: stop strings are matched on the decoded text
+            raise APIError(400, str(self.codec.refuse("a stop string")), param="stop")
         return Generation(self, spec)
 
     async def abort_where(self, chosen: Callable[[str], bool]) -> int:

@@ -12,7 +12,7 @@ from rollout.http.app import HttpServer, build_app
 from rollout.http.clients import FrontClient, ServiceClient
 from rollout.http.connections import ConnectionLimits
 from rollout.http.front import FrontConfig, HttpFront
-from rollout.text import TextCodec
+from rollout.text import TextCodec, TokenOnlyCodec
 from rollout.wire.security import ClientSecurity
 
 
@@ -45,14 +45,19 @@ def serve_front(client: FrontClient, model_dir: Path, *, host: str = "127.0.0.1"
                 served_model_name: Union[str, Sequence[str], None] = None, max_model_len: Optional[int] = None,
                 api_key: Optional[str] = None, timeout: float = 600.0, tokenizer: Any = None,
                 limits: Optional[ConnectionLimits] = None, allowed_hosts: Iterable[str] = (),
-                on_stop: Optional[Callable[[], None]] = None, tool_call_parser: str = "none") -> RunningFront:
+                on_stop: Optional[Callable[[], None]] = None, tool_call_parser: str = "none",
+                skip_tokenizer_init: bool = False) -> RunningFront:
     """Serve HTTP on `host:port` over `client`; `on_stop` runs after the server stops (and if it
     fails to start). `served_model_name`: one name or several (the first reported; default the
     directory's name). `limits`, `allowed_hosts`: see `rollout.http.app.HttpServer`;
-    `tool_call_parser`: see `rollout.http.tools`."""
+    `tool_call_parser`: see `rollout.http.tools`; `skip_tokenizer_init`: token ids in and out only
+    (`rollout.text.TokenOnlyCodec`), for a model directory without a tokenizer, as vLLM's flag."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     try:
-        codec = TextCodec.load(tokenizer if tokenizer is not None else model_dir)
+        if skip_tokenizer_init and tokenizer is not None:
+            raise ValueError("skip_tokenizer_init and a tokenizer cannot both be given")
+        codec = TokenOnlyCodec.from_config(model_dir) if skip_tokenizer_init \
+            else TextCodec.load(tokenizer if tokenizer is not None else model_dir)
         config = FrontConfig(model_name=names[0] if names else Path(model_dir).name, aliases=tuple(names[1:]),
                              max_model_len=max_model_len or model_context(model_dir), model_path=str(model_dir),
                              timeout=timeout, api_key=api_key, tool_parser=tool_call_parser)
@@ -70,10 +75,11 @@ def start_front(address: str, model_dir: Path, *, host: str = "127.0.0.1", port:
                 served_model_name: Union[str, Sequence[str], None] = None, max_model_len: Optional[int] = None,
                 api_key: Optional[str] = None, token: Optional[str] = None, timeout: float = 600.0,
                 tokenizer: Any = None, limits: Optional[ConnectionLimits] = None,
-                allowed_hosts: Iterable[str] = (), tool_call_parser: str = "none") -> RunningFront:
+                allowed_hosts: Iterable[str] = (), tool_call_parser: str = "none",
+                skip_tokenizer_init: bool = False) -> RunningFront:
     """Serve HTTP on `host:port` in front of the rollout service at `address` (a server or router)."""
     client = ServiceClient(address, timeout=timeout, security=ClientSecurity(token=token) if token else None)
     return serve_front(client, model_dir, host=host, port=port, served_model_name=served_model_name,
                        max_model_len=max_model_len, api_key=api_key, timeout=timeout, tokenizer=tokenizer,
                        limits=limits, allowed_hosts=allowed_hosts, on_stop=client.connection.close,
-                       tool_call_parser=tool_call_parser)
+                       tool_call_parser=tool_call_parser, skip_tokenizer_init=skip_tokenizer_init)

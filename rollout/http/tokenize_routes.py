@@ -85,12 +85,17 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
     front = front_of(request)
     front.check_model(body.model)
     front.check_ids([body.tokens], "tokens")
+    if not front.codec.has_text:
+        raise front.codec.refuse("/detokenize")
     return json_response({"prompt": front.codec.decode(body.tokens, skip_special_tokens=False)})
 
 
 @router.get("/tokenizer_info")
 async def tokenizer_info(request: Request) -> Response:
-    tokenizer = front_of(request).codec.tokenizer
+    codec = front_of(request).codec
+    if not codec.has_text:
+        raise codec.refuse("/tokenizer_info")
+    tokenizer = codec.tokenizer
     info: dict[str, Any] = {"tokenizer_class": type(tokenizer).__name__}
     for key, value in getattr(tokenizer, "init_kwargs", {}).items():
         if hasattr(value, "content"):  # an AddedToken: its text

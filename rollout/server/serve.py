@@ -118,6 +118,9 @@ def add_http_limit_arguments(parser) -> None:
     parser.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default="none",
                         help="parse chat replies into `tool_calls` (rollout.http.tools): hermes (Qwen2.5, Hermes), "
                         "llama3_json (Llama 3.x); none: tools reach the template, replies stay text")
+    parser.add_argument("--skip-tokenizer-init", action="store_true",
+                        help="token ids in and out only, as vLLM's flag (a model without a tokenizer): text "
+                        "prompts, stop strings and the tokenize routes answer 400, completions' text is empty")
 
 
 def http_limits_from_args(args: argparse.Namespace):
@@ -201,7 +204,8 @@ def serve_main(args: argparse.Namespace, on_ready=None) -> int:
                                 port=args.http, served_model_name=args.served_model_name or [Path(args.model).name],
                                 max_model_len=args.max_seq_len, api_key=args.api_key, timeout=600.0,
                                 limits=http_limits_from_args(args), allowed_hosts=args.allowed_host,
-                                on_stop=client.shutdown, tool_call_parser=args.tool_call_parser)
+                                on_stop=client.shutdown, tool_call_parser=args.tool_call_parser,
+                                skip_tokenizer_init=args.skip_tokenizer_init)
         except (OSError, ValueError) as exc:
             print(f"rollout serve: HTTP front: {exc}", file=sys.stderr, flush=True)
             server.close()
@@ -232,7 +236,8 @@ def http_main(args: argparse.Namespace) -> int:
                             served_model_name=args.served_model_name or [Path(args.model).name],
                             max_model_len=args.max_model_len, api_key=args.api_key, token=args.token,
                             timeout=args.timeout, limits=http_limits_from_args(args),
-                            allowed_hosts=args.allowed_host, tool_call_parser=args.tool_call_parser)
+                            allowed_hosts=args.allowed_host, tool_call_parser=args.tool_call_parser,
+                            skip_tokenizer_init=args.skip_tokenizer_init)
     except (OSError, ValueError) as exc:
         print(f"rollout http: {exc}", file=sys.stderr, flush=True)
         return 2
