@@ -71,10 +71,12 @@ def _add_grpo_arguments(parser: argparse.ArgumentParser) -> None:
                      help="what the replicas serve: the fp32 weights, or their bf16 cast")
     dis.add_argument("--delta", action="store_true", help="send each step only what changed since the last sync "
                      "(gloo / shm; bitwise, checked by a hash of the full weights)")
+    dis.add_argument("--api", choices=["rollout", "vllm"], default="rollout",
+                     help="vllm: reach the replicas by vLLM-family calls only (HTTP, its weight phases over gloo)")
 
 
 _DISAGGREGATED_ARGS = ("disaggregated", "replicas", "router", "off_policy", "transport", "sync_timeout_s",
-                       "replica_dtype", "delta")
+                       "replica_dtype", "delta", "api")
 
 
 def config_from_args(args: argparse.Namespace) -> GRPOConfig:
@@ -90,7 +92,7 @@ def grpo_main(args: argparse.Namespace) -> int:
 
         dcfg = DisaggregatedConfig(replicas=args.replicas, router=args.router, off_policy=args.off_policy,
                                    transport=args.transport, sync_timeout_s=args.sync_timeout_s,
-                                   replica_dtype=args.replica_dtype, delta=args.delta)
+                                   replica_dtype=args.replica_dtype, delta=args.delta, api=args.api)
         print(format_disaggregated(run_disaggregated_grpo(cfg, dcfg)), flush=True)
         return 0
     summary = run_grpo(cfg)

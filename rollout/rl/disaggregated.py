@@ -84,6 +84,9 @@ class DisaggregatedConfig:
     replica_threads: int = 1  # torch threads per replica (the demo's ops are too small to split)
     replica_dtype: str = "float32"  # "bfloat16": the replicas serve the bf16 cast of the fp32 trainer
     delta: bool = False  # each sync sends what changed since the last one (weight_sync delta mode; gloo / shm)
+    # "vllm": the replicas reached by vLLM-family calls only (rollout.rl.vllm_family: HTTP, vLLM's
+    # weight phases over gloo, no router), as a trainer written for vLLM drives them
+    api: str = "rollout"
 
     def __post_init__(self) -> None:
         self.transport = Transport(self.transport)
@@ -100,6 +103,10 @@ class DisaggregatedConfig:
                              f"{self.replica_dtype!r}")
         if self.delta and self.transport not in (Transport.GLOO, Transport.SHM):
             raise ValueError(f"DisaggregatedConfig.delta rides gloo or shm, not {self.transport.value}")
+        if self.api not in ("rollout", "vllm"):
+            raise ValueError(f"DisaggregatedConfig.api must be rollout or vllm, got {self.api!r}")
+        if self.api == "vllm" and (self.router is not None or self.delta or self.transport is not Transport.GLOO):
+            raise ValueError("DisaggregatedConfig.api vllm: spawned replicas, gloo, no delta (vLLM's calls only)")
 
 
 @dataclass(slots=True)
@@ -196,6 +203,11 @@ def run_disaggregated_grpo(cfg: GRPOConfig, dcfg: Optional[DisaggregatedConfig] 
     try:
         if dcfg.router is not None:
             fleet = Fleet.connect(dcfg.router)
+        elif dcfg.api == "vllm":
+            from rollout.rl.vllm_family import VllmFleet
+
+            save_model(policy, work / "initial")
+            fleet = VllmFleet.spawn(work / "initial", dcfg.replicas, serve_args(cfg, dcfg, task), STARTUP_TIMEOUT_S)
         else:
             save_model(policy, work / "initial")  # NOTE: the replicas' architecture
             fleet = Fleet.spawn(work / "initial", dcfg.replicas, serve_args(cfg, dcfg, task))
@@ -252,9 +264,14 @@ class _Loop:
         directory = {"directory": work / "sync", "keep_last": 1} if dcfg.transport is Transport.DISK else {}
         # NOTE: one target, the router, standing for `fleet.replicas` engines (each claims its rank)
         cast = REPLICA_DTYPES[dcfg.replica_dtype]
-        self.sender = WeightSender([fleet.client], dcfg.transport, replicas=fleet.replicas,
-                                   timeout_s=dcfg.sync_timeout_s, delta=dcfg.delta,
-                                   dtype=None if cast is torch.float32 else cast, **directory)
+        if dcfg.api == "vllm":
+            from rollout.rl.vllm_family import VllmSender
+
+            self.sender = VllmSender(fleet, dcfg.sync_timeout_s, dtype=None if cast is torch.float32 else cast)
+        else:
+            self.sender = WeightSender([fleet.client], dcfg.transport, replicas=fleet.replicas,
+                                       timeout_s=dcfg.sync_timeout_s, delta=dcfg.delta,
+                                       dtype=None if cast is torch.float32 else cast, **directory)
         mode = LogprobsMode.RAW if cfg.temperature == 1.0 else LogprobsMode.PROCESSED
         self.sampling = SamplingParams(temperature=cfg.temperature, max_tokens=task.max_tokens, logprobs_mode=mode)
         self.ahead = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="generate-ahead")
@@ -378,6 +395,9 @@ class _Loop:
             return False
         outputs = []
         for address in addresses:  # NOTE: each replica directly, so none hides behind the router's placement
+            if self.dcfg.api == "vllm":
+                outputs.append([r.completion_ids for r in self.fleet.client.generate(prompts, 1, greedy, url=address)])
+                continue
             with RolloutClient(address, timeout=STARTUP_TIMEOUT_S) as replica:
                 outputs.append([r.completion_ids for r in replica.generate(prompts, 1, greedy)])
         return all(o == expected for o in outputs)
