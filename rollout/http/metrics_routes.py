@@ -44,6 +44,8 @@ COUNTERS = (
      ("engine/prefill_tokens", "engine/prefix_cached_tokens")),
     ("vllm:prefix_cache_hits", "Prompt tokens the prefix cache served.", ("engine/prefix_cached_tokens",)),
     ("vllm:num_preemptions", "Requests preempted (their KV freed, recomputed later).", ("engine/preemptions",)),
+    ("rollout:prefix_cache_hits_cross_version", "Prefix-cache hits on blocks an older weight version computed.",
+     ("engine/cross_version_prefix_hits",)),
     ("rollout:weight_updates", "Weight updates committed.", ("weight_sync/updates_committed",)),
     ("rollout:weight_updates_aborted", "Weight updates aborted (the old weights kept serving).",
      ("weight_sync/updates_aborted",)),

@@ -25,6 +25,7 @@ from rollout.types import Rollout, RolloutBatch
 from weight_sync.vllm_trainer import VllmWeightTrainer
 
 MODEL_NAME = "policy"
+STAT_METRICS = {"engine/cross_version_prefix_hits": "rollout:prefix_cache_hits_cross_version"}
 
 
 def expand_spans(spans: list[dict[str, int]]) -> list[int]:
@@ -55,11 +56,14 @@ class VllmHttpClient:
         start = time.perf_counter()
         body = {"n": n, "temperature": sampling.temperature, "max_tokens": sampling.max_tokens, "logprobs": 0,
                 "logprobs_mode": "processed" if sampling.logprobs_mode is LogprobsMode.PROCESSED else "raw"}
-        if sampling.seed is not None:
-            body["seed"] = sampling.seed
+
+        def request(group: int, prompt: Sequence[int]) -> dict[str, Any]:
+            # NOTE: prompt i seeded `seed + i`, as our own client seeds a call's prompts (rollout.local)
+            seeded = body if sampling.seed is None else {**body, "seed": sampling.seed + group}
+            return {"token_ids": list(prompt), "model": MODEL_NAME, "sampling_params": seeded}
+
         calls = [self.pool.submit(self.post, url or self.urls[g % len(self.urls)], "/inference/v1/generate",
-                                  json={"token_ids": list(p), "model": MODEL_NAME, "sampling_params": body})
-                 for g, p in enumerate(prompts)]
+                                  json=request(g, p)) for g, p in enumerate(prompts)]
         rollouts = []
         for group, (prompt, call) in enumerate(zip(prompts, calls)):
             for choice in call.result()["choices"]:
@@ -91,8 +95,9 @@ class VllmFleet:
         procs: list[ServerProcess] = []
         try:
             for _ in range(count):
-                procs.append(ServerProcess(model_dir, *serve_args, "--http", "0", "--served-model-name", MODEL_NAME,
-                                           ready_timeout=timeout))
+                # NOTE: the demo's model has no tokenizer: token ids in and out, as vLLM's RL trainers run it
+                procs.append(ServerProcess(model_dir, *serve_args, "--http", "0", "--skip-tokenizer-init",
+                                           "--served-model-name", MODEL_NAME, ready_timeout=timeout))
         except BaseException:
             for proc in procs:
                 proc.stop(grace_s=5.0)
@@ -100,9 +105,16 @@ class VllmFleet:
         return cls(procs, timeout)
 
     def stat(self, key: str) -> int:
-        """NOTE: the engine's own counters are not part of vLLM's API (`/metrics` has no cross-version
-        prefix hits); the per-token versions are the check here."""
-        return 0
+        """An engine counter summed over the replicas, read from their `/metrics` (`STAT_METRICS`
+        names the ones the loop asks for)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        name, total = STAT_METRICS[key], 0
+        for url in self.client.urls:
+            text = self.client.http.get(url + "/metrics").text
+            total += sum(int(sample.value) for family in text_string_to_metric_families(text)
+                         for sample in family.samples if sample.name == name + "_total")
+        return total
 
     def replica_addresses(self) -> list[str]:
         return list(self.client.urls)

@@ -1,10 +1,16 @@
 """Shared by the HTTP tests: a tiny random Llama that speaks SmolLM2's tokenizer and chat template
-(never a toy tokenizer), and the `rollout serve --http` arguments that go with it."""
+(never a toy tokenizer), the `rollout serve --http` arguments that go with it, and a generation
+kept in flight (posted on a thread) for the control routes to act on."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import shutil
+import time
 from pathlib import Path
+from typing import Optional
+
+import httpx
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 MAX_LEN = 512
@@ -53,3 +59,29 @@ def engine_config():
 
     return InferenceConfig(block_size=4, num_blocks=2048, max_requests=64, max_batch_tokens=1024,
                            max_sequence_length=MAX_LEN)
+
+
+POSTER = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="in-flight")
+
+
+def in_flight(front_url: str, max_tokens: int, request_id: Optional[str] = None) -> concurrent.futures.Future:
+    """A greedy generation of `max_tokens` posted on another thread: the future of its response."""
+    body = {"token_ids": [1, 2, 3], "sampling_params": {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True}}
+    if request_id is not None:
+        body["request_id"] = request_id
+
+    def post() -> httpx.Response:
+        with httpx.Client(base_url=front_url, timeout=WAIT_S) as c:
+            return c.post("/inference/v1/generate", json=body)
+    return POSTER.submit(post)
+
+
+def wait_running(web, count: int = 1) -> None:
+    """Until `count` requests are in a slot (read from `/metrics`), bounded."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        line = next(ln for ln in web.get("/metrics").text.splitlines() if ln.startswith("vllm:num_requests_running"))
+        if float(line.split()[-1]) >= count:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{count} requests never ran")

@@ -4,10 +4,7 @@ itself. A front on an engine in this process (`serve_front`), real HTTP."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
-import time
-from typing import Optional
 
 import httpx
 import pytest
@@ -15,7 +12,7 @@ import torch
 
 from inference import DynamicInferenceEngine, SamplingParams
 from rollout.http.vllm_routes import version_spans
-from tests.rollout.http_util import MAX_LEN, MODEL, WAIT_S, engine_config, save_tiny_chat_model
+from tests.rollout.http_util import MAX_LEN, MODEL, WAIT_S, engine_config, in_flight, save_tiny_chat_model, wait_running
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -51,32 +48,6 @@ def web(front_url):
         yield c
         c.post("/resume")
         c.post("/wake_up")
-
-
-POSTER = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="in-flight")
-
-
-def in_flight(front_url: str, max_tokens: int, request_id: Optional[str] = None) -> concurrent.futures.Future:
-    """A greedy generation of `max_tokens` posted on another thread: the future of its response."""
-    body = {"token_ids": [1, 2, 3], "sampling_params": {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True}}
-    if request_id is not None:
-        body["request_id"] = request_id
-
-    def post() -> httpx.Response:
-        with httpx.Client(base_url=front_url, timeout=WAIT_S) as c:
-            return c.post("/inference/v1/generate", json=body)
-    return POSTER.submit(post)
-
-
-def wait_running(web, count: int = 1) -> None:
-    """Until `count` requests are in a slot (read from `/metrics`), bounded."""
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        line = next(ln for ln in web.get("/metrics").text.splitlines() if ln.startswith("vllm:num_requests_running"))
-        if float(line.split()[-1]) >= count:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"{count} requests never ran")
 
 
 def greedy(engine, prompt: list[int], max_tokens: int) -> list[int]:
@@ -272,7 +243,7 @@ def test_metrics_in_prometheus_text_with_vllms_names(web):
     assert after["vllm:prefix_cache_queries_total"] >= after["vllm:prefix_cache_hits_total"]
     assert after["vllm:num_requests_running"] == 0 and 0 <= after["vllm:kv_cache_usage_perc"] <= 1
     assert after["rollout:policy_version"] == float(web.get("/weight_info").json()["weight_version"])
-    assert after["rollout:asleep"] == 0
+    assert after["rollout:asleep"] == 0 and after["rollout:prefix_cache_hits_cross_version_total"] == 0
 
 
 def test_update_weight_version_keeps_in_flight_work_and_splits_its_spans(web, front_url):

@@ -11,7 +11,14 @@ import torch
 from safetensors.torch import load_file
 
 from inference import DynamicInferenceEngine, SamplingParams
-from tests.rollout.http_util import HTTP_SERVER_ARGS, WAIT_S, engine_config, save_tiny_chat_model
+from tests.rollout.http_util import (
+    HTTP_SERVER_ARGS,
+    WAIT_S,
+    engine_config,
+    in_flight,
+    save_tiny_chat_model,
+    wait_running,
+)
 from weight_sync.vllm_layout import pack_chunks, update_info
 from weight_sync.vllm_trainer import VllmPhaseError, VllmWeightTrainer
 
@@ -99,6 +106,26 @@ def test_the_four_phases_packed_then_unpacked_equal_an_engine_on_those_weights(t
     assert greedy(web) == expected["new"]
     trainer.update(weights["old"], packed=False)  # vLLM's one broadcast a tensor; the next version
     assert version(web) == v + 2
+    assert greedy(web) == expected["old"]
+
+
+def test_a_keep_update_mid_generation_splits_its_spans_at_the_new_version(trainer, server, web, weights, expected):
+    """A trainer's sync as vLLM's RL docs write it: `/pause?mode=keep` with a request in flight,
+    the four phases, `/resume`: the request finishes, its tokens before the pause carry the old
+    version and those after it the new one; then the new weights serve."""
+    old = version(web)
+    pending = in_flight(server.http_url, 300)
+    wait_running(web)
+    assert web.post("/pause", params={"mode": "keep"}).status_code == 200
+    trainer.update(weights["new"], packed=True, weight_version=str(old + 1))
+    assert web.post("/resume").status_code == 200
+    choice = pending.result(WAIT_S).json()["choices"][0]
+    assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 300
+    spans = choice["weight_versions"]
+    assert [s["version"] for s in spans] == [old, old + 1]
+    assert spans[0]["start"] == 0 and 0 < spans[0]["end"] == spans[1]["start"] < 300 and spans[1]["end"] == 300
+    assert greedy(web) == expected["new"]
+    trainer.update(weights["old"], packed=True, weight_version=str(old + 2))
     assert greedy(web) == expected["old"]
 
 

@@ -58,3 +58,25 @@ def test_off_policy_overlaps_one_version_behind_through_the_cli(router, tmp_path
     assert [h["policy_version"] - first for h in history] == [0] + list(range(steps - 1))
     assert [h["staleness"] for h in history] == [0] + [1] * (steps - 1)
     assert all(h["stale_tokens"] == 0 for h in history)
+
+
+def test_vllm_family_calls_only_sample_each_step_with_the_weights_just_sent(tmp_path):
+    """The loop as a trainer written for vLLM drives its engines (rollout.rl.vllm_family): its own
+    two `rollout serve --http --skip-tokenizer-init` replicas, `/inference/v1/generate`, each sync
+    `/pause?mode=keep`, vLLM's four phases in its packed layout over gloo, `/resume`."""
+    steps = 3
+    cfg = GRPOConfig(steps=steps, out_dir=str(tmp_path), run_name="vllm", **SMALL)
+    s = run_disaggregated_grpo(cfg, DisaggregatedConfig(replicas=2, api="vllm", sync_timeout_s=30.0))
+    versions = [h["policy_version"] for h in s.run.history]
+    assert versions == list(range(versions[0], versions[0] + steps))
+    assert s.run.stale_tokens == 0 and s.max_staleness == 0  # every token's version, read from its spans
+    assert s.run.cross_version_hits == 0  # read from the replicas' /metrics
+    assert s.run.mismatch_max <= 1e-5
+    assert s.replicas_match_trainer and s.replicas == 2
+
+
+def test_vllm_family_refuses_what_it_does_not_speak():
+    with pytest.raises(ValueError, match="vLLM's calls only"):
+        DisaggregatedConfig(api="vllm", router="tcp://127.0.0.1:1")
+    with pytest.raises(ValueError, match="vLLM's calls only"):
+        DisaggregatedConfig(api="vllm", transport="shm")
