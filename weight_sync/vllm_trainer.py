@@ -2,7 +2,7 @@
 HTTP phases of vLLM's RL API to each engine, and the broadcasts in vLLM's layout between them.
 
     trainer = VllmWeightTrainer(["http://127.0.0.1:8000"], backend="gloo")
-    trainer.init()                                     # hosts the group as rank 0; engine k is rank 1 + k
+    trainer.init()      # hosts the group as rank 0; each engine's workers (/get_world_size) ranks after the last
     trainer.update(model.named_parameters(), weight_version="7")   # start, update_weights + broadcast, finish
     trainer.close()
 
@@ -62,13 +62,16 @@ class VllmWeightTrainer:
     def init(self) -> None:
         """Host the group and have every engine join it (`/init_weight_transfer_engine`)."""
         self.close_group()
-        group = WeightGroup.host(self.master_address, self.master_port, world_size=1 + len(self.engines),
-                                 name=VLLM_GROUP, backend=self.backend, timeout_s=self.timeout_s, device=self.device,
+        sizes = [self.world_size(url) for url in self.engines]
+        offsets = [1 + sum(sizes[:k]) for k in range(len(sizes))]
+        world = 1 + sum(sizes)
+        group = WeightGroup.host(self.master_address, self.master_port, world_size=world, name=VLLM_GROUP,
+                                 backend=self.backend, timeout_s=self.timeout_s, device=self.device,
                                  trusted_network=self.trusted_network)
         self.group = group
         calls = [self.post_async(url, "/init_weight_transfer_engine", {"init_info": {
-            "master_address": self.master_address, "master_port": group.port, "rank_offset": 1 + k,
-            "world_size": 1 + len(self.engines)}}) for k, url in enumerate(self.engines)]
+            "master_address": self.master_address, "master_port": group.port, "rank_offset": offset,
+            "world_size": world}}) for offset, url in zip(offsets, self.engines)]
         try:
             group.connect()
         finally:
@@ -108,13 +111,24 @@ class VllmWeightTrainer:
         """`post` on a thread of its own (a call the engine answers only once the broadcasts are in)."""
         return self._calls.submit(self.post, url, path, body)
 
+    def world_size(self, url: str) -> int:
+        """The workers behind one engine URL (`/get_world_size`: a router's replicas count each)."""
+        return int(self.get(url, "/get_world_size")["world_size"])
+
     # ---- plumbing ------------------------------------------------------------------------------
 
+    def get(self, url: str, path: str) -> Any:
+        return self._open(url, path, urllib.request.Request(url + path, headers=self._headers(), method="GET"))
+
     def post(self, url: str, path: str, body: dict[str, Any]) -> Any:
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        request = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers=headers, method="POST")
+        headers = {**self._headers(), "Content-Type": "application/json"}
+        return self._open(url, path, urllib.request.Request(url + path, data=json.dumps(body).encode(),
+                                                            headers=headers, method="POST"))
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def _open(self, url: str, path: str, request: urllib.request.Request) -> Any:
         try:
             # NOTE: twice the collectives' bound: an engine answers once its own bounded waits are over
             with urllib.request.urlopen(request, timeout=2 * self.timeout_s) as reply:

@@ -164,9 +164,16 @@ async def update_weight_version(body: UpdateWeightVersion, request: Request) -> 
                           "message": f"Weight version updated to {body.new_version}; requests in flight {kept}."})
 
 
+async def data_parallel_size(front: HttpFront) -> int:
+    """The engines behind this front: a router's replicas up (as vLLM's data parallel ranks, each
+    one worker), else 1."""
+    return int((await engine_call(front.client.stats())).get("replicas_up", 1))
+
+
 @router.get("/get_world_size")
-async def get_world_size(include_dp: bool = Query(True)) -> Response:
-    return json_response({"world_size": 1})  # NOTE: an engine is one process; replicas are the router's
+async def get_world_size(request: Request, include_dp: bool = Query(True)) -> Response:
+    # NOTE: an engine is one worker (no tensor or pipeline parallelism across processes here)
+    return json_response({"world_size": await data_parallel_size(front_of(request)) if include_dp else 1})
 
 
 @router.get("/weight_info")
@@ -189,8 +196,8 @@ async def server_info(request: Request, config_format: str = Query("text")) -> R
                          "max_model_len": cfg.max_model_len, "vocab_size": front.codec.vocab_size},
         "cache_config": {"block_size": stats.get("engine/block_size"),
                          "num_gpu_blocks": stats.get("engine/total_blocks"), "enable_prefix_caching": True},
-        "parallel_config": {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1,
-                            "world_size": 1},
+        "parallel_config": {"tensor_parallel_size": 1, "pipeline_parallel_size": 1,
+                            "data_parallel_size": int(stats.get("replicas_up", 1)), "world_size": 1},
         "lora_config": None,
         "rollout_engine": {"policy_version": stats.get("policy_version"), "state": stats.get("engine/state"),
                            "vllm_api_version": VLLM_API_VERSION},

@@ -45,7 +45,17 @@ from rollout.service.metrics import ServiceMetrics
 from rollout.service.registry import Record
 from rollout.wire.codec import ProtocolError, decode_reply, encode
 from rollout.wire.kinds import Kind
-from rollout.wire.messages import Abort, ErrorReply, Health, KvEvents, RequestMessage, Result, SampleOutput, TokenDelta
+from rollout.wire.messages import (
+    Abort,
+    ErrorReply,
+    Health,
+    InitWeightsUpdateGroup,
+    KvEvents,
+    RequestMessage,
+    Result,
+    SampleOutput,
+    TokenDelta,
+)
 from rollout.wire.security import ClientSecurity
 
 logger = logging.getLogger(__name__)
@@ -301,9 +311,15 @@ class ReplicaSet:
         if KINDS[type(fan.msg)] is Kind.UPDATE_WEIGHTS:
             self._updating += 1
             fan.on_done = self._update_done
-        for link in self.links.values():
-            if link.state is ReplicaState.UP:
-                self.send_part(link, fan, fan.msg)
+        up = [link for link in self.links.values() if link.state is ReplicaState.UP]
+        offset = fan.msg.rank_offset if isinstance(fan.msg, InitWeightsUpdateGroup) else None
+        if offset is not None:
+            # NOTE: the fleet stands for one engine of len(up) workers, as vLLM's and SGLang's
+            # rank_offset means: worker i (replicas in name order) is rank rank_offset + i
+            up.sort(key=lambda link: link.name)
+        for i, link in enumerate(up):
+            msg = fan.msg if offset is None else msgspec.structs.replace(fan.msg, rank_offset=offset + i)
+            self.send_part(link, fan, msg)
         if fan.done:
             self._fanout_done(fan, now)
 

@@ -91,3 +91,40 @@ def test_metrics_through_the_router_sum_the_fleet(routed_front, one_torch_thread
     while generated() - before < 8 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert generated() - before == 8
+
+
+def test_vllm_weight_phases_through_the_router_give_each_replica_its_rank(routed_front, tmp_path, one_torch_thread):
+    """A vLLM trainer reads `/get_world_size` (the router's two replicas, as data parallel ranks)
+    and sends one `rank_offset`; the router gives replica i `rank_offset + i`, every replica joins,
+    takes the packed broadcast and commits: all serve the new weights, none is taken out."""
+    import httpx
+    from safetensors.torch import load_file
+
+    from inference import DynamicInferenceEngine, SamplingParams
+    from tests.rollout.http_util import engine_config
+    from weight_sync.vllm_trainer import VllmWeightTrainer
+
+    web = httpx.Client(base_url=routed_front.url, timeout=WAIT_S)
+    assert web.get("/get_world_size").json() == {"world_size": 2}
+    assert web.get("/get_world_size", params={"include_dp": "false"}).json() == {"world_size": 1}
+    new_dir = save_tiny_chat_model(tmp_path / "new", seed=1)
+    prompts = [[1, 400, 500, 600], [50, 60, 70], [7, 8, 9, 10], [300, 200]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    fresh = DynamicInferenceEngine.from_pretrained(new_dir, engine_config())
+    expected = [fresh.generate([p], [params], timeout=WAIT_S)[0].generated_token_ids for p in prompts]
+    version = int(web.get("/weight_info").json()["weight_version"])
+    trainer = VllmWeightTrainer([routed_front.url], backend="gloo", timeout_s=20.0)
+    try:
+        trainer.init()
+        assert trainer.group.world_size == 3
+        trainer.update(sorted(load_file(new_dir / "model.safetensors").items()), packed=True,
+                       weight_version=str(version + 1))
+    finally:
+        trainer.close()
+    assert web.get("/weight_info").json() == {"weight_version": str(version + 1)}
+    for _ in range(2):  # NOTE: each prompt twice over, so both replicas answer some
+        out = [web.post("/inference/v1/generate", json={"token_ids": p, "sampling_params": {
+            "temperature": 0, "max_tokens": 6, "ignore_eos": True}}).json()["choices"][0]["token_ids"] for p in prompts]
+        assert out == expected
+    assert web.get("/get_world_size").json() == {"world_size": 2}  # neither replica taken out
+    web.close()
