@@ -11,7 +11,9 @@ tag matching the installed package.
 The test file is read from the repository at `--tag` into a temporary directory, never into this
 one. One change is made to it: its `mock_servers` fixture is renamed out of the way, and a
 `conftest.py` beside it provides `mock_servers` as two real `rollout serve --http` processes (a
-tiny random Llama with SmolLM2's tokenizer, served as the names SkyRL's tests send). Everything
+tiny random Llama with SmolLM2's tokenizer, served as the names SkyRL's tests send), started once
+for the module and, since their mocks keep no state, restored after each test (resumed, awake, and
+the weights loaded again from disk where a level-2 sleep dropped them). Everything
 else in their file runs as written: tests that assert the mock's made-up values (fixed token ids,
 "Response 0 from server 1", the mock's `/test/...` introspection routes) fail against a real
 engine, and the summary says which tests passed and which failed.
@@ -67,17 +69,39 @@ def _serve(model_dir: Path):
 
 
 @pytest.fixture(scope="module")
-def mock_servers(tmp_path_factory):
+def _our_servers(tmp_path_factory):
     model_dir = _model_dir(tmp_path_factory.mktemp("tiny-chat"))
     procs = [_serve(model_dir) for _ in range(2)]
-    urls = [u for _, u in procs]
-    yield {{"proxy_url": urls[0], "server_urls": urls}}
+    yield model_dir, [u for _, u in procs]
     for proc, _ in procs:
         proc.terminate()
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def _restore(model_dir: Path, url: str) -> None:
+    """What a test left: paused, asleep, or weights dropped by a level-2 sleep (which a mock
+    does not mind and an engine does): resumed, awake, and the weights loaded again from disk
+    by prime-rl's `/update_weights {{"weight_dir"}}`."""
+    import httpx
+
+    with httpx.Client(base_url=url, timeout=60) as web:
+        web.post("/resume")
+        web.post("/wake_up")
+        probe = web.post("/inference/v1/generate", json={{"token_ids": [1], "sampling_params": {{"max_tokens": 1}}}})
+        if probe.status_code == 503:
+            assert web.post("/update_weights", json={{"weight_dir": str(model_dir)}}).status_code == 200
+
+
+@pytest.fixture
+def mock_servers(_our_servers):
+    """Per test, as their stateless mocks are: the same two servers, restored after each test."""
+    model_dir, urls = _our_servers
+    yield {{"proxy_url": urls[0], "server_urls": urls}}
+    for url in urls:
+        _restore(model_dir, url)
 '''
 
 

@@ -101,6 +101,11 @@ class SessionStore:
             self._sessions.move_to_end(session_id)
             return session
 
+    def finish(self, session_id: str) -> bool:
+        """Forget `session_id` (its trajectory is over); whether it was held."""
+        with self._lock:
+            return self._sessions.pop(session_id, None) is not None
+
     def prompt_ids(self, codec: TextCodec, session_id: Optional[str], messages: list[dict[str, Any]],
                    tools: Optional[list[dict]], render: Optional[Render] = None) -> tuple[list[int], bool]:
         """The prompt of `messages` in `session_id`, and whether it continued the session's ids."""

@@ -17,7 +17,8 @@ vLLM (SkyRL's remote client, TRL's async GRPO, prime-rl, verifiers) drive this f
   hold blocks, as vLLM answers, unless `reset_running_requests` (then the running are recomputed).
 * `/update_weight_version` (`new_version`; SGLang's `abort_all_requests`, default false here: the
   requests in flight go on, their later tokens under the new version), `/get_world_size` (one
-  engine process: 1), `/weight_info` (`{"weight_version"}`),
+  worker per engine: 1, or a router's replicas up), `/weight_info` (`{"weight_version"}`),
+  `/finish_session?session_id=` (SkyRL's: the front forgets the session's turns),
   `/server_info` (`config_format` text or json: `vllm_config` with the fields clients read:
   model, served names, dtype, max model length, block size, parallel sizes, no LoRA).
 * `/inference/v1/generate`: `token_ids`, `sampling_params` (vLLM's `SamplingParams` fields),
@@ -162,6 +163,15 @@ async def update_weight_version(body: UpdateWeightVersion, request: Request) -> 
     kept = "aborted" if body.abort_all_requests else "kept"
     return json_response({"success": True, "new_version": body.new_version,
                           "message": f"Weight version updated to {body.new_version}; requests in flight {kept}."})
+
+
+@router.post("/finish_session")
+async def finish_session(request: Request,
+                         session_id: Annotated[str, Query(min_length=1, max_length=256)]) -> Response:
+    """SkyRL's call at a trajectory's end (its router's route): the front forgets the session's
+    turns. NOTE: behind our router the session's sticky replica ages out of the router's LRU."""
+    released = front_of(request).sessions.finish(session_id)
+    return json_response({"status": "ok", "session_id": session_id, "released": released})
 
 
 async def data_parallel_size(front: HttpFront) -> int:

@@ -277,3 +277,14 @@ def test_reset_with_running_requests_retracts_them_and_keeps_a_callers_pause(web
     web.post("/resume")
     choice = pending.result(WAIT_S).json()["choices"][0]
     assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 300
+
+
+def test_finish_session_forgets_a_sessions_turns(web):
+    """SkyRL's `/finish_session?session_id=` at a trajectory's end: the session's turns are dropped
+    (the next turn under that id starts over); an unknown id is no error; a missing one is a 400."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "session_id": "traj-1"}
+    assert web.post("/v1/chat/completions", json=chat).status_code == 200
+    assert web.post("/finish_session", params={"session_id": "traj-1"}).json() == {
+        "status": "ok", "session_id": "traj-1", "released": True}
+    assert web.post("/finish_session", params={"session_id": "traj-1"}).json()["released"] is False
+    assert web.post("/finish_session").status_code == 400
