@@ -255,6 +255,21 @@ RPC_METHODS = {
 }
 
 
+# NeMo-RL's vLLM worker extension, known and refused with the reason: its group is vLLM's
+# StatelessProcessGroup with PyNccl (a wire of its own, not torch.distributed's), its IPC pickled
+NOT_SERVED = {
+    "init_collective": "NeMo-RL's weight group is vLLM's StatelessProcessGroup with PyNccl, which this engine "
+                       "does not join; join vLLM's by /init_weight_transfer_engine",
+    "update_weights_from_collective": "it receives over NeMo-RL's PyNccl group (see init_collective); broadcast "
+                                      "in vLLM's layout with /update_weights instead",
+    "update_weights_from_ipc_handles": "its handles are pickled CUDA IPC handles, and nothing pickled is loaded "
+                                       "here",
+    "update_weights_via_ipc_zmq": "its handles are pickled CUDA IPC handles, and nothing pickled is loaded here",
+    "report_device_id": "it names a GPU for CUDA IPC, which is refused here (pickled handles)",
+    "prepare_refit_info": "it sets up NeMo-RL's own refit (see update_weights_from_collective)",
+}
+
+
 @router.post("/collective_rpc")
 async def collective_rpc(request: Request) -> Response:
     """vLLM's `{"method", "args", "kwargs", "timeout"}`, answered `{"results": [one per worker]}`
@@ -265,6 +280,8 @@ async def collective_rpc(request: Request) -> Response:
         if method is None:
             raise _bad_body("Missing 'method' in request body")
         handler = RPC_METHODS.get(method)
+        if method in NOT_SERVED:
+            raise VllmRefusal(400, f"collective_rpc: {method} is not served: {NOT_SERVED[method]}", "BadRequestError")
         if handler is None:
             raise VllmRefusal(400, f"collective_rpc: method {method!r} is not served here; served: "
                               f"{sorted(RPC_METHODS)}", "BadRequestError")

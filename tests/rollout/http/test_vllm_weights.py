@@ -264,7 +264,10 @@ def test_skyrls_collective_rpc_phases_load_the_weights(trainer, web, weights, ex
     assert (version(web), greedy(web)) == (v, expected["old"])  # the old weights serve until the finish
     rpc("skyrl_finish_weight_update")
     assert (version(web), greedy(web)) == (v + 1, expected["new"])
-    assert web.post("/collective_rpc", json={"method": "report_device_id"}).status_code == 400
+    nemo = web.post("/collective_rpc", json={"method": "init_collective", "kwargs": {"rank_prefix": 1}})
+    assert nemo.status_code == 400 and "StatelessProcessGroup" in nemo.json()["error"]["message"]
+    unknown = web.post("/collective_rpc", json={"method": "free_the_gpu"})
+    assert unknown.status_code == 400 and "skyrl_start_weight_update" in unknown.json()["error"]["message"]
     refused = web.post("/collective_rpc", json={"method": "update_weights_ipc", "kwargs": {"update_info": {}}})
     assert refused.status_code == 400 and "pickled" in refused.json()["error"]["message"]
     trainer.update(weights["old"], packed=True)
