@@ -87,8 +87,10 @@ def distributed_source(names: list[str], dtypes: list[str], shapes: list[list[in
 
 def tensor_source(serialized_named_tensors: list[Union[bytes, str]], load_format: Optional[str] = None
                   ) -> WeightSource:
-    """One msgpack handle of buckets in shared memory on this host (one engine rank); never pickle."""
-    _check_load_format(load_format)
+    """One msgpack handle of buckets in shared memory on this host (one engine rank); never pickle.
+    `load_format` "flattened_bucket" (SGLang's name for tensors packed flat in buckets) is what such
+    a handle is, so it is taken as well (`weight_sync.tensor_payload` makes one)."""
+    _check_load_format(None if load_format == "flattened_bucket" else load_format)
     if len(serialized_named_tensors) != 1:
         raise ValueError(f"serialized_named_tensors: one entry per engine rank, and this engine has one "
                          f"(got {len(serialized_named_tensors)})")

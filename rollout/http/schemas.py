@@ -356,5 +356,16 @@ class UpdateWeightsFromDistributedReqInput(Strict):
         return self
 
 
+class UpdateWeightsFromTensorReqInput(Strict):
+    """SGLang's fields; each entry of `serialized_named_tensors` is our msgpack shared-memory handle
+    (base64), one per engine rank; a pickled one (SGLang's own serializer) is refused."""
+
+    serialized_named_tensors: Annotated[list[str], Field(min_length=1)]
+    load_format: Optional[Literal["flattened_bucket", "auto"]] = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = None
+
+
 class DestroyWeightsUpdateGroupReqInput(Strict):
     group_name: str = "weight_update_group"

@@ -52,6 +52,7 @@ from rollout.http.schemas import (
     SGLangSampling,
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromDistributedReqInput,
+    UpdateWeightsFromTensorReqInput,
 )
 
 SGLANG_API_VERSION = "0.5.6"
@@ -226,7 +227,7 @@ async def release_memory_occupation(request: Request) -> Response:
     workspaces hold the graphs); the weights are kept on host."""
     body = await _optional(request, MemoryOccupationReqInput)
     await _memory_call(front_of(request).client.suspend(SuspendPolicy.RECOMPUTE, tags=_memory_parts(body.tags)))
-    return Response(status_code=200)
+    return json_response(None)  # NOTE: SGLang's handler returns nothing: JSON null, which slime reads (.json())
 
 
 @router.api_route("/resume_memory_occupation", methods=["GET", "POST"])
@@ -236,7 +237,7 @@ async def resume_memory_occupation(request: Request) -> Response:
     body = await _optional(request, MemoryOccupationReqInput)
     client = front_of(request).client
     await _memory_call(client.resume(tags=None if body.tags is None else _memory_parts(body.tags)))
-    return Response(status_code=200)
+    return json_response(None)
 
 
 def _memory_parts(tags: Optional[list[str]]) -> list[str]:
@@ -260,16 +261,30 @@ async def get_model_info(request: Request) -> Response:
                           "has_image_understanding": False, "has_audio_understanding": False})
 
 
+def server_args(front: HttpFront, stats: dict[str, Any]) -> dict[str, Any]:
+    """SGLang's `/get_server_info` answer: its server-args names for what this engine is (one
+    worker per engine: tp, pp, ep 1; a router's replicas as dp), the engine's stats as
+    `internal_states`, and this front's session counters. slime reads the parallel sizes,
+    `disaggregation_mode` and `encoder_only` to place external engines
+    (slime/backends/sglang_utils/external.py)."""
+    cfg, sessions = front.config, front.sessions
+    return {
+        "model_path": cfg.model_path or cfg.model_name, "tokenizer_path": cfg.model_path or cfg.model_name,
+        "served_model_name": cfg.model_name, "context_length": cfg.max_model_len, "max_model_len": cfg.max_model_len,
+        "dtype": str(stats.get("engine/dtype")), "page_size": stats.get("engine/block_size"),
+        "max_running_requests": stats.get("engine/max_requests"),
+        "tp_size": 1, "pp_size": 1, "ep_size": 1, "moe_dp_size": 1, "dp_size": int(stats.get("replicas_up", 1)),
+        "disaggregation_mode": "null", "encoder_only": False, "enable_lora": False,
+        "weight_version": str(stats.get("policy_version")), "version": SGLANG_API_VERSION,
+        "sglang_api_version": SGLANG_API_VERSION, "internal_states": [stats],
+        "sessions": {"open": len(sessions), "continued": sessions.continued, "restarted": sessions.restarts},
+    }
+
+
 @router.get("/get_server_info")
 async def get_server_info(request: Request) -> Response:
-    """The engine server's stats (SGLang's `internal_states`) and this front's session counters."""
     front = front_of(request)
-    stats = await engine_call(front.client.stats())
-    sessions = front.sessions
-    return json_response({"internal_states": [stats], "sglang_api_version": SGLANG_API_VERSION,
-                          "max_model_len": front.config.max_model_len, "served_model_name": front.config.model_name,
-                          "sessions": {"open": len(sessions), "continued": sessions.continued,
-                                       "restarted": sessions.restarts}})
+    return json_response(server_args(front, await engine_call(front.client.stats())))
 
 
 @router.post("/update_weights_from_disk")
@@ -297,6 +312,16 @@ async def update_weights_from_distributed(body: UpdateWeightsFromDistributedReqI
     return await _weights(front, "distributed", front.weights.update_weights_from_distributed, body.names,
                           body.dtypes, body.shapes, body.group_name, body.flush_cache, body.abort_all_requests,
                           body.weight_version, body.load_format, timeout=front.timeout)
+
+
+@router.post("/update_weights_from_tensor")
+async def update_weights_from_tensor(body: UpdateWeightsFromTensorReqInput, request: Request) -> Response:
+    """Tensors in shared memory on this host, named by our msgpack handle (`weight_sync.tensor_payload`);
+    a pickled payload, what slime and verl send SGLang, is refused naming that handle, never unpickled."""
+    front = front_of(request)
+    return await _weights(front, "update", front.weights.update_weights_from_tensor, body.serialized_named_tensors,
+                          body.load_format, body.flush_cache, body.abort_all_requests, body.weight_version,
+                          timeout=front.timeout)
 
 
 @router.post("/destroy_weights_update_group")

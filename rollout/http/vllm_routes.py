@@ -50,6 +50,7 @@ from rollout.http.logprobs import chat_top, prompt_entries
 from rollout.http.openai_routes import front_of, json_response, sse
 from rollout.http.sampling import sampling_params
 from rollout.http.schemas import MAX_N, MAX_STOP, MAX_TOP_LOGPROBS, Strict, StructuredOutputsBody, refuse
+from rollout.http.sglang_routes import server_args
 from weight_sync import ManifestError, VersionSource, parse_weight_version
 
 router = APIRouter()
@@ -212,7 +213,9 @@ async def server_info(request: Request, config_format: str = Query("text")) -> R
         "rollout_engine": {"policy_version": stats.get("policy_version"), "state": stats.get("engine/state"),
                            "vllm_api_version": VLLM_API_VERSION},
     }
-    return json_response({"vllm_config": config if config_format == "json" else str(config)})
+    # NOTE: one handler for vLLM's and SGLang's `/server_info`: SGLang's server args beside `vllm_config`
+    vllm_config = config if config_format == "json" else str(config)
+    return json_response({**server_args(front, stats), "vllm_config": vllm_config})
 
 
 # ---- sleep ---------------------------------------------------------------------------------------

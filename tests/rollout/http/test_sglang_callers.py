@@ -1,0 +1,118 @@
+"""SGLang's RL routes as its RL callers call them, replayed against a real `rollout serve --http`:
+each test cites the caller's file and lines at a pinned commit and reads every field that caller
+reads. slime at THUDM/slime 624b824a8 (its code is read from its repository; PyPI's `slime` is
+another project). AReaL's own client code runs in `bench/areal_client_check.py`."""
+
+from __future__ import annotations
+
+import pickle
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from inference import DynamicInferenceEngine, SamplingParams
+from tests.rollout.http_util import HTTP_SERVER_ARGS, WAIT_S, engine_config, save_tiny_chat_model
+from weight_sync.tensor_payload import TensorPayload
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+SLIME = "THUDM/slime@624b824a8"
+PROMPTS = [[1, 400, 500, 600], [50, 60, 70]]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sglang-callers")
+    return save_tiny_chat_model(root / "old", seed=0), save_tiny_chat_model(root / "new", seed=1)
+
+
+@pytest.fixture(scope="module")
+def server(dirs):
+    from rollout import ServerProcess
+
+    proc = ServerProcess(dirs[0], *HTTP_SERVER_ARGS, ready_timeout=WAIT_S)
+    try:
+        assert proc.http_url is not None, "\n".join(proc.output)
+        yield proc
+    finally:
+        proc.stop(grace_s=5.0)
+
+
+@pytest.fixture
+def web(server):
+    with httpx.Client(base_url=server.http_url, timeout=WAIT_S) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def expected(dirs):
+    out = {}
+    for key, d in zip(("old", "new"), dirs):
+        engine = DynamicInferenceEngine.from_pretrained(d, engine_config())
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        out[key] = [engine.generate([p], [params], timeout=WAIT_S)[0].generated_token_ids for p in PROMPTS]
+    return out
+
+
+def greedy(web: httpx.Client) -> list[list[int]]:
+    outs = web.post("/generate", json={"input_ids": PROMPTS, "sampling_params": {
+        "temperature": 0, "max_new_tokens": 6, "ignore_eos": True}}).json()
+    return [o["output_ids"] for o in outs]
+
+
+def test_slime_discovers_an_external_engine_from_server_info(web):
+    """slime/backends/sglang_utils/external.py:74-83 (GET /server_info, then /get_server_info),
+    :28-42 and :95-107 (the parallel sizes, GPU count, worker type it reads)."""
+    for path in ("/server_info", "/get_server_info"):
+        info = web.get(path).json()
+        pp = int(info.get("pp_size") or info.get("pipeline_parallel_size") or 1)
+        tp = int(info.get("tp_size") or info.get("tensor_parallel_size") or 1)
+        assert (tp, pp) == (1, 1)
+        assert int(info.get("num_gpus") or info.get("num_gpus_per_engine") or tp * pp) == 1
+        assert int(info.get("ep_size") or 1) == 1 and int(info.get("moe_dp_size") or 1) == 1
+        assert not info.get("encoder_only") and info.get("disaggregation_mode") not in ("prefill", "decode")
+        assert info.get("disaggregation_bootstrap_port") is None
+    assert "vllm_config" in web.get("/server_info").json()  # one handler answers vLLM's readers too
+
+
+def test_slime_memory_calls_read_json_back(web, expected):
+    """slime/backends/sglang_utils/sglang_engine.py:201-221 (`_make_request` posts JSON, raises on
+    an error status, returns `response.json()`), :328-339 (release after a flush, resume by tags:
+    weights, then kv_cache, as its colocated loop does), :270-288 (flush_cache by GET, 200 once idle)."""
+    assert web.get("/flush_cache").status_code == 200
+    released = web.post("/release_memory_occupation", json={})
+    assert released.status_code == 200 and released.json() is None
+    for tags in (["weights"], ["kv_cache"]):
+        resumed = web.post("/resume_memory_occupation", json={"tags": tags})
+        assert resumed.status_code == 200 and resumed.json() is None
+    assert web.post("/release_memory_occupation", json={}).status_code == 200
+    assert web.post("/resume_memory_occupation", json={"tags": None}).json() is None  # slime sends tags=None
+    assert greedy(web) == expected["old"]
+
+
+def test_update_weights_from_tensor_takes_our_handle_and_refuses_pickle(web, dirs, expected):
+    """slime/backends/sglang_utils/sglang_engine.py:245-268 (`serialized_named_tensors`, `load_format`,
+    `flush_cache`, `weight_version`), :320-326 (`/get_weight_version`'s `weight_version`). slime sends
+    SGLang's pickled `MultiprocessingSerializer` output: refused with a 400 naming the safe handle,
+    never unpickled, and the old weights keep serving."""
+    version = int(web.get("/get_weight_version").json()["weight_version"])
+    new = sorted(load_file(dirs[1] / "model.safetensors").items())
+    pickled = __import__("base64").b64encode(pickle.dumps({"flattened_tensor": torch.ones(4)})).decode()
+    refused = web.post("/update_weights_from_tensor", json={
+        "serialized_named_tensors": [pickled], "load_format": "flattened_bucket", "flush_cache": False})
+    assert refused.status_code == 400 and refused.json()["success"] is False
+    assert "pickled" in refused.json()["message"] and "encode_tensor_payload" in refused.json()["message"]
+    assert greedy(web) == expected["old"]
+    with TensorPayload(new) as payload:
+        out = web.post("/update_weights_from_tensor", json={
+            "serialized_named_tensors": [payload.text], "load_format": "flattened_bucket", "flush_cache": False,
+            "weight_version": f"v{version + 3}"})
+    assert out.status_code == 200 and out.json()["success"] is True, out.text
+    assert web.get("/get_weight_version").json()["weight_version"] == str(version + 3)
+    assert greedy(web) == expected["new"]
+    with TensorPayload(sorted(load_file(dirs[0] / "model.safetensors").items())) as payload:
+        assert web.post("/update_weights_from_tensor", json={"serialized_named_tensors": [payload.text]}
+                        ).json()["success"] is True
+    assert greedy(web) == expected["old"]
+    assert web.post("/update_weights_from_tensor", json={"serialized_named_tensors": []}).status_code == 400
