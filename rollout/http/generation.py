@@ -49,6 +49,7 @@ class GenSpec:
     session_id: Optional[str] = None
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     whole: bool = False  # stream each sample in one delta when it finishes (echo scoring a prompt)
+    input_logprobs_from: int = -1  # SGLang's logprob_start_len: answer the prompt's log-probs from there
 
     @property
     def top_logprobs(self) -> int:
@@ -59,7 +60,8 @@ class Sample:
     """One choice: its ids, log-probs and versions as sampled, its text, what was sent so far."""
 
     __slots__ = ("group", "index", "ids", "logprobs", "versions", "top_logprobs", "prompt_logprobs", "text",
-                 "finish_reason", "matched", "stopped", "finished", "sent_text", "sent_ids", "_searched")
+                 "routed_experts", "finish_reason", "matched", "stopped", "finished", "sent_text", "sent_ids",
+                 "_searched")
 
     def __init__(self, group: int, index: int) -> None:
         self.group, self.index = group, index
@@ -68,6 +70,7 @@ class Sample:
         self.versions: list[int] = []
         self.top_logprobs: Optional[list[dict[int, float]]] = None
         self.prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None  # the engine's, when asked
+        self.routed_experts: Any = None  # MoE, when asked: `[positions fed, moe layers, k]` int32 (final only)
         self.text = ""
         self.finish_reason: Optional[str] = None
         self.matched: Any = None  # the stop string, or the id of the stop token / EOS that ended it
@@ -211,6 +214,7 @@ class Generation:
     def _finish(self, sample: Sample, rollout: Rollout) -> None:
         sample.finished = True
         sample.prompt_logprobs = rollout.prompt_logprobs
+        sample.routed_experts = rollout.routed_experts
         if sample.stopped:  # cut earlier: keep the cut, take the top log-probs of its tokens
             if rollout.top_logprobs is not None:
                 sample.top_logprobs = rollout.top_logprobs[:len(sample.ids)]

@@ -23,6 +23,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from inference.sampling.params import MAX_CACHE_SALT_LENGTH
+
 MAX_N = 128
 MAX_STOP = 1024  # vLLM has no limit (OpenAI's is 4): a bound against abuse only
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit (chat); vLLM's default max_logprobs
@@ -273,10 +275,19 @@ class SGLangSampling(Strict):
     regex: Optional[str] = None
     ebnf: Optional[str] = None
     structural_tag: Optional[str] = None
+    # NOTE: slime asks `{"return_top_p_token_ids": true}` (its top-p replay): refused, not ignored
+    custom_params: Optional[dict[str, Any]] = None
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return tuple(s for s in stops if s)
+
+    @model_validator(mode="after")
+    def _no_custom_params(self) -> SGLangSampling:
+        if self.custom_params:
+            raise ValueError(f"custom_params {sorted(self.custom_params)} are not served: this engine runs no "
+                             "custom logit processors and returns no top-p token ids (sampling masks)")
+        return self
 
 
 class GenerateReqInput(Strict):
@@ -293,12 +304,25 @@ class GenerateReqInput(Strict):
     top_logprobs_num: Optional[Union[Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)], list[int]]] = None
     return_text_in_logprobs: bool = False
     stream: bool = False
+    return_routed_experts: bool = False
+    extra_key: Optional[Union[Annotated[str, Field(max_length=MAX_CACHE_SALT_LENGTH)], list[str]]] = None
+    image_data: Optional[Any] = None  # NOTE: AReaL sends `null` with every request; a text model takes no image
+    lora_path: Optional[Union[str, list[Optional[str]]]] = None
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateReqInput:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("Either text or input_ids should be provided, not both")
+        if any(x is not None for x in _each(self.image_data)):
+            raise ValueError("image_data: this server serves a text model, which takes no images")
+        if any(x is not None for x in _each(self.lora_path)):
+            raise ValueError("lora_path: LoRA adapters are not served by this server")
         return self
+
+
+def _each(value: Any) -> list:
+    """A field SGLang takes for one prompt or per prompt, as a list."""
+    return value if isinstance(value, list) else [value]
 
 
 class AbortReq(Strict):

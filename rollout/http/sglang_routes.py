@@ -24,12 +24,15 @@ docs/advanced_features/sglang_for_rl (pause / continue, memory occupation, weigh
 from __future__ import annotations
 
 import asyncio
+import base64
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any, Optional
 
+import numpy as np
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
@@ -81,18 +84,20 @@ async def generate(body: GenerateReqInput, request: Request) -> Response:
     front.check_ids(prompts, "input_ids")
     sampling = _per_prompt(body.sampling_params, len(prompts), "sampling_params") or [SGLangSampling()] * len(prompts)
     rids = _rids(body.rid, len(prompts))
-    for name in ("return_logprob", "top_logprobs_num", "logprob_start_len"):
+    for name in ("return_logprob", "top_logprobs_num", "logprob_start_len", "extra_key"):
         _per_prompt(getattr(body, name), len(prompts), name)
-    if body.logprob_start_len not in (None, -1):
-        raise APIError(400, "logprob_start_len: only -1 (output tokens only) is supported")
+    logprob = [bool(_at(body.return_logprob, i)) for i in range(len(prompts))]
+    starts = [_input_start(_at(body.logprob_start_len, i), len(p)) if logprob[i] else -1
+              for i, p in enumerate(prompts)]
     specs = []
     for i, (prompt, sp) in enumerate(zip(prompts, sampling)):
         top = _at(body.top_logprobs_num, i) or 0
         max_tokens = front.completion_budget([prompt], sp.max_new_tokens, "input")
-        params = _sampling(front, sp, max_tokens, top)
+        params = _sampling(front, sp, max_tokens, top, prompt_top=top if starts[i] >= 0 else None,
+                           salt=_at(body.extra_key, i), routes=body.return_routed_experts)
         specs.append(GenSpec([prompt], sp.n, params, stops=sp.stop_strings(), include_stop=sp.no_stop_trim,
-                             skip_special_tokens=sp.skip_special_tokens, stream=body.stream, rid=rids[i]))
-    logprob = [bool(_at(body.return_logprob, i)) for i in range(len(prompts))]
+                             skip_special_tokens=sp.skip_special_tokens, stream=body.stream, rid=rids[i],
+                             input_logprobs_from=starts[i]))
     if body.stream:
         return StreamingResponse(_events(front, body, specs, logprob), media_type="text/event-stream")
     gens = [front.generation(spec) for spec in specs]
@@ -128,6 +133,10 @@ def _answer(front: HttpFront, body: GenerateReqInput, spec: GenSpec, s: Sample, 
                             "finish_reason": _finish_reason(s, spec) if final else None,
                             "prompt_tokens": len(spec.prompts[0]), "completion_tokens": len(ids),
                             "weight_version": version, "e2e_latency": seconds}
+    if final and s.routed_experts is not None:
+        meta.update(routed_experts_meta(s.routed_experts))
+    if logprob and spec.input_logprobs_from >= 0 and final:
+        meta.update(_input_logprobs(front, spec, s, body.return_text_in_logprobs))
     if logprob:
         with_text = body.return_text_in_logprobs
         meta["output_token_logprobs"] = [
@@ -138,6 +147,40 @@ def _answer(front: HttpFront, body: GenerateReqInput, spec: GenSpec, s: Sample, 
                  for t, lp in top_entries(s.top_logprobs[j] if s.top_logprobs else None, spec.top_logprobs)]
                 for j in range(len(ids))]
     return {"text": text, "output_ids": ids, "meta_info": meta}
+
+
+def routed_experts_meta(routes: Any) -> dict[str, Any]:
+    """SGLang's `routed_experts`: the int32 expert ids `[positions fed, moe layers * k]` (every prompt
+    and completion token but the last, which is never fed), little-endian bytes in base64, as AReaL
+    and slime decode them; `routed_experts_start_len` 0: all of them."""
+    data = np.ascontiguousarray(routes, dtype="<i4").tobytes()
+    return {"routed_experts": base64.b64encode(data).decode(), "routed_experts_start_len": 0}
+
+
+def _input_start(start: Optional[int], length: int) -> int:
+    """SGLang's `logprob_start_len`: -1 (or none) no prompt log-probs, else from that position on."""
+    if start is None or start == -1:
+        return -1
+    if not 0 <= start < length:
+        raise APIError(400, f"logprob_start_len ({start}) must be -1 or in [0, {length}) for an input of {length} "
+                            "tokens", param="logprob_start_len")
+    return start
+
+
+def _input_logprobs(front: HttpFront, spec: GenSpec, s: Sample, with_text: bool) -> dict[str, Any]:
+    """`input_token_logprobs` (`[logprob, id, text]`, None for the first token, which nothing
+    predicts) and `input_top_logprobs` from `logprob_start_len` on, as SGLang answers them."""
+    prompt, rows = spec.prompts[0], s.prompt_logprobs or [None] * len(spec.prompts[0])
+    text = (lambda t: front.token_text(t, False)) if with_text else (lambda t: None)
+    positions = range(spec.input_logprobs_from, len(prompt))
+    out: dict[str, Any] = {"input_token_logprobs": [
+        [None if p == 0 or rows[p] is None else rows[p].get(prompt[p]), prompt[p], text(prompt[p])] for p in positions]}
+    if spec.top_logprobs:
+        def top(p: int) -> Optional[list]:
+            return None if p == 0 or rows[p] is None else [[lp, t, text(t)]
+                                                           for t, lp in top_entries(rows[p], spec.top_logprobs)]
+        out["input_top_logprobs"] = [top(p) for p in positions]
+    return out
 
 
 def _finish_reason(s: Sample, spec: GenSpec) -> Optional[dict[str, Any]]:
@@ -155,15 +198,18 @@ async def _version(front: HttpFront, samples: list[Sample]) -> str:
     return str(max(versions)) if versions else str(await front.policy_version())
 
 
-def _sampling(front: HttpFront, sp: SGLangSampling, max_tokens: int, top: int) -> SamplingParams:
-    """SGLang's names onto the OpenAI body's (`rollout.http.sampling` maps those to the engine's)."""
+def _sampling(front: HttpFront, sp: SGLangSampling, max_tokens: int, top: int, prompt_top: Optional[int] = None,
+              salt: Optional[str] = None, routes: bool = False) -> SamplingParams:
+    """SGLang's names onto the OpenAI body's (`rollout.http.sampling` maps those to the engine's);
+    `extra_key` is the engine's `cache_salt` (different keys never share a cached block)."""
     body = SimpleNamespace(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
                            seed=sp.sampling_seed, stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
                            repetition_penalty=sp.repetition_penalty, presence_penalty=sp.presence_penalty,
-                           frequency_penalty=sp.frequency_penalty, min_tokens=sp.min_new_tokens, cache_salt=None,
+                           frequency_penalty=sp.frequency_penalty, min_tokens=sp.min_new_tokens, cache_salt=salt,
                            logit_bias=sp.logit_bias, bad_words=None, allowed_token_ids=None, logprobs_mode=None)
-    return sampling_params(front.codec, body, n=sp.n, max_tokens=max_tokens, logprobs=top,
-                           structured=structured.from_sglang(sp))
+    params = sampling_params(front.codec, body, n=sp.n, max_tokens=max_tokens, logprobs=top,
+                             prompt_logprobs=prompt_top, structured=structured.from_sglang(sp))
+    return dataclasses.replace(params, return_routed_experts=True) if routes else params
 
 
 def _per_prompt(value: Any, count: int, name: str) -> Optional[list]:
