@@ -327,6 +327,19 @@ def server_args(front: HttpFront, stats: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+@router.get("/v1/loads")
+async def loads(request: Request) -> Response:
+    """SGLang's load report, as its gateway polls it: one entry per engine (behind our router, the
+    fleet's sums as one; its replicas' own are in `/get_server_info`'s `internal_states`)."""
+    stats = await engine_call(front_of(request).client.stats())
+    total = int(stats.get("engine/total_blocks") or 0) * int(stats.get("engine/block_size") or 0)
+    return json_response({"loads": [{
+        "dp_rank": 0, "num_running_reqs": int(stats.get("engine/active_request_count", 0) or 0),
+        "num_waiting_reqs": int(stats.get("engine/waiting", 0) or 0),
+        "token_usage": float(stats.get("kv_utilization", 0.0) or 0.0), "max_total_num_tokens": total,
+        "weight_version": str(stats.get("policy_version"))}]})
+
+
 @router.get("/get_server_info")
 async def get_server_info(request: Request) -> Response:
     front = front_of(request)

@@ -116,3 +116,16 @@ def test_update_weights_from_tensor_takes_our_handle_and_refuses_pickle(web, dir
                         ).json()["success"] is True
     assert greedy(web) == expected["old"]
     assert web.post("/update_weights_from_tensor", json={"serialized_named_tensors": []}).status_code == 400
+
+
+def test_loads_report_what_is_running(server, web):
+    """SGLang's `/v1/loads` (its gateway's load poll): running, waiting, token usage."""
+    from tests.rollout.http_util import in_flight, wait_running
+
+    idle = web.get("/v1/loads").json()["loads"]
+    assert len(idle) == 1 and idle[0]["num_running_reqs"] == 0 and idle[0]["max_total_num_tokens"] > 0
+    pending = in_flight(server.http_url, 200)
+    wait_running(web)
+    busy = web.get("/v1/loads").json()["loads"][0]
+    assert busy["num_running_reqs"] == 1 and 0 < busy["token_usage"] <= 1
+    assert pending.result(WAIT_S).status_code == 200
