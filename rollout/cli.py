@@ -11,6 +11,7 @@
     rollout route --replicas tcp://127.0.0.1:5555,tcp://127.0.0.1:5556   # one endpoint over replicas
     rollout route --spawn 2 --model /ckpt/hf-dir -- --threads 1           # ... that it starts itself
     rollout monitor --connect tcp://127.0.0.1:5555       # its metrics to W&B (offline) and the console
+    rollout generate --input prompts.jsonl --output rollouts.jsonl --model smollm2 -n 8   # offline best-of-n
 """
 
 from __future__ import annotations
@@ -144,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     route = sub.add_parser("route", help="one endpoint over engine replicas: placement, failover (rollout.router)")
     add_route_arguments(route)
     route.set_defaults(func=route_main)
+    from rollout.offline import add_generate_arguments, generate_main
+
+    gen = sub.add_parser("generate", help="prompts from a JSONL file, n samples each, to a JSONL of rollouts, by a "
+                         "local engine or a server / router (rollout.offline)")
+    add_generate_arguments(gen)
+    gen.set_defaults(func=generate_main)
     monitor = sub.add_parser("monitor", help="poll a server's stats into W&B (offline by default) and the console")
     monitor.add_argument("--connect", required=True, help="the server's address, e.g. tcp://127.0.0.1:5555")
     monitor.add_argument("--every", type=float, default=10.0, help="seconds between polls")
