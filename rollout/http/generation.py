@@ -102,6 +102,18 @@ class Delta:
     finish_reason: Optional[str] = None
 
 
+def version_spans(versions: list[int], start: int = 0) -> list[dict[str, int]]:
+    """Runs of equal policy versions as `[{"version", "start", "end"}]` (token positions, end exclusive):
+    the provenance every route answers (`weight_versions`) beside a sample's ids."""
+    spans: list[dict[str, int]] = []
+    for i, v in enumerate(versions, start):
+        if spans and spans[-1]["version"] == v and spans[-1]["end"] == i:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": int(v), "start": i, "end": i + 1})
+    return spans
+
+
 class Generation:
     """Runs one `GenSpec` through the front's async client (see module docstring).
 

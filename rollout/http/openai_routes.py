@@ -3,8 +3,10 @@
 Responses follow OpenAI's shapes; each choice also carries the exact ids under vLLM's names for
 `return_token_ids` (vLLM >= 0.10.2): `prompt_token_ids` and `token_ids` on every completion
 choice; `prompt_token_ids` on a chat response (and on each of its choices) and `token_ids` on each
-chat choice. Streaming is Server-Sent Events (`data: {chunk}` ... `data: [DONE]`); the first chunk
-of a choice carries its `prompt_token_ids`, every chunk the `token_ids` it adds. Log-probs are the
+chat choice; beside them, ours, `weight_versions` (`[{"version", "start", "end"}]`: the policy
+version of each span of those tokens). Streaming is Server-Sent Events (`data: {chunk}` ...
+`data: [DONE]`); the first chunk of a choice carries its `prompt_token_ids`, every chunk the
+`token_ids` it adds and their `weight_versions`. Log-probs are the
 engine's raw ones (log-softmax of the logits at temperature 1), what a trainer recomputes; their
 shapes (`echo`, vLLM's `prompt_logprobs`, the sampled token in every top list) are in
 `rollout.http.logprobs`.
@@ -30,7 +32,7 @@ from rollout.http import structured
 from rollout.http.disconnects import unless_disconnected
 from rollout.http.errors import APIError, from_exception
 from rollout.http.front import HttpFront
-from rollout.http.generation import Delta, Generation, GenSpec, Sample
+from rollout.http.generation import Delta, Generation, GenSpec, Sample, version_spans
 from rollout.http.logprobs import chat_top, completion_top, echoed_prompt, prompt_entries
 from rollout.http.schemas import ChatCompletionRequest, CompletionRequest
 from rollout.http.sessions import Render, Reply, calls_of
@@ -113,6 +115,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         if body.return_token_ids is not False:
             choice["prompt_token_ids"] = prompts[s.group]
             choice["token_ids"] = s.ids
+            choice["weight_versions"] = version_spans(s.versions)
         choices.append(choice)
     return json_response({"id": rid, "object": "text_completion", "created": int(time.time()), "model": body.model,
                           "choices": choices, "usage": _usage(prompts, samples)})
@@ -178,6 +181,7 @@ async def _completion_chunks(front: HttpFront, body: CompletionRequest, gen: Gen
             if opening:
                 choice["prompt_token_ids"] = gen.spec.prompts[s.group]
             choice["token_ids"] = d.ids
+            choice["weight_versions"] = version_spans(s.versions[d.start:d.start + len(d.ids)], d.start)
         chunk = {"id": rid, "object": "text_completion", "created": created, "model": body.model,
                  "choices": [choice]}
         if _continuous_usage(body):
@@ -253,6 +257,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         if body.return_token_ids is not False:
             choice["token_ids"] = s.ids
             choice["prompt_token_ids"] = prompt
+            choice["weight_versions"] = version_spans(s.versions)
         choices.append(choice)
     out = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": body.model,
            "choices": choices, "usage": _usage([prompt], samples)}
@@ -292,6 +297,7 @@ async def _chat_chunks(front: HttpFront, body: ChatCompletionRequest, gen: Gener
                   "finish_reason": finish_reason}
         if body.return_token_ids is not False:
             choice["token_ids"] = d.ids
+            choice["weight_versions"] = version_spans(s.versions[d.start:d.start + len(d.ids)], d.start)
         chunk["choices"] = [choice]
         if _continuous_usage(body):
             chunk["usage"] = _usage(gen.spec.prompts, gen.samples)

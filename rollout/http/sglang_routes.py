@@ -6,11 +6,16 @@ docs/advanced_features/sglang_for_rl (pause / continue, memory occupation, weigh
 `SGLANG_API_VERSION` records it; the tests pin the shapes.
 
 * `/generate`: `text` or `input_ids` (one prompt or a batch), `sampling_params` (SGLang's names),
-  `rid`, `return_logprob`, `top_logprobs_num`, `return_text_in_logprobs`, `stream`. Answer:
+  `rid`, `return_logprob`, `logprob_start_len`, `top_logprobs_num`, `return_text_in_logprobs`,
+  `return_routed_experts`, `extra_key` (the engine's cache salt), `stream`. Answer:
   `{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
-  "completion_tokens", "weight_version", "e2e_latency", "output_token_logprobs"
-  ([logprob, token id, text or None] per token), "output_top_logprobs"}}`; a list for a batch or
-  `n > 1` (prompt-major). Streaming sends the cumulative answer per event, then `data: [DONE]`.
+  "completion_tokens", "weight_version", "weight_versions" (ours: the version of each span of
+  tokens), "e2e_latency", "output_token_logprobs" ([logprob, token id, text or None] per token),
+  "output_top_logprobs", "input_token_logprobs" / "input_top_logprobs" (from
+  `logprob_start_len`), "routed_experts" (base64 int32, with "routed_experts_start_len")}}`; a
+  list for a batch or `n > 1` (prompt-major). Streaming sends the cumulative answer per event
+  (its spans too; routes and prompt log-probs with the final one), then `data: [DONE]`.
+  `image_data` (a text model: null only), `lora_path` and `custom_params` are refused by name.
 * `/pause_generation` modes map to ours: `abort` -> ABORT, `retract` -> RETRACT (KV freed,
   requests requeued: `flush_cache` succeeds), `in_place` -> KEEP (requests keep their KV:
   `flush_cache` is refused while they hold it, as in SGLang).
@@ -18,7 +23,9 @@ docs/advanced_features/sglang_for_rl (pause / continue, memory occupation, weigh
   (`"7"`, `"v7"`, `"step_7"`). The weight routes run `rollout.http.weights` (weight sync's mapping
   of SGLang's calls, over the front's client): `/init_weights_update_group`,
   `/update_weights_from_distributed` (one broadcast per tensor, committed once the model is
-  complete), `/destroy_weights_update_group`.
+  complete), `/update_weights_from_tensor` (our shared-memory handle, never pickle),
+  `/destroy_weights_update_group`. `/get_server_info` (and `/server_info`, shared with vLLM's) and
+  `/v1/loads` report the engine in SGLang's names.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from rollout.http import structured
 from rollout.http.disconnects import unless_disconnected
 from rollout.http.errors import APIError, engine_call, from_exception
 from rollout.http.front import HttpFront
-from rollout.http.generation import GenSpec, Sample
+from rollout.http.generation import GenSpec, Sample, version_spans
 from rollout.http.logprobs import ranked as top_entries
 from rollout.http.openai_routes import front_of, json_response, sse
 from rollout.http.sampling import sampling_params
@@ -132,7 +139,8 @@ def _answer(front: HttpFront, body: GenerateReqInput, spec: GenSpec, s: Sample, 
     meta: dict[str, Any] = {"id": spec.rid if spec.n == 1 else f"{spec.rid}-{s.index}",
                             "finish_reason": _finish_reason(s, spec) if final else None,
                             "prompt_tokens": len(spec.prompts[0]), "completion_tokens": len(ids),
-                            "weight_version": version, "e2e_latency": seconds}
+                            "weight_version": version, "e2e_latency": seconds,
+                            "weight_versions": version_spans(s.versions[:len(ids)])}
     if final and s.routed_experts is not None:
         meta.update(routed_experts_meta(s.routed_experts))
     if logprob and spec.input_logprobs_from >= 0 and final:

@@ -45,7 +45,7 @@ from inference.core.states import MEMORY_TAGS
 from rollout.http import structured
 from rollout.http.errors import APIError, engine_call
 from rollout.http.front import HttpFront
-from rollout.http.generation import Generation, GenSpec, Sample
+from rollout.http.generation import Generation, GenSpec, Sample, version_spans
 from rollout.http.logprobs import chat_top, prompt_entries
 from rollout.http.openai_routes import front_of, json_response, sse
 from rollout.http.sampling import sampling_params
@@ -361,17 +361,6 @@ def _logprobs(front: HttpFront, s: Sample, start: int, ids: list[int], top: int)
         tops = [{"token": f"token_id:{alt}", "logprob": alt_lp} for alt, alt_lp in chat_top(row, top, t, lp)]
         content.append({"token": f"token_id:{t}", "logprob": lp, "top_logprobs": tops})
     return {"content": content}
-
-
-def version_spans(versions: list[int], start: int = 0) -> list[dict[str, int]]:
-    """Runs of equal policy versions as `[{"version", "start", "end"}]` (token positions, end exclusive)."""
-    spans: list[dict[str, int]] = []
-    for i, v in enumerate(versions, start):
-        if spans and spans[-1]["version"] == v and spans[-1]["end"] == i:
-            spans[-1]["end"] = i + 1
-        else:
-            spans.append({"version": int(v), "start": i, "end": i + 1})
-    return spans
 
 
 CUMULATIVE, FINAL_ONLY = 0, 2

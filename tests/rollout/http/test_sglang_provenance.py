@@ -130,3 +130,69 @@ def test_extra_key_salts_the_prefix_cache(roomy):
     assert cached("tenant-a") == 0
     assert cached("tenant-a") > 0  # the same key reuses its blocks
     assert cached("tenant-b") == 0  # another key never shares them
+
+
+def _sse(lines):
+    import json
+
+    for line in lines:
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[len("data: "):])
+
+
+ROUTES = {
+    "sglang": ("/generate", lambda p, n: {"input_ids": p, "stream": True, "return_routed_experts": True,
+                                          "sampling_params": {"temperature": 0, "max_new_tokens": n,
+                                                              "ignore_eos": True}}),
+    "openai": ("/v1/completions", lambda p, n: {"model": "moe", "prompt": p, "stream": True, "max_tokens": n,
+                                                "temperature": 0, "ignore_eos": True, "return_token_ids": True}),
+    "vllm": ("/inference/v1/generate", lambda p, n: {"token_ids": p, "stream": True, "sampling_params": {
+        "temperature": 0, "max_tokens": n, "ignore_eos": True}}),
+}
+
+
+def _spans_and_ids(route: str, chunk: dict, ids: list, spans: list) -> None:
+    """Fold one chunk into the stream's ids and version spans (SGLang's chunks are cumulative)."""
+    if route == "sglang":
+        ids[:] = chunk["output_ids"]
+        spans[:] = chunk["meta_info"]["weight_versions"]
+        return
+    choice = chunk["choices"][0]
+    ids.extend(choice.get("token_ids") or [])
+    for span in choice.get("weight_versions") or []:
+        if spans and spans[-1]["version"] == span["version"] and spans[-1]["end"] == span["start"]:
+            spans[-1]["end"] = span["end"]
+        else:
+            spans.append(dict(span))
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+def test_streamed_spans_split_at_a_keep_update(roomy, route):
+    """Every chunk carries its tokens' versions: a stream paused (`keep`) after its first tokens,
+    moved to a new version, resumed, reads back `[v: 0..k], [v + 1: k..n]` with k at or past what
+    it had received, the ids equal greedy in process, and (SGLang) its final chunk the routes."""
+    engine, web = roomy
+    prompt, n = PROMPTS[0], 120
+    want = engine.generate([prompt], [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True,
+                                                     return_routed_experts=True)], timeout=WAIT_S)[0]
+    old = int(web.get("/weight_info").json()["weight_version"])
+    path, body = ROUTES[route]
+    ids, spans, before, last = [], [], None, None
+    with httpx.Client(base_url=str(web.base_url), timeout=WAIT_S) as control:
+        with web.stream("POST", path, json=body(prompt, n)) as r:
+            assert r.status_code == 200
+            for chunk in _sse(r.iter_lines()):
+                _spans_and_ids(route, chunk, ids, spans)
+                last = chunk
+                if before is None and ids:
+                    before = len(ids)
+                    assert control.post("/pause", params={"mode": "keep"}).status_code == 200
+                    assert control.post("/update_weight_version", json={"new_version": str(old + 1)}
+                                        ).status_code == 200
+                    assert control.post("/resume").status_code == 200
+    assert ids == want.generated_token_ids
+    assert [s["version"] for s in spans] == [old, old + 1], spans
+    assert spans[0]["start"] == 0 and before <= spans[0]["end"] == spans[1]["start"] < n and spans[1]["end"] == n
+    if route == "sglang":
+        np.testing.assert_array_equal(areal_decode(last["meta_info"]),
+                                      want.routed_experts.reshape(want.routed_experts.shape[0], -1))

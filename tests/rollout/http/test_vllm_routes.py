@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from inference import DynamicInferenceEngine, SamplingParams
-from rollout.http.vllm_routes import version_spans
+from rollout.http.generation import version_spans
 from tests.rollout.http_util import MAX_LEN, MODEL, WAIT_S, engine_config, in_flight, save_tiny_chat_model, wait_running
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
