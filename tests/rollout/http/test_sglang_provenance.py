@@ -97,6 +97,8 @@ def test_routes_survive_preemption_and_recompute(model_dir, roomy):
         assert got["output_ids"] == ref.generated_token_ids
         np.testing.assert_array_equal(areal_decode(got["meta_info"]),
                                       ref.routed_experts.reshape(ref.routed_experts.shape[0], -1))
+        version = engine.policy_version  # recomputed tokens keep the version that sampled them
+        assert got["meta_info"]["weight_versions"] == [{"version": version, "start": 0, "end": 24}]
 
 
 def test_prompt_logprobs_from_logprob_start_len(roomy):
