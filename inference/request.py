@@ -62,6 +62,7 @@ class Request:
     # sibling requests that wait for this one's prompt prefill to fork from it (sample 0 only)
     fork_children: list[Request] = field(default_factory=list)
     num_preemptions: int = 0
+    cached_tokens: Optional[int] = None  # prompt tokens the prefix cache served at its first admission
     hash_cache_key: Optional[tuple[int, int]] = None  # (policy version, token count) of hash_cache
     hash_cache: list[int] = field(default_factory=list)
     # prompt log-probs by position while in a slot (a `PromptScores`; `prompt_logprobs` is built
@@ -116,6 +117,7 @@ class RequestOutput:
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
     num_preemptions: int = 0
+    cached_tokens: int = 0  # prompt tokens whose K/V the prefix cache served (first admission)
     # the experts each computed token went to: `[num_tokens - 1, moe_layers, k]` (the last sampled
     # token was never fed to the model); None unless `return_routed_experts`
     routed_experts: Optional[np.ndarray] = None
@@ -146,5 +148,6 @@ class RequestOutput:
             first_token_time=req.first_token_time,
             finish_time=req.finish_time,
             num_preemptions=req.num_preemptions,
+            cached_tokens=req.cached_tokens or 0,
             routed_experts=None if req.routed_experts is None else req.routed_experts[: req.num_tokens - 1],
         )

@@ -111,6 +111,7 @@ def _rollout(out: RequestOutput, group: int) -> Rollout:
         top_logprobs=out.top_logprobs,
         routed_experts=out.routed_experts,
         prompt_logprobs=out.prompt_logprobs,
+        cached_tokens=out.cached_tokens,
     )
 
 

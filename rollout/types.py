@@ -45,6 +45,7 @@ class Rollout:
     text: Optional[str] = None
     routed_experts: Optional[np.ndarray] = None
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
+    cached_tokens: int = 0  # prompt tokens the engine's prefix cache served for this sample
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)

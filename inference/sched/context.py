@@ -190,6 +190,8 @@ class DynamicInferenceContext:
             self.allocator.release(matched)
             raise
         self.prefix_cached_tokens += len(matched) * self.block_size
+        if req.cached_tokens is None:  # NOTE: what its first prefill took; a recompute's hits are the engine's
+            req.cached_tokens = len(matched) * self.block_size
         if req.params.prompt_logprobs is not None:  # NOTE: each admission scores the prompt afresh
             req.prompt_scores = PromptScores.admitted(len(req.prompt_token_ids), req.params.prompt_logprobs,
                                                       self.allocator, matched)

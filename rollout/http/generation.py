@@ -60,8 +60,8 @@ class Sample:
     """One choice: its ids, log-probs and versions as sampled, its text, what was sent so far."""
 
     __slots__ = ("group", "index", "ids", "logprobs", "versions", "top_logprobs", "prompt_logprobs", "text",
-                 "routed_experts", "finish_reason", "matched", "stopped", "finished", "sent_text", "sent_ids",
-                 "_searched")
+                 "routed_experts", "cached_tokens", "finish_reason", "matched", "stopped", "finished", "sent_text",
+                 "sent_ids", "_searched")
 
     def __init__(self, group: int, index: int) -> None:
         self.group, self.index = group, index
@@ -71,6 +71,7 @@ class Sample:
         self.top_logprobs: Optional[list[dict[int, float]]] = None
         self.prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None  # the engine's, when asked
         self.routed_experts: Any = None  # MoE, when asked: `[positions fed, moe layers, k]` int32 (final only)
+        self.cached_tokens = 0  # prompt tokens the prefix cache served (final only)
         self.text = ""
         self.finish_reason: Optional[str] = None
         self.matched: Any = None  # the stop string, or the id of the stop token / EOS that ended it
@@ -227,6 +228,7 @@ class Generation:
         sample.finished = True
         sample.prompt_logprobs = rollout.prompt_logprobs
         sample.routed_experts = rollout.routed_experts
+        sample.cached_tokens = rollout.cached_tokens
         if sample.stopped:  # cut earlier: keep the cut, take the top log-probs of its tokens
             if rollout.top_logprobs is not None:
                 sample.top_logprobs = rollout.top_logprobs[:len(sample.ids)]

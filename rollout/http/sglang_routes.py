@@ -140,7 +140,8 @@ def _answer(front: HttpFront, body: GenerateReqInput, spec: GenSpec, s: Sample, 
                             "finish_reason": _finish_reason(s, spec) if final else None,
                             "prompt_tokens": len(spec.prompts[0]), "completion_tokens": len(ids),
                             "weight_version": version, "e2e_latency": seconds,
-                            "weight_versions": version_spans(s.versions[:len(ids)])}
+                            "weight_versions": version_spans(s.versions[:len(ids)]),
+                            "cached_tokens": s.cached_tokens}
     if final and s.routed_experts is not None:
         meta.update(routed_experts_meta(s.routed_experts))
     if logprob and spec.input_logprobs_from >= 0 and final:

@@ -326,6 +326,7 @@ class SampleOutput(_Message, tag=Kind.SAMPLE_OUTPUT.value):
     latency: Optional[Seconds] = None
     num_preemptions: NonNegInt = 0
     routed_experts: Optional[RoutedExperts] = None
+    cached_tokens: NonNegInt = 0  # prompt tokens the prefix cache served (SGLang's `cached_tokens`)
 
     def __post_init__(self) -> None:
         if self.sample_index >= self.n:

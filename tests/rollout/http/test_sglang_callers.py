@@ -129,3 +129,28 @@ def test_loads_report_what_is_running(server, web):
     busy = web.get("/v1/loads").json()["loads"][0]
     assert busy["num_running_reqs"] == 1 and 0 < busy["token_usage"] <= 1
     assert pending.result(WAIT_S).status_code == 200
+
+
+def test_slime_generate_reads_every_field_it_uses(web):
+    """slime/rollout/sglang_rollout.py:95-105 (its sampling params), :176-190 (the payload: input_ids,
+    return_logprob), :203-207 (tokens and log-probs from `output_token_logprobs`);
+    slime/utils/types.py:165-205 (`cached_tokens`, `prompt_tokens`, `completion_tokens`),
+    :405-415 (`weight_version`, `finish_reason.type`)."""
+    sampling = dict(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=5, stop=None, stop_token_ids=None,
+                    skip_special_tokens=False, no_stop_trim=True, spaces_between_special_tokens=False)
+    prompt = [1, 4242, 4343, 4444, 4545, 4646, 4747, 4848]  # a prefix no other test here sends
+    for turn in range(2):
+        out = web.post("/generate", json={"input_ids": prompt, "sampling_params": sampling, "return_logprob": True})
+        assert out.status_code == 200, out.text
+        body = out.json()
+        meta = body["meta_info"]
+        tokens = [item[1] for item in meta["output_token_logprobs"]]
+        log_probs = [item[0] for item in meta["output_token_logprobs"]]
+        assert tokens == body["output_ids"] and len(log_probs) == len(tokens) == meta["completion_tokens"]
+        assert meta["prompt_tokens"] == len(prompt) and meta["finish_reason"]["type"] in ("length", "stop")
+        assert meta["weight_version"] == web.get("/get_weight_version").json()["weight_version"]
+        assert isinstance(body["text"], str)
+        if turn == 0:
+            assert meta["cached_tokens"] == 0
+        else:  # the repeat hits the cache: whole blocks of 4, the last prompt token always computed
+            assert meta["cached_tokens"] == 4

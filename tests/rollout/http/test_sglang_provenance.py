@@ -126,8 +126,11 @@ def test_extra_key_salts_the_prefix_cache(roomy):
 
     def cached(key):
         before = engine.stats()["prefix_cached_tokens"]
-        web.post("/generate", json={"input_ids": prompt, "extra_key": key, "sampling_params": {"max_new_tokens": 1}})
-        return engine.stats()["prefix_cached_tokens"] - before
+        meta = web.post("/generate", json={"input_ids": prompt, "extra_key": key,
+                                           "sampling_params": {"max_new_tokens": 1}}).json()["meta_info"]
+        took = engine.stats()["prefix_cached_tokens"] - before
+        assert meta["cached_tokens"] == took  # SGLang's per-request count, which slime reads
+        return took
 
     assert cached("tenant-a") == 0
     assert cached("tenant-a") > 0  # the same key reuses its blocks
