@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -78,26 +77,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--areal-python", required=True, help="the interpreter with `areal` installed")
     args = parser.parse_args(argv)
 
-    from inference import DynamicInferenceEngine, SamplingParams
-    from rollout import ServerProcess
-    from tests.rollout.http_util import HTTP_SERVER_ARGS, engine_config, save_tiny_chat_model
+    from tests.rollout.http_util import greedy_ids, http_server_process, old_and_new_models
 
     prompts = [[1, 400, 500, 600], [50, 60, 70]]
     with tempfile.TemporaryDirectory() as tmp:
-        old, new = save_tiny_chat_model(Path(tmp) / "old", seed=0), save_tiny_chat_model(Path(tmp) / "new", seed=1)
-        expected = {}
-        for key, d in (("old", old), ("new", new)):
-            engine = DynamicInferenceEngine.from_pretrained(d, engine_config())
-            params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-            expected[key] = [engine.generate([p], [params], timeout=60)[0].generated_token_ids for p in prompts]
-        proc = ServerProcess(old, *HTTP_SERVER_ARGS, ready_timeout=120)
-        try:
+        old, new = old_and_new_models(Path(tmp))
+        expected = {"old": greedy_ids(old, prompts), "new": greedy_ids(new, prompts)}
+        with http_server_process(old) as proc:
             addr = proc.http_url.removeprefix("http://")
             run = subprocess.run([args.areal_python, "-c", DRIVER, addr, str(new), str(Path(tmp) / "names"),
                                   json.dumps(prompts)], capture_output=True, text=True, timeout=600)
-        finally:
-            proc.stop(grace_s=5.0)
-        shutil.rmtree(Path(tmp) / "names", ignore_errors=True)
     line = next((ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
         print(run.stdout[-3000:], run.stderr[-6000:], sep="\n")

@@ -5,10 +5,12 @@ kept in flight (posted on a thread) for the control routes to act on."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import httpx
 
@@ -85,3 +87,45 @@ def wait_running(web, count: int = 1) -> None:
             return
         time.sleep(0.02)
     raise AssertionError(f"{count} requests never ran")
+
+
+@contextlib.contextmanager
+def http_server_process(model_dir: Path, *extra: str) -> Iterator[Any]:
+    """`rollout serve --http` on `model_dir` (HTTP_SERVER_ARGS and `extra`), stopped after."""
+    from rollout import ServerProcess
+
+    proc = ServerProcess(model_dir, *HTTP_SERVER_ARGS, *extra, ready_timeout=WAIT_S)
+    try:
+        assert proc.http_url is not None, "\n".join(proc.output)
+        yield proc
+    finally:
+        proc.stop(grace_s=5.0)
+
+
+@contextlib.contextmanager
+def in_process_front(engine: Any, model_dir: Path, **options: Any) -> Iterator[Any]:
+    """An HTTP front calling `engine` in this process (`serve_front` `options`), stopped after."""
+    from rollout.client.in_process import InProcessClient
+    from rollout.http.launch import serve_front
+
+    client = InProcessClient(engine, timeout=WAIT_S)
+    front = serve_front(client, model_dir, **{"served_model_name": MODEL, "max_model_len": MAX_LEN,
+                                              "timeout": WAIT_S, **options}, on_stop=client.shutdown)
+    try:
+        yield front
+    finally:
+        front.stop()
+
+
+def old_and_new_models(root: Path) -> tuple[Path, Path]:
+    """Two tiny chat models of the same shape, different weights: what a weight update swaps."""
+    return save_tiny_chat_model(root / "old", seed=0), save_tiny_chat_model(root / "new", seed=1)
+
+
+def greedy_ids(model_dir: Path, prompts: list[list[int]], max_tokens: int = 6) -> list[list[int]]:
+    """Greedy ids of each prompt (EOS ignored) by an engine in this process on `model_dir`."""
+    from inference import DynamicInferenceEngine, SamplingParams
+
+    engine = DynamicInferenceEngine.from_pretrained(model_dir, engine_config())
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [engine.generate([p], [params], timeout=WAIT_S)[0].generated_token_ids for p in prompts]

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from rollout.text import TextCodec
-from tests.rollout.http_util import HTTP_SERVER_ARGS, MAX_LEN, MODEL, WAIT_S, save_tiny_chat_model
+from tests.rollout.http_util import MAX_LEN, MODEL, WAIT_S, http_server_process, save_tiny_chat_model
 
 
 @pytest.fixture(scope="module")
@@ -30,14 +30,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def http_server(model_dir):
-    from rollout import ServerProcess
-
-    proc = ServerProcess(model_dir, *HTTP_SERVER_ARGS, ready_timeout=WAIT_S)
-    try:
-        assert proc.http_url is not None, "\n".join(proc.output)
+    with http_server_process(model_dir) as proc:
         yield proc
-    finally:
-        proc.stop(grace_s=5.0)
 
 
 @pytest.fixture(scope="module", params=["in_process", "zmq"])

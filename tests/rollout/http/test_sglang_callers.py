@@ -12,8 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from inference import DynamicInferenceEngine, SamplingParams
-from tests.rollout.http_util import HTTP_SERVER_ARGS, WAIT_S, engine_config, save_tiny_chat_model
+from tests.rollout.http_util import WAIT_S, greedy_ids, http_server_process, old_and_new_models
 from weight_sync.tensor_payload import TensorPayload
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -23,20 +22,13 @@ PROMPTS = [[1, 400, 500, 600], [50, 60, 70]]
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sglang-callers")
-    return save_tiny_chat_model(root / "old", seed=0), save_tiny_chat_model(root / "new", seed=1)
+    return old_and_new_models(tmp_path_factory.mktemp("sglang-callers"))
 
 
 @pytest.fixture(scope="module")
 def server(dirs):
-    from rollout import ServerProcess
-
-    proc = ServerProcess(dirs[0], *HTTP_SERVER_ARGS, ready_timeout=WAIT_S)
-    try:
-        assert proc.http_url is not None, "\n".join(proc.output)
+    with http_server_process(dirs[0]) as proc:
         yield proc
-    finally:
-        proc.stop(grace_s=5.0)
 
 
 @pytest.fixture
@@ -47,12 +39,7 @@ def web(server):
 
 @pytest.fixture(scope="module")
 def expected(dirs):
-    out = {}
-    for key, d in zip(("old", "new"), dirs):
-        engine = DynamicInferenceEngine.from_pretrained(d, engine_config())
-        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-        out[key] = [engine.generate([p], [params], timeout=WAIT_S)[0].generated_token_ids for p in PROMPTS]
-    return out
+    return {key: greedy_ids(d, PROMPTS) for key, d in zip(("old", "new"), dirs)}
 
 
 def greedy(web: httpx.Client) -> list[list[int]]:

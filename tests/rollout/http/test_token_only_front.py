@@ -11,7 +11,7 @@ import torch
 
 from inference import DynamicInferenceEngine, SamplingParams
 from rollout.text import TOKENIZER_FILES, TokenizerUnavailableError, TokenOnlyCodec, has_tokenizer
-from tests.rollout.http_util import MAX_LEN, MODEL, WAIT_S, engine_config, save_tiny_chat_model
+from tests.rollout.http_util import MODEL, WAIT_S, engine_config, in_process_front, save_tiny_chat_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -35,19 +35,12 @@ def engine(bare_dir):
 
 @pytest.fixture(scope="module")
 def web(engine, bare_dir):
-    from rollout.client.in_process import InProcessClient
-    from rollout.http.launch import serve_front
-
-    client = InProcessClient(engine, timeout=WAIT_S)
     with pytest.raises(FileNotFoundError, match="no tokenizer files"):  # NOTE: without the flag, as before
-        serve_front(client, bare_dir, served_model_name=MODEL, max_model_len=MAX_LEN, timeout=WAIT_S)
-    front = serve_front(client, bare_dir, served_model_name=MODEL, max_model_len=MAX_LEN, timeout=WAIT_S,
-                        on_stop=client.shutdown, skip_tokenizer_init=True)
-    try:
+        with in_process_front(engine, bare_dir):
+            pass
+    with in_process_front(engine, bare_dir, skip_tokenizer_init=True) as front:
         with httpx.Client(base_url=front.url, timeout=WAIT_S) as c:
             yield c
-    finally:
-        front.stop()
 
 
 def test_codec_reads_the_vocabulary_and_eos_from_the_config(bare_dir):

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from rollout.text import TextCodec
-from tests.rollout.http_util import HTTP_SERVER_ARGS, MODEL, WAIT_S, save_tiny_chat_model
+from tests.rollout.http_util import MODEL, WAIT_S, http_server_process, save_tiny_chat_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -111,14 +111,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def http_server(model_dir):
-    from rollout import ServerProcess
-
-    proc = ServerProcess(model_dir, *HTTP_SERVER_ARGS, "--tool-call-parser", "hermes", ready_timeout=WAIT_S)
-    try:
-        assert proc.http_url is not None, "\n".join(proc.output)
+    with http_server_process(model_dir, "--tool-call-parser", "hermes") as proc:
         yield proc
-    finally:
-        proc.stop(grace_s=5.0)
 
 
 @pytest.fixture

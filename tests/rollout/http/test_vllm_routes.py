@@ -12,7 +12,16 @@ import torch
 
 from inference import DynamicInferenceEngine, SamplingParams
 from rollout.http.generation import version_spans
-from tests.rollout.http_util import MAX_LEN, MODEL, WAIT_S, engine_config, in_flight, save_tiny_chat_model, wait_running
+from tests.rollout.http_util import (
+    MAX_LEN,
+    MODEL,
+    WAIT_S,
+    engine_config,
+    in_flight,
+    in_process_front,
+    save_tiny_chat_model,
+    wait_running,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -30,16 +39,8 @@ def engine(model_dir):
 
 @pytest.fixture(scope="module")
 def front_url(engine, model_dir):
-    from rollout.client.in_process import InProcessClient
-    from rollout.http.launch import serve_front
-
-    client = InProcessClient(engine, timeout=WAIT_S)
-    front = serve_front(client, model_dir, served_model_name=MODEL, max_model_len=MAX_LEN, timeout=WAIT_S,
-                        on_stop=client.shutdown)
-    try:
+    with in_process_front(engine, model_dir) as front:
         yield front.url
-    finally:
-        front.stop()
 
 
 @pytest.fixture

@@ -10,15 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from inference import DynamicInferenceEngine, SamplingParams
-from tests.rollout.http_util import (
-    HTTP_SERVER_ARGS,
-    WAIT_S,
-    engine_config,
-    in_flight,
-    save_tiny_chat_model,
-    wait_running,
-)
+from tests.rollout.http_util import WAIT_S, greedy_ids, http_server_process, in_flight, old_and_new_models, wait_running
 from weight_sync.vllm_layout import pack_chunks, update_info
 from weight_sync.vllm_trainer import VllmPhaseError, VllmWeightTrainer
 
@@ -29,32 +21,20 @@ SYNC_TIMEOUT_S = 4.0
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm-weights")
-    return save_tiny_chat_model(root / "old", seed=0), save_tiny_chat_model(root / "new", seed=1)
+    return old_and_new_models(tmp_path_factory.mktemp("vllm-weights"))
 
 
 @pytest.fixture(scope="module")
 def server(dirs):
-    from rollout import ServerProcess
-
     # NOTE: a short bound on every wait of an update, so a trainer that dies mid-broadcast costs seconds
-    proc = ServerProcess(dirs[0], *HTTP_SERVER_ARGS, "--weight-sync-timeout-s", str(SYNC_TIMEOUT_S),
-                         ready_timeout=WAIT_S)
-    try:
-        assert proc.http_url is not None, "\n".join(proc.output)
+    with http_server_process(dirs[0], "--weight-sync-timeout-s", str(SYNC_TIMEOUT_S)) as proc:
         yield proc
-    finally:
-        proc.stop(grace_s=5.0)
 
 
 @pytest.fixture(scope="module")
 def expected(dirs):
     """Greedy ids of each prompt under the old and the new weights (engines in this process)."""
-    out = {}
-    for key, d in zip(("old", "new"), dirs):
-        engine = DynamicInferenceEngine.from_pretrained(d, engine_config())
-        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-        out[key] = [engine.generate([p], [params], timeout=WAIT_S)[0].generated_token_ids for p in PROMPTS]
+    out = {key: greedy_ids(d, PROMPTS) for key, d in zip(("old", "new"), dirs)}
     assert out["old"] != out["new"]
     return out
 
