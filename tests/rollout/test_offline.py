@@ -20,7 +20,7 @@ from tests.rollout.http_util import MAX_LEN, WAIT_S, save_tiny_chat_model
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 CONFIG = InferenceConfig(block_size=4, num_blocks=4096, max_requests=128, max_batch_tokens=1024,
                          max_sequence_length=MAX_LEN)
-SAMPLING = SamplingParams(temperature=1.0, max_tokens=4, seed=7, ignore_eos=True)
+SAMPLING = SamplingParams(temperature=1.0, max_tokens=2, seed=7, ignore_eos=True)
 REPLICA_ARGS = ("--threads", "1", "--block-size", "4", "--num-blocks", "4096", "--max-requests", "128",
                 "--max-batch-tokens", "1024", "--max-seq-len", str(MAX_LEN))
 # (line number, text, why it is refused); the engine's refusal (an id past the vocabulary) is found late
@@ -85,7 +85,8 @@ def check(out_path, report: str, want) -> None:
     assert [r["line"] for r in records] == sorted(want)  # each good prompt once, in input order
     for r in records:
         assert {s["index"]: s["completion_ids"] for s in r["samples"]} == want[r["line"]], r["line"]
-        assert all(len(s["logprobs"]) == len(s["versions"]) == 4 and "text" in s for s in r["samples"])
+        assert all(len(s["logprobs"]) == len(s["versions"]) == SAMPLING.max_tokens and "text" in s
+                   for s in r["samples"])
     by_id = {r["line"]: r["id"] for r in records}
     assert by_id[25] == "chat-25" and by_id[1] == 1
     for number, (_, why) in BAD.items():
@@ -111,7 +112,8 @@ def test_through_a_router_by_the_command(model_dir, prompts_file, reference, tmp
     router = RouterProcess("--spawn", "2", "--model", str(model_dir), "--", *REPLICA_ARGS, ready_timeout=2 * WAIT_S)
     try:
         code = main(["generate", "--input", str(prompts_file), "--output", str(tmp_path / "out.jsonl"),
-                     "--connect", router.address, "--tokenizer", str(model_dir), "-n", "2", "--max-tokens", "4",
+                     "--connect", router.address, "--tokenizer", str(model_dir), "-n", "2",
+                     "--max-tokens", str(SAMPLING.max_tokens),
                      "--temperature", "1.0", "--seed", "7", "--chunk", "300", "--no-progress", "--timeout", "300"])
     finally:
         router.stop(grace_s=10.0)
