@@ -2,7 +2,8 @@
 
 Rows of the flat batch: request `b` (slot `slots[b]`) owns `query_lens[b]` consecutive rows,
 positions `kv_len .. kv_len + q - 1`. The logits the model returns are, in order: one row per
-request that samples this step (its chunk reaches the end of its known tokens), then the rows
+request that samples this step (its chunk reaches the end of its known tokens; in a speculative
+verify step, one row per token of every request), then the rows
 whose prompt log-probs were asked for, then (with padding) one row per padding token.
 
 Every field lives at a fixed offset of one byte buffer sized at start (`InputBuffers`): the
@@ -153,13 +154,14 @@ def fill_inputs(buf: InputBuffers, ctx: DynamicInferenceContext, plan: StepPlan,
         qsl[num_reqs + 1 : total_reqs + 1] = num_tokens + np.arange(1, pad + 1)
         seq_lens[num_reqs:total_reqs] = 1
 
-    samples = kv1 == ctx.seq_len[slots]
-    sample_slots = slots[samples]
-    rows = [ends[samples] - 1]
+    if plan.verify:  # NOTE: a speculative step samples at every position of its requests
+        sample_slots, rows, next_row = slots, [np.arange(num_tokens)], num_tokens
+    else:
+        samples = kv1 == ctx.seq_len[slots]
+        sample_slots, rows, next_row = slots[samples], [ends[samples] - 1], int(samples.sum())
     prompt_rows: list[PromptLogprobRows] = []
     prompt_len = ctx.prompt_len[slots]
     wants = ctx.wants_prompt_logprobs[slots] & (kv0 < prompt_len - 1)
-    next_row = int(samples.sum())
     for b in np.flatnonzero(wants).tolist():
         # row at position p scores token p + 1; only prompt tokens are scored here
         first, last = int(kv0[b]), min(int(kv1[b]), int(prompt_len[b]) - 1)
