@@ -83,8 +83,9 @@ class SpeculativeSteps:
         watermark = self.core.scheduler.watermark_blocks
         drafts: list[np.ndarray] = []
         empty = np.empty(0, dtype=np.int64)
+        budget = self.core.config.max_batch_tokens - slots.size  # NOTE: the step's input buffers hold no more
         for slot in slots.tolist():
-            room = min(cfg.num_tokens, int(ctx.max_len[slot] - ctx.seq_len[slot]) - 1)
+            room = min(cfg.num_tokens, int(ctx.max_len[slot] - ctx.seq_len[slot]) - 1, budget)
             if room < 1 or not self._may_propose(slot):
                 drafts.append(empty)
                 continue
@@ -100,6 +101,7 @@ class SpeculativeSteps:
                 draft = empty
             if draft.size:
                 ctx.tokens[slot, seq_len : seq_len + draft.size] = draft  # NOTE: past seq_len: scratch until kept
+                budget -= draft.size
             drafts.append(draft)
         return drafts if any(d.size for d in drafts) else None
 
