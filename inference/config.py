@@ -72,24 +72,31 @@ class SpeculativeConfig:
     A decode-only step of at most `max_rows` requests proposes up to `num_tokens` tokens per
     request from n-gram matches (`min_match`..`max_match` tokens of the request's own suffix) in
     its own tokens, its group's siblings and the last `history_samples` finished samples of each of
-    `history_prompts` prompts, and verifies them in one forward. Lossless: a proposed token is kept
-    only where it equals the token the target samples there with the randomness of that position.
+    `history_prompts` prompts, and verifies them in one forward of at most `max_step_tokens` tokens
+    (rows included: where a forward reads its weights anyway, extra tokens cost little). A request
+    proposes its j-th token only while its acceptance so far, to the power j, is >= `min_acceptance`.
+    Lossless: a proposed token is kept only where it equals the token the target samples there
+    with the randomness of that position.
     """
 
     num_tokens: int = 8
     max_rows: int = 16
+    max_step_tokens: int = 48
+    min_acceptance: float = 0.4
     min_match: int = 2
     max_match: int = 8
     history_samples: int = 16
     history_prompts: int = 1024
 
     def __post_init__(self) -> None:
-        for name in ("num_tokens", "max_rows", "min_match", "max_match", "history_prompts"):
+        for name in ("num_tokens", "max_rows", "max_step_tokens", "min_match", "max_match", "history_prompts"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"SpeculativeConfig.{name} must be a positive int, got {value!r}")
         if not isinstance(self.history_samples, int) or self.history_samples < 0:
             raise ValueError(f"SpeculativeConfig.history_samples must be an int >= 0, got {self.history_samples!r}")
+        if not 0.0 < self.min_acceptance < 1.0:
+            raise ValueError(f"SpeculativeConfig.min_acceptance must be in (0, 1), got {self.min_acceptance!r}")
         if self.max_match < self.min_match:
             raise ValueError(f"SpeculativeConfig.max_match ({self.max_match}) must be >= min_match ({self.min_match})")
 

@@ -38,15 +38,23 @@ from inference.speculation.history import PromptHistory
 from inference.speculation.proposer import build_corpus, propose
 from inference.speculation.verify import accepted_counts, cut_at_stops
 
-MAX_BACKOFF_STEPS = 32  # a request whose proposals keep failing proposes again after at most this
+# A request's per-token acceptance estimate: (hits + PRIOR_WEIGHT * PRIOR) / (trials + PRIOR_WEIGHT),
+# its evidence fading by EVIDENCE_DECAY per step it decodes, so a request that stopped proposing
+# tries again once its failures are old.
+PRIOR, PRIOR_WEIGHT, EVIDENCE_DECAY = 0.5, 2.0, 0.9
 
 
 class SpeculativeSteps:
     """Proposals and verify steps of one `EngineCore` (see module docstring). `core` is not
     imported here: the core imports this module.
 
-    Invariant: per slot, `owner` is the request id the backoff state belongs to; a slot taken by
-    another request starts afresh.
+    Per request, the draft length follows its acceptance so far: with per-token acceptance
+    estimate a, the j-th proposed token is kept with probability about a^j, so it is proposed only
+    while a^j >= `SpeculativeConfig.min_acceptance` (a cost model: below it, the extra rows of the
+    forward and the sampler cost more than the tokens they are expected to save).
+
+    Invariant: per slot, `owner` is the request id the estimate belongs to; a slot taken by another
+    request starts afresh.
     """
 
     def __init__(self, core: Any, config: SpeculativeConfig) -> None:
@@ -55,8 +63,9 @@ class SpeculativeSteps:
         self.history = PromptHistory(config.history_samples, config.history_prompts)
         n = core.config.max_requests
         self._owner = np.full(n, -1, dtype=np.int64)
-        self._misses = np.zeros(n, dtype=np.int64)
-        self._resume_at = np.zeros(n, dtype=np.int64)  # the step from which the slot proposes again
+        self._hits = np.zeros(n, dtype=np.float64)  # proposed tokens kept (fading evidence)
+        self._trials = np.zeros(n, dtype=np.float64)  # proposed tokens tested (up to the first rejection)
+        self._refused = np.zeros(n, dtype=bool)
         self._prompt_key: list[tuple[int, ...] | None] = [None] * n
         self.steps = self.rows = self.proposed = self.accepted = self.emitted = 0
         self.refused: Counter[str] = Counter()
@@ -81,11 +90,15 @@ class SpeculativeSteps:
         for slot in slots.tolist():
             groups.setdefault(ctx.requests[slot].group_id, []).append(slot)
         watermark = self.core.scheduler.watermark_blocks
+        self._hits[slots] *= EVIDENCE_DECAY
+        self._trials[slots] *= EVIDENCE_DECAY
+        lengths = self._draft_lengths(slots)
         drafts: list[np.ndarray] = []
         empty = np.empty(0, dtype=np.int64)
-        budget = self.core.config.max_batch_tokens - slots.size  # NOTE: the step's input buffers hold no more
-        for slot in slots.tolist():
-            room = min(cfg.num_tokens, int(ctx.max_len[slot] - ctx.seq_len[slot]) - 1, budget)
+        # NOTE: the step's input buffers hold no more than max_batch_tokens
+        budget = min(self.core.config.max_batch_tokens, cfg.max_step_tokens) - slots.size
+        for slot, length in zip(slots.tolist(), lengths.tolist()):
+            room = min(length, int(ctx.max_len[slot] - ctx.seq_len[slot]) - 1, budget)
             if room < 1 or not self._may_propose(slot):
                 drafts.append(empty)
                 continue
@@ -105,19 +118,27 @@ class SpeculativeSteps:
             drafts.append(draft)
         return drafts if any(d.size for d in drafts) else None
 
+    def _draft_lengths(self, slots: np.ndarray) -> np.ndarray:
+        """Tokens to propose per slot: the largest j with a^j >= min_acceptance (see class docstring)."""
+        cfg = self.config
+        alpha = (self._hits[slots] + PRIOR_WEIGHT * PRIOR) / (self._trials[slots] + PRIOR_WEIGHT)
+        with np.errstate(divide="ignore"):
+            j = np.floor(np.log(cfg.min_acceptance) / np.log(np.minimum(alpha, 1 - 1e-9)))
+        return np.clip(j, 0, cfg.num_tokens).astype(np.int64)
+
     def _may_propose(self, slot: int) -> bool:
-        """Whether the slot's request may speculate now (counts a refusal once per request)."""
+        """Whether the slot's request may speculate at all (counts a refusal once per admission)."""
         ctx = self.core.context
         req = ctx.requests[slot]
         if self._owner[slot] != req.request_id:
             self._owner[slot] = req.request_id
-            self._misses[slot] = self._resume_at[slot] = 0
+            self._hits[slot] = self._trials[slot] = 0.0
             self._prompt_key[slot] = tuple(req.prompt_token_ids)
             reason = self._refusal(slot)
+            self._refused[slot] = reason is not None
             if reason is not None:
                 self.refused[reason] += 1
-                self._resume_at[slot] = np.iinfo(np.int64).max
-        return self.core.num_steps >= self._resume_at[slot]
+        return not self._refused[slot]
 
     def _refusal(self, slot: int) -> str | None:
         ctx = self.core.context
@@ -186,13 +207,9 @@ class SpeculativeSteps:
         self.proposed += int(lens.sum())
         self.accepted += int(accepted.sum())
         self.emitted += int(slots.size + accepted.sum())
-        tried = lens > 0
-        missed = slots[tried & (accepted == 0)]
-        self._misses[slots[tried & (accepted > 0)]] = 0
-        self._misses[missed] += 1
-        # NOTE: back off exponentially from a request whose proposals keep failing (costly rows)
-        self._resume_at[missed] = self.core.num_steps + np.minimum(
-            np.left_shift(1, np.minimum(self._misses[missed], 8)), MAX_BACKOFF_STEPS)
+        # NOTE: tokens after the first rejection were never tested: the geometric model's trials
+        self._hits[slots] += accepted
+        self._trials[slots] += np.minimum(accepted + 1, lens)
 
     # ---- bookkeeping -------------------------------------------------------------------------
 
