@@ -217,7 +217,8 @@ class InferenceConfig:
         self.update_policy = UpdatePolicy(self.update_policy)
         self.suspended_add_policy = SuspendedAddPolicy(self.suspended_add_policy)
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
-            raise ValueError(f"InferenceConfig.speculative must be a SpeculativeConfig or None, got {self.speculative!r}")
+            raise ValueError(f"InferenceConfig.speculative must be a SpeculativeConfig or None, "
+                             f"got {self.speculative!r}")
 
     @property
     def largest_bucket(self) -> int:

@@ -86,7 +86,8 @@ class EngineCore:
         self.runner = ModelRunner(model, self.caches, config)
         if config.speculative is not None and self.caches.states is not None:
             raise ValueError("InferenceConfig.speculative: models with recurrent state (hybrid Mamba) are not "
-                             "supported yet: a rejected proposal would need the state rolled back; use speculative=None")
+                             "supported yet: a rejected proposal would need the state rolled back; "
+                             "use speculative=None")
         # NOTE: None keeps the step exactly as without speculation (one attribute test per step)
         self.speculation = None if config.speculative is None else SpeculativeSteps(self, config.speculative)
         self.state = EngineState.RUNNING
