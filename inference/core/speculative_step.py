@@ -15,7 +15,8 @@ Rollback: `kv_len` advances only over the kept tokens (the K/V past them is stal
 overwritten), blocks taken for rejected positions go back to the pool, and only blocks of kept
 tokens are registered in the prefix cache.
 
-Refused per request (counted in the engine's stats, by reason): logit processors (penalties,
+Refused per request (counted in the engine's stats, by reason): its own opt-out
+(`SamplingParams.speculative=False`), logit processors (penalties,
 min_tokens, bias, bad words, allowed ids) and structured outputs, whose masks depend on every
 token before the position; MoE routing replay (`return_routed_experts`). Such a request decodes
 one token per step, in a speculative step or not.
@@ -142,6 +143,8 @@ class SpeculativeSteps:
 
     def _refusal(self, slot: int) -> str | None:
         ctx = self.core.context
+        if not ctx.requests[slot].params.speculative:
+            return "opted_out"
         if ctx.processors.uses[slot]:
             return "logit_processors"
         if ctx.grammars.uses[slot]:

@@ -182,3 +182,16 @@ def test_requests_with_logit_processors_are_refused_and_say_so():
 def test_hybrid_models_are_refused_with_a_clear_error():
     with pytest.raises(ValueError, match="hybrid"):
         DynamicInferenceEngine.from_pretrained(tiny_hybrid("bamba", seed=7), config(SPEC))
+
+
+def test_a_request_may_opt_out():
+    hf = MODELS["qwen3"]()
+    prompts = random_prompts(2, 3, 20, seed=7)
+    opted = SamplingParams(temperature=1.0, max_tokens=30, seed=2, n=2, ignore_eos=True, speculative=False)
+    spec, engine = generate(hf, SPEC, prompts, [opted, SamplingParams(temperature=1.0, max_tokens=30, seed=2, n=2,
+                                                                      ignore_eos=True)])
+    plain, _ = generate(hf, None, prompts, opted)
+    assert_same(plain, spec)
+    stats = engine.stats()
+    assert stats["spec_refused_opted_out"] == 2
+    assert_speculated(engine)
