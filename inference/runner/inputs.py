@@ -2,8 +2,8 @@
 
 Rows of the flat batch: request `b` (slot `slots[b]`) owns `query_lens[b]` consecutive rows,
 positions `kv_len .. kv_len + q - 1`. The logits the model returns are, in order: one row per
-request that samples this step (its chunk reaches the end of its known tokens; in a speculative
-verify step, one row per token of every request), then the rows
+request that samples this step (its chunk reaches the end of its known tokens; a speculative
+verify step is made of one-token requests, one per position verified, each sampled), then the rows
 whose prompt log-probs were asked for, then (with padding) one row per padding token.
 
 Every field lives at a fixed offset of one byte buffer sized at start (`InputBuffers`): the
@@ -120,6 +120,11 @@ def fill_inputs(buf: InputBuffers, ctx: DynamicInferenceContext, plan: StepPlan,
     slots, q = plan.slots, plan.query_lens
     bs = ctx.block_size
     kv0 = ctx.kv_len[slots]
+    if plan.verify:
+        # NOTE: each verified token attends as a decode of its own (one query row over its request's
+        # blocks, up to its own position), so its logits are the ones a decode step computes
+        offsets = np.arange(int(q.sum())) - np.repeat(np.cumsum(q) - q, q)
+        slots, kv0, q = np.repeat(slots, q), np.repeat(kv0, q) + offsets, np.ones(int(q.sum()), dtype=np.int64)
     kv1 = kv0 + q
     ends = np.cumsum(q)
     starts = ends - q
@@ -130,7 +135,7 @@ def fill_inputs(buf: InputBuffers, ctx: DynamicInferenceContext, plan: StepPlan,
         raise ValueError(f"fill_inputs: {num_tokens} tokens do not fit a bucket of {padded}")
     pad = padded - num_tokens
     total_reqs = num_reqs + pad
-    if plan.num_decode == num_reqs:  # decode-only step: one row per request
+    if plan.num_decode == num_reqs or plan.verify:  # decode-only step: one row per request
         token_slots, positions = slots, kv0
     else:
         token_slots = np.repeat(slots, q)
