@@ -8,7 +8,8 @@ earlier samples across rounds (it is what it drafts from besides siblings).
 
 Workloads (`--workload`):
 * `arithmetic` (SmolLM2): the GRPO demo's task ("What is a + b?"), `--prompts` x `--n` samples at
-  T = 1 with natural EOS up to `--max-tokens`: most samples answer in a few tokens, a few ramble.
+  the demo's GRPO temperature (0.7, `--temperature`) with natural EOS up to `--max-tokens`: most
+  samples answer in a few tokens, a few ramble.
 * `random` (SmolLM2 and the tiny random Llama): random-token prompts, lognormal output lengths
   (median `--median-len`, sigma 0.8, so a few samples run 4-8x the median), `ignore_eos`: a
   workload where little matches, to show what speculation costs when it does not pay.
@@ -50,7 +51,8 @@ def batch_of(workload: str, tokenizer, vocab: int, args, round_seed: int) -> tup
 
         task = ArithmeticTask(tokenizer, high=99)
         prompts = [list(p.prompt_ids) for p in task.sample(random.Random(0), args.prompts)]
-        params = [SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=round_seed * 1000 + i)
+        params = [SamplingParams(n=args.n, temperature=args.temperature, max_tokens=args.max_tokens,
+                                 seed=round_seed * 1000 + i)
                   for i in range(len(prompts))]
         return prompts, params
     rng = random.Random(0)
@@ -155,6 +157,7 @@ def main() -> int:
     parser.add_argument("--spec-tokens", type=int, default=8)
     parser.add_argument("--max-rows", type=int, default=16)
     parser.add_argument("--max-step-tokens", type=int, default=48)
+    parser.add_argument("--temperature", type=float, default=0.7, help="arithmetic: the GRPO demo's (0.7)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     set_threads(args.threads)
