@@ -33,6 +33,12 @@ def one_run(model: str, steps: int, speculative: bool, out_dir: str):
     return summary, sum(h.get("time/generate", 0.0) for h in summary.history)
 
 
+def window_mean(history: list[dict], step: int) -> float:
+    """Mean reward of the 10 steps ending at `step`."""
+    window = history[max(0, step - 9) : step + 1]
+    return sum(h["reward"] for h in window) / len(window)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
@@ -51,9 +57,7 @@ def main() -> int:
     off, on = runs[False].history, runs[True].history
     print(f"{'step':>5} {'reward off':>11} {'reward on':>10}")
     for step in range(args.every - 1, len(off), args.every):
-        lo = max(0, step - 9)
-        mean = lambda h: sum(x["reward"] for x in h[lo : step + 1]) / (step + 1 - lo)  # noqa: E731
-        print(f"{step + 1:>5} {mean(off):>11.3f} {mean(on):>10.3f}")
+        print(f"{step + 1:>5} {window_mean(off, step):>11.3f} {window_mean(on, step):>10.3f}")
     ratio = median([a / b for a, b in zip(gen[False], gen[True])])
     print(f"final reward (last 10 steps): off {runs[False].final_reward:.3f}, on {runs[True].final_reward:.3f}; "
           f"generation time: off {median(gen[False]):.1f} s, on {median(gen[True]):.1f} s ({ratio:.2f}x); "
