@@ -124,7 +124,7 @@ def _instrument(engine: DynamicInferenceEngine, clock: Stopwatch) -> None:
     core_module.register_full_blocks = clock.wrap("register_blocks", ORIGINAL_REGISTER)
     out_ops.sampling_batch = clock.wrap("sampling_batch", ORIGINAL_SAMPLING_BATCH)
     core.runner.sample = clock.wrap("sample", core.runner.sample)
-    core._commit_tokens = clock.wrap("commit", core._commit_tokens)
+    core.commit_tokens = clock.wrap("commit", core.commit_tokens)
 
 
 def _restore() -> None:

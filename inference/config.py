@@ -66,6 +66,42 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 @dataclass(slots=True)
+class SpeculativeConfig:
+    """Draft-free speculative decoding for the tail of a batch (see `inference/speculation/`).
+
+    A decode-only step of at most `max_rows` requests proposes up to `num_tokens` tokens per
+    request from n-gram matches (`min_match`..`max_match` tokens of the request's own suffix) in
+    its own tokens, its group's siblings and the last `history_samples` finished samples of each of
+    `history_prompts` prompts, and verifies them in one forward of at most `max_step_tokens` tokens
+    (rows included: where a forward reads its weights anyway, extra tokens cost little). A request
+    proposes its j-th token only while its acceptance so far, to the power j, is >= `min_acceptance`.
+    Lossless: a proposed token is kept only where it equals the token the target samples there
+    with the randomness of that position.
+    """
+
+    num_tokens: int = 8
+    max_rows: int = 16
+    max_step_tokens: int = 48
+    min_acceptance: float = 0.4
+    min_match: int = 2
+    max_match: int = 8
+    history_samples: int = 16
+    history_prompts: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in ("num_tokens", "max_rows", "max_step_tokens", "min_match", "max_match", "history_prompts"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"SpeculativeConfig.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.history_samples, int) or self.history_samples < 0:
+            raise ValueError(f"SpeculativeConfig.history_samples must be an int >= 0, got {self.history_samples!r}")
+        if not 0.0 < self.min_acceptance < 1.0:
+            raise ValueError(f"SpeculativeConfig.min_acceptance must be in (0, 1), got {self.min_acceptance!r}")
+        if self.max_match < self.min_match:
+            raise ValueError(f"SpeculativeConfig.max_match ({self.max_match}) must be >= min_match ({self.min_match})")
+
+
+@dataclass(slots=True)
 class InferenceConfig:
     """How big the engine is and how it schedules.
 
@@ -121,6 +157,8 @@ class InferenceConfig:
     # directory); None: the model's directory when built from one (`from_pretrained`), else none
     # (such an engine refuses structured outputs)
     tokenizer: Optional[str] = None
+    # draft-free speculative decoding of small decode-only steps (None: off; see SpeculativeConfig)
+    speculative: Optional[SpeculativeConfig] = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_requests", "max_batch_tokens", "max_sequence_length", "chunked_prefill_size",
@@ -178,6 +216,9 @@ class InferenceConfig:
         self.suspend_policy = SuspendPolicy(self.suspend_policy)
         self.update_policy = UpdatePolicy(self.update_policy)
         self.suspended_add_policy = SuspendedAddPolicy(self.suspended_add_policy)
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ValueError(f"InferenceConfig.speculative must be a SpeculativeConfig or None, "
+                             f"got {self.speculative!r}")
 
     @property
     def largest_bucket(self) -> int:

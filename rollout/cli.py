@@ -57,6 +57,8 @@ def _add_grpo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="do not log to W&B (default: offline W&B; WANDB_MODE=online logs for real)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", default=None,
                         help="no progress bar")
+    parser.add_argument("--speculative", action="store_true", default=None,
+                        help="the engine speculates on each batch's tail (draft-free, lossless)")
     dis = parser.add_argument_group("disaggregated (the trainer here, engines in `rollout serve` processes)")
     dis.add_argument("--disaggregated", action="store_true", help="run the engines as replica processes and "
                      "sync the weights into them every step (rollout.rl.disaggregated)")

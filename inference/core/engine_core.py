@@ -26,6 +26,7 @@ from inference.config import InferenceConfig, PauseMode, SuspendedAddPolicy, Sus
 from inference.core import outputs as out_ops
 from inference.core.ep_step import ExpertParallelSteps
 from inference.core.memory import SuspendReport, available_device_memory, memory_in_use
+from inference.core.speculative_step import SpeculativeSteps
 from inference.core.states import EngineState, OnFinished, OnTokens, memory_parts
 from inference.errors import (
     BlockOverflowError,
@@ -83,6 +84,12 @@ class EngineCore:
         self.grammars = GrammarCompiler(config.tokenizer, self.vocab_size, self.eos_token_ids.tolist())
         self.scheduler = Scheduler(self.context)
         self.runner = ModelRunner(model, self.caches, config)
+        if config.speculative is not None and self.caches.states is not None:
+            raise ValueError("InferenceConfig.speculative: models with recurrent state (hybrid Mamba) are not "
+                             "supported yet: a rejected proposal would need the state rolled back; "
+                             "use speculative=None")
+        # NOTE: None keeps the step exactly as without speculation (one attribute test per step)
+        self.speculation = None if config.speculative is None else SpeculativeSteps(self, config.speculative)
         self.state = EngineState.RUNNING
         self.pause_mode: Optional[PauseMode] = None
         self._before_suspend: tuple[EngineState, Optional[PauseMode]] = (EngineState.RUNNING, None)
@@ -246,6 +253,8 @@ class EngineCore:
         plan = self.scheduler.schedule(admit_new=self.state is EngineState.RUNNING)
         if plan.empty:
             return
+        if self.speculation is not None and self.speculation.try_step(plan):
+            return
         self.run_plan(plan, self.runner.prepare(self.context, plan))
 
     def run_plan(self, plan: Any, batch: Any) -> None:
@@ -258,8 +267,7 @@ class EngineCore:
             raise
         if batch.record_routes:  # NOTE: before forks copy a leader's prompt routes to its samples
             out_ops.record_routes(ctx, batch, self.runner.routes_of(batch))
-        self._kv_trace[self.num_steps % KV_TRACE_STEPS] = self.allocator.active
-        self.num_steps += 1
+        self.count_step()
         ctx.kv_len[plan.slots] += plan.query_lens
         ctx.prefill_tokens += batch.prompt_tokens
         if batch.prompt_rows:  # NOTE: before registration caches them with their blocks
@@ -275,9 +283,15 @@ class EngineCore:
             # NOTE: sampled rows come first in the logits; without forks a view, not a copy
             rows = logits[: slots.size] if forks.rows is None else logits[forks.rows]
             out = self.runner.sample(rows, out_ops.sampling_batch(ctx, slots))
-            self._commit_tokens(slots, out)
+            self.commit_tokens(slots, out)
 
-    def _commit_tokens(self, slots: np.ndarray, out: Any) -> None:
+    def count_step(self) -> None:
+        """A forward ran: record the blocks in use during it, count the step."""
+        self._kv_trace[self.num_steps % KV_TRACE_STEPS] = self.allocator.active
+        self.num_steps += 1
+
+    def commit_tokens(self, slots: np.ndarray, out: Any) -> None:
+        """Append one sampled token per slot (`out` row i for `slots[i]`); stream and finish."""
         ctx = self.context
         tokens, logprobs = out.token_ids.numpy(), out.logprobs.numpy()
         self.generated_tokens += slots.size
@@ -289,6 +303,8 @@ class EngineCore:
             self._on_tokens(events)
         for req, reason in finished:
             self.scheduler.finish(req, reason)
+            if self.speculation is not None:
+                self.speculation.finished(req)
             self._on_finished(RequestOutput.from_request(req))
 
     # ---- pause / continue --------------------------------------------------------------------
@@ -533,5 +549,6 @@ class EngineCore:
             **self.caches.stats(),
             **self.runner.stats(),
             **(self.ep.stats() if self.ep is not None else {}),
+            **(self.speculation.stats() if self.speculation is not None else {}),
             **(self.context.state_prefix.stats() if self.context.state_prefix is not None else {}),
         }

@@ -2,7 +2,8 @@
 
 Rows of the flat batch: request `b` (slot `slots[b]`) owns `query_lens[b]` consecutive rows,
 positions `kv_len .. kv_len + q - 1`. The logits the model returns are, in order: one row per
-request that samples this step (its chunk reaches the end of its known tokens), then the rows
+request that samples this step (its chunk reaches the end of its known tokens; a speculative
+verify step is made of one-token requests, one per position verified, each sampled), then the rows
 whose prompt log-probs were asked for, then (with padding) one row per padding token.
 
 Every field lives at a fixed offset of one byte buffer sized at start (`InputBuffers`): the
@@ -119,6 +120,11 @@ def fill_inputs(buf: InputBuffers, ctx: DynamicInferenceContext, plan: StepPlan,
     slots, q = plan.slots, plan.query_lens
     bs = ctx.block_size
     kv0 = ctx.kv_len[slots]
+    if plan.verify:
+        # NOTE: each verified token attends as a decode of its own (one query row over its request's
+        # blocks, up to its own position), so its logits are the ones a decode step computes
+        offsets = np.arange(int(q.sum())) - np.repeat(np.cumsum(q) - q, q)
+        slots, kv0, q = np.repeat(slots, q), np.repeat(kv0, q) + offsets, np.ones(int(q.sum()), dtype=np.int64)
     kv1 = kv0 + q
     ends = np.cumsum(q)
     starts = ends - q
@@ -129,7 +135,7 @@ def fill_inputs(buf: InputBuffers, ctx: DynamicInferenceContext, plan: StepPlan,
         raise ValueError(f"fill_inputs: {num_tokens} tokens do not fit a bucket of {padded}")
     pad = padded - num_tokens
     total_reqs = num_reqs + pad
-    if plan.num_decode == num_reqs:  # decode-only step: one row per request
+    if plan.num_decode == num_reqs or plan.verify:  # decode-only step: one row per request
         token_slots, positions = slots, kv0
     else:
         token_slots = np.repeat(slots, q)
@@ -153,13 +159,14 @@ def fill_inputs(buf: InputBuffers, ctx: DynamicInferenceContext, plan: StepPlan,
         qsl[num_reqs + 1 : total_reqs + 1] = num_tokens + np.arange(1, pad + 1)
         seq_lens[num_reqs:total_reqs] = 1
 
-    samples = kv1 == ctx.seq_len[slots]
-    sample_slots = slots[samples]
-    rows = [ends[samples] - 1]
+    if plan.verify:  # NOTE: a speculative step samples at every position of its requests
+        sample_slots, rows, next_row = slots, [np.arange(num_tokens)], num_tokens
+    else:
+        samples = kv1 == ctx.seq_len[slots]
+        sample_slots, rows, next_row = slots[samples], [ends[samples] - 1], int(samples.sum())
     prompt_rows: list[PromptLogprobRows] = []
     prompt_len = ctx.prompt_len[slots]
     wants = ctx.wants_prompt_logprobs[slots] & (kv0 < prompt_len - 1)
-    next_row = int(samples.sum())
     for b in np.flatnonzero(wants).tolist():
         # row at position p scores token p + 1; only prompt tokens are scored here
         first, last = int(kv0[b]), min(int(kv1[b]), int(prompt_len[b]) - 1)

@@ -79,12 +79,18 @@ class ModelRunner:
         return fill_dummy_inputs(self.buffers, self.last_bucket or 1, self.caches.block_size,
                                  self.caches.scratch_block, scratch_state=None if states is None else states.scratch)
 
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
+    def prepare_verify(self, ctx: DynamicInferenceContext, plan: StepPlan) -> StepInputs:
+        """A speculative verify step's inputs, unpadded: it runs eagerly (`forward(eager=True)`)."""
+        self.last_bucket = None
+        return fill_inputs(self.buffers, ctx, plan)
+
+    def forward(self, inputs: StepInputs, *, eager: bool = False) -> torch.Tensor:
         """Logits for `inputs.logits_indices` (padding rows, if any, come last). With
-        `inputs.record_routes`, an MoE model also writes each token's experts (`routes_of`)."""
+        `inputs.record_routes`, an MoE model also writes each token's experts (`routes_of`).
+        `eager`: never replay a CUDA graph (they are captured for one token per decode)."""
         if self.routes is not None:
             self.routes.active = inputs.record_routes
-        if self.graphs is not None and self.graphs.has(inputs.padded_tokens):
+        if not eager and self.graphs is not None and self.graphs.has(inputs.padded_tokens):
             self.graph_replays += 1
             return self.graphs.replay(inputs, self.caches.kv)
         self.eager_steps += 1

@@ -22,6 +22,8 @@ class SamplingBatch:
     RNG); `logprobs_mode` is one mode for all rows or a `[R]` bool tensor (True = PROCESSED).
     `num_top_logprobs` is the top-n returned for every row (the max asked for in the batch).
     `processors`: the step's logit processors (processors.py), None when no row uses one.
+    `uniforms`: preset random numbers of the rows' inverse-CDF draws (the exact-distribution tests
+    sweep them); None draws one per row from its generator.
     The `use_*` / `*_greedy` / `unit_temperature` flags are derived once, with one host sync, so
     the sampler can skip whole passes (the common RL step: T = 1, no truncation, raw log-probs).
     """
@@ -34,6 +36,7 @@ class SamplingBatch:
     num_top_logprobs: int = 0
     logprobs_mode: LogprobsMode | Tensor = LogprobsMode.RAW
     processors: StepProcessors | None = None
+    uniforms: Tensor | None = None  # [R] float64 in [0, 1): each row's uniform, preset (None: drawn)
     use_top_k: bool = field(init=False)
     use_top_p: bool = field(init=False)
     use_min_p: bool = field(init=False)
@@ -50,6 +53,8 @@ class SamplingBatch:
                 raise ValueError(f"{name} must have shape [{rows}], got {tuple(getattr(self, name).shape)}")
         if len(self.generators) != rows:
             raise ValueError(f"generators must have {rows} entries, got {len(self.generators)}")
+        if self.uniforms is not None and self.uniforms.shape != (rows,):
+            raise ValueError(f"uniforms must have shape [{rows}], got {tuple(self.uniforms.shape)}")
         if self.num_top_logprobs < 0:
             raise ValueError(f"num_top_logprobs must be >= 0, got {self.num_top_logprobs}")
         t = self.temperature

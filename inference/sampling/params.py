@@ -116,6 +116,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     cache_salt: str | None = None
     structured_outputs: StructuredOutputs | None = None
+    # False: this request never speculates, even on an engine configured to (InferenceConfig.speculative)
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if not (_is_int(self.n) and self.n >= 1):
@@ -143,6 +145,8 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must hold ints >= 0, got {tok!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be a bool, got {self.speculative!r}")
         _check_top_n("logprobs", self.logprobs)
         _check_top_n("prompt_logprobs", self.prompt_logprobs)
         if not isinstance(self.return_routed_experts, bool):

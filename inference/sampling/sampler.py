@@ -121,7 +121,7 @@ def sample(logits: Tensor, batch: SamplingBatch, workspace: Tensor | None = None
     if not truncating and not batch.all_greedy and native.usable(x):
         # NOTE: the native path draws from the same uniforms by the same inverse CDF (native.py)
         token_ids, m, total, raw_total = native.sample_rows(
-            x, inv_t, _uniforms(rows, batch.generators, x.device), raw=batch.need_raw and not processing)
+            x, inv_t, _row_uniforms(batch, rows, x.device), raw=batch.need_raw and not processing)
         if raw_total is not None:
             raw_log_norm = raw_total.log().float()
     else:
@@ -138,7 +138,7 @@ def sample(logits: Tensor, batch: SamplingBatch, workspace: Tensor | None = None
         chunk_sums = w_full.view(rows, n_chunks, chunk).sum(-1).double()
         cdf = chunk_sums.cumsum(-1)
         total = cdf[:, -1]
-        u = _uniforms(rows, batch.generators, x.device)
+        u = _row_uniforms(batch, rows, x.device)
         if batch.all_greedy:
             token_ids = x.argmax(-1)
         else:
@@ -231,6 +231,11 @@ def _select(batch: SamplingBatch, raw, processed) -> Tensor:
     proc, raw_ = processed(), raw()
     mask = batch.logprobs_mode
     return torch.where(mask.view(-1, *([1] * (proc.dim() - 1))), proc, raw_)
+
+
+def _row_uniforms(batch: SamplingBatch, rows: int, device: torch.device) -> Tensor:
+    """The batch's preset uniforms, else one drawn per row (`_uniforms`)."""
+    return _uniforms(rows, batch.generators, device) if batch.uniforms is None else batch.uniforms.to(device)
 
 
 def _uniforms(rows: int, generators: Sequence[torch.Generator | None], device: torch.device) -> Tensor:

@@ -35,12 +35,14 @@ from inference.sched.waiting import WaitingQueue
 
 @dataclass(slots=True)
 class StepPlan:
-    """The requests of one step: `slots[i]` computes `query_lens[i]` tokens; decodes come first."""
+    """The requests of one step: `slots[i]` computes `query_lens[i]` tokens; decodes come first.
+    `verify`: a speculative step (decodes with their proposed tokens), sampled at every token."""
 
     slots: np.ndarray
     query_lens: np.ndarray
     num_decode: int
     evicted: list[Request] = field(default_factory=list)
+    verify: bool = False
 
     @property
     def empty(self) -> bool:

@@ -26,6 +26,7 @@ from typing import Any, Optional
 import torch
 
 from inference import InferenceConfig, LogprobsMode, SamplingParams
+from inference.config import SpeculativeConfig
 from rollout.local import RolloutEngine
 from rollout.rl.curriculum import Curriculum
 from rollout.rl.grpo import grpo_step, shortfall_entropy
@@ -77,6 +78,7 @@ class GRPOConfig:
     table_every: int = 10
     eval_every: int = 10  # held-out reward every k steps (and at the last one)
     progress: bool = True
+    speculative: bool = False  # the engine speculates on the tail of each batch (lossless; SpeculativeConfig)
 
     def __post_init__(self) -> None:
         self.model = ModelKind(self.model)
@@ -184,6 +186,7 @@ def engine_config(cfg: GRPOConfig, task: Task) -> InferenceConfig:
     return InferenceConfig(
         block_size=cfg.block_size, num_blocks=blocks, max_requests=samples, max_batch_tokens=max(2048, samples),
         max_sequence_length=longest, dtype=torch.float32,
+        speculative=SpeculativeConfig() if cfg.speculative else None,
     )
 
 
