@@ -74,6 +74,7 @@ class KVBlockAllocator:
         # NOTE: a stack popped from the end, filled so that a fresh pool hands out 0, 1, 2, ...
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.lru_clock = 0
+        self._demoted: set[int] = set()  # key versions without a live user: their blocks go first
         self.hit_blocks = 0
         self.miss_blocks = 0
 
@@ -147,6 +148,8 @@ class KVBlockAllocator:
         self.lru_clock += 1
         # NOTE: stamp first, so a released block's recency is its last use, not its allocation.
         self.state.update_timestamps(ids, self.lru_clock)
+        if self._demoted:  # NOTE: a block of a version nobody may match again stays first to go
+            self.state.update_timestamps(self.state.keyed_by(ids, self._demoted), 0)
         for_pool, hashes = self.state.release_references(ids)
         self._drop_from_registry(hashes)
         self._free.extend(for_pool)
@@ -313,6 +316,7 @@ class KVBlockAllocator:
         cached = self.state.detach_all()
         self.registry.reset()
         self._free.extend(cached)
+        self._demoted.clear()
         self.events.all_cleared()
         logger.debug("prefix cache reset: %d cached blocks freed", len(cached))
 
@@ -328,9 +332,12 @@ class KVBlockAllocator:
         return len(hashes)
 
     def demote_key_versions(self, versions: set[int]) -> None:
-        """Blocks keyed by `versions` (no live user left) are evicted before any other."""
+        """Blocks keyed by `versions` (no live user left, none to come: a version never gets new
+        users once it is not the current one) are evicted before any other, now and when released."""
         if versions:
             self.state.demote(self.state.registered_ids(versions))
+            self._demoted |= versions
+        self._demoted &= set(self.blocks_by_version())  # NOTE: forget versions with no block left
 
     def blocks_by_version(self) -> dict[int, int]:
         """Registered blocks per key version."""
@@ -341,6 +348,7 @@ class KVBlockAllocator:
         self.state.reset()
         self.registry.reset()
         self._free = list(range(self.num_blocks - 1, -1, -1))
+        self._demoted.clear()
         self.events.all_cleared()
 
     def _drop_from_registry(self, hashes: list[int]) -> None:

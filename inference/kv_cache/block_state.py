@@ -129,6 +129,12 @@ class PrefixCacheBlockState:
             mask &= np.isin(self._key_versions, list(key_versions))
         return np.flatnonzero(mask).tolist()
 
+    def keyed_by(self, block_ids: list[int], key_versions: set[int]) -> list[int]:
+        """The registered ones of `block_ids` whose key has one of `key_versions`."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        mask = (self._hashes[ids] != UNSET_HASH) & np.isin(self._key_versions[ids], list(key_versions))
+        return ids[mask].tolist()
+
     def blocks_by_key_version(self) -> dict[int, int]:
         """Registered blocks per key version (the version their chain is keyed by)."""
         versions = self._key_versions[self._hashes != UNSET_HASH]

@@ -6,7 +6,8 @@ docs/advanced_features/sglang_for_rl (pause / continue, memory occupation, weigh
 `SGLANG_API_VERSION` records it; the tests pin the shapes.
 
 * `/generate`: `text` or `input_ids` (one prompt or a batch), `sampling_params` (SGLang's names),
-  `rid`, `return_logprob`, `top_logprobs_num`, `return_text_in_logprobs`, `stream`. Answer:
+  `rid`, `return_logprob`, `top_logprobs_num`, `return_text_in_logprobs`, `stream`, `extra_key` (the
+  cache namespace: vLLM's `cache_salt`, one per prompt or one for all). Answer:
   `{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
   "completion_tokens", "weight_version", "e2e_latency", "output_token_logprobs"
   ([logprob, token id, text or None] per token), "output_top_logprobs"}}`; a list for a batch or
@@ -80,7 +81,7 @@ async def generate(body: GenerateReqInput, request: Request) -> Response:
     front.check_ids(prompts, "input_ids")
     sampling = _per_prompt(body.sampling_params, len(prompts), "sampling_params") or [SGLangSampling()] * len(prompts)
     rids = _rids(body.rid, len(prompts))
-    for name in ("return_logprob", "top_logprobs_num", "logprob_start_len"):
+    for name in ("return_logprob", "top_logprobs_num", "logprob_start_len", "extra_key"):
         _per_prompt(getattr(body, name), len(prompts), name)
     if body.logprob_start_len not in (None, -1):
         raise APIError(400, "logprob_start_len: only -1 (output tokens only) is supported")
@@ -88,7 +89,7 @@ async def generate(body: GenerateReqInput, request: Request) -> Response:
     for i, (prompt, sp) in enumerate(zip(prompts, sampling)):
         top = _at(body.top_logprobs_num, i) or 0
         max_tokens = front.completion_budget([prompt], sp.max_new_tokens, "input")
-        params = _sampling(front, sp, max_tokens, top)
+        params = _sampling(front, sp, max_tokens, top, _at(body.extra_key, i))
         specs.append(GenSpec([prompt], sp.n, params, stops=sp.stop_strings(), include_stop=sp.no_stop_trim,
                              skip_special_tokens=sp.skip_special_tokens, stream=body.stream, rid=rids[i]))
     logprob = [bool(_at(body.return_logprob, i)) for i in range(len(prompts))]
@@ -156,12 +157,13 @@ async def _version(front: HttpFront, samples: list[Sample]) -> str:
     return str(max(versions)) if versions else str(await front.policy_version())
 
 
-def _sampling(front: HttpFront, sp: SGLangSampling, max_tokens: int, top: int) -> SamplingParams:
+def _sampling(front: HttpFront, sp: SGLangSampling, max_tokens: int, top: int,
+              extra_key: Optional[str] = None) -> SamplingParams:
     """SGLang's names onto the OpenAI body's (`rollout.http.sampling` maps those to the engine's)."""
     body = SimpleNamespace(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
                            seed=sp.sampling_seed, stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
                            repetition_penalty=sp.repetition_penalty, presence_penalty=sp.presence_penalty,
-                           frequency_penalty=sp.frequency_penalty, min_tokens=sp.min_new_tokens, cache_salt=None,
+                           frequency_penalty=sp.frequency_penalty, min_tokens=sp.min_new_tokens, cache_salt=extra_key,
                            logit_bias=sp.logit_bias, bad_words=None, allowed_token_ids=None, logprobs_mode=None)
     return sampling_params(front.codec, body, n=sp.n, max_tokens=max_tokens, logprobs=top,
                            structured=structured.from_sglang(sp))
