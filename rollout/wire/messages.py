@@ -150,6 +150,7 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     allowed_token_ids: Optional[Annotated[list[NonNegInt], Meta(min_length=1, max_length=MAX_TOKEN_IDS)]] = None
     cache_salt: Optional[Annotated[str, Meta(max_length=MAX_CACHE_SALT_LENGTH)]] = None
     prefix_cache_policy: Optional[PrefixCachePolicy] = None
+    session_id: Optional[Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT_LENGTH)]] = None
     structured_outputs: Optional[StructuredOutputsWire] = None
 
     def __post_init__(self) -> None:
