@@ -28,7 +28,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
-from hypothesis import settings
+from hypothesis import settings, target
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -173,8 +173,8 @@ class SaltedPrefixMachine(RuleBasedStateMachine):
 
     # ---- rules -------------------------------------------------------------------------------
 
-    @rule(groups=st.lists(GROUPS, min_size=1, max_size=3))
-    def add(self, groups) -> None:
+    @rule(groups=st.lists(GROUPS, min_size=1, max_size=3), steps=st.integers(0, 4))
+    def add(self, groups, steps: int) -> None:
         for prefix, tail, n, max_tokens, ignore_eos, salt, policy, session in groups:
             params = SamplingParams(n=n, temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos,
                                     cache_salt=salt, prefix_cache_policy=policy, session_id=session)
@@ -188,6 +188,7 @@ class SaltedPrefixMachine(RuleBasedStateMachine):
                 continue
             for rid in self.core.add_checked(prompt, params):
                 self.expected[rid] = (prompt, params)
+        self.step(steps)  # NOTE: traffic keeps the engine busy: steps come with requests, not only between
 
     @precondition(lambda self: any(o.generated_token_ids and self.expected[o.request_id][1].session_id
                                    for o in self.answered.values()))
@@ -208,6 +209,7 @@ class SaltedPrefixMachine(RuleBasedStateMachine):
             return
         for rid in self.core.add_checked(prompt, turn):
             self.expected[rid] = (prompt, turn)
+        self.step(2)
 
     @rule(times=st.integers(1, 12))
     def step(self, times: int) -> None:
@@ -223,9 +225,10 @@ class SaltedPrefixMachine(RuleBasedStateMachine):
         self.core.abort(rid)
 
     @precondition(lambda self: self.core.state is EngineState.RUNNING)
-    @rule(mode=st.sampled_from([PauseMode.KEEP, PauseMode.RETRACT]))
-    def pause(self, mode: PauseMode) -> None:
-        self.core.pause(mode)
+    @rule(mode=st.sampled_from([PauseMode.KEEP, PauseMode.RETRACT]), rarely=st.integers(0, 3))
+    def pause(self, mode: PauseMode, rarely: int) -> None:
+        if not rarely:
+            self.core.pause(mode)
 
     @precondition(lambda self: self.core.state is EngineState.PAUSED)
     @rule()
@@ -244,8 +247,10 @@ class SaltedPrefixMachine(RuleBasedStateMachine):
         self.core.resume()
 
     @precondition(lambda self: self.core.state is not EngineState.SUSPENDED)
-    @rule(policy=st.sampled_from(list(UpdatePolicy)))
-    def update_weights(self, policy: UpdatePolicy) -> None:
+    @rule(policy=st.sampled_from(list(UpdatePolicy)), rarely=st.integers(0, 2))
+    def update_weights(self, policy: UpdatePolicy, rarely: int) -> None:
+        if rarely:
+            return
         live = set(self.core.scheduler.live)
         if policy is UpdatePolicy.ABORT:
             self.may_abort |= live
@@ -337,6 +342,7 @@ class SaltedPrefixMachine(RuleBasedStateMachine):
             core.step()
         self.answers_are_right()
         assert set(self.answered) == set(self.expected), "a request was never answered"
+        target(float(self.matched_blocks), label="blocks served by the cache")  # NOTE: steer to runs the rule acts in
 
 
 TestSaltedPrefix = SaltedPrefixMachine.TestCase
