@@ -8,9 +8,10 @@ from typing import Optional
 
 import torch
 
-from inference.kv_cache.policy import EvictionPolicy
+from inference.kv_cache.policy import EvictionPolicy, PrefixCachePolicy
 
-__all__ = ["EvictionPolicy", "InferenceConfig", "PauseMode", "SuspendPolicy", "SuspendedAddPolicy", "UpdatePolicy"]
+__all__ = ["EvictionPolicy", "InferenceConfig", "PauseMode", "PrefixCachePolicy", "StalePolicy", "SuspendPolicy",
+           "SuspendedAddPolicy", "UpdatePolicy"]
 
 
 class SuspendPolicy(str, enum.Enum):
@@ -37,6 +38,17 @@ class UpdatePolicy(str, enum.Enum):
     ABORT = "abort"
     RECOMPUTE = "recompute"
     KEEP = "keep"
+
+
+class StalePolicy(str, enum.Enum):
+    """What is done with a sample (or session) started more than `max_staleness` versions ago.
+
+    RECOMPUTE: it starts again from its prompt under the current version (its tokens so far are
+    dropped, never trained on). ABORT: it finishes now with reason `stale` and the tokens it has.
+    """
+
+    RECOMPUTE = "recompute"
+    ABORT = "abort"
 
 
 class PauseMode(str, enum.Enum):
@@ -138,6 +150,15 @@ class InferenceConfig:
     update_policy: UpdatePolicy = UpdatePolicy.RECOMPUTE
     suspended_add_policy: SuspendedAddPolicy = SuspendedAddPolicy.RAISE
     record_kv_events: bool = False
+    # RESET: each weight update makes the prefix cache unmatchable; SALTED: requests, groups and
+    # sessions keep matching the blocks of the version they started with (see PrefixCachePolicy)
+    prefix_cache_policy: PrefixCachePolicy = PrefixCachePolicy.RESET
+    # samples and sessions started more than this many versions ago are handled per stale_policy
+    # at each update, before anything is prefilled again (None: no bound); a salted version's
+    # blocks are freed once it is this far behind
+    max_staleness: Optional[int] = None
+    stale_policy: StalePolicy = StalePolicy.RECOMPUTE
+    max_sessions: int = 65_536  # sessions whose start version the engine remembers (LRU)
     # Mamba prefix caching (models with per-request state): state snapshots at KV block boundaries,
     # in a pool of their own, sized in slots or in bytes; None for both: one slot per request slot
     # (max_requests). 0 turns prefix caching off for such models (a KV hit would skip their state).
@@ -162,7 +183,7 @@ class InferenceConfig:
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_requests", "max_batch_tokens", "max_sequence_length", "chunked_prefill_size",
-                     "max_waiting_samples", "max_samples_per_request"):
+                     "max_waiting_samples", "max_samples_per_request", "max_sessions"):
             value = getattr(self, name)
             if name == "max_samples_per_request" and value is None:
                 value = self.max_samples_per_request = min(DEFAULT_MAX_SAMPLES_PER_REQUEST, self.max_waiting_samples)
@@ -219,6 +240,11 @@ class InferenceConfig:
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise ValueError(f"InferenceConfig.speculative must be a SpeculativeConfig or None, "
                              f"got {self.speculative!r}")
+        self.prefix_cache_policy = PrefixCachePolicy(self.prefix_cache_policy)
+        self.stale_policy = StalePolicy(self.stale_policy)
+        if self.max_staleness is not None and (not isinstance(self.max_staleness, int)
+                                               or isinstance(self.max_staleness, bool) or self.max_staleness < 0):
+            raise ValueError(f"InferenceConfig.max_staleness must be None or an int >= 0, got {self.max_staleness!r}")
 
     @property
     def largest_bucket(self) -> int:

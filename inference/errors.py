@@ -116,6 +116,12 @@ class OverloadedError(RuntimeError):
         super().__init__(message)
 
 
+class StaleSessionError(ValueError):
+    """A turn of a session that started more than `max_staleness` policy versions ago, under
+    `StalePolicy.ABORT`: its trajectory can no longer be trained on. End the session and start a
+    new one (a server answers INVALID_REQUEST, an HTTP front 400)."""
+
+
 class ResumeMemoryError(MemoryError):
     """Resume cannot get the memory it needs; the engine stays suspended and usable."""
 

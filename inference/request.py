@@ -23,6 +23,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # a stop token or EOS was sampled
     LENGTH = "length"  # max_tokens or max_sequence_length reached
     ABORT = "abort"  # aborted by the caller, or by a pause / suspend / weight update under ABORT
+    STALE = "stale"  # started more than max_staleness versions ago (StalePolicy.ABORT): not to train on
 
 
 SHARED_CLIENT = ""  # the client of every request submitted without one (see inference.sched.waiting)
@@ -63,7 +64,11 @@ class Request:
     fork_children: list[Request] = field(default_factory=list)
     num_preemptions: int = 0
     cached_tokens: Optional[int] = None  # prompt tokens the prefix cache served at its first admission
-    hash_cache_key: Optional[tuple[int, int]] = None  # (policy version, token count) of hash_cache
+    # the version it (its group, its session) started under; what max_staleness measures, and under
+    # the SALTED prefix-cache policy (`salted`) the version its blocks are keyed by
+    start_version: int = 0
+    salted: bool = False
+    hash_cache_key: Optional[tuple[int, int]] = None  # (key version, token count) of hash_cache
     hash_cache: list[int] = field(default_factory=list)
     # prompt log-probs by position while in a slot (a `PromptScores`; `prompt_logprobs` is built
     # from it when the request leaves its slot)

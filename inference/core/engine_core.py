@@ -35,9 +35,11 @@ from inference.errors import (
     OverloadedError,
     RequestOverflowError,
     ResumeMemoryError,
+    StaleSessionError,
     TensorStateDeallocatedError,
     WeightNameError,
 )
+from inference.kv_cache.policy import PrefixCachePolicy
 from inference.request import SHARED_CLIENT, Request, RequestOutput
 from inference.runner.model_runner import ModelRunner
 from inference.sampling.grammar import GrammarCompiler
@@ -47,6 +49,7 @@ from inference.sched import offload
 from inference.sched.block_registration import register_full_blocks
 from inference.sched.context import DynamicInferenceContext
 from inference.sched.scheduler import Scheduler
+from inference.sched.staleness import enforce_staleness
 from inference.weights.adapters import WeightAdapter
 from inference.weights.manager import NamedTensors, WeightManager
 from inference.weights.staging import Staging
@@ -97,6 +100,7 @@ class EngineCore:
         self._offloaded: Optional[OffloadedCaches] = None
         self.num_steps = 0
         self.generated_tokens = 0
+        self.stale_aborted = self.stale_restarted = 0  # samples handled by max_staleness
         self.ep: Optional[ExpertParallelSteps] = None  # set on an expert-parallel rank
         # blocks in use during each step (ring buffer), sampled before finished requests release
         self._kv_trace = np.zeros(KV_TRACE_STEPS, dtype=np.int32)
@@ -124,6 +128,10 @@ class EngineCore:
         self._check_processors(params)
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)  # NOTE: cached: add_checked takes it again
+        if params.session_id is not None and params.session_id in self.scheduler.salts.stale:
+            raise StaleSessionError(f"session_id {params.session_id!r} started more than max_staleness="
+                                    f"{self.config.max_staleness} policy versions ago (stale_policy abort); "
+                                    f"end it and start a new session")
         if params.return_routed_experts and self.runner.routes is None:
             raise ValueError("return_routed_experts: this model has no experts (only MoE models record routes)")
         self._check_fits(prompt, params)
@@ -449,7 +457,7 @@ class EngineCore:
         self.weights.refresh_from_trainer()
         self._apply_update_policy(policy)
         version = self.weights.commit_version()
-        self.reset_prefix_cache()
+        self._version_changed()
         return version
 
     def update_weights(self, named_tensors: NamedTensors, version: Optional[int] = None, *,
@@ -465,7 +473,7 @@ class EngineCore:
         self.weights.apply_update(hf)
         self.runner.weights_changed()
         version = self.weights.commit_version(version)
-        self.reset_prefix_cache()
+        self._version_changed()
         return version
 
     def begin_update(self, version: Optional[int] = None, staging: Staging = Staging.DOUBLE, *,
@@ -488,8 +496,41 @@ class EngineCore:
         self._apply_update_policy(policy)
         version = self.weights.commit_update()
         self.runner.weights_changed()
-        self.reset_prefix_cache()
+        self._version_changed()
         return version
+
+    def _version_changed(self) -> None:
+        """A new version is live: too-stale work goes first (before anything is prefilled again),
+        then the blocks no request may read any more: all of them under RESET when no salted user
+        is left (the classic reset), else the versions nobody is salted with (RESET) or those past
+        `max_staleness` (SALTED; the ones without a live user become the first to evict)."""
+        cfg = self.config
+        if cfg.max_staleness is not None:
+            aborted, restarted = enforce_staleness(self.scheduler, cfg.max_staleness, cfg.stale_policy)
+            self.stale_aborted += len(aborted)
+            self.stale_restarted += restarted
+            for req in aborted:
+                self._on_finished(RequestOutput.from_request(req))
+        live = self.scheduler.salts.live_versions()
+        if cfg.prefix_cache_policy is PrefixCachePolicy.RESET and not live:
+            self.reset_prefix_cache()
+            return
+        current = self.policy_version
+        cached = set(self.allocator.blocks_by_version())
+        if cfg.prefix_cache_policy is PrefixCachePolicy.RESET:
+            drop = cached - live
+        else:
+            drop = {v for v in cached if cfg.max_staleness is not None and v < current - cfg.max_staleness}
+            self.allocator.demote_key_versions(cached - drop - live - {current})
+        self.allocator.drop_key_versions(drop)
+        ctx = self.context
+        # NOTE: an unsalted chain is keyed by the version it began under: it may not grow under another
+        ctx.break_hash_chains([s for s in ctx.active + ctx.paused
+                               if not ctx.requests[s].salted or ctx.requests[s].start_version in drop])
+
+    def end_session(self, session_id: str) -> bool:
+        """A session's trajectory is over: it no longer keeps its version's blocks; whether it was known."""
+        return self.scheduler.end_session(session_id)
 
     def abort_update(self) -> None:
         self.weights.abort_update()
@@ -535,6 +576,11 @@ class EngineCore:
             "prefix_hit_blocks": pool.hit_blocks,
             "prefix_hit_rate": pool.hit_rate,
             "cross_version_prefix_hits": self.context.cross_version_hits,
+            "prefix_cache_policy": self.config.prefix_cache_policy.value,
+            "sessions": self.scheduler.salts.session_count(),
+            "stale_aborted": self.stale_aborted,
+            "stale_restarted": self.stale_restarted,
+            **{f"prefix_blocks_version_{v}": n for v, n in sorted(self.allocator.blocks_by_version().items())},
             "policy_version": self.policy_version,
             "weights_serving_error": self.weights.serving_error,
             "weights_spare_bytes": self.weights.spare_bytes(),

@@ -1,14 +1,15 @@
 """Prefix-cache bookkeeping of the paged KV memory: the block allocator, block hashes and KV events."""
 
 from inference.kv_cache.allocator import KVBlockAllocator, KVPoolStats
+from inference.kv_cache.block_key import BlockKey
 from inference.kv_cache.block_state import (
     MAX_CACHED_PROMPT_TOP_N_LOGPROBS,
     PrefixCacheBlockState,
     PromptLogprobsBlock,
 )
 from inference.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventHub
-from inference.kv_cache.hashing import NO_PARENT, UNSET_HASH, block_hashes, chain_key
-from inference.kv_cache.policy import EvictionPolicy
+from inference.kv_cache.hashing import NO_PARENT, UNSET_HASH, block_hashes
+from inference.kv_cache.policy import EvictionPolicy, PrefixCachePolicy
 from inference.kv_cache.registry import PrefixCacheRegistry
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "NO_PARENT",
     "UNSET_HASH",
     "AllBlocksCleared",
+    "BlockKey",
     "BlockRemoved",
     "BlockStored",
     "EvictionPolicy",
@@ -24,8 +26,8 @@ __all__ = [
     "KVEventHub",
     "KVPoolStats",
     "PrefixCacheBlockState",
+    "PrefixCachePolicy",
     "PrefixCacheRegistry",
     "PromptLogprobsBlock",
     "block_hashes",
-    "chain_key",
 ]

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from inference.errors import BlockOverflowError
+from inference.kv_cache.block_key import BlockKey
 from inference.kv_cache.block_state import BlockIds, PrefixCacheBlockState, PromptLogprobsBlock, _as_list
 from inference.kv_cache.events import BlockStored, KVEventHub
 from inference.kv_cache.hashing import NO_PARENT, UNSET_HASH
@@ -20,6 +21,8 @@ from inference.kv_cache.policy import EvictionPolicy
 from inference.kv_cache.registry import PrefixCacheRegistry
 
 logger = logging.getLogger(__name__)
+
+UNSALTED_V0 = BlockKey(0)  # the key of callers that never update weights nor salt (tests, a frozen engine)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +74,7 @@ class KVBlockAllocator:
         # NOTE: a stack popped from the end, filled so that a fresh pool hands out 0, 1, 2, ...
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.lru_clock = 0
+        self._demoted: set[int] = set()  # key versions without a live user: their blocks go first
         self.hit_blocks = 0
         self.miss_blocks = 0
 
@@ -144,6 +148,8 @@ class KVBlockAllocator:
         self.lru_clock += 1
         # NOTE: stamp first, so a released block's recency is its last use, not its allocation.
         self.state.update_timestamps(ids, self.lru_clock)
+        if self._demoted:  # NOTE: a block of a version nobody may match again stays first to go
+            self.state.update_timestamps(self.state.keyed_by(ids, self._demoted), 0)
         for_pool, hashes = self.state.release_references(ids)
         self._drop_from_registry(hashes)
         self._free.extend(for_pool)
@@ -159,23 +165,41 @@ class KVBlockAllocator:
 
     # ---- prefix cache ------------------------------------------------------------------------
 
-    def match_prefix(self, hashes: list[int], looked_up: int | None = None) -> list[int]:
+    def match_prefix(self, hashes: list[int], looked_up: int | None = None, *, key: BlockKey | None = None,
+                     current_version: int | None = None) -> list[int]:
         """Blocks of the longest cached prefix of `hashes`, each retained for the caller.
 
         `looked_up` (default `len(hashes)`) is how many blocks the caller wanted, for the hit
         rate: a caller that cut `hashes` short (a cached block lacking what it needs) counts the
-        blocks it left out as misses.
+        blocks it left out as misses. With `key`, the match rule holds on each block's records,
+        not only on its hash (see `matchable`).
         """
         if not self.enable_prefix_caching:
             return []
         looked_up = len(hashes) if looked_up is None else looked_up
         block_ids = self.registry.match_kv_prefix(hashes)[0] if hashes else []
+        if key is not None:
+            block_ids = block_ids[: self.matchable(block_ids, key, current_version)]
         self.hit_blocks += len(block_ids)
         self.miss_blocks += looked_up - len(block_ids)
         if block_ids:
             self.lru_clock += 1
             self.state.retain(block_ids, self.lru_clock)
         return block_ids
+
+    def matchable(self, block_ids: list[int], key: BlockKey, current_version: int | None) -> int:
+        """How many leading `block_ids` a request keyed by `key` may read: THE match rule.
+
+        A block is read only if it was registered under `key` (its salt, version and adapter);
+        with `current_version` (a request without an explicit version salt) only if those weights
+        computed it too. Equal hashes imply both bar a 2^-63 collision; the records make it exact.
+        """
+        state = self.state
+        for count, block_id in enumerate(block_ids):
+            if state.key_of(block_id) != key or (
+                    current_version is not None and state.computed_by(block_id) != current_version):
+                return count
+        return len(block_ids)
 
     def cached_prefix(self, hashes: list[int]) -> list[int]:
         """Blocks of the longest cached prefix of `hashes`, changing nothing (no reference taken)."""
@@ -188,20 +212,25 @@ class KVBlockAllocator:
         recorded them."""
         return self.state.prompt_logprobs.get(block_id)
 
-    def peek_prefix(self, hashes: list[int]) -> tuple[int, int]:
+    def peek_prefix(self, hashes: list[int], *, key: BlockKey | None = None,
+                    current_version: int | None = None) -> tuple[int, int]:
         """(leading blocks of `hashes` cached, how many of them nobody holds), changing nothing.
 
         Matching a block nobody holds takes it out of the evictable reservoir, so a scheduler
-        must subtract the second figure from `available` before counting on fresh blocks.
+        must subtract the second figure from `available` before counting on fresh blocks. `key`
+        and `current_version` as for `match_prefix`.
         """
         if not self.enable_prefix_caching or not hashes:
             return 0, 0
         block_ids = self.registry.match_kv_prefix(hashes)[0]
+        if key is not None:
+            block_ids = block_ids[: self.matchable(block_ids, key, current_version)]
         unheld = sum(1 for b in block_ids if self.state.ref_count(b) == 0)
         return len(block_ids), unheld
 
     def register(self, block_ids: BlockIds, hashes: list[int], parent_block_id: int = -1, *,
-                 prompt_logprobs: Sequence[PromptLogprobsBlock | None] | None = None) -> int:
+                 prompt_logprobs: Sequence[PromptLogprobsBlock | None] | None = None,
+                 key: BlockKey = UNSALTED_V0, computed_by: int = 0) -> int:
         """Make freshly computed full blocks matchable; returns how many were registered.
 
         `block_ids` is a run of one request's consecutive full blocks (each the parent of the
@@ -212,7 +241,9 @@ class KVBlockAllocator:
         it was registered before. Stored events wait for `events.publish_pending()`. A hash
         <= 0 is a caller bug: ValueError, nothing changed. `prompt_logprobs[i]`, if given, is
         cached with block i (see `PromptLogprobsBlock`); call only after the forward pass that
-        computed the blocks (and their scores) succeeded.
+        computed the blocks (and their scores) succeeded. `key` is the chain's key (the one
+        `hashes` were computed under) and `computed_by` the version of the weights that ran it:
+        both are recorded per block and announced with the stored event.
         """
         ids = _as_list(block_ids)
         if len(ids) != len(hashes):
@@ -239,8 +270,10 @@ class KVBlockAllocator:
         self.state.stamp_block_hashes(new_ids, new_hashes)
         self.state.record_parent_chain(new_ids, [parent_block_id] + new_ids[:-1])
         self.state.attach_prompt_logprobs(new_ids, None if prompt_logprobs is None else list(prompt_logprobs[:count]))
+        self.state.record_keys(new_ids, key, computed_by)
         self.registry.register_kv(new_ids, new_hashes)
-        self.events.queue_stored(BlockStored(tuple(new_hashes), parent_hash, tuple(new_ids), self.block_size))
+        self.events.queue_stored(BlockStored(tuple(new_hashes), parent_hash, tuple(new_ids), self.block_size,
+                                             key.salt, key.version, computed_by))
         return count
 
     def adopt(self, block_hash: int, own_block: int) -> int | None:
@@ -283,14 +316,39 @@ class KVBlockAllocator:
         cached = self.state.detach_all()
         self.registry.reset()
         self._free.extend(cached)
+        self._demoted.clear()
         self.events.all_cleared()
         logger.debug("prefix cache reset: %d cached blocks freed", len(cached))
+
+    def drop_key_versions(self, versions: set[int]) -> int:
+        """Make every block keyed by one of `versions` unmatchable now (held or not), as
+        `reset_prefix_cache` does for all; zero-reference ones go to the free pool. Returns how many
+        blocks were deregistered."""
+        if not versions:
+            return 0
+        free, hashes = self.state.detach_blocks(self.state.registered_ids(versions))
+        self._drop_from_registry(hashes)
+        self._free.extend(free)
+        return len(hashes)
+
+    def demote_key_versions(self, versions: set[int]) -> None:
+        """Blocks keyed by `versions` (no live user left, none to come: a version never gets new
+        users once it is not the current one) are evicted before any other, now and when released."""
+        if versions:
+            self.state.demote(self.state.registered_ids(versions))
+            self._demoted |= versions
+        self._demoted &= set(self.blocks_by_version())  # NOTE: forget versions with no block left
+
+    def blocks_by_version(self) -> dict[int, int]:
+        """Registered blocks per key version."""
+        return self.state.blocks_by_key_version()
 
     def reset(self) -> None:
         """Forget everything: all blocks free, no hashes, counters kept (a fresh context)."""
         self.state.reset()
         self.registry.reset()
         self._free = list(range(self.num_blocks - 1, -1, -1))
+        self._demoted.clear()
         self.events.all_cleared()
 
     def _drop_from_registry(self, hashes: list[int]) -> None:

@@ -14,6 +14,7 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
+from inference.kv_cache.block_key import BlockKey
 from inference.kv_cache.hashing import UNSET_HASH
 from inference.kv_cache.policy import EvictionPolicy
 
@@ -67,6 +68,9 @@ class PrefixCacheBlockState:
       Entries of blocks that stopped being evictable leaves are dropped when popped.
     * `_num_cached` counts the registered zero-ref blocks through this class's own mutations;
       `get_evictable_block_count()` recounts them from the public tensors instead.
+    * A registered block records the key it was registered under (`key_of`) and the policy
+      version whose weights computed it (`computed_by`); an unregistered one records neither.
+      All blocks of one hash chain share its key (the key is mixed into every hash of it).
 
     The public tensors share memory with numpy arrays used for fast scalar updates. The seed's
     tensor-returning methods have list-returning twins (`release_references`,
@@ -83,6 +87,9 @@ class PrefixCacheBlockState:
         self.block_hashes = torch.from_numpy(self._hashes)
         self.block_ref_counts = torch.from_numpy(self._refs)
         self.prompt_logprobs: dict[int, PromptLogprobsBlock] = {}
+        self._keys: list[Optional[BlockKey]] = [None] * pool_size
+        self._key_versions = np.full(pool_size, -1, dtype=np.int64)  # the key's version, for counts
+        self._computed_by = np.full(pool_size, -1, dtype=np.int64)
         if self.is_lru:
             self._timestamps = np.zeros(pool_size, dtype=np.int64)
             self._parents = np.full(pool_size, -1, dtype=np.int64)
@@ -100,6 +107,46 @@ class PrefixCacheBlockState:
     def ref_count(self, block_id: int) -> int:
         return int(self._refs[block_id])
 
+    def key_of(self, block_id: int) -> Optional[BlockKey]:
+        """The key a registered block was registered under (None: not registered)."""
+        return self._keys[block_id]
+
+    def computed_by(self, block_id: int) -> int:
+        """The policy version whose weights computed a registered block's K/V (-1: not registered)."""
+        return int(self._computed_by[block_id])
+
+    def record_keys(self, block_ids: list[int], key: BlockKey, computed_by: int) -> None:
+        """Freshly registered blocks: the key of their chain and the version that computed them."""
+        for block_id in block_ids:
+            self._keys[block_id] = key
+        self._key_versions[block_ids] = key.version
+        self._computed_by[block_ids] = computed_by
+
+    def registered_ids(self, key_versions: Optional[Iterable[int]] = None) -> list[int]:
+        """Registered blocks (optionally only those whose key has one of `key_versions`)."""
+        mask = self._hashes != UNSET_HASH
+        if key_versions is not None:
+            mask &= np.isin(self._key_versions, list(key_versions))
+        return np.flatnonzero(mask).tolist()
+
+    def keyed_by(self, block_ids: list[int], key_versions: set[int]) -> list[int]:
+        """The registered ones of `block_ids` whose key has one of `key_versions`."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        mask = (self._hashes[ids] != UNSET_HASH) & np.isin(self._key_versions[ids], list(key_versions))
+        return ids[mask].tolist()
+
+    def blocks_by_key_version(self) -> dict[int, int]:
+        """Registered blocks per key version (the version their chain is keyed by)."""
+        versions = self._key_versions[self._hashes != UNSET_HASH]
+        found, counts = np.unique(versions, return_counts=True)
+        return dict(zip(found.tolist(), counts.tolist()))
+
+    def _forget_keys(self, block_ids) -> None:
+        for block_id in block_ids:
+            self._keys[block_id] = None
+        self._key_versions[block_ids] = -1
+        self._computed_by[block_ids] = -1
+
     @property
     def is_lru(self) -> bool:
         return self.eviction_policy is EvictionPolicy.LRU
@@ -109,6 +156,7 @@ class PrefixCacheBlockState:
         self._hashes.fill(UNSET_HASH)
         self._refs.fill(0)
         self.prompt_logprobs.clear()
+        self._forget_keys(range(self.pool_size))
         if self.is_lru:
             self._timestamps.fill(0)
             self._parents.fill(-1)
@@ -364,6 +412,7 @@ class PrefixCacheBlockState:
                     self._unlink(block_id, requeue_parents)
             hashes[block_id] = UNSET_HASH
             refs[block_id] = 0
+        self._forget_keys(ids)
         return dropped
 
     def _unlink(self, block_id: int, requeue_parents: bool) -> None:
@@ -388,6 +437,7 @@ class PrefixCacheBlockState:
         cached = np.flatnonzero((self._hashes != UNSET_HASH) & (self._refs == 0)).tolist()
         self._hashes.fill(UNSET_HASH)
         self.prompt_logprobs.clear()
+        self._forget_keys(range(self.pool_size))
         if self.is_lru:
             self._parents.fill(-1)
             self._child_counts.fill(0)
@@ -395,3 +445,42 @@ class PrefixCacheBlockState:
         self._queued.fill(False)
         self._num_cached = 0
         return cached
+
+    def detach_blocks(self, block_ids: list[int]) -> tuple[list[int], list[int]]:
+        """Deregister `block_ids` (whole chains: with each block, every registered descendant of it
+        is listed too), held or not: (zero-ref ones, for the free pool; their old hashes).
+
+        Held blocks keep their references and owners, unregistered, and go to the free pool on
+        release, as after `detach_all`.
+        """
+        ids = [b for b in block_ids if self._hashes[b] != UNSET_HASH]
+        if not ids:
+            return [], []
+        dropped = self._hashes[ids].tolist()
+        if self.is_lru:
+            for block_id in ids:
+                self._unlink(block_id, requeue_parents=True)
+            self._child_counts[ids] = 0
+            self._timestamps[[b for b in ids if self._refs[b] == 0]] = 0
+        free = [b for b in ids if self._refs[b] == 0]
+        self._hashes[ids] = UNSET_HASH
+        for block_id in ids:
+            self.prompt_logprobs.pop(block_id, None)
+        self._forget_keys(ids)
+        return free, dropped
+
+    def demote(self, block_ids: list[int]) -> None:
+        """Make these cached blocks the next LRU victims (their users are gone): their recency goes to 0."""
+        if not self.is_lru or not block_ids:
+            return
+        ids = set(block_ids)
+        self._timestamps[list(ids)] = 0
+        # NOTE: one heap entry per block: rebuild it rather than push second entries (rare: per update)
+        heap = [(key, b) for key, b in self._lru_heap if b not in ids]
+        for block_id in ids:
+            self._queued[block_id] = False
+            if self._refs[block_id] == 0 and self._hashes[block_id] != UNSET_HASH and self._child_counts[block_id] == 0:
+                heap.append((0, block_id))
+                self._queued[block_id] = True
+        heapq.heapify(heap)
+        self._lru_heap = heap

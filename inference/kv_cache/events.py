@@ -11,19 +11,26 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
 class BlockStored:
-    """Blocks of one chain became matchable; `parent_block_hash` is 0 for a chain's root."""
+    """Blocks of one chain became matchable; `parent_block_hash` is 0 for a chain's root.
+
+    `salt` and `version` are the chain's key (`BlockKey`: its cache salt, the version it is
+    keyed by); `computed_by` the version whose weights computed these blocks.
+    """
 
     block_hashes: tuple[int, ...]
     parent_block_hash: int
     block_ids: tuple[int, ...]
     block_size: int
+    salt: Optional[str] = None
+    version: int = 0
+    computed_by: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +115,8 @@ class KVEventHub:
             if kept:
                 # NOTE: the chain's parent may have been dropped too; the router only needs hashes.
                 hashes, ids = zip(*kept)
-                still_pending.append(BlockStored(hashes, event.parent_block_hash, ids, event.block_size))
+                still_pending.append(BlockStored(hashes, event.parent_block_hash, ids, event.block_size,
+                                                 event.salt, event.version, event.computed_by))
         self._pending = still_pending
 
     def _emit(self, event: KVEvent) -> None:

@@ -33,12 +33,6 @@ def _encode_extra_key(extra_key: ExtraKey) -> bytes:
         raise TypeError(f"extra_key must be built of int/str/bytes/tuple/list, got {extra_key!r}") from exc
 
 
-def chain_key(policy_version: int, cache_salt: str | None = None) -> ExtraKey:
-    """The `extra_key` of a request's chain: the weights' version, and its cache salt if it has one
-    (requests with different salts never share a block; no salt keys the chain as before)."""
-    return policy_version if cache_salt is None else (policy_version, cache_salt)
-
-
 def block_hashes(
     token_ids: Sequence[int],
     block_size: int,

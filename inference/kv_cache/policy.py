@@ -10,3 +10,16 @@ class EvictionPolicy(str, Enum):
 
     REF_ZERO = "ref_zero"
     LRU = "lru"
+
+
+class PrefixCachePolicy(str, Enum):
+    """Which cached blocks a request may match across weight updates.
+
+    RESET: every update makes the cache unmatchable (exact: a hit is always K/V the current
+    weights computed). SALTED: a request, its group and its session key their blocks by the
+    version they started with, so later turns and KEEP requests reuse their own blocks across
+    updates (faster; the reused K/V is as old as the start version, see `max_staleness`).
+    """
+
+    RESET = "reset"
+    SALTED = "salted"

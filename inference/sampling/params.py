@@ -11,6 +11,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from inference.kv_cache.policy import PrefixCachePolicy
 from inference.sampling.structured import StructuredOutputs
 
 MAX_LOGPROBS = 100  # the largest top-n a request may ask for (sampled or prompt log-probs)
@@ -83,7 +84,12 @@ class SamplingParams:
       presence_penalty and frequency_penalty (in [-2, 2]; OpenAI's, over the output only:
       logit -= presence * (count > 0) + frequency * count).
     cache_salt: None or a string of at most 256 characters; requests with different salts never
-      share prefix-cache blocks.
+      share prefix-cache blocks (vLLM's `cache_salt`, SGLang's `extra_key`).
+    prefix_cache_policy: None (the engine's `InferenceConfig.prefix_cache_policy`) or a
+      `PrefixCachePolicy`: RESET matches only blocks the current weights computed; SALTED keys
+      the request's blocks by its group's (or session's) start version.
+    session_id: None or a string of at most 256 characters: the multi-turn session the request is
+      a turn of; under SALTED every turn is keyed by the session's start version.
     structured_outputs: None or a `StructuredOutputs` (a dict of its fields is taken too): the
       completion must match it (JSON schema, regex, choice, grammar; see structured.py). The
       engine compiles it against its tokenizer when the request is added; its token mask is the
@@ -115,6 +121,8 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] | None = None
     allowed_token_ids: list[int] | None = None
     cache_salt: str | None = None
+    prefix_cache_policy: PrefixCachePolicy | None = None
+    session_id: str | None = None
     structured_outputs: StructuredOutputs | None = None
     # False: this request never speculates, even on an engine configured to (InferenceConfig.speculative)
     speculative: bool = True
@@ -187,6 +195,16 @@ class SamplingParams:
                                                 and len(self.cache_salt) <= MAX_CACHE_SALT_LENGTH):
             raise ValueError(f"cache_salt must be None or a string of at most {MAX_CACHE_SALT_LENGTH} characters, "
                              f"got {self.cache_salt!r:.80}")
+        if self.prefix_cache_policy is not None:
+            try:
+                self.prefix_cache_policy = PrefixCachePolicy(self.prefix_cache_policy)
+            except ValueError:
+                raise ValueError(f"prefix_cache_policy must be None or one of {[p.value for p in PrefixCachePolicy]}, "
+                                 f"got {self.prefix_cache_policy!r:.80}") from None
+        if self.session_id is not None and not (isinstance(self.session_id, str)
+                                                and 1 <= len(self.session_id) <= MAX_CACHE_SALT_LENGTH):
+            raise ValueError(f"session_id must be None or a string of 1 to {MAX_CACHE_SALT_LENGTH} characters, "
+                             f"got {self.session_id!r:.80}")
         if isinstance(self.structured_outputs, dict):
             try:
                 self.structured_outputs = StructuredOutputs(**self.structured_outputs)

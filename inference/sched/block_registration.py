@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from inference.kv_cache.hashing import block_hashes, chain_key
+from inference.kv_cache.block_key import BlockKey
+from inference.kv_cache.hashing import block_hashes
 from inference.sched.context import DynamicInferenceContext
 
 
@@ -35,8 +36,8 @@ def register_full_blocks(ctx: DynamicInferenceContext, slots: np.ndarray) -> Non
         parent_hash = chain[-1] if chain else 0
         new_tokens = ctx.tokens[slot, len(chain) * bs : full * bs].tolist()
         req = ctx.requests[slot]
-        key = chain_key(ctx.policy_version, req.params.cache_salt)  # NOTE: matchable_hashes keys it alike
-        chain.extend(block_hashes(new_tokens, bs, parent_hash, key))
+        key = ctx.block_key(req)  # NOTE: matchable_hashes keys it alike
+        chain.extend(block_hashes(new_tokens, bs, parent_hash, key.hash_key()))
         scores = req.prompt_scores
         # NOTE: the scores of these blocks were recorded from the same forward pass, just before
         cached_scores = None if scores is None else [
@@ -46,10 +47,10 @@ def register_full_blocks(ctx: DynamicInferenceContext, slots: np.ndarray) -> Non
             continue
         parent = int(ctx.block_table[slot, done - 1]) if done else -1
         ids = ctx.block_table[slot, done:full].tolist()
-        registered = ctx.allocator.register(ids, chain[done:full], parent, prompt_logprobs=cached_scores)
-        ctx.block_version[ids[:registered]] = ctx.policy_version
+        registered = ctx.allocator.register(ids, chain[done:full], parent, prompt_logprobs=cached_scores,
+                                            key=key, computed_by=ctx.policy_version)
         if registered < full - done and scores is None and ctx.state_prefix is not None:
-            registered = _adopt_served_blocks(ctx, slot, chain, done + registered, full) - done
+            registered = _adopt_served_blocks(ctx, slot, chain, done + registered, full, key) - done
         if registered < full - done:
             ctx.cache_broken[slot] = True
             if scores is not None:  # NOTE: typically its hash is served by a block cached without scores
@@ -57,7 +58,8 @@ def register_full_blocks(ctx: DynamicInferenceContext, slots: np.ndarray) -> Non
                 _offer_scores(ctx, slot, chain[done + registered : full], cached_scores[registered:])
 
 
-def _adopt_served_blocks(ctx: DynamicInferenceContext, slot: int, chain: list[int], pos: int, full: int) -> int:
+def _adopt_served_blocks(ctx: DynamicInferenceContext, slot: int, chain: list[int], pos: int, full: int,
+                         key: BlockKey) -> int:
     """Blocks `pos..full-1` of `slot` were refused because other blocks serve their hashes (it
     recomputed a cached prefix past its farthest state snapshot): hold those instead and go on
     registering its own, so its chain stays in the cache. Returns how far the chain got."""
@@ -71,8 +73,7 @@ def _adopt_served_blocks(ctx: DynamicInferenceContext, slot: int, chain: list[in
         ctx.block_table[slot, pos] = served
         pos += 1
         ids = ctx.block_table[slot, pos:full].tolist()
-        count = ctx.allocator.register(ids, chain[pos:full], served)
-        ctx.block_version[ids[:count]] = ctx.policy_version
+        count = ctx.allocator.register(ids, chain[pos:full], served, key=key, computed_by=ctx.policy_version)
         pos += count
     return pos
 

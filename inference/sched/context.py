@@ -24,7 +24,8 @@ from inference.cache.state_pool import StatePool
 from inference.config import InferenceConfig
 from inference.errors import BlockOverflowError
 from inference.kv_cache.allocator import KVBlockAllocator
-from inference.kv_cache.hashing import block_hashes, chain_key
+from inference.kv_cache.block_key import BlockKey
+from inference.kv_cache.hashing import block_hashes
 from inference.request import FinishReason, Request, RequestStatus
 from inference.sampling.grammar import GrammarSlots
 from inference.sampling.params import LogprobsMode
@@ -101,9 +102,7 @@ class DynamicInferenceContext:
         self.free_slots: list[int] = list(range(n - 1, -1, -1))
         self.active: list[int] = []
         self.paused: list[int] = []
-        # version under which each block was registered: a match across versions is counted
-        self.block_version = np.full(allocator.total, -1, dtype=np.int64)
-        self.cross_version_hits = 0
+        self.cross_version_hits = 0  # matched blocks an older version's weights computed (SALTED only)
         self.prefill_tokens = 0  # tokens whose K/V was computed by a prefill (not served by cache)
         self.prefix_cached_tokens = 0  # tokens whose K/V a request took from the prefix cache
         self.prompt_logprobs_cached = 0  # prompt positions whose scores came with cached blocks
@@ -163,7 +162,10 @@ class DynamicInferenceContext:
 
     def peek_cached_prefix(self, req: Request) -> tuple[int, int]:
         """(cached leading blocks of `req`, how many of those nobody holds yet)."""
-        return self.allocator.peek_prefix(self.prefix_to_match(req)) if self.uses_prefix_cache(req) else (0, 0)
+        if not self.uses_prefix_cache(req):
+            return 0, 0
+        return self.allocator.peek_prefix(self.prefix_to_match(req), key=self.block_key(req),
+                                          current_version=self.rule_version(req))
 
     def add_request(self, req: Request, prefill_chunk_length: int) -> int:
         """Give `req` a slot, its tokens and the blocks of its first chunk; returns the chunk length.
@@ -175,8 +177,10 @@ class DynamicInferenceContext:
         given_up = 0
         if self.uses_prefix_cache(req):
             to_match, given_up = self._prefix_to_match(req)
-            matched = self.allocator.match_prefix(to_match, len(self.matchable_hashes(req)))
-            self.cross_version_hits += int((self.block_version[matched] != self.policy_version).sum())
+            matched = self.allocator.match_prefix(to_match, len(self.matchable_hashes(req)), key=self.block_key(req),
+                                                  current_version=self.rule_version(req))
+            computed_by = self.allocator.state.computed_by
+            self.cross_version_hits += sum(computed_by(b) != self.policy_version for b in matched)
         else:
             matched = []
         kv_len = len(matched) * self.block_size
@@ -436,11 +440,24 @@ class DynamicInferenceContext:
 
     # ---- prefix cache ------------------------------------------------------------------------
 
-    def break_hash_chains(self) -> None:
-        """After a prefix-cache reset: blocks in flight may not register under the new version."""
-        self.cache_broken[:] = True
-        self.offers_scores[:] = False
-        self.state_cacheable[:] = False
+    def break_hash_chains(self, slots: list[int] | None = None) -> None:
+        """After a prefix-cache reset (of all, or of the `slots`' key versions): blocks in flight
+        may not register under the new version."""
+        slots = slice(None) if slots is None else slots
+        self.cache_broken[slots] = True
+        self.offers_scores[slots] = False
+        self.state_cacheable[slots] = False
+
+    def block_key(self, req: Request) -> BlockKey:
+        """The key `req`'s chain is hashed and matched under: its salt version (SALTED) or the
+        current one (RESET), and its cache salt."""
+        version = req.start_version if req.salted else self.policy_version
+        return BlockKey(version, req.params.cache_salt)
+
+    def rule_version(self, req: Request) -> int | None:
+        """The version a block `req` reads must have been computed by: the current one, unless the
+        request carries an explicit version salt (SALTED: any block of its key, see the match rule)."""
+        return None if req.salted else self.policy_version
 
     def uses_prefix_cache(self, req: Request) -> bool:
         # NOTE: a request recording its routing computes every position (a hit would skip routes)
@@ -479,11 +496,11 @@ class DynamicInferenceContext:
 
     def matchable_hashes(self, req: Request) -> list[int]:
         """Hashes of the full blocks before the last token (at least one token is computed)."""
-        key = (self.policy_version, req.num_tokens)
+        block_key = self.block_key(req)
+        key = (block_key.version, req.num_tokens)
         if req.hash_cache_key != key:  # NOTE: scheduling asks again each step while it waits
             tokens = req.all_token_ids
             usable = (len(tokens) - 1) // self.block_size * self.block_size
-            req.hash_cache = block_hashes(tokens[:usable], self.block_size,
-                                          extra_key=chain_key(self.policy_version, req.params.cache_salt))
+            req.hash_cache = block_hashes(tokens[:usable], self.block_size, extra_key=block_key.hash_key())
             req.hash_cache_key = key
         return req.hash_cache

@@ -28,8 +28,10 @@ import torch
 
 from inference.errors import BlockOverflowError
 from inference.kv_cache.block_state import MAX_CACHED_PROMPT_TOP_N_LOGPROBS
+from inference.kv_cache.policy import PrefixCachePolicy
 from inference.request import FinishReason, Request, RequestStatus
 from inference.sched.context import DynamicInferenceContext
+from inference.sched.salts import SaltBook
 from inference.sched.waiting import WaitingQueue
 
 
@@ -93,6 +95,7 @@ class Scheduler:
         self._num_waiting_samples = 0  # their sum (what the queue's bound is checked against)
         self._reserved_slots = 0  # slots promised to forked samples of groups being prefilled
         self.num_preemptions = 0
+        self.salts = SaltBook(self.config.max_sessions)  # live users of each salted version
         self.watermark_blocks = max(1, context.allocator.total // 100)
         self._ids = itertools.count()
         self._groups = itertools.count()
@@ -125,10 +128,49 @@ class Scheduler:
         """Queue the n samples of one prompt: the first prefills it, the others fork from it."""
         head = samples[0]
         head.fork_children = samples[1:]
+        self._salt(samples)
         for req in samples:
             self.live[req.request_id] = req
         self._count_waiting(head.client, len(samples))
         self._queue(head)
+
+    def _salt(self, samples: list[Request]) -> None:
+        """The group's start version (its session's if the session is known) and whether its blocks
+        are keyed by it (the SALTED prefix-cache policy)."""
+        params, current = samples[0].params, self.ctx.policy_version
+        policy = params.prefix_cache_policy or self.config.prefix_cache_policy
+        salted = policy is PrefixCachePolicy.SALTED and self.ctx.allocator.enable_prefix_caching
+        start = current
+        if params.session_id is not None:
+            known = self.salts.session_version(params.session_id)
+            if known is None:
+                self.ctx.allocator.demote_key_versions(set(self.salts.start_session(params.session_id, current)))
+            else:
+                start = known
+        for req in samples:
+            req.start_version, req.salted = start, salted
+            if salted:
+                self.salts.acquire(start)
+
+    def set_start_version(self, req: Request, version: int) -> None:
+        """`req` starts again under `version` (a stale one restarted): its salt moves with it."""
+        if req.salted:
+            self._release_salt(req)
+            self.salts.acquire(version)
+        req.start_version = version
+
+    def _release_salt(self, req: Request) -> None:
+        unused = self.salts.release(req.start_version)
+        if unused is not None and unused != self.ctx.policy_version:
+            self.ctx.allocator.demote_key_versions({unused})
+
+    def end_session(self, session_id: str) -> bool:
+        """Forget a session (its trajectory is over): its version's blocks go first once unused."""
+        known = self.salts.session_version(session_id) is not None
+        unused = self.salts.end_session(session_id)
+        if unused is not None and unused != self.ctx.policy_version:
+            self.ctx.allocator.demote_key_versions({unused})
+        return known
 
     def next_ids(self, n: int) -> tuple[int, list[int]]:
         """A fresh group id and `n` fresh request ids."""
@@ -146,7 +188,8 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.finish_time = time.perf_counter()
-        self.live.pop(req.request_id, None)
+        if self.live.pop(req.request_id, None) is not None and req.salted:
+            self._release_salt(req)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.live)
@@ -156,8 +199,8 @@ class Scheduler:
         # NOTE: one that held a slot and waits again is in the returning lane (the clients' hold new ones only)
         return bool(self.ctx.active or self.ctx.paused) or any(r.admitted for r in self.waiting.returning)
 
-    def abort(self, request_id: int) -> Request | None:
-        """Finish one request now with reason `abort` (partial tokens kept); None if unknown."""
+    def abort(self, request_id: int, reason: FinishReason = FinishReason.ABORT) -> Request | None:
+        """Finish one request now with reason `abort` (or `reason`; partial tokens kept); None if unknown."""
         req = self.live.get(request_id)
         if req is None:
             return None
@@ -180,7 +223,7 @@ class Scheduler:
             lead = self._next_leader(req)
             if lead is not None:  # NOTE: the group was admitted: it goes on first
                 self._queue(lead, front=True)
-        self.finish(req, FinishReason.ABORT)
+        self.finish(req, reason)
         return req
 
     @staticmethod
@@ -214,9 +257,13 @@ class Scheduler:
         slots = sorted(ctx.active + ctx.paused, key=lambda s: ctx.requests[s].request_id)
         requests = ctx.release_memory_blocks_from_request_indexes(slots)
         for req in reversed(requests):
-            self._reserved_slots -= len(req.fork_children)  # re-reserved when it is admitted again
-            self._queue(req, front=True)
+            self.requeue_released(req)
         return len(requests)
+
+    def requeue_released(self, req: Request) -> None:
+        """A request just released from its slot goes back first in line, to be recomputed."""
+        self._reserved_slots -= len(req.fork_children)  # re-reserved when it is admitted again
+        self._queue(req, front=True)
 
     # ---- each step ---------------------------------------------------------------------------
 

@@ -79,7 +79,7 @@ def build_generates(conn: Connection, prompts: Prompts, n: int, sampling: Option
     for params, prompt in zip(params_per_prompt(len(prompts), n, sampling), prompts):
         out.append(wire.Generate(request_id=conn.next_id(), prompt_token_ids=np.asarray(prompt),
                                  sampling=sampling_params_to_wire(params), stream_tokens=tokens,
-                                 session_id=session_id, group_id=group_id))
+                                 session_id=session_id or params.session_id, group_id=group_id))
     return out
 
 

@@ -20,6 +20,7 @@ streaming client may be shown yet.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -139,7 +140,10 @@ class Generation:
         spec = self.spec
         tokens = bool(spec.stops) or (spec.stream and not self._coarse)
         routing = {"session_id": spec.session_id} if spec.session_id else {}
-        stream = self.front.client.stream(spec.prompts, spec.n, spec.sampling, tokens=tokens,
+        sampling = spec.sampling
+        if spec.session_id and sampling.session_id is None:  # NOTE: the engine keys a salted session's turns by it
+            sampling = dataclasses.replace(sampling, session_id=spec.session_id)
+        stream = self.front.client.stream(spec.prompts, spec.n, sampling, tokens=tokens,
                                           timeout=self.front.timeout, **routing)
         self._stream = stream
         self.front.inflight[spec.rid] = self

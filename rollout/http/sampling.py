@@ -23,7 +23,7 @@ from rollout.text import TextCodec
 # body field -> (the engine's field, its neutral value)
 EXTRAS = {"repetition_penalty": ("repetition_penalty", 1.0), "presence_penalty": ("presence_penalty", 0.0),
           "frequency_penalty": ("frequency_penalty", 0.0), "min_tokens": ("min_tokens", 0),
-          "cache_salt": ("cache_salt", None)}
+          "cache_salt": ("cache_salt", None), "prefix_cache_policy": ("prefix_cache_policy", None)}
 
 
 def sampling_params(codec: TextCodec, body: Any, *, n: int, max_tokens: int, logprobs: Optional[int],
@@ -36,7 +36,7 @@ def sampling_params(codec: TextCodec, body: Any, *, n: int, max_tokens: int, log
         stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos, logprobs=logprobs or None,
         prompt_logprobs=prompt_logprobs)
     for name, (engine_name, neutral) in EXTRAS.items():
-        value = getattr(body, name)
+        value = getattr(body, name, None)  # NOTE: a body without the field (SGLang's, vLLM's) leaves it neutral
         if value is not None and value != neutral:
             fields[engine_name] = value
     if body.logprobs_mode is not None and body.logprobs_mode.startswith("processed"):

@@ -5,8 +5,8 @@ fields accepted are vLLM's names for the same things (`top_k`, `min_p`, `repetit
 `min_tokens`, `bad_words`, `allowed_token_ids`, `cache_salt`, `stop_token_ids`, `ignore_eos`,
 `prompt_logprobs`, `return_token_ids`, `return_tokens_as_token_ids`, `skip_special_tokens`,
 `include_stop_str_in_output`, and for chat `chat_template_kwargs`, `add_generation_prompt`,
-`continue_final_message`) plus `session_id`. Every accepted field is honoured; what this engine
-cannot do is accepted only at its neutral value (`suffix` ""), so a request is never silently
+`continue_final_message`) plus `session_id` and `prefix_cache_policy`. Every accepted field is
+honoured; what this engine cannot do is accepted only at its neutral value (`suffix` ""), so a request is never silently
 answered differently from what it asked. `model` may be left out (the first served name).
 
 SGLang's `/generate` and control bodies use SGLang's names (see `rollout.http.sglang_routes`).
@@ -151,6 +151,9 @@ class _Sampling(Strict):
     bad_words: Optional[Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_WORDS)]] = None
     allowed_token_ids: Optional[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]] = None
     cache_salt: Optional[Annotated[str, Field(min_length=1, max_length=256)]] = None
+    # this engine's: "reset" (match only K/V of the current weights) or "salted" (a session's turns
+    # keep matching the blocks of the version it started with); None: the engine's own policy
+    prefix_cache_policy: Optional[Literal["reset", "salted"]] = None
     prompt_logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]] = None
     # which distribution the log-probs come from: raw (the model's, what a trainer recomputes; the
     # default) or processed (the one sampled from); vLLM's server-wide names are taken too
@@ -305,9 +308,11 @@ class GenerateReqInput(Strict):
     return_text_in_logprobs: bool = False
     stream: bool = False
     return_routed_experts: bool = False
-    extra_key: Optional[Union[Annotated[str, Field(max_length=MAX_CACHE_SALT_LENGTH)], list[str]]] = None
     image_data: Optional[Any] = None  # NOTE: AReaL sends `null` with every request; a text model takes no image
     lora_path: Optional[Union[str, list[Optional[str]]]] = None
+    # SGLang's cache namespace (the engine's `cache_salt`): requests with different keys never share a block
+    extra_key: Optional[Union[Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_LENGTH)],
+                              list[Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_LENGTH)]]]] = None
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateReqInput:

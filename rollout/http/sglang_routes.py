@@ -199,6 +199,8 @@ def _finish_reason(s: Sample, spec: GenSpec) -> Optional[dict[str, Any]]:
         return {"type": "stop", "matched": s.matched}
     if s.finish_reason == "abort":
         return {"type": "abort", "message": "aborted"}
+    if s.finish_reason == "stale":
+        return {"type": "abort", "message": "stale: started more than max_staleness policy versions ago"}
     return None
 
 

@@ -19,24 +19,16 @@ version; ABORT finishes it now with reason `abort` and the tokens it has.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Optional
 
 import msgspec
 import numpy as np
 
-from inference.kv_cache import block_hashes, chain_key
+from inference.kv_cache import BlockKey, block_hashes
 from inference.request import FinishReason
 from rollout.service.registry import Record
 from rollout.wire.messages import Generate, SampleOutput
-
-
-class StalePolicy(str, enum.Enum):
-    """What a router does with a sample whose tokens would span more than `max_staleness + 1` versions."""
-
-    RECOMPUTE = "recompute"
-    ABORT = "abort"
 
 
 @dataclass(eq=False, slots=True)
@@ -94,7 +86,7 @@ class Route:
         if self._hashes is None or self._hashes[0] != key:
             usable = (len(prompt) - 1) // block_size * block_size
             self._hashes = (key, block_hashes(prompt[:usable].tolist(), block_size,
-                                              extra_key=chain_key(version, cache_salt)))
+                                              extra_key=BlockKey(version, cache_salt).hash_key()))
         return self._hashes[1]
 
 

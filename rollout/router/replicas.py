@@ -28,11 +28,11 @@ from typing import Any, Optional, Protocol
 import msgspec
 import zmq
 
+from inference.config import StalePolicy
 from inference.request import FinishReason
 from rollout.router.attempts import (
     Attempt,
     Route,
-    StalePolicy,
     aborted_sample,
     attempt_request,
     sent_indices,

@@ -36,7 +36,8 @@ from typing import Any, Optional
 import msgspec
 import numpy as np
 
-from rollout.router.attempts import Route, StalePolicy
+from inference.config import StalePolicy
+from rollout.router.attempts import Route
 from rollout.router.broadcast import Fanout, merge_stats
 from rollout.router.links import HealthConfig, ReplicaState
 from rollout.router.placement import Placement, PlacementConfig

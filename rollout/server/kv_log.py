@@ -44,7 +44,12 @@ class KvEventLog:
         op = _OPS.get(type(event))
         if op is None:
             return
-        wire = KvEvent(KvOp.CLEARED) if op is KvOp.CLEARED else KvEvent(op, list(event.block_hashes))
+        if op is KvOp.CLEARED:
+            wire = KvEvent(KvOp.CLEARED)
+        elif op is KvOp.STORED:
+            wire = KvEvent(op, list(event.block_hashes), event.salt, event.version, event.computed_by)
+        else:
+            wire = KvEvent(op, list(event.block_hashes))
         with self._lock:
             self._events.append(wire)
             if len(self._events) >= 2 * self.capacity:  # NOTE: trimmed in halves: appends stay O(1) amortised

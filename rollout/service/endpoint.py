@@ -213,7 +213,7 @@ class ServiceEndpoint:
             for frame in record.frames.values():  # NOTE: the client keeps the first copy of each
                 self.socket.send_frame(peer, frame)
             return
-        params = sampling_params_from_wire(msg.sampling)
+        params = sampling_params_from_wire(msg.sampling, msg.session_id)
         record = self.registry.add(msg, peer)
         self.metrics.count("requests_run")
         self._start_generate(record, params, now)

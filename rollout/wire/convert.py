@@ -89,9 +89,11 @@ def sampling_params_to_wire(params: SamplingParams) -> Sampling:
     return Sampling(**fields)
 
 
-def sampling_params_from_wire(sampling: Sampling) -> SamplingParams:
-    """The engine's `SamplingParams`; its own validation runs, a refusal is INVALID_REQUEST."""
+def sampling_params_from_wire(sampling: Sampling, session_id: Optional[str] = None) -> SamplingParams:
+    """The engine's `SamplingParams` (`session_id`: its Generate's, if the sampling names none); its
+    own validation runs, a refusal is INVALID_REQUEST."""
     fields = {name: getattr(sampling, name) for name in Sampling.__struct_fields__}
+    fields["session_id"] = sampling.session_id or session_id or None
     fields["stop_token_ids"] = list(sampling.stop_token_ids)
     if sampling.logit_bias is not None:
         fields["logit_bias"] = dict(sampling.logit_bias)

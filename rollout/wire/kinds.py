@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 
-PROTOCOL_VERSION = 12  # 2: UpdateWeights.policy; 3: KvEvents, Result.kv_events; weight sync (group kinds,
+PROTOCOL_VERSION = 13  # 2: UpdateWeights.policy; 3: KvEvents, Result.kv_events; weight sync (group kinds,
 # distributed / shared-memory sources); 4: an update's version lives in its source alone (UpdateWeights
 # has no target_version; the disk source says the version of a plain checkpoint); IsSleeping, Result.sleeping;
 # 5: ErrorCode.OVERLOADED, Generate.client (whom a router forwards for: fair admission behind it); Sampling's
@@ -17,7 +17,9 @@ PROTOCOL_VERSION = 12  # 2: UpdateWeights.policy; 3: KvEvents, Result.kv_events;
 # allowed_token_ids) and cache_salt; 6: Sampling.structured_outputs; 7: Suspend.tags and
 # .discard_weights, Resume.tags (suspend by part); 8: DistributedSource.packed_buffer_bytes (vLLM's packed
 # broadcast layout); 9: the delta weight source (DeltaSource); 10: the version-only source (VersionSource);
-# 11: SampleOutput.cached_tokens; 12: Sampling.speculative (a request's opt-out of speculative decoding)
+# 11: SampleOutput.cached_tokens; 12: Sampling.speculative (a request's opt-out of speculative decoding);
+# 13: Sampling.prefix_cache_policy, Generate.session_id reaches the engine (salted sessions), KvEvent's salt and
+# versions, FinishReason.STALE
 MAX_REQUEST_ID_LENGTH = 256
 MAX_SAMPLES = 1024  # n per Generate
 MAX_STOP_TOKENS = 1024  # also: bad-word sequences per request, and tokens per sequence

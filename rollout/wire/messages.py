@@ -18,7 +18,7 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
-from inference.config import PauseMode, SuspendPolicy, UpdatePolicy
+from inference.config import PauseMode, PrefixCachePolicy, SuspendPolicy, UpdatePolicy
 from inference.request import FinishReason
 from inference.sampling.params import (
     MAX_CACHE_SALT_LENGTH,
@@ -149,6 +149,8 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     bad_words_token_ids: Optional[Annotated[list[TokenSequence], Meta(max_length=MAX_STOP_TOKENS)]] = None
     allowed_token_ids: Optional[Annotated[list[NonNegInt], Meta(min_length=1, max_length=MAX_TOKEN_IDS)]] = None
     cache_salt: Optional[Annotated[str, Meta(max_length=MAX_CACHE_SALT_LENGTH)]] = None
+    prefix_cache_policy: Optional[PrefixCachePolicy] = None
+    session_id: Optional[Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT_LENGTH)]] = None
     structured_outputs: Optional[StructuredOutputsWire] = None
     speculative: bool = True
 
@@ -162,7 +164,8 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class Generate(_Request, tag=Kind.GENERATE.value):
-    """Sample `sampling.n` completions of one prompt; `session_id` / `group_id` are routing hints.
+    """Sample `sampling.n` completions of one prompt; `session_id` / `group_id` are routing hints, and
+    `session_id` is the engine's `SamplingParams.session_id` too (a salted session's turns).
     `client`: whom a forwarder (a router) sends it for; a server admits its connections in turns
     and, within one connection, the clients it names (so a router's clients take turns too)."""
 
@@ -377,8 +380,14 @@ class HealthInfo(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class KvEvent(msgspec.Struct, forbid_unknown_fields=True, array_like=True):
+    """`salt`, `version` (the key the blocks' chain is hashed under) and `computed_by` (the
+    version whose weights computed them) are set on STORED events."""
+
     op: KvOp
     hashes: list[BlockHash] = []
+    salt: Optional[str] = None
+    version: Optional[NonNegInt] = None
+    computed_by: Optional[NonNegInt] = None
 
 
 class KvEventBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

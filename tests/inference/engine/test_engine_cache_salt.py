@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams
-from inference.kv_cache import block_hashes, chain_key
+from inference.kv_cache import BlockKey, block_hashes
 from tests.inference.engine.conftest import hf_greedy, random_prompts, tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -16,13 +16,13 @@ PROMPT = random_prompts(1, 18, 18, seed=21)[0]  # 4 full blocks of 4 before its 
 
 def test_salt_keys_every_block_of_the_chain():
     tokens = list(range(3, 3 + 12))
-    plain = block_hashes(tokens, 4, extra_key=chain_key(0))
-    salted = block_hashes(tokens, 4, extra_key=chain_key(0, "a"))
+    plain = block_hashes(tokens, 4, extra_key=BlockKey(0).hash_key())
+    salted = block_hashes(tokens, 4, extra_key=BlockKey(0, "a").hash_key())
     assert plain == block_hashes(tokens, 4, extra_key=0)  # no salt: the chain as before
     assert not set(plain) & set(salted)
-    assert not set(salted) & set(block_hashes(tokens, 4, extra_key=chain_key(0, "b")))
-    assert not set(block_hashes(tokens, 4, extra_key=chain_key(0, ""))) & set(plain)  # "" is a salt, not None
-    assert salted == block_hashes(tokens, 4, extra_key=chain_key(0, "a"))
+    assert not set(salted) & set(block_hashes(tokens, 4, extra_key=BlockKey(0, "b").hash_key()))
+    assert not set(block_hashes(tokens, 4, extra_key=BlockKey(0, "").hash_key())) & set(plain)  # "" is a salt, not None
+    assert salted == block_hashes(tokens, 4, extra_key=BlockKey(0, "a").hash_key())
 
 
 def test_different_salts_never_hit_equal_salts_do():

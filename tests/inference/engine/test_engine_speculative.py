@@ -12,7 +12,8 @@ import torch
 
 from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams, SuspendPolicy
 from inference.config import PauseMode, SpeculativeConfig
-from inference.kv_cache.hashing import block_hashes, chain_key
+from inference.kv_cache.block_key import BlockKey
+from inference.kv_cache.hashing import block_hashes
 from inference.sampling.params import LogprobsMode
 from tests.inference.engine.conftest import hf_greedy, random_prompts, tiny_llama, tiny_qwen3
 from tests.inference.models.hybrid.tiny import tiny_hybrid
@@ -136,7 +137,7 @@ def test_prefix_cache_holds_only_kept_tokens_and_history_drafts_the_next_epoch()
         assert_same(plain.generate(prompts, params), outputs)
         for out in outputs:
             tokens = out.prompt_token_ids + out.generated_token_ids
-            chains.update(block_hashes(tokens[: (len(tokens) - 1) // 4 * 4], 4, extra_key=chain_key(0, None)))
+            chains.update(block_hashes(tokens[: (len(tokens) - 1) // 4 * 4], 4, extra_key=BlockKey(0).hash_key()))
         registered = set(engine.allocator.registry.kv_hash_to_block_id)
         assert registered and registered <= chains
     assert engine.stats()["spec_history_prompts"] == len(prompts)

@@ -17,8 +17,8 @@ from collections import Counter
 import pytest
 
 from inference import DynamicInferenceEngine, FinishReason, MaxSequenceLengthOverflowError, SamplingParams
+from inference.config import StalePolicy
 from rollout import AsyncRolloutClient, ClientSecurity, RolloutClient, RolloutRouter, RouterConfig, RouterProcess
-from rollout.router.attempts import StalePolicy
 from rollout.router.links import ReplicaState
 from rollout.wire.codec import ProtocolError
 from tests.rollout.router.router_util import (
