@@ -23,6 +23,7 @@ MAX_TOP_K = 2**31 - 1
 MAX_PENALTY = 2.0  # presence / frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)
 MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range)
 MAX_CACHE_SALT_LENGTH = 256
+MAX_LORA_NAME_LENGTH = 256
 
 
 class LogprobsMode(enum.IntEnum):
@@ -84,6 +85,8 @@ class SamplingParams:
       logit -= presence * (count > 0) + frequency * count).
     cache_salt: None or a string of at most 256 characters; requests with different salts never
       share prefix-cache blocks.
+    lora_name: None (the base model) or the name of a loaded LoRA adapter (1 to 256 characters);
+      the request runs on the adapter's version current when it is added, to its end (PIN).
     structured_outputs: None or a `StructuredOutputs` (a dict of its fields is taken too): the
       completion must match it (JSON schema, regex, choice, grammar; see structured.py). The
       engine compiles it against its tokenizer when the request is added; its token mask is the
@@ -116,6 +119,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     cache_salt: str | None = None
     structured_outputs: StructuredOutputs | None = None
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         if not (_is_int(self.n) and self.n >= 1):
@@ -183,6 +187,10 @@ class SamplingParams:
                                                 and len(self.cache_salt) <= MAX_CACHE_SALT_LENGTH):
             raise ValueError(f"cache_salt must be None or a string of at most {MAX_CACHE_SALT_LENGTH} characters, "
                              f"got {self.cache_salt!r:.80}")
+        if self.lora_name is not None and not (isinstance(self.lora_name, str)
+                                               and 1 <= len(self.lora_name) <= MAX_LORA_NAME_LENGTH):
+            raise ValueError(f"lora_name must be None or a string of 1 to {MAX_LORA_NAME_LENGTH} characters, "
+                             f"got {self.lora_name!r:.80}")
         if isinstance(self.structured_outputs, dict):
             try:
                 self.structured_outputs = StructuredOutputs(**self.structured_outputs)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from inference.kv_cache.hashing import block_hashes, chain_key
-from inference.sched.context import DynamicInferenceContext
+from inference.kv_cache.hashing import block_hashes
+from inference.sched.context import DynamicInferenceContext, request_chain_key
 
 
 def register_full_blocks(ctx: DynamicInferenceContext, slots: np.ndarray) -> None:
@@ -35,7 +35,7 @@ def register_full_blocks(ctx: DynamicInferenceContext, slots: np.ndarray) -> Non
         parent_hash = chain[-1] if chain else 0
         new_tokens = ctx.tokens[slot, len(chain) * bs : full * bs].tolist()
         req = ctx.requests[slot]
-        key = chain_key(ctx.policy_version, req.params.cache_salt)  # NOTE: matchable_hashes keys it alike
+        key = request_chain_key(ctx.policy_version, req)  # NOTE: matchable_hashes keys it alike
         chain.extend(block_hashes(new_tokens, bs, parent_hash, key))
         scores = req.prompt_scores
         # NOTE: the scores of these blocks were recorded from the same forward pass, just before

@@ -33,6 +33,14 @@ from inference.sched.prompt_logprobs import PromptScores, servable_prefix
 from inference.sched.state_prefix import StatePrefixCache
 
 
+def request_chain_key(policy_version: int, req: Request):
+    """The block-hash key of `req`'s chain: the weights' version, its cache salt, and its LoRA
+    adapter's name and version (blocks computed under another adapter, or another version of it,
+    never match)."""
+    key = chain_key(policy_version, req.params.cache_salt)
+    return key if req.lora is None else (key, req.lora.name, req.lora.version)
+
+
 class DynamicInferenceContext:
     """Slots, token buffers and block tables of the requests in flight (see module docstring).
 
@@ -94,6 +102,7 @@ class DynamicInferenceContext:
         self.ignore_eos = np.zeros(n, dtype=bool)
         self.streams_tokens = np.zeros(n, dtype=bool)  # the request's caller wants every token as sampled
         self.returns_routes = np.zeros(n, dtype=bool)  # MoE: the request records its routing per token
+        self.lora_id = np.full(n, -1, dtype=np.int64)  # the resident id of the slot's LoRA adapter (-1: none)
         self.stop_ids = np.full((n, 4), -1, dtype=np.int64)  # widened when a request has more
         # logit processors' per-slot state (penalty counts kept as tokens are appended)
         self.processors = ProcessorState(n, vocab_size, eos_token_ids)
@@ -286,6 +295,7 @@ class DynamicInferenceContext:
         self.ignore_eos[slot] = p.ignore_eos
         self.streams_tokens[slot] = req.stream_tokens
         self.returns_routes[slot] = p.return_routed_experts
+        self.lora_id[slot] = -1 if req.lora is None else req.lora.id
         stops = p.stop_token_ids
         if len(stops) > self.stop_ids.shape[1]:
             wider = np.full((self.stop_ids.shape[0], len(stops)), -1, dtype=np.int64)
@@ -482,6 +492,6 @@ class DynamicInferenceContext:
             tokens = req.all_token_ids
             usable = (len(tokens) - 1) // self.block_size * self.block_size
             req.hash_cache = block_hashes(tokens[:usable], self.block_size,
-                                          extra_key=chain_key(self.policy_version, req.params.cache_salt))
+                                          extra_key=request_chain_key(self.policy_version, req))
             req.hash_cache_key = key
         return req.hash_cache
