@@ -70,6 +70,9 @@ def _read_config(path: str) -> Any:
         raise LoRALoadError(f"LoRA adapter {path!r}: unreadable {ADAPTER_CONFIG}: {exc}") from exc
     if config.peft_type != PeftType.LORA:
         raise LoRALoadError(f"LoRA adapter {path!r}: peft_type is {config.peft_type}, not LORA")
+    if getattr(config, "target_parameters", None):
+        raise LoRATargetError(f"LoRA adapter {path!r}: target_parameters {list(config.target_parameters)[:4]} "
+                              "(LoRA on fused parameters, e.g. MoE experts) are not adapted by the engine")
     refusals = {
         "use_dora": "DoRA (use_dora) is not computed by the engine",
         "modules_to_save": "modules_to_save (fully trained copies of modules) are not served",
@@ -119,8 +122,9 @@ def adapter_from_tensors(tensors: dict[str, torch.Tensor], name: str, model: Any
         raise LoRALoadError(f"LoRA adapter {where!r} holds no LoRA tensors")
     unknown = sorted(set(pairs) - set(targets))
     if unknown:
+        limits = getattr(model, "lora_limits", "")
         raise LoRATargetError(f"LoRA adapter {where!r} targets modules this model cannot adapt: {unknown[:4]} "
-                              f"(adaptable: {sorted({p.rsplit('.', 1)[-1] for p in targets})})")
+                              f"(adaptable: {sorted({p.rsplit('.', 1)[-1] for p in targets})}){limits}")
     num_layers = 1 + max(int(_LAYER.match(p)["layer"]) for p in targets)
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(num_layers)]
     rank, projs = 0, set()

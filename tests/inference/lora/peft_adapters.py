@@ -11,7 +11,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def save_adapter(base: torch.nn.Module, path: Path, *, r: int, alpha: float, targets: list[str], seed: int,
+def save_adapter(base: torch.nn.Module, path: Path, *, r: int, alpha: float, targets: list[str] | str, seed: int,
                  std: float = 0.1, **lora_kwargs) -> Path:
     """A LoRA of rank `r` on `targets` of a copy of `base`, every A and B random (PEFT zero-inits B,
     which would make the adapter the identity), saved under `path`."""
