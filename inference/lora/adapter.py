@@ -2,8 +2,10 @@
 
 An adapter holds, per decoder layer, `module -> (A [r, in], B [out, r] * scaling)` for the modules
 it adapts (`q_proj` ... `down_proj`): the scaling is folded into B once, so a step computes
-`y += (x A^T) B^T` and nothing else. What the model can adapt comes from the model itself
-(`model.lora_targets()`: HF module path -> (out, in)); a model without it refuses with its reason.
+`y += (x A^T) B^T` and nothing else. Projections that read the same input (q, k, v; gate, up)
+keep their A stacked (`fused`): one GEMM `x A_cat^T` serves them all, then one small GEMM per B.
+What the model can adapt comes from the model itself (`model.lora_targets()`: HF module path ->
+(out, in)); a model without it refuses with its reason.
 """
 
 from __future__ import annotations
@@ -38,14 +40,40 @@ class LoRAAdapter:
     path: Optional[str] = None
     version: int = 0  # set by the registry when the adapter becomes resident
     modules: frozenset[str] = field(default_factory=frozenset)  # the projection names it adapts
+    # per layer: input group -> (A_cat [sum r, in], [(output j of the group, r0, r1, B^T [r, out])])
+    fused: list[dict[str, tuple[torch.Tensor, list[tuple[int, int, int, torch.Tensor]]]]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.fused = [_fuse(layer) for layer in self.layers]
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for layer in self.layers for a, b in layer.values())
+        return sum(a.nbytes + sum(bt.nbytes for *_, bt in parts) for layer in self.fused for a, parts in layer.values())
 
     def adapts(self, layer: int, projs: tuple[str, ...]) -> bool:
         own = self.layers[layer]
         return any(p in own for p in projs)
+
+
+# projections that read one input, in the order the decoder passes their outputs
+INPUT_GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+                "down": ("down_proj",)}
+
+
+def _fuse(layer: dict[str, tuple[torch.Tensor, torch.Tensor]]):
+    fused = {}
+    for group, projs in INPUT_GROUPS.items():
+        present = [(j, p) for j, p in enumerate(projs) if p in layer]
+        if not present:
+            continue
+        a_cat = torch.cat([layer[p][0] for _, p in present]).contiguous()
+        parts, r0 = [], 0
+        for j, p in present:
+            r = layer[p][0].shape[0]
+            parts.append((j, r0, r0 + r, layer[p][1].t().contiguous()))
+            r0 += r
+        fused[group] = (a_cat, parts)
+    return fused
 
 
 def model_lora_targets(model: Any) -> dict[str, tuple[int, int]]:

@@ -326,7 +326,7 @@ class DenseDecoder:
         h = rms_norm(x, w.in_norm, eps)
         q, k, v = F.linear(h, w.q_w, w.q_b), F.linear(h, w.k_w, w.k_b), F.linear(h, w.v_w, w.v_b)
         if lora is not None:
-            q, k, v = (lora.add(q, h, i, "q_proj"), lora.add(k, h, i, "k_proj"), lora.add(v, h, i, "v_proj"))
+            lora.add(h, i, "qkv", (q, k, v))
         q = q.view(n_tok, s.num_heads, s.head_dim)
         k = k.view(n_tok, s.num_kv_heads, s.head_dim)
         v = v.view(n_tok, s.num_kv_heads, s.head_dim)
@@ -342,7 +342,9 @@ class DenseDecoder:
         if lora is None:
             x = x + F.linear(o, w.o_w, w.o_b)
             return x + self.mlp(i, rms_norm(x, w.post_norm, self.spec.rms_norm_eps))
-        x = x + lora.add(F.linear(o, w.o_w, w.o_b), o, i, "o_proj")
+        attn = F.linear(o, w.o_w, w.o_b)
+        lora.add(o, i, "o", (attn,))
+        x = x + attn
         h = rms_norm(x, w.post_norm, self.spec.rms_norm_eps)
         return x + (self.lora_mlp(i, h, lora) if lora.adapts(i, MLP_PROJS) else self.mlp(i, h))
 
@@ -353,9 +355,12 @@ class DenseDecoder:
     def lora_mlp(self, i: int, h: torch.Tensor, lora: LoRAGroups) -> torch.Tensor:
         """`mlp` with the adapters' updates of gate, up and down (dense MLP layers only)."""
         w = self._layers[i]
-        gate = lora.add(F.linear(h, w.gate_w, w.gate_b), h, i, "gate_proj")
-        act = F.silu(gate) * lora.add(F.linear(h, w.up_w, w.up_b), h, i, "up_proj")
-        return lora.add(F.linear(act, w.down_w, w.down_b), act, i, "down_proj")
+        gate, up = F.linear(h, w.gate_w, w.gate_b), F.linear(h, w.up_w, w.up_b)
+        lora.add(h, i, "gate_up", (gate, up))
+        act = F.silu(gate) * up
+        down = F.linear(act, w.down_w, w.down_b)
+        lora.add(act, i, "down", (down,))
+        return down
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head over the rows of `x` whose logits are wanted."""
