@@ -32,7 +32,7 @@ from inference.core.memory import SuspendReport
 from inference.core.states import EngineState
 from inference.errors import EngineStateError, LoRALoadError
 from inference.kv_cache.events import KVEventListener
-from inference.lora import AdapterInfo, AdapterRef, load_peft_adapter
+from inference.lora import AdapterInfo, AdapterRef, load_live_peft_adapter, load_peft_adapter
 from inference.request import SHARED_CLIENT, RequestOutput, TokenEvent
 from inference.sampling.params import SamplingParams
 from inference.streams import Callback, RequestStream
@@ -481,6 +481,15 @@ class DynamicInferenceEngine:
         model = self.core.model
         adapter = load_peft_adapter(str(path), name, model, max_rank=self.core.config.max_lora_rank,
                                     dtype=model.spec.dtype, device=model.device)
+        return self.calls.run(self.core.add_lora, adapter)
+
+    def load_lora_from_peft(self, name: str, peft_model: Any, adapter_name: str = "default") -> AdapterRef:
+        """Load adapter `adapter_name` of a live PEFT model (a trainer's, colocated) as the next version
+        of `name`: its LoRA tensors are copied as they are now (bytes of the adapter only; the base
+        weights are untouched). Checked as `load_lora` checks a directory."""
+        model = self.core.model
+        adapter = load_live_peft_adapter(peft_model, name, model, max_rank=self.core.config.max_lora_rank,
+                                         dtype=model.spec.dtype, device=model.device, adapter_name=adapter_name)
         return self.calls.run(self.core.add_lora, adapter)
 
     def unload_lora(self, name: str) -> None:

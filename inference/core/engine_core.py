@@ -72,7 +72,7 @@ class EngineCore:
         self.vocab_size = spec.vocab_size
         self.eos_token_ids = np.array(sorted(spec.eos_token_ids), dtype=np.int64)
         self.weights = WeightManager(model)
-        self.loras = LoRARegistry(config.max_loras, config.max_lora_rank)
+        self.loras = LoRARegistry(config.max_loras, config.max_lora_rank, config.lora_max_staleness)
         # NOTE: padding rows and expert-parallel dummy steps write their K/V into a scratch block
         self.caches = CacheManager(model.cache_specs(), config, model.device,
                                    scratch_block=config.batch_buckets is not None

@@ -90,12 +90,19 @@ def _read_config(path: str) -> Any:
         raise LoRALoadError(f"LoRA adapter directory {path!r} does not exist")
     if not os.path.isfile(os.path.join(path, ADAPTER_CONFIG)):
         raise LoRALoadError(f"LoRA adapter {path!r} has no {ADAPTER_CONFIG}")
-    from peft import PeftConfig, PeftType  # NOTE: imported here: only loading an adapter needs peft
+    from peft import PeftConfig  # NOTE: imported here: only loading an adapter needs peft
 
     try:
         config = PeftConfig.from_pretrained(path)
     except Exception as exc:  # a malformed or unknown config: peft raises several types
         raise LoRALoadError(f"LoRA adapter {path!r}: unreadable {ADAPTER_CONFIG}: {exc}") from exc
+    return _check_config(config, path)
+
+
+def _check_config(config: Any, path: str) -> Any:
+    """`config` (a peft `PeftConfig`) if the engine computes what it describes, else the typed refusal."""
+    from peft import PeftType
+
     if config.peft_type != PeftType.LORA:
         raise LoRALoadError(f"LoRA adapter {path!r}: peft_type is {config.peft_type}, not LORA")
     if getattr(config, "target_parameters", None):
@@ -131,6 +138,21 @@ def load_peft_adapter(path: str, name: str, model: Any, *, max_rank: int, dtype:
         raise LoRALoadError(f"LoRA adapter {path!r}: unreadable {ADAPTER_WEIGHTS}: {exc}") from exc
     return adapter_from_tensors(tensors, name, model, alpha=config.lora_alpha, rslora=bool(config.use_rslora),
                                 max_rank=max_rank, dtype=dtype, device=device, path=path)
+
+
+def load_live_peft_adapter(peft_model: Any, name: str, model: Any, *, max_rank: int, dtype: torch.dtype,
+                           device: torch.device, adapter_name: str = "default") -> LoRAAdapter:
+    """The adapter `adapter_name` of a live PEFT model (a trainer's), its tensors copied as they
+    are now: the sync of a trained adapter without a trip through disk (typed refusals as above)."""
+    from peft import get_peft_model_state_dict
+
+    if adapter_name not in getattr(peft_model, "peft_config", {}):
+        raise LoRALoadError(f"{type(peft_model).__name__} has no PEFT adapter {adapter_name!r}")
+    config = _check_config(peft_model.peft_config[adapter_name], f"{name} (live)")
+    with torch.no_grad():
+        tensors = {k: v.detach() for k, v in get_peft_model_state_dict(peft_model, adapter_name=adapter_name).items()}
+    return adapter_from_tensors(tensors, name, model, alpha=config.lora_alpha, rslora=bool(config.use_rslora),
+                                max_rank=max_rank, dtype=dtype, device=device)
 
 
 def adapter_from_tensors(tensors: dict[str, torch.Tensor], name: str, model: Any, *, alpha: float, rslora: bool,

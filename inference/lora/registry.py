@@ -35,12 +35,15 @@ class AdapterInfo:
 
 
 class LoRARegistry:
-    """Invariants: at most `max_loras` names are current; a resident id is current or pinned by
-    at least one request; ids only grow, so a stale id never names another adapter."""
+    """Invariants: at most `max_loras` names are current; at most `max_staleness + 1` versions of
+    one name are resident (the current one and those requests in flight still use); a resident id
+    is current or pinned by at least one request; ids only grow, so a stale id never names another
+    adapter."""
 
-    def __init__(self, max_loras: int, max_lora_rank: int) -> None:
+    def __init__(self, max_loras: int, max_lora_rank: int, max_staleness: int = 1) -> None:
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
+        self.max_staleness = max_staleness
         self._resident: dict[int, LoRAAdapter] = {}
         self._current: dict[str, int] = {}  # name -> id of its current version
         self._pins: dict[int, int] = {}  # id -> requests pinned to it
@@ -67,6 +70,12 @@ class LoRARegistry:
         if adapter.rank > self.max_lora_rank:
             raise LoRACapacityError(f"LoRA adapter {adapter.name!r}: rank {adapter.rank} exceeds "
                                     f"max_lora_rank={self.max_lora_rank}")
+        versions = sum(1 for a in self._resident.values() if a.name == adapter.name)
+        if old is not None and self._pins[old] and versions >= self.max_staleness + 1:
+            raise LoRACapacityError(f"cannot load version {self._resident[old].version + 1} of LoRA adapter "
+                                    f"{adapter.name!r}: {versions} versions are resident and requests still use the "
+                                    f"current one (max_staleness={self.max_staleness}); retry once the oldest "
+                                    "version's requests finished, or abort them")
         adapter.version = 1 if old is None else self._resident[old].version + 1
         new = self._next_id
         self._next_id += 1
