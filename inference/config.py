@@ -180,6 +180,12 @@ class InferenceConfig:
     tokenizer: Optional[str] = None
     # draft-free speculative decoding of small decode-only steps (None: off; see SpeculativeConfig)
     speculative: Optional[SpeculativeConfig] = None
+    # LoRA: adapter names loaded at once (0: no adapters), and the largest rank one may have
+    max_loras: int = 4
+    max_lora_rank: int = 64
+    # versions of one adapter resident at once beyond its current one (the in-flight requests of a
+    # replaced version finish on it, PIN); a reload past that is refused until they finished
+    lora_max_staleness: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_requests", "max_batch_tokens", "max_sequence_length", "chunked_prefill_size",
@@ -189,6 +195,10 @@ class InferenceConfig:
                 value = self.max_samples_per_request = min(DEFAULT_MAX_SAMPLES_PER_REQUEST, self.max_waiting_samples)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"InferenceConfig.{name} must be a positive int, got {value!r}")
+        for name, low in (("max_loras", 0), ("max_lora_rank", 1), ("lora_max_staleness", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"InferenceConfig.{name} must be an int >= {low}, got {value!r}")
         if self.num_blocks is not None and self.kv_memory_bytes is not None:
             raise ValueError("InferenceConfig: give num_blocks or kv_memory_bytes, not both")
         if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):

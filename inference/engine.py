@@ -30,8 +30,9 @@ from inference.config import InferenceConfig, PauseMode, SuspendPolicy, UpdatePo
 from inference.core.engine_core import EngineCore
 from inference.core.memory import SuspendReport
 from inference.core.states import EngineState
-from inference.errors import EngineStateError
+from inference.errors import EngineStateError, LoRALoadError
 from inference.kv_cache.events import KVEventListener
+from inference.lora import AdapterInfo, AdapterRef, load_live_peft_adapter, load_peft_adapter
 from inference.request import SHARED_CLIENT, RequestOutput, TokenEvent
 from inference.sampling.params import SamplingParams
 from inference.streams import Callback, RequestStream
@@ -468,6 +469,36 @@ class DynamicInferenceEngine:
 
     def reset_prefix_cache(self) -> None:
         self.calls.run(self.core.reset_prefix_cache)
+
+    # ---- LoRA adapters -----------------------------------------------------------------------
+
+    def load_lora(self, name: str, path: Union[str, Path]) -> AdapterRef:
+        """Load the PEFT adapter in directory `path` as `name` (again: its next version; requests
+        in flight finish on the version they started with). Read and checked on the caller's thread,
+        so a bad adapter raises its typed `LoRAError` and the engine serves on untouched."""
+        if not isinstance(name, str) or not name:
+            raise LoRALoadError(f"lora_name must be a non-empty string, got {name!r}")
+        model = self.core.model
+        adapter = load_peft_adapter(str(path), name, model, max_rank=self.core.config.max_lora_rank,
+                                    dtype=model.spec.dtype, device=model.device)
+        return self.calls.run(self.core.add_lora, adapter)
+
+    def load_lora_from_peft(self, name: str, peft_model: Any, adapter_name: str = "default") -> AdapterRef:
+        """Load adapter `adapter_name` of a live PEFT model (a trainer's, colocated) as the next version
+        of `name`: its LoRA tensors are copied as they are now (bytes of the adapter only; the base
+        weights are untouched). Checked as `load_lora` checks a directory."""
+        model = self.core.model
+        adapter = load_live_peft_adapter(peft_model, name, model, max_rank=self.core.config.max_lora_rank,
+                                         dtype=model.spec.dtype, device=model.device, adapter_name=adapter_name)
+        return self.calls.run(self.core.add_lora, adapter)
+
+    def unload_lora(self, name: str) -> None:
+        """Unload adapter `name`: `LoRANotFoundError`, or `LoRAInUseError` while requests use it."""
+        self.calls.run(self.core.remove_lora, name)
+
+    def list_loras(self) -> list[AdapterInfo]:
+        """The loaded adapters (current versions), by name."""
+        return self.calls.run(self.core.lora_infos)
 
     def add_kv_event_listener(self, listener: KVEventListener) -> None:
         """Call `listener(event)` for each prefix-cache event from now on (stored, removed, all

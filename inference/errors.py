@@ -135,3 +135,39 @@ class WeightNameError(KeyError):
 
 class WeightShapeError(ValueError):
     """A weight update's tensor has the wrong shape or a non-floating dtype."""
+
+
+class LoRAError(ValueError):
+    """Base class: an adapter cannot be loaded, found or unloaded; nothing changed, the engine
+    serves on. `http_status` is what an HTTP front answers (vLLM's: 400, or 404 for a name it does
+    not know)."""
+
+    http_status = 400
+
+
+class LoRALoadError(LoRAError):
+    """An adapter's directory or files are missing or unreadable, or its config is not a LoRA one."""
+
+
+class LoRAShapeError(LoRAError):
+    """An adapter tensor's shape does not fit the base model's projection (or A and B disagree)."""
+
+
+class LoRATargetError(LoRAError):
+    """An adapter targets modules this model cannot adapt (e.g. embeddings, `modules_to_save`),
+    or uses a LoRA variant the engine does not compute (DoRA, alpha patterns, trained biases)."""
+
+
+class LoRACapacityError(LoRAError):
+    """Past `max_loras` adapters resident, or an adapter's rank above `max_lora_rank`."""
+
+
+class LoRANotFoundError(LoRAError):
+    """A request or an unload names an adapter that is not loaded."""
+
+    http_status = 404
+
+
+class LoRAInUseError(LoRAError):
+    """Unloading an adapter that requests in flight still use (they are pinned to it): retry once
+    they finished, or abort them."""

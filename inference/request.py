@@ -78,6 +78,8 @@ class Request:
     # structured outputs: the compiled grammar (an llguidance template matcher, never advanced;
     # each slot the request takes gets its own copy), None when unconstrained
     grammar: Optional[Any] = None
+    # the LoRA adapter version it is pinned to (an `inference.lora.AdapterRef`), None: the base model
+    lora: Optional[Any] = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -40,6 +40,7 @@ from inference.errors import (
     WeightNameError,
 )
 from inference.kv_cache.policy import PrefixCachePolicy
+from inference.lora import AdapterInfo, AdapterRef, LoRAAdapter, LoRARegistry
 from inference.request import SHARED_CLIENT, Request, RequestOutput
 from inference.runner.model_runner import ModelRunner
 from inference.sampling.grammar import GrammarCompiler
@@ -69,12 +70,13 @@ class EngineCore:
     def __init__(self, model: Any, config: InferenceConfig, on_finished: OnFinished, on_tokens: OnTokens) -> None:
         self.config = config
         self.model = model
-        self._on_finished = on_finished
+        self._on_finished = self._finished_then(on_finished)
         self._on_tokens = on_tokens
         spec = model.spec
         self.vocab_size = spec.vocab_size
         self.eos_token_ids = np.array(sorted(spec.eos_token_ids), dtype=np.int64)
         self.weights = WeightManager(model)
+        self.loras = LoRARegistry(config.max_loras, config.max_lora_rank, config.lora_max_staleness)
         # NOTE: padding rows and expert-parallel dummy steps write their K/V into a scratch block
         self.caches = CacheManager(model.cache_specs(), config, model.device,
                                    scratch_block=config.batch_buckets is not None
@@ -86,7 +88,7 @@ class EngineCore:
                                                vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids.tolist())
         self.grammars = GrammarCompiler(config.tokenizer, self.vocab_size, self.eos_token_ids.tolist())
         self.scheduler = Scheduler(self.context)
-        self.runner = ModelRunner(model, self.caches, config)
+        self.runner = ModelRunner(model, self.caches, config, self.loras.adapter)
         if config.speculative is not None and self.caches.states is not None:
             raise ValueError("InferenceConfig.speculative: models with recurrent state (hybrid Mamba) are not "
                              "supported yet: a rejected proposal would need the state rolled back; "
@@ -132,6 +134,8 @@ class EngineCore:
             raise StaleSessionError(f"session_id {params.session_id!r} started more than max_staleness="
                                     f"{self.config.max_staleness} policy versions ago (stale_policy abort); "
                                     f"end it and start a new session")
+        if params.lora_name is not None and params.lora_name not in self.loras:
+            self.loras.current(params.lora_name)  # raises the typed LoRANotFoundError
         if params.return_routed_experts and self.runner.routes is None:
             raise ValueError("return_routed_experts: this model has no experts (only MoE models record routes)")
         self._check_fits(prompt, params)
@@ -162,8 +166,31 @@ class EngineCore:
                     grammar=grammar)
             for index, rid in enumerate(ids)
         ]
+        if params.lora_name is not None:  # NOTE: each sample pinned to the version current now (PIN)
+            for req in samples:
+                req.lora = self.loras.pin(params.lora_name, req.request_id)
         self.scheduler.new_group(samples)
         return ids
+
+    def _finished_then(self, on_finished: OnFinished) -> OnFinished:
+        """`on_finished`, after the request's adapter pin is dropped (every finish passes here)."""
+        def finished(output: RequestOutput) -> None:
+            self.loras.release(output.request_id)
+            on_finished(output)
+        return finished
+
+    # ---- LoRA adapters -----------------------------------------------------------------------
+
+    def add_lora(self, adapter: LoRAAdapter) -> AdapterRef:
+        """Make a checked adapter the current version of its name; requests in flight keep theirs."""
+        return self.loras.add(adapter)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload `name` (`LoRANotFoundError`, or `LoRAInUseError` while requests use it)."""
+        self.loras.remove(name)
+
+    def lora_infos(self) -> list[AdapterInfo]:
+        return self.loras.infos()
 
     def _check_processors(self, params: SamplingParams) -> None:
         """The processors' token ids must lie in the vocabulary (as vLLM checks them)."""

@@ -63,6 +63,10 @@ class StepInputs:
     token_slots: Optional[np.ndarray] = None  # the slot of each real token (recording routes)
     token_positions: Optional[np.ndarray] = None  # its position in its request
     record_routes: bool = False  # an MoE model records each token's experts (a request asked)
+    # LoRA: the resident adapter id of every row, padding included (-1: the base model), and the
+    # rows whose logits are taken (host copies); None when no request of the step has an adapter
+    lora_ids: Optional[np.ndarray] = None
+    logits_rows: Optional[np.ndarray] = None
 
     @property
     def padded_tokens(self) -> int:
@@ -192,6 +196,12 @@ def fill_inputs(buf: InputBuffers, ctx: DynamicInferenceContext, plan: StepPlan,
             n["state_fresh"][num_reqs:total_reqs] = True
         state_slots, state_fresh = buf.t["state_slots"][:total_reqs], buf.t["state_fresh"][:total_reqs]
 
+    lora_ids = None
+    req_loras = ctx.lora_id[slots]
+    if req_loras.max() >= 0:  # NOTE: one reduction over the batch's requests; nothing more without adapters
+        lora_ids = np.full(padded, -1, dtype=np.int64)
+        lora_ids[:num_tokens] = req_loras if plan.num_decode == num_reqs else np.repeat(req_loras, q)
+
     buf.upload(total_reqs * width)
     t, th = buf.t, buf.t_host
     meta = AttentionMetadata(
@@ -220,6 +230,8 @@ def fill_inputs(buf: InputBuffers, ctx: DynamicInferenceContext, plan: StepPlan,
         token_slots=token_slots,
         token_positions=positions,
         record_routes=bool(ctx.returns_routes[slots].any()),
+        lora_ids=lora_ids,
+        logits_rows=None if lora_ids is None else n["logits_indices"][:num_rows].copy(),
     )
 
 

@@ -13,6 +13,7 @@ with their memory pool are released, and resume captures the graphs again.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Optional
 
 import numpy as np
@@ -20,6 +21,7 @@ import torch
 
 from inference.cache.manager import CacheManager
 from inference.config import InferenceConfig
+from inference.lora import LoRAAdapter, LoRABatch
 from inference.models.protocol import StateBatch
 from inference.runner.buckets import IDLE, BatchDims, BucketPolicy
 from inference.runner.cuda_graphs import PiecewiseGraphs
@@ -37,8 +39,10 @@ class ModelRunner:
     captured, match the model's current weight addresses (`weights_changed` re-captures).
     """
 
-    def __init__(self, model: Any, caches: CacheManager, config: InferenceConfig) -> None:
+    def __init__(self, model: Any, caches: CacheManager, config: InferenceConfig,
+                 lora_adapter: Optional[Callable[[int], LoRAAdapter]] = None) -> None:
         self.model = model
+        self.lora_adapter = lora_adapter  # resident adapter id -> its tensors (the LoRA registry's)
         self.caches = caches
         self.buckets = BucketPolicy(config.batch_buckets, config.decode_buckets)
         max_tokens = max(config.max_batch_tokens, config.largest_bucket)
@@ -90,14 +94,18 @@ class ModelRunner:
         `eager`: never replay a CUDA graph (they are captured for one token per decode)."""
         if self.routes is not None:
             self.routes.active = inputs.record_routes
-        if not eager and self.graphs is not None and self.graphs.has(inputs.padded_tokens):
+        # NOTE: a step with adapters runs eagerly: its row groups change from step to step
+        if not eager and inputs.lora_ids is None and self.graphs is not None and self.graphs.has(inputs.padded_tokens):
             self.graph_replays += 1
             return self.graphs.replay(inputs, self.caches.kv)
         self.eager_steps += 1
-        states = None
+        kwargs: dict[str, Any] = {}
         if inputs.state_slots is not None:
-            states = StateBatch(self.caches.states.tensors, inputs.state_slots, inputs.state_fresh, inputs.num_decode)
-        kwargs = {} if states is None else {"states": states}
+            kwargs["states"] = StateBatch(self.caches.states.tensors, inputs.state_slots, inputs.state_fresh,
+                                          inputs.num_decode)
+        if inputs.lora_ids is not None:
+            kwargs["lora"] = LoRABatch(inputs.lora_ids, inputs.logits_rows, self.lora_adapter,
+                                       inputs.input_ids.device)
         return self.model.forward(inputs.input_ids, inputs.positions, self.caches.kv, inputs.meta,
                                   inputs.logits_indices, **kwargs)
 

@@ -24,6 +24,7 @@ MAX_TOP_K = 2**31 - 1
 MAX_PENALTY = 2.0  # presence / frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)
 MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range)
 MAX_CACHE_SALT_LENGTH = 256
+MAX_LORA_NAME_LENGTH = 256
 
 
 class LogprobsMode(enum.IntEnum):
@@ -90,6 +91,8 @@ class SamplingParams:
       the request's blocks by its group's (or session's) start version.
     session_id: None or a string of at most 256 characters: the multi-turn session the request is
       a turn of; under SALTED every turn is keyed by the session's start version.
+    lora_name: None (the base model) or the name of a loaded LoRA adapter (1 to 256 characters);
+      the request runs on the adapter's version current when it is added, to its end (PIN).
     structured_outputs: None or a `StructuredOutputs` (a dict of its fields is taken too): the
       completion must match it (JSON schema, regex, choice, grammar; see structured.py). The
       engine compiles it against its tokenizer when the request is added; its token mask is the
@@ -126,6 +129,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = None
     # False: this request never speculates, even on an engine configured to (InferenceConfig.speculative)
     speculative: bool = True
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         if not (_is_int(self.n) and self.n >= 1):
@@ -205,6 +209,10 @@ class SamplingParams:
                                                 and 1 <= len(self.session_id) <= MAX_CACHE_SALT_LENGTH):
             raise ValueError(f"session_id must be None or a string of 1 to {MAX_CACHE_SALT_LENGTH} characters, "
                              f"got {self.session_id!r:.80}")
+        if self.lora_name is not None and not (isinstance(self.lora_name, str)
+                                               and 1 <= len(self.lora_name) <= MAX_LORA_NAME_LENGTH):
+            raise ValueError(f"lora_name must be None or a string of 1 to {MAX_LORA_NAME_LENGTH} characters, "
+                             f"got {self.lora_name!r:.80}")
         if isinstance(self.structured_outputs, dict):
             try:
                 self.structured_outputs = StructuredOutputs(**self.structured_outputs)

@@ -95,6 +95,7 @@ class DynamicInferenceContext:
         self.ignore_eos = np.zeros(n, dtype=bool)
         self.streams_tokens = np.zeros(n, dtype=bool)  # the request's caller wants every token as sampled
         self.returns_routes = np.zeros(n, dtype=bool)  # MoE: the request records its routing per token
+        self.lora_id = np.full(n, -1, dtype=np.int64)  # the resident id of the slot's LoRA adapter (-1: none)
         self.stop_ids = np.full((n, 4), -1, dtype=np.int64)  # widened when a request has more
         # logit processors' per-slot state (penalty counts kept as tokens are appended)
         self.processors = ProcessorState(n, vocab_size, eos_token_ids)
@@ -292,6 +293,7 @@ class DynamicInferenceContext:
         self.ignore_eos[slot] = p.ignore_eos
         self.streams_tokens[slot] = req.stream_tokens
         self.returns_routes[slot] = p.return_routed_experts
+        self.lora_id[slot] = -1 if req.lora is None else req.lora.id
         stops = p.stop_token_ids
         if len(stops) > self.stop_ids.shape[1]:
             wider = np.full((self.stop_ids.shape[0], len(stops)), -1, dtype=np.int64)
@@ -450,9 +452,12 @@ class DynamicInferenceContext:
 
     def block_key(self, req: Request) -> BlockKey:
         """The key `req`'s chain is hashed and matched under: its salt version (SALTED) or the
-        current one (RESET), and its cache salt."""
+        current one (RESET), its cache salt, and its LoRA adapter's name and version (blocks
+        computed under another adapter, or another version of it, never match)."""
         version = req.start_version if req.salted else self.policy_version
-        return BlockKey(version, req.params.cache_salt)
+        lora = req.lora
+        return BlockKey(version, req.params.cache_salt, None if lora is None else lora.name,
+                        None if lora is None else lora.version)
 
     def rule_version(self, req: Request) -> int | None:
         """The version a block `req` reads must have been computed by: the current one, unless the

@@ -12,6 +12,7 @@ the event loop through `call_soon_threadsafe`. Every awaitable is bounded by a t
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Optional, Union
@@ -140,6 +141,17 @@ class AsyncRolloutClient:
     async def is_sleeping(self, *, timeout: Optional[float] = None) -> bool:
         """Whether the engine is suspended (through a router: every replica that answered is)."""
         return bool((await self._call(self.requests.plain(wire.IsSleeping), timeout)).sleeping)
+
+    async def load_lora(self, name: str, path: Union[str, os.PathLike], *, timeout: Optional[float] = None
+                        ) -> wire.LoraInfo:
+        """Load the PEFT adapter in directory `path` (as the server reads it) as `name`."""
+        return (await self._call(self.requests.load_lora(name, path), timeout)).loras[0]
+
+    async def unload_lora(self, name: str, *, timeout: Optional[float] = None) -> None:
+        await self._call(self.requests.unload_lora(name), timeout)
+
+    async def list_loras(self, *, timeout: Optional[float] = None) -> list[wire.LoraInfo]:
+        return list((await self._call(self.requests.plain(wire.ListLoras), timeout)).loras or [])
 
     async def health(self, *, timeout: Optional[float] = None) -> wire.HealthInfo:
         return (await self._call(self.requests.plain(wire.Health), timeout)).health

@@ -48,10 +48,11 @@ from rollout.wire.convert import (
     error_from_reply,
     error_reply,
     health_of,
+    loras_to_wire,
     output_from_wire,
     output_to_wire,
 )
-from rollout.wire.messages import HealthInfo
+from rollout.wire.messages import HealthInfo, LoraInfo
 from weight_sync import DEFAULT_GROUP, Staging, WeightReceiver
 
 
@@ -299,6 +300,18 @@ class InProcessClient:
 
     async def reset_prefix_cache(self, *, timeout: Optional[float] = None) -> None:
         await self._post(self.engine.reset_prefix_cache, "ResetPrefixCache", timeout)
+
+    async def load_lora(self, name: str, path: str, *, timeout: Optional[float] = None) -> LoraInfo:
+        engine = self.engine
+        loaded = await self._post(lambda: (engine.load_lora(name, path), engine.list_loras()), "LoadLora", timeout)
+        return loras_to_wire([i for i in loaded[1] if i.name == name])[0]
+
+    async def unload_lora(self, name: str, *, timeout: Optional[float] = None) -> None:
+        engine = self.engine
+        await self._post(lambda: engine.unload_lora(name), "UnloadLora", timeout)
+
+    async def list_loras(self, *, timeout: Optional[float] = None) -> list[LoraInfo]:
+        return loras_to_wire(await self._post(self.engine.list_loras, "ListLoras", timeout))
 
     # ---- answered as a server answers them ------------------------------------------------------
 

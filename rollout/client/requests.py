@@ -22,7 +22,7 @@ from rollout.wire import messages as wire
 from weight_sync import DiskSource, with_version
 
 Plain = TypeVar("Plain", wire.Continue, wire.Resume, wire.ResetPrefixCache, wire.Stats, wire.Health,
-                wire.GetWeightVersion, wire.IsSleeping)
+                wire.GetWeightVersion, wire.IsSleeping, wire.ListLoras)
 
 
 SOURCE_TYPES = typing.get_args(weight_sync.WeightSource)  # every kind a served engine can read
@@ -51,6 +51,13 @@ class Requests:
     def plain(self, kind: type[Plain]) -> Plain:
         """A request that carries nothing but its id (Continue, Resume, Stats, IsSleeping, ...)."""
         return kind(request_id=self._id())
+
+    def load_lora(self, name: str, path: Union[str, os.PathLike]) -> wire.LoadLora:
+        """A PEFT adapter directory the server can read (sent as an absolute path)."""
+        return wire.LoadLora(request_id=self._id(), lora_name=name, lora_path=str(Path(path).absolute()))
+
+    def unload_lora(self, name: str) -> wire.UnloadLora:
+        return wire.UnloadLora(request_id=self._id(), lora_name=name)
 
     def pause(self, mode: Union[PauseMode, str]) -> wire.Pause:
         return wire.Pause(request_id=self._id(), mode=PauseMode(mode))

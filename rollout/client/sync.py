@@ -12,6 +12,7 @@ unanswered under the same ids, so each sample arrives exactly once. `AsyncRollou
 
 from __future__ import annotations
 
+import os
 import queue
 import time
 from collections.abc import Iterator, Sequence
@@ -145,6 +146,18 @@ class RolloutClient(WeightSyncCalls):
     def is_sleeping(self, *, timeout: Optional[float] = None) -> bool:
         """Whether the engine is suspended (through a router: every replica that answered is)."""
         return bool(self._call(self.requests.plain(wire.IsSleeping), timeout).sleeping)
+
+    def load_lora(self, name: str, path: Union[str, os.PathLike], *, timeout: Optional[float] = None
+                  ) -> wire.LoraInfo:
+        """Load the PEFT adapter in directory `path` (as the server reads it) as `name`; again: its next
+        version. A bad adapter is refused (INVALID_REQUEST) and the engine serves on."""
+        return self._call(self.requests.load_lora(name, path), timeout).loras[0]
+
+    def unload_lora(self, name: str, *, timeout: Optional[float] = None) -> None:
+        self._call(self.requests.unload_lora(name), timeout)
+
+    def list_loras(self, *, timeout: Optional[float] = None) -> list[wire.LoraInfo]:
+        return list(self._call(self.requests.plain(wire.ListLoras), timeout).loras or [])
 
     def health(self, *, timeout: Optional[float] = None) -> wire.HealthInfo:
         """Answered without the engine: whether its loop went round within the server's deadline."""

@@ -28,6 +28,7 @@ from rollout.http import errors
 from rollout.http.connections import KEEP_ALIVE_S, ConnectionLimits, protocol_class
 from rollout.http.front import HttpFront
 from rollout.http.guards import ANY_HOST, BearerKey, RequestGuard, allowed_host_names
+from rollout.http.lora_routes import router as lora_router
 from rollout.http.metrics_routes import router as metrics_router
 from rollout.http.openai_routes import router as openai_router
 from rollout.http.sglang_routes import STATE_CHANGING_GETS
@@ -52,6 +53,7 @@ def build_app(front: HttpFront) -> FastAPI:
     app.include_router(vllm_router)
     app.include_router(metrics_router)
     app.include_router(vllm_weight_router)
+    app.include_router(lora_router)
     return app
 
 

@@ -92,6 +92,13 @@ class FrontClient(Protocol):
 
     async def leave_group(self, group_name: str = DEFAULT_GROUP, *, timeout: Optional[float] = None) -> None: ...
 
+    async def load_lora(self, name: str, path: str, *, timeout: Optional[float] = None) -> wire.LoraInfo:
+        """Load the PEFT adapter in directory `path` as `name` (again: its next version)."""
+
+    async def unload_lora(self, name: str, *, timeout: Optional[float] = None) -> None: ...
+
+    async def list_loras(self, *, timeout: Optional[float] = None) -> list[wire.LoraInfo]: ...
+
 
 class ServiceClient(AsyncRolloutClient):
     """`AsyncRolloutClient` and the weight-update group calls (as `RolloutClient` has them, from

@@ -127,6 +127,8 @@ def from_exception(exc: BaseException) -> APIError:
             return unavailable(str(exc))
         if exc.code in (ErrorCode.INVALID_REQUEST, ErrorCode.BAD_SCHEMA):
             return APIError(400, str(exc), param=engine_param(str(exc)))
+        if exc.code is ErrorCode.NOT_FOUND:  # e.g. a LoRA adapter not loaded
+            return APIError(404, str(exc), code="not_found")
         if exc.code is ErrorCode.TOO_LARGE:
             return APIError(413, str(exc), code="request_too_large")
         return APIError(500, str(exc), type="server_error")

@@ -11,6 +11,7 @@ with the conversation) run on a worker thread.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,6 +70,9 @@ class HttpFront:
         self.weights = WeightCalls(client, config.timeout)
         self.inflight: dict[str, Generation] = {}
         self.created = int(time.time())
+        # LoRA adapters a request's `model` may name: name -> path, as the engine last listed them
+        # (refreshed by the load / unload routes and by /v1/models)
+        self.loras: dict[str, str] = {}
 
     @property
     def timeout(self) -> float:
@@ -84,9 +88,19 @@ class HttpFront:
         """The served name a request's `model` means (None: the first); 404 for another."""
         if model is None:
             return self.config.model_name
-        if model not in self.model_names:
+        if model not in self.model_names and model not in self.loras:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
         return model
+
+    def with_adapter(self, params: SamplingParams, model: Optional[str]) -> SamplingParams:
+        """`params` on the LoRA adapter that `model` names (unchanged for the base model's names)."""
+        return dataclasses.replace(params, lora_name=model) if model in self.loras else params
+
+    async def refresh_loras(self) -> list:
+        """The engine's loaded adapters (`wire.LoraInfo`), remembered for `check_model`."""
+        infos = await self.client.list_loras(timeout=self.timeout)
+        self.loras = {i.name: i.path or "" for i in infos}
+        return infos
 
     def check_ids(self, prompts: list[list[int]], param: str = "prompt") -> None:
         vocab = self.codec.vocab_size
@@ -114,8 +128,9 @@ class HttpFront:
                  prompt_logprobs: Optional[int] = None, structured: Any = None) -> SamplingParams:
         """The engine's `SamplingParams` of a completions or chat body (`rollout.http.sampling`);
         `structured`: its constraint (`rollout.http.structured`)."""
-        return sampling_params(self.codec, body, n=n, max_tokens=max_tokens, logprobs=logprobs,
-                               prompt_logprobs=prompt_logprobs, structured=structured)
+        params = sampling_params(self.codec, body, n=n, max_tokens=max_tokens, logprobs=logprobs,
+                                 prompt_logprobs=prompt_logprobs, structured=structured)
+        return self.with_adapter(params, getattr(body, "model", None))
 
     def generation(self, spec: GenSpec) -> Generation:
         if spec.stops and not self.codec.has_text:  # NOTE: stop strings are matched on the decoded text

@@ -30,7 +30,7 @@ from fastapi.responses import StreamingResponse
 from inference import StructuredOutputs
 from rollout.http import structured
 from rollout.http.disconnects import unless_disconnected
-from rollout.http.errors import APIError, from_exception
+from rollout.http.errors import APIError, engine_call, from_exception
 from rollout.http.front import HttpFront
 from rollout.http.generation import Delta, Generation, GenSpec, Sample, version_spans
 from rollout.http.logprobs import chat_top, completion_top, echoed_prompt, prompt_entries
@@ -56,10 +56,15 @@ def front_of(request: Request) -> HttpFront:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
+    """The served names, then each loaded LoRA adapter with its `parent` (vLLM's cards)."""
     front = front_of(request)
     cards = [{"id": name, "object": "model", "created": front.created, "owned_by": "rollout-engine",
               "root": front.config.model_path or front.config.model_name, "max_model_len": front.config.max_model_len}
              for name in front.model_names]
+    for lora in await engine_call(front.refresh_loras()):
+        cards.append({"id": lora.name, "object": "model", "created": front.created, "owned_by": "rollout-engine",
+                      "root": lora.path, "parent": front.config.model_name,
+                      "max_model_len": front.config.max_model_len, "version": lora.version, "rank": lora.rank})
     return json_response({"object": "list", "data": cards})
 
 

@@ -320,8 +320,6 @@ class GenerateReqInput(Strict):
             raise ValueError("Either text or input_ids should be provided, not both")
         if any(x is not None for x in _each(self.image_data)):
             raise ValueError("image_data: this server serves a text model, which takes no images")
-        if any(x is not None for x in _each(self.lora_path)):
-            raise ValueError("lora_path: LoRA adapters are not served by this server")
         return self
 
 

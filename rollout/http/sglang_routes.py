@@ -15,7 +15,9 @@ docs/advanced_features/sglang_for_rl (pause / continue, memory occupation, weigh
   `logprob_start_len`), "routed_experts" (base64 int32, with "routed_experts_start_len")}}`; a
   list for a batch or `n > 1` (prompt-major). Streaming sends the cumulative answer per event
   (its spans too; routes and prompt log-probs with the final one), then `data: [DONE]`.
-  `image_data` (a text model: null only), `lora_path` and `custom_params` are refused by name.
+  `lora_path` (one, or one per prompt) selects a LoRA adapter loaded with `/load_lora_adapter`
+  (by its name or the path it was loaded from). `image_data` (a text model: null only) and
+  `custom_params` are refused by name.
 * `/pause_generation` modes map to ours: `abort` -> ABORT, `retract` -> RETRACT (KV freed,
   requests requeued: `flush_cache` succeeds), `in_place` -> KEEP (requests keep their KV:
   `flush_cache` is refused while they hold it, as in SGLang).
@@ -91,7 +93,7 @@ async def generate(body: GenerateReqInput, request: Request) -> Response:
     front.check_ids(prompts, "input_ids")
     sampling = _per_prompt(body.sampling_params, len(prompts), "sampling_params") or [SGLangSampling()] * len(prompts)
     rids = _rids(body.rid, len(prompts))
-    for name in ("return_logprob", "top_logprobs_num", "logprob_start_len", "extra_key"):
+    for name in ("return_logprob", "top_logprobs_num", "logprob_start_len", "extra_key", "lora_path"):
         _per_prompt(getattr(body, name), len(prompts), name)
     logprob = [bool(_at(body.return_logprob, i)) for i in range(len(prompts))]
     starts = [_input_start(_at(body.logprob_start_len, i), len(p)) if logprob[i] else -1
@@ -102,6 +104,7 @@ async def generate(body: GenerateReqInput, request: Request) -> Response:
         max_tokens = front.completion_budget([prompt], sp.max_new_tokens, "input")
         params = _sampling(front, sp, max_tokens, top, prompt_top=top if starts[i] >= 0 else None,
                            salt=_at(body.extra_key, i), routes=body.return_routed_experts)
+        params = _with_lora(front, params, _at(body.lora_path, i))
         specs.append(GenSpec([prompt], sp.n, params, stops=sp.stop_strings(), include_stop=sp.no_stop_trim,
                              skip_special_tokens=sp.skip_special_tokens, stream=body.stream, rid=rids[i],
                              input_logprobs_from=starts[i]))
@@ -221,6 +224,18 @@ def _sampling(front: HttpFront, sp: SGLangSampling, max_tokens: int, top: int, p
     params = sampling_params(front.codec, body, n=sp.n, max_tokens=max_tokens, logprobs=top,
                              prompt_logprobs=prompt_top, structured=structured.from_sglang(sp))
     return dataclasses.replace(params, return_routed_experts=True) if routes else params
+
+
+def _with_lora(front: HttpFront, params: SamplingParams, lora: Optional[str]) -> SamplingParams:
+    """SGLang's `lora_path` names a loaded adapter, by its name or the path it was loaded from."""
+    if lora is None:
+        return params
+    by_path = {path: name for name, path in front.loras.items()}
+    name = lora if lora in front.loras else by_path.get(lora)
+    if name is None:
+        raise APIError(400, f"lora_path: no LoRA adapter {lora!r} is loaded (load it with /load_lora_adapter)",
+                       param="lora_path")
+    return dataclasses.replace(params, lora_name=name)
 
 
 def _per_prompt(value: Any, count: int, name: str) -> Optional[list]:

@@ -331,6 +331,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
                              cache_salt=body.cache_salt, response_format=None)
     sampling = sampling_params(front.codec, fields, n=sp.n, max_tokens=max_tokens, logprobs=top,
                                prompt_logprobs=prompt_top, structured=structured.from_openai(fields))
+    sampling = front.with_adapter(sampling, body.model)
     spec = GenSpec([body.token_ids], sp.n, sampling, stops=sp.stop_strings(),
                    include_stop=sp.include_stop_str_in_output, skip_special_tokens=sp.skip_special_tokens,
                    stream=bool(body.stream), session_id=request.headers.get("X-Session-ID"), rid=rid)

@@ -97,8 +97,10 @@ class Fanout:
                               message=f"{request_kind.name}: no replica is up to apply it")
         stats = sum_stats([r.stats for r in ok if r.stats]) if any(r.stats for r in ok) else None
         asleep = [r.sleeping for r in ok if r.sleeping is not None]
+        # NOTE: every replica loads the same adapters: the first answer lists them for the fleet
+        loras = next((r.loras for r in ok if r.loras is not None), None)
         return Result(request_id=rid, request_kind=request_kind, policy_version=fleet_version, stats=stats,
-                      sleeping=all(asleep) if asleep else None)
+                      sleeping=all(asleep) if asleep else None, loras=loras)
 
 
 def sum_stats(dicts: list[dict[str, StatValue]]) -> dict[str, StatValue]:

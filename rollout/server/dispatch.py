@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from inference import EngineState
 from rollout.wire.codec import ProtocolError
-from rollout.wire.convert import engine_figures
+from rollout.wire.convert import engine_figures, loras_to_wire
 from rollout.wire.kinds import ErrorCode
 from rollout.wire.messages import (
     Abort,
@@ -31,6 +31,8 @@ from rollout.wire.messages import (
     InitWeightsUpdateGroup,
     IsSleeping,
     KvEvents,
+    ListLoras,
+    LoadLora,
     Pause,
     RequestMessage,
     ResetPrefixCache,
@@ -38,6 +40,7 @@ from rollout.wire.messages import (
     Resume,
     Stats,
     Suspend,
+    UnloadLora,
     UpdateWeights,
     kind_of,
 )
@@ -72,6 +75,7 @@ class ServerCalls:
             InitWeightsUpdateGroup: self.join_group, DestroyWeightsUpdateGroup: self.leave_group,
             Health: self.health, Heartbeat: self.heartbeat, GetWeightVersion: self.heartbeat,
             KvEvents: self.kv_events, IsSleeping: self.is_sleeping,
+            LoadLora: self.load_lora, UnloadLora: self.unload_lora, ListLoras: self.list_loras,
         }
 
     # ---- answered without the engine -----------------------------------------------------------
@@ -145,6 +149,20 @@ class ServerCalls:
         # NOTE: posted, so it answers after every call this client sent before it (a suspend) took effect
         engine = self.engine
         self._post(peer, msg, lambda: engine.state is EngineState.SUSPENDED, lambda asleep: {"sleeping": asleep})
+
+    def load_lora(self, peer: bytes, msg: LoadLora, now: float) -> None:
+        # NOTE: on the loop, in order with the Generates before it; an adapter is small (MBs), its read is short
+        engine = self.engine
+        self._post(peer, msg, lambda: (engine.load_lora(msg.lora_name, msg.lora_path), engine.list_loras()),
+                   lambda loaded: {"loras": loras_to_wire([i for i in loaded[1] if i.name == msg.lora_name])})
+
+    def unload_lora(self, peer: bytes, msg: UnloadLora, now: float) -> None:
+        engine = self.engine
+        self._post(peer, msg, lambda: engine.unload_lora(msg.lora_name))
+
+    def list_loras(self, peer: bytes, msg: ListLoras, now: float) -> None:
+        engine = self.engine
+        self._post(peer, msg, engine.list_loras, lambda infos: {"loras": loras_to_wire(infos)})
 
     # ---- the receiver's worker -----------------------------------------------------------------
 

@@ -12,13 +12,28 @@ from typing import Optional
 
 import numpy as np
 
-from inference.errors import ContextErrorFactory, ContextOverflowError, EngineStateError, OverloadedError
+from inference.errors import (
+    ContextErrorFactory,
+    ContextOverflowError,
+    EngineStateError,
+    LoRANotFoundError,
+    OverloadedError,
+)
+from inference.lora import AdapterInfo
 from inference.request import RequestOutput
 from inference.sampling.params import SamplingParams
 from rollout.types import Rollout
 from rollout.wire.codec import ProtocolError
 from rollout.wire.kinds import ErrorCode
-from rollout.wire.messages import ErrorReply, HealthInfo, RoutedExperts, SampleOutput, Sampling, StructuredOutputsWire
+from rollout.wire.messages import (
+    ErrorReply,
+    HealthInfo,
+    LoraInfo,
+    RoutedExperts,
+    SampleOutput,
+    Sampling,
+    StructuredOutputsWire,
+)
 
 __all__ = ["error_from_reply", "error_reply", "output_from_wire", "output_to_wire", "sampling_params_from_wire",
            "sampling_params_to_wire"]
@@ -38,6 +53,8 @@ def error_reply(exc: BaseException, request_id: Optional[str] = None) -> ErrorRe
         code = ErrorCode.OVERLOADED
     elif isinstance(exc, EngineStateError):
         code = ErrorCode.ENGINE_STATE
+    elif isinstance(exc, LoRANotFoundError):
+        code = ErrorCode.NOT_FOUND
     elif isinstance(exc, ValueError):
         code = ErrorCode.INVALID_REQUEST
     else:
@@ -72,6 +89,11 @@ def engine_figures(engine) -> dict:
     figures = engine.stats()
     figures["kv_utilization"] = engine.kv_utilization()
     return figures
+
+
+def loras_to_wire(infos: Sequence[AdapterInfo]) -> list[LoraInfo]:
+    """The engine's loaded adapters as the wire lists them."""
+    return [LoraInfo(name=i.name, version=i.version, rank=i.rank, path=i.path) for i in infos]
 
 
 def sampling_params_to_wire(params: SamplingParams) -> Sampling:

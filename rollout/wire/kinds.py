@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 
-PROTOCOL_VERSION = 13  # 2: UpdateWeights.policy; 3: KvEvents, Result.kv_events; weight sync (group kinds,
+PROTOCOL_VERSION = 14  # 2: UpdateWeights.policy; 3: KvEvents, Result.kv_events; weight sync (group kinds,
 # distributed / shared-memory sources); 4: an update's version lives in its source alone (UpdateWeights
 # has no target_version; the disk source says the version of a plain checkpoint); IsSleeping, Result.sleeping;
 # 5: ErrorCode.OVERLOADED, Generate.client (whom a router forwards for: fair admission behind it); Sampling's
@@ -19,7 +19,8 @@ PROTOCOL_VERSION = 13  # 2: UpdateWeights.policy; 3: KvEvents, Result.kv_events;
 # broadcast layout); 9: the delta weight source (DeltaSource); 10: the version-only source (VersionSource);
 # 11: SampleOutput.cached_tokens; 12: Sampling.speculative (a request's opt-out of speculative decoding);
 # 13: Sampling.prefix_cache_policy, Generate.session_id reaches the engine (salted sessions), KvEvent's salt and
-# versions, FinishReason.STALE
+# versions, FinishReason.STALE;
+# 14: LoRA adapters (Sampling.lora_name; LoadLora, UnloadLora, ListLoras; Result.loras)
 MAX_REQUEST_ID_LENGTH = 256
 MAX_SAMPLES = 1024  # n per Generate
 MAX_STOP_TOKENS = 1024  # also: bad-word sequences per request, and tokens per sequence
@@ -53,6 +54,10 @@ class Kind(enum.IntEnum):
     DESTROY_WEIGHTS_UPDATE_GROUP = 14
     GET_WEIGHT_VERSION = 15
     IS_SLEEPING = 16  # vLLM's is_sleeping: suspended (our sleep) or not
+    # LoRA adapters (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, SGLang's, /v1/models)
+    LOAD_LORA = 17
+    UNLOAD_LORA = 18
+    LIST_LORAS = 19
 
 
 class ErrorCode(enum.IntEnum):
@@ -76,5 +81,6 @@ REQUEST_KINDS = frozenset(k for k in Kind if k < 64)
 # control requests a router sends to every replica and answers once (`rollout.router.broadcast`)
 BROADCAST_KINDS = frozenset({Kind.PAUSE, Kind.CONTINUE, Kind.SUSPEND, Kind.RESUME, Kind.UPDATE_WEIGHTS,
                              Kind.RESET_PREFIX_CACHE, Kind.STATS, Kind.INIT_WEIGHTS_UPDATE_GROUP,
-                             Kind.DESTROY_WEIGHTS_UPDATE_GROUP, Kind.GET_WEIGHT_VERSION, Kind.IS_SLEEPING})
+                             Kind.DESTROY_WEIGHTS_UPDATE_GROUP, Kind.GET_WEIGHT_VERSION, Kind.IS_SLEEPING,
+                             Kind.LOAD_LORA, Kind.UNLOAD_LORA, Kind.LIST_LORAS})
 REPLY_KINDS = frozenset(k for k in Kind if k >= 64)

@@ -24,6 +24,7 @@ from inference.sampling.params import (
     MAX_CACHE_SALT_LENGTH,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
+    MAX_LORA_NAME_LENGTH,
     MAX_PENALTY,
     MAX_TEMPERATURE,
     MAX_TOP_K,
@@ -102,6 +103,7 @@ class _Request(_Message):
 
 
 GrammarText = Annotated[str, Meta(max_length=MAX_GRAMMAR_CHARS)]
+LoraName = Annotated[str, Meta(min_length=1, max_length=MAX_LORA_NAME_LENGTH)]
 
 
 class StructuredOutputsWire(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
@@ -153,6 +155,7 @@ class Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     session_id: Optional[Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT_LENGTH)]] = None
     structured_outputs: Optional[StructuredOutputsWire] = None
     speculative: bool = True
+    lora_name: Optional[LoraName] = None
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.repetition_penalty):
@@ -255,6 +258,31 @@ class GetWeightVersion(_Request, tag=Kind.GET_WEIGHT_VERSION.value):
 
 class IsSleeping(_Request, tag=Kind.IS_SLEEPING.value):
     """Whether the engine is suspended (`Result.sleeping`; through a router: every replica is)."""
+
+
+class LoadLora(_Request, tag=Kind.LOAD_LORA.value):
+    """Load the PEFT adapter in the directory `lora_path` (as the server reads it) as `lora_name`;
+    a name loaded already gets its next version (`Result.loras`: the adapter as loaded)."""
+
+    lora_name: LoraName
+    lora_path: Annotated[str, Meta(min_length=1, max_length=4096)]
+
+
+class UnloadLora(_Request, tag=Kind.UNLOAD_LORA.value):
+    lora_name: LoraName
+
+
+class ListLoras(_Request, tag=Kind.LIST_LORAS.value):
+    """The loaded adapters (`Result.loras`)."""
+
+
+class LoraInfo(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A loaded adapter: its name, current version, rank and the path it was read from."""
+
+    name: LoraName
+    version: NonNegInt
+    rank: Annotated[int, Meta(ge=1)]
+    path: Optional[str] = None
 
 
 class ResetPrefixCache(_Request, tag=Kind.RESET_PREFIX_CACHE.value):
@@ -417,6 +445,7 @@ class Result(_Message, tag=Kind.RESULT.value):
     health: Optional[HealthInfo] = None
     kv_events: Optional[KvEventBatch] = None
     sleeping: Optional[bool] = None
+    loras: Optional[list[LoraInfo]] = None
 
 
 class ErrorReply(_Message, tag=Kind.ERROR.value):
@@ -430,7 +459,7 @@ class ErrorReply(_Message, tag=Kind.ERROR.value):
 
 RequestMessage = Union[Generate, Abort, Pause, Continue, Suspend, Resume, UpdateWeights, ResetPrefixCache,
                        Stats, Health, Heartbeat, KvEvents, InitWeightsUpdateGroup, DestroyWeightsUpdateGroup,
-                       GetWeightVersion, IsSleeping]
+                       GetWeightVersion, IsSleeping, LoadLora, UnloadLora, ListLoras]
 ReplyMessage = Union[SampleOutput, TokenDelta, Result, ErrorReply]
 Message = Union[RequestMessage, ReplyMessage]
 

@@ -19,6 +19,7 @@ from inference.attention.metadata import AttentionMetadata
 from inference.attention.selector import select_backend
 from inference.cache.kv_buffer import KVCacheBuffer
 from inference.cache.specs import KVCacheSpec
+from inference.lora.batch import MLP_PROJS, LoRABatch, LoRAGroups
 from inference.models.layers import RotaryEmbedding, apply_rotary, rms_norm, swiglu
 from inference.models.spec import ModelSpec
 
@@ -48,6 +49,9 @@ _LAYER_FIELDS = {
 EMBED = "model.embed_tokens.weight"
 FINAL_NORM = "model.norm.weight"
 LM_HEAD = "lm_head.weight"
+# the projections a LoRA adapter may adapt, by HF module name under `model.layers.{i}.`
+LORA_MODULES = tuple(f"{part}.{proj}" for part, projs in
+                     (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", MLP_PROJS)) for proj in projs)
 
 
 class _Layer:
@@ -216,6 +220,13 @@ class DenseDecoder:
         self._lm_head = t[EMBED] if self.spec.tie_word_embeddings else t[LM_HEAD]
         self._layers = [_Layer(t, i) for i in range(self.spec.num_layers)]
 
+    def lora_targets(self) -> dict[str, tuple[int, int]]:
+        """The modules a LoRA adapter may adapt: HF module path -> (out, in) of its weight."""
+        shapes = self.spec.weight_shapes()
+        return {f"model.layers.{i}.{m}": shapes[f"model.layers.{i}.{m}.weight"]
+                for i in range(self.spec.num_layers) for m in LORA_MODULES
+                if f"model.layers.{i}.{m}.weight" in shapes}
+
     def weights_signature(self) -> tuple[int, ...]:
         """Where the weights live: unchanged by in-place updates, changed by a rebind (a captured
         CUDA graph reads weights at their addresses, so a rebind must re-capture it)."""
@@ -246,13 +257,15 @@ class DenseDecoder:
         logits_indices: torch.Tensor,
         *,
         states: None = None,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """Logits `[R, vocab]` (model dtype) for the flat-batch rows `logits_indices`.
 
         Writes this step's K/V of every layer into `kv_cache` at `meta.slot_mapping`. A dense
         decoder keeps no per-request state (`states` is for models that declare a state pool).
+        `lora`: the step's adapters by row (None: every row runs the base model).
         """
-        return self.decode_layers(self.embed(input_ids), positions, kv_cache, meta, logits_indices)
+        return self.decode_layers(self.embed(input_ids), positions, kv_cache, meta, logits_indices, lora)
 
     @torch.no_grad()
     def decode_layers(
@@ -262,6 +275,7 @@ class DenseDecoder:
         kv_cache: KVCacheBuffer,
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """The decoder blocks, final norm and LM head over embedded tokens `x [T, hidden]`.
 
@@ -273,14 +287,16 @@ class DenseDecoder:
         cos, sin = self.rope(positions)
         last = len(self._layers) - 1
         trim = self.trim_last_layer
+        groups = None if lora is None else lora.tokens
         for i in range(len(self._layers)):
-            q, k, v = self.attention_inputs(i, x, cos, sin)
+            q, k, v = self.attention_inputs(i, x, cos, sin, groups)
             o = self.backend.forward(i, q, k, v, kv_cache)
             if i == last and trim:
                 # NOTE: past the last attention everything is row-wise, so only sampled rows go on
                 o = o.index_select(0, logits_indices)
                 x = x.index_select(0, logits_indices)
-            x = self.after_attention(i, x, o)
+                groups = None if lora is None else lora.sampled
+            x = self.after_attention(i, x, o, groups)
         return self.head(x if trim else x.index_select(0, logits_indices))
 
     # -- the pieces of a step, between attention calls -------------------------------------------
@@ -302,28 +318,49 @@ class DenseDecoder:
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotary.cos_sin(positions, self.spec.dtype)
 
-    def attention_inputs(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def attention_inputs(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         lora: LoRAGroups | None = None):
         """Block `i`'s q, k, v (RoPE applied) from its input `x [T, hidden]`."""
         s, w = self.spec, self._layers[i]
         n_tok, eps = x.shape[0], s.rms_norm_eps
         h = rms_norm(x, w.in_norm, eps)
-        q = F.linear(h, w.q_w, w.q_b).view(n_tok, s.num_heads, s.head_dim)
-        k = F.linear(h, w.k_w, w.k_b).view(n_tok, s.num_kv_heads, s.head_dim)
-        v = F.linear(h, w.v_w, w.v_b).view(n_tok, s.num_kv_heads, s.head_dim)
+        q, k, v = F.linear(h, w.q_w, w.q_b), F.linear(h, w.k_w, w.k_b), F.linear(h, w.v_w, w.v_b)
+        if lora is not None:
+            lora.add(h, i, "qkv", (q, k, v))
+        q = q.view(n_tok, s.num_heads, s.head_dim)
+        k = k.view(n_tok, s.num_kv_heads, s.head_dim)
+        v = v.view(n_tok, s.num_kv_heads, s.head_dim)
         if w.q_norm is not None:
             q = rms_norm(q, w.q_norm, eps)
             k = rms_norm(k, w.k_norm, eps)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
-    def after_attention(self, i: int, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    def after_attention(self, i: int, x: torch.Tensor, o: torch.Tensor,
+                        lora: LoRAGroups | None = None) -> torch.Tensor:
         """Block `i`'s output from its input `x` and its attention output `o [T, heads * head_dim]`."""
         w = self._layers[i]
-        x = x + F.linear(o, w.o_w, w.o_b)
-        return x + self.mlp(i, rms_norm(x, w.post_norm, self.spec.rms_norm_eps))
+        if lora is None:
+            x = x + F.linear(o, w.o_w, w.o_b)
+            return x + self.mlp(i, rms_norm(x, w.post_norm, self.spec.rms_norm_eps))
+        attn = F.linear(o, w.o_w, w.o_b)
+        lora.add(o, i, "o", (attn,))
+        x = x + attn
+        h = rms_norm(x, w.post_norm, self.spec.rms_norm_eps)
+        return x + (self.lora_mlp(i, h, lora) if lora.adapts(i, MLP_PROJS) else self.mlp(i, h))
 
     def mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
         w = self._layers[i]
         return swiglu(h, w.gate_w, w.up_w, w.down_w, w.gate_b, w.up_b, w.down_b)
+
+    def lora_mlp(self, i: int, h: torch.Tensor, lora: LoRAGroups) -> torch.Tensor:
+        """`mlp` with the adapters' updates of gate, up and down (dense MLP layers only)."""
+        w = self._layers[i]
+        gate, up = F.linear(h, w.gate_w, w.gate_b), F.linear(h, w.up_w, w.up_b)
+        lora.add(h, i, "gate_up", (gate, up))
+        act = F.silu(gate) * up
+        down = F.linear(act, w.down_w, w.down_b)
+        lora.add(act, i, "down", (down,))
+        return down
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head over the rows of `x` whose logits are wanted."""

@@ -49,6 +49,10 @@ class HybridDecoder:
     snapshot or drop those rows between steps.
     """
 
+    # NOTE: no `lora_targets`: its mixers (Mamba2 in/out projections, attention, MLP) compute their
+    # projections themselves, without the grouped LoRA update; adapters are refused with this reason
+    lora_refusal = ("LoRA is not implemented for hybrid (Mamba) models yet: their mixers' projections do "
+                    "not take the per-request adapter update; serve adapters on a dense or MoE model")
     # NOTE: weight handling is the dense decoder's, which only needs `spec`, `_tensors` and `_resolve`
     named_tensors = DenseDecoder.named_tensors
     bind_weights = DenseDecoder.bind_weights

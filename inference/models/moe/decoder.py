@@ -50,6 +50,10 @@ class MoeDecoder(DenseDecoder):
     order (`static_shapes` set alike on all of them).
     """
 
+    # NOTE: LoRA adapts attention and dense-MLP layers (the dense decoder's `lora_targets`); the
+    # experts are fused `[E, ...]` tensors run by the dispatcher, which takes no per-row update
+    lora_limits = "; in MoE models the experts and shared experts are not adapted (only attention and dense MLPs)"
+
     def __init__(self, spec: MoeSpec, tensors: Mapping[str, torch.Tensor], *,
                  backend: Optional[AttentionBackend] = None, expert_parallel: Any = None) -> None:
         dispatch = expert_parallel if expert_parallel is not None else LocalDispatch(spec.num_experts)

@@ -58,7 +58,8 @@ def messages() -> dict[str, tuple[msgspec.Struct, list[str]]]:
                                logit_bias={5: -100.0, 9: 2.5}, bad_words_token_ids=[[3], [4, 6]],
                                allowed_token_ids=[1, 2, 5, 9], cache_salt="tenant-a",
                                structured_outputs=p.StructuredOutputsWire(json='{"type": "object"}',
-                                                                          disable_any_whitespace=True))
+                                                                          disable_any_whitespace=True),
+                               lora_name="math-v3")
     routes = p.RoutedExperts(layers=2, k=2, experts=np.arange(4 * 2 * 2, dtype=np.int32))
     out: dict[str, tuple[msgspec.Struct, list[str]]] = {
         "generate_minimal": (p.Generate(request_id="r1", prompt_token_ids=ids), ["request_id", "prompt_token_ids"]),
@@ -107,6 +108,13 @@ def messages() -> dict[str, tuple[msgspec.Struct, list[str]]]:
         "is_sleeping": (p.IsSleeping(request_id="z1"), ["request_id"]),
         "result_is_sleeping": (p.Result(request_id="z1", request_kind=p.Kind.IS_SLEEPING, policy_version=3,
                                         sleeping=True), []),
+        "load_lora": (p.LoadLora(request_id="l1", lora_name="math", lora_path="/adapters/math"),
+                      ["request_id", "lora_name", "lora_path"]),
+        "unload_lora": (p.UnloadLora(request_id="l2", lora_name="math"), ["request_id", "lora_name"]),
+        "list_loras": (p.ListLoras(request_id="l3"), ["request_id"]),
+        "result_loras": (p.Result(request_id="l3", request_kind=p.Kind.LIST_LORAS, policy_version=3,
+                                  loras=[p.LoraInfo(name="math", version=2, rank=16, path="/adapters/math"),
+                                         p.LoraInfo(name="code", version=1, rank=8)]), []),
         "stats": (p.Stats(request_id="s1"), ["request_id"]),
         "health": (p.Health(request_id="h1"), ["request_id"]),
         "heartbeat_minimal": (p.Heartbeat(request_id="hb1"), ["request_id"]),

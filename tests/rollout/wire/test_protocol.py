@@ -50,6 +50,8 @@ from rollout.wire.messages import (
     KvEventBatch,
     KvEvents,
     KvOp,
+    ListLoras,
+    LoadLora,
     Pause,
     ResetPrefixCache,
     Result,
@@ -59,6 +61,7 @@ from rollout.wire.messages import (
     Stats,
     Suspend,
     TokenDelta,
+    UnloadLora,
     UpdateWeights,
     kind_of,
 )
@@ -100,6 +103,9 @@ def examples() -> list:
                                   "is_transient": True}),
         KvEvents(request_id="c-11", since=5, max_events=128),
         IsSleeping(request_id="c-12"),
+        LoadLora(request_id="c-13", lora_name="math", lora_path="/adapters/math"),
+        UnloadLora(request_id="c-14", lora_name="math"),
+        ListLoras(request_id="c-15"),
     ]
 
 
@@ -140,7 +146,8 @@ def test_kinds_have_fixed_numbers_requests_low_replies_high():
         "RESET_PREFIX_CACHE": 8, "STATS": 9, "HEALTH": 10, "HEARTBEAT": 11, "KV_EVENTS": 12,
         "SAMPLE_OUTPUT": 64, "TOKEN_DELTA": 65, "RESULT": 66, "ERROR": 67,
     } | {"INIT_WEIGHTS_UPDATE_GROUP": 13, "DESTROY_WEIGHTS_UPDATE_GROUP": 14, "GET_WEIGHT_VERSION": 15,
-                                                                                   "IS_SLEEPING": 16}
+                                                                                   "IS_SLEEPING": 16,
+         "LOAD_LORA": 17, "UNLOAD_LORA": 18, "LIST_LORAS": 19}
     assert sorted(raw(m)["kind"] for m in EXAMPLES) == sorted(k.value for k in Kind)
 
 

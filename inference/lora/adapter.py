@@ -1,0 +1,198 @@
+"""One LoRA adapter's tensors, read from a PEFT directory and checked against the model.
+
+An adapter holds, per decoder layer, `module -> (A [r, in], B [out, r] * scaling)` for the modules
+it adapts (`q_proj` ... `down_proj`): the scaling is folded into B once, so a step computes
+`y += (x A^T) B^T` and nothing else. Projections that read the same input (q, k, v; gate, up)
+keep their A stacked (`fused`): one GEMM `x A_cat^T` serves them all, then one small GEMM per B.
+What the model can adapt comes from the model itself (`model.lora_targets()`: HF module path ->
+(out, in)); a model without it refuses with its reason.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from inference.errors import LoRACapacityError, LoRALoadError, LoRAShapeError, LoRATargetError
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_PEFT_PREFIX = "base_model.model."
+_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
+_LAYER = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<proj>\w+)$")
+
+
+@dataclass(slots=True)
+class LoRAAdapter:
+    """An adapter ready to apply: `layers[i][proj] = (A, B_scaled)` in the engine's dtype and device.
+
+    Invariant: every A is `[rank_of_module, in]` and every B `[out, rank_of_module]` of the module it
+    adapts, with `rank_of_module <= rank`; `nbytes` counts them all."""
+
+    name: str
+    rank: int
+    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+    path: Optional[str] = None
+    version: int = 0  # set by the registry when the adapter becomes resident
+    modules: frozenset[str] = field(default_factory=frozenset)  # the projection names it adapts
+    # per layer: input group -> (A_cat [sum r, in], [(output j of the group, r0, r1, B^T [r, out])])
+    fused: list[dict[str, tuple[torch.Tensor, list[tuple[int, int, int, torch.Tensor]]]]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.fused = [_fuse(layer) for layer in self.layers]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + sum(bt.nbytes for *_, bt in parts) for layer in self.fused for a, parts in layer.values())
+
+    def adapts(self, layer: int, projs: tuple[str, ...]) -> bool:
+        own = self.layers[layer]
+        return any(p in own for p in projs)
+
+
+# projections that read one input, in the order the decoder passes their outputs
+INPUT_GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+                "down": ("down_proj",)}
+
+
+def _fuse(layer: dict[str, tuple[torch.Tensor, torch.Tensor]]):
+    fused = {}
+    for group, projs in INPUT_GROUPS.items():
+        present = [(j, p) for j, p in enumerate(projs) if p in layer]
+        if not present:
+            continue
+        a_cat = torch.cat([layer[p][0] for _, p in present]).contiguous()
+        parts, r0 = [], 0
+        for j, p in present:
+            r = layer[p][0].shape[0]
+            parts.append((j, r0, r0 + r, layer[p][1].t().contiguous()))
+            r0 += r
+        fused[group] = (a_cat, parts)
+    return fused
+
+
+def model_lora_targets(model: Any) -> dict[str, tuple[int, int]]:
+    """The model's adaptable modules (HF module path -> (out, in)), or the typed refusal with its reason."""
+    targets = getattr(model, "lora_targets", None)
+    if targets is None:
+        reason = getattr(model, "lora_refusal", f"{type(model).__name__} does not implement LoRA")
+        raise LoRATargetError(f"this model cannot serve LoRA adapters: {reason}")
+    return targets()
+
+
+def _read_config(path: str) -> Any:
+    if not os.path.isdir(path):
+        raise LoRALoadError(f"LoRA adapter directory {path!r} does not exist")
+    if not os.path.isfile(os.path.join(path, ADAPTER_CONFIG)):
+        raise LoRALoadError(f"LoRA adapter {path!r} has no {ADAPTER_CONFIG}")
+    from peft import PeftConfig  # NOTE: imported here: only loading an adapter needs peft
+
+    try:
+        config = PeftConfig.from_pretrained(path)
+    except Exception as exc:  # a malformed or unknown config: peft raises several types
+        raise LoRALoadError(f"LoRA adapter {path!r}: unreadable {ADAPTER_CONFIG}: {exc}") from exc
+    return _check_config(config, path)
+
+
+def _check_config(config: Any, path: str) -> Any:
+    """`config` (a peft `PeftConfig`) if the engine computes what it describes, else the typed refusal."""
+    from peft import PeftType
+
+    if config.peft_type != PeftType.LORA:
+        raise LoRALoadError(f"LoRA adapter {path!r}: peft_type is {config.peft_type}, not LORA")
+    if getattr(config, "target_parameters", None):
+        raise LoRATargetError(f"LoRA adapter {path!r}: target_parameters {list(config.target_parameters)[:4]} "
+                              "(LoRA on fused parameters, e.g. MoE experts) are not adapted by the engine")
+    refusals = {
+        "use_dora": "DoRA (use_dora) is not computed by the engine",
+        "modules_to_save": "modules_to_save (fully trained copies of modules) are not served",
+        "alpha_pattern": "per-module alpha_pattern is not supported",
+        "fan_in_fan_out": "fan_in_fan_out (Conv1D layouts) is not supported",
+        "lora_bias": "trained LoRA biases (lora_bias) are not supported",
+    }
+    for name, why in refusals.items():
+        if getattr(config, name, None):
+            raise LoRATargetError(f"LoRA adapter {path!r}: {why}")
+    if getattr(config, "bias", "none") != "none":
+        raise LoRATargetError(f"LoRA adapter {path!r}: bias={config.bias!r} (trained base biases) is not supported")
+    return config
+
+
+def load_peft_adapter(path: str, name: str, model: Any, *, max_rank: int, dtype: torch.dtype,
+                      device: torch.device) -> LoRAAdapter:
+    """Read and check the PEFT adapter at `path` for `model`; typed `LoRAError`s, nothing kept on failure."""
+    config = _read_config(path)
+    weights_file = os.path.join(path, ADAPTER_WEIGHTS)
+    if not os.path.isfile(weights_file):
+        raise LoRALoadError(f"LoRA adapter {path!r} has no {ADAPTER_WEIGHTS} (only safetensors are read)")
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(weights_file)
+    except Exception as exc:
+        raise LoRALoadError(f"LoRA adapter {path!r}: unreadable {ADAPTER_WEIGHTS}: {exc}") from exc
+    return adapter_from_tensors(tensors, name, model, alpha=config.lora_alpha, rslora=bool(config.use_rslora),
+                                max_rank=max_rank, dtype=dtype, device=device, path=path)
+
+
+def load_live_peft_adapter(peft_model: Any, name: str, model: Any, *, max_rank: int, dtype: torch.dtype,
+                           device: torch.device, adapter_name: str = "default") -> LoRAAdapter:
+    """The adapter `adapter_name` of a live PEFT model (a trainer's), its tensors copied as they
+    are now: the sync of a trained adapter without a trip through disk (typed refusals as above)."""
+    from peft import get_peft_model_state_dict
+
+    if adapter_name not in getattr(peft_model, "peft_config", {}):
+        raise LoRALoadError(f"{type(peft_model).__name__} has no PEFT adapter {adapter_name!r}")
+    config = _check_config(peft_model.peft_config[adapter_name], f"{name} (live)")
+    with torch.no_grad():
+        tensors = {k: v.detach() for k, v in get_peft_model_state_dict(peft_model, adapter_name=adapter_name).items()}
+    return adapter_from_tensors(tensors, name, model, alpha=config.lora_alpha, rslora=bool(config.use_rslora),
+                                max_rank=max_rank, dtype=dtype, device=device)
+
+
+def adapter_from_tensors(tensors: dict[str, torch.Tensor], name: str, model: Any, *, alpha: float, rslora: bool,
+                         max_rank: int, dtype: torch.dtype, device: torch.device,
+                         path: Optional[str] = None) -> LoRAAdapter:
+    """An adapter from PEFT-named tensors (`base_model.model.<module>.lora_{A,B}.weight`), checked."""
+    targets = model_lora_targets(model)
+    where = path or name
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        m = _KEY.match(key[len(_PEFT_PREFIX):] if key.startswith(_PEFT_PREFIX) else key)
+        if m is None:
+            raise LoRATargetError(f"LoRA adapter {where!r}: tensor {key!r} is not a LoRA A/B weight "
+                                  "(embeddings, DoRA magnitudes and biases are not served)")
+        pairs.setdefault(m["module"], {})[m["ab"]] = t
+    if not pairs:
+        raise LoRALoadError(f"LoRA adapter {where!r} holds no LoRA tensors")
+    unknown = sorted(set(pairs) - set(targets))
+    if unknown:
+        limits = getattr(model, "lora_limits", "")
+        raise LoRATargetError(f"LoRA adapter {where!r} targets modules this model cannot adapt: {unknown[:4]} "
+                              f"(adaptable: {sorted({p.rsplit('.', 1)[-1] for p in targets})}){limits}")
+    num_layers = 1 + max(int(_LAYER.match(p)["layer"]) for p in targets)
+    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(num_layers)]
+    rank, projs = 0, set()
+    for module, ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise LoRAShapeError(f"LoRA adapter {where!r}: {module} has lora_{''.join(ab)} only")
+        a, b = ab["A"], ab["B"]
+        out_f, in_f = targets[module]
+        r = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_f or b.shape != (out_f, r):
+            raise LoRAShapeError(f"LoRA adapter {where!r}: {module} has A {tuple(a.shape)} and B {tuple(b.shape)}; "
+                                 f"the model's projection is [{out_f}, {in_f}], so A must be [r, {in_f}] "
+                                 f"and B [{out_f}, r]")
+        if r > max_rank:
+            raise LoRACapacityError(f"LoRA adapter {where!r}: rank {r} of {module} exceeds max_lora_rank={max_rank}")
+        scaling = alpha / (math.sqrt(r) if rslora else r)
+        m = _LAYER.match(module)
+        layers[int(m["layer"])][m["proj"]] = (a.to(device, dtype).contiguous(),
+                                             (b.to(device, torch.float32) * scaling).to(dtype).contiguous())
+        rank, projs = max(rank, r), projs | {m["proj"]}
+    return LoRAAdapter(name, rank, layers, path=path, modules=frozenset(projs))
