@@ -346,7 +346,7 @@ def server_args(front: HttpFront, stats: dict[str, Any]) -> dict[str, Any]:
         "dtype": str(stats.get("engine/dtype")), "page_size": stats.get("engine/block_size"),
         "max_running_requests": stats.get("engine/max_requests"),
         "tp_size": 1, "pp_size": 1, "ep_size": 1, "moe_dp_size": 1, "dp_size": int(stats.get("replicas_up", 1)),
-        "disaggregation_mode": "null", "encoder_only": False, "enable_lora": False,
+        "disaggregation_mode": "null", "encoder_only": False, "enable_lora": True,
         "weight_version": str(stats.get("policy_version")), "version": SGLANG_API_VERSION,
         "sglang_api_version": SGLANG_API_VERSION, "internal_states": [stats],
         "sessions": {"open": len(sessions), "continued": sessions.continued, "restarted": sessions.restarts},
