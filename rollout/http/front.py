@@ -96,9 +96,9 @@ class HttpFront:
         """`params` on the LoRA adapter that `model` names (unchanged for the base model's names)."""
         return dataclasses.replace(params, lora_name=model) if model in self.loras else params
 
-    async def refresh_loras(self) -> list:
+    async def refresh_loras(self, timeout: Optional[float] = None) -> list:
         """The engine's loaded adapters (`wire.LoraInfo`), remembered for `check_model`."""
-        infos = await self.client.list_loras(timeout=self.timeout)
+        infos = await self.client.list_loras(timeout=self.timeout if timeout is None else timeout)
         self.loras = {i.name: i.path or "" for i in infos}
         return infos
 

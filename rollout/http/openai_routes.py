@@ -30,7 +30,7 @@ from fastapi.responses import StreamingResponse
 from inference import StructuredOutputs
 from rollout.http import structured
 from rollout.http.disconnects import unless_disconnected
-from rollout.http.errors import APIError, engine_call, from_exception
+from rollout.http.errors import APIError, from_exception
 from rollout.http.front import HttpFront
 from rollout.http.generation import Delta, Generation, GenSpec, Sample, version_spans
 from rollout.http.logprobs import chat_top, completion_top, echoed_prompt, prompt_entries
@@ -54,6 +54,9 @@ def front_of(request: Request) -> HttpFront:
     return request.app.state.front
 
 
+MODELS_ENGINE_WAIT_S = 2.0  # how long /v1/models waits for the engine's list of adapters
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
     """The served names, then each loaded LoRA adapter with its `parent` (vLLM's cards)."""
@@ -61,10 +64,15 @@ async def list_models(request: Request) -> Response:
     cards = [{"id": name, "object": "model", "created": front.created, "owned_by": "rollout-engine",
               "root": front.config.model_path or front.config.model_name, "max_model_len": front.config.max_model_len}
              for name in front.model_names]
-    for lora in await engine_call(front.refresh_loras()):
-        cards.append({"id": lora.name, "object": "model", "created": front.created, "owned_by": "rollout-engine",
-                      "root": lora.path, "parent": front.config.model_name,
-                      "max_model_len": front.config.max_model_len, "version": lora.version, "rank": lora.rank})
+    try:
+        loras = [(i.name, i.path, {"version": i.version, "rank": i.rank})
+                 for i in await front.refresh_loras(timeout=MODELS_ENGINE_WAIT_S)]
+    except Exception:  # noqa: BLE001 (an engine down or slow: the names last heard, as /v1/models never fails)
+        loras = [(name, path, {}) for name, path in front.loras.items()]
+    for name, path, extra in loras:
+        cards.append({"id": name, "object": "model", "created": front.created, "owned_by": "rollout-engine",
+                      "root": path, "parent": front.config.model_name, "max_model_len": front.config.max_model_len,
+                      **extra})
     return json_response({"object": "list", "data": cards})
 
 

@@ -12,6 +12,7 @@ it (queued Generates are handed to the engine first, in one `submit_each`).
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from rollout.wire.messages import (
     UpdateWeights,
     kind_of,
 )
+from weight_sync import CheckpointError
 
 # the calls that change the engine's state, counted when they succeed
 COUNTED = {Pause: "pauses", Suspend: "suspends", Resume: "resumes", UpdateWeights: "weight_updates"}
@@ -151,7 +153,14 @@ class ServerCalls:
         self._post(peer, msg, lambda: engine.state is EngineState.SUSPENDED, lambda asleep: {"sleeping": asleep})
 
     def load_lora(self, peer: bytes, msg: LoadLora, now: float) -> None:
-        # NOTE: on the loop, in order with the Generates before it; an adapter is small (MBs), its read is short
+        # NOTE: an adapter directory is read where disk weight updates may read (--weights-root), as named
+        # and as resolved; on the loop, in order with the Generates before it (an adapter is MBs: a short read)
+        access = self.server.receiver.disk_access
+        try:
+            access.check(msg.lora_path, msg.lora_path)
+            access.check(os.path.realpath(msg.lora_path), msg.lora_path)
+        except CheckpointError as exc:
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"lora_path: {exc}") from None
         engine = self.engine
         self._post(peer, msg, lambda: (engine.load_lora(msg.lora_name, msg.lora_path), engine.list_loras()),
                    lambda loaded: {"loras": loras_to_wire([i for i in loaded[1] if i.name == msg.lora_name])})

@@ -69,6 +69,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--max-batch-tokens", type=int, default=2048)
     eng.add_argument("--max-seq-len", type=int, default=4096)
     eng.add_argument("--threads", type=int, help="torch threads (default: torch's; 1 for tiny models)")
+    eng.add_argument("--max-loras", type=int, default=4, help="LoRA adapters loaded at once (0: none)")
+    eng.add_argument("--max-lora-rank", type=int, default=64, help="the largest rank of an adapter")
+    eng.add_argument("--lora-max-staleness", type=int, default=1,
+                     help="versions of one adapter kept for requests in flight beyond its current one")
     eng.add_argument("--max-waiting-samples", type=int, default=65_536,
                      help="samples waiting for a slot, all clients together; past it a call is OVERLOADED (HTTP 429)")
     eng.add_argument("--max-samples-per-request", type=int,
@@ -160,7 +164,8 @@ def build_server(args: argparse.Namespace):
     config = InferenceConfig(block_size=args.block_size, num_blocks=args.num_blocks, max_requests=args.max_requests,
                              max_batch_tokens=args.max_batch_tokens, max_sequence_length=args.max_seq_len,
                              dtype=args.dtype, device=args.device, max_waiting_samples=args.max_waiting_samples,
-                             max_samples_per_request=args.max_samples_per_request)
+                             max_samples_per_request=args.max_samples_per_request, max_loras=args.max_loras,
+                             max_lora_rank=args.max_lora_rank, lora_max_staleness=args.lora_max_staleness)
     engine = DynamicInferenceEngine.from_pretrained(model_path(args.model, args.dtype), config)
     engine.command_timeout = 120.0
     server_config = ServerConfig(host=args.host, port=args.port, lease_s=args.lease_s, max_lease_s=args.max_lease_s,

@@ -68,3 +68,31 @@ def test_outside_the_weights_root_is_refused_and_inside_it_loads(served):
     before = client.policy_version
     assert client.update_weights(str(root / "seed0"), timeout=CALL_S) == before + 1
     assert client.health(timeout=HEALTH_S).healthy
+
+
+def test_lora_adapters_load_only_under_the_weights_root_and_serve_by_name(served):
+    from transformers import AutoModelForCausalLM
+
+    from inference import SamplingParams
+    from tests.inference.lora.peft_adapters import save_adapter
+
+    client, root, base = served
+    hf = AutoModelForCausalLM.from_pretrained(root / "seed0")
+    inside = save_adapter(hf, root / "lora", r=4, alpha=8, targets=["q_proj", "v_proj"], seed=1, std=0.5)
+    outside = save_adapter(hf, base / "lora-outside", r=4, alpha=8, targets=["q_proj"], seed=2)
+    with pytest.raises(ProtocolError) as caught:
+        client.load_lora("out", outside, timeout=CALL_S)
+    assert caught.value.code is ErrorCode.INVALID_REQUEST and "outside every --weights-root" in caught.value.message
+    info = client.load_lora("math", inside, timeout=CALL_S)
+    assert (info.name, info.version, info.rank) == ("math", 1, 4)
+    assert [i.name for i in client.list_loras(timeout=CALL_S)] == ["math"]
+    greedy = dict(temperature=0, max_tokens=6, ignore_eos=True)
+    batch = client.generate([[5, 6, 7, 8, 9]], 1, SamplingParams(**greedy), timeout=CALL_S)
+    adapted = client.generate([[5, 6, 7, 8, 9]], 1, SamplingParams(**greedy, lora_name="math"), timeout=CALL_S)
+    assert batch.rollouts[0].completion_ids != adapted.rollouts[0].completion_ids
+    with pytest.raises(ProtocolError) as caught:
+        client.generate([[5, 6, 7]], 1, SamplingParams(max_tokens=2, lora_name="nope"), timeout=CALL_S)
+    assert caught.value.code is ErrorCode.NOT_FOUND
+    client.unload_lora("math", timeout=CALL_S)
+    assert client.list_loras(timeout=CALL_S) == []
+    assert client.health(timeout=HEALTH_S).healthy
