@@ -595,6 +595,8 @@ class EngineCore:
             "dtype": str(self.model.spec.dtype).removeprefix("torch."),
             "block_size": self.config.block_size,
             "max_sequence_length": self.config.max_sequence_length,
+            "max_loras": self.config.max_loras,
+            "max_lora_rank": self.config.max_lora_rank,
             "steps": self.num_steps,
             "generated_tokens": self.generated_tokens,
             "prefill_tokens": self.context.prefill_tokens,

@@ -209,7 +209,9 @@ async def server_info(request: Request, config_format: str = Query("text")) -> R
                          "num_gpu_blocks": stats.get("engine/total_blocks"), "enable_prefix_caching": True},
         "parallel_config": {"tensor_parallel_size": 1, "pipeline_parallel_size": 1,
                             "data_parallel_size": int(stats.get("replicas_up", 1)), "world_size": 1},
-        "lora_config": None,
+        # NOTE: vLLM's field names; None where the engine serves no adapters (max_loras 0)
+        "lora_config": {"max_loras": stats.get("engine/max_loras"), "max_lora_rank": stats.get("engine/max_lora_rank"),
+                        "loaded": sorted(front.loras)} if stats.get("engine/max_loras") else None,
         "rollout_engine": {"policy_version": stats.get("policy_version"), "state": stats.get("engine/state"),
                            "vllm_api_version": VLLM_API_VERSION},
     }

@@ -216,7 +216,8 @@ def test_reset_prefix_cache_and_server_info(web):
     assert web.get("/get_world_size").json() == {"world_size": 1}
     info = web.get("/server_info", params={"config_format": "json"}).json()["vllm_config"]
     assert info["model_config"]["max_model_len"] == MAX_LEN and info["model_config"]["dtype"] == "torch.float32"
-    assert info["model_config"]["served_model_name"] == [MODEL] and info["lora_config"] is None
+    assert info["model_config"]["served_model_name"] == [MODEL]
+    assert info["lora_config"] == {"max_loras": 4, "max_lora_rank": 64, "loaded": []}  # the engine's defaults
     assert isinstance(web.get("/server_info").json()["vllm_config"], str)
 
 
