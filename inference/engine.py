@@ -469,6 +469,11 @@ class DynamicInferenceEngine:
     def reset_prefix_cache(self) -> None:
         self.calls.run(self.core.reset_prefix_cache)
 
+    def end_session(self, session_id: str) -> bool:
+        """A session's trajectory is over (SkyRL's `/finish_session`): its salted version's blocks are
+        no longer kept for it, and a session refused as stale may start again; whether it was known."""
+        return self.calls.run(lambda: self.core.end_session(session_id))
+
     def add_kv_event_listener(self, listener: KVEventListener) -> None:
         """Call `listener(event)` for each prefix-cache event from now on (stored, removed, all
         cleared; `inference.kv_cache.events`), on the thread that steps. A listener that raises is
