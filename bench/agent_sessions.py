@@ -219,7 +219,10 @@ def main() -> int:
     parser.add_argument("--noise", type=float, default=0.01)
     parser.add_argument("--max-staleness", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="4 sessions x 3 turns, 1 repeat, hidden 64 x 1 layer")
     args = parser.parse_args()
+    if args.quick:
+        args.sessions, args.turns, args.repeats, args.hidden, args.layers = 4, 3, 1, 64, 1
     torch.set_num_threads(1)
     return asyncio.run(main_async(args))
 
