@@ -118,7 +118,7 @@ async def run_side(fleet: Fleet, sessions: int, turns: int, seed: int, models: t
     start = time.perf_counter()
     async with httpx.AsyncClient(timeout=300) as http:
         for t in range(turns):
-            async def turn(s: int):
+            async def turn(s: int, t: int = t):
                 body = {"token_ids": prompts[s], "sampling_params": {
                     "temperature": 1.0, "seed": seed * 1_000_003 + s * 101 + t, "max_tokens": answers[s][t],
                     "ignore_eos": True, "logprobs": 0}}
@@ -195,8 +195,9 @@ async def main_async(args) -> int:
                   f"cross-version blocks {m['cross_version_blocks']:.0f}")
         print(f"  SALTED / RESET: prefill tokens x{prefill_ratio:.3f}, wall time x{wall_ratio:.3f}")
         print(f"  KV staleness (salted): {median(stale_kv):.0f} prompt positions served from older versions' blocks")
-        print(f"  log-prob mismatch salted vs reset: mean |dlogp| {lp:.4f} over {median([n for _, n in mismatches]):.0f}"
-              " positions with equal tokens")
+        positions = median([n for _, n in mismatches])
+        print(f"  log-prob mismatch salted vs reset: mean |dlogp| {lp:.4f} over {positions:.0f} positions "
+              "with equal tokens")
         print(f"  per-token versions: max spread within an answer {max(spreads)} (updates fall between turns)")
         bound_ok = max(spreads) == 0
         print_result("agent_sessions", {"prefill_ratio": prefill_ratio, "wall_ratio": wall_ratio,
