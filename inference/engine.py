@@ -500,6 +500,11 @@ class DynamicInferenceEngine:
         """The loaded adapters (current versions), by name."""
         return self.calls.run(self.core.lora_infos)
 
+    def end_session(self, session_id: str) -> bool:
+        """A session's trajectory is over (SkyRL's `/finish_session`): its salted version's blocks are
+        no longer kept for it, and a session refused as stale may start again; whether it was known."""
+        return self.calls.run(lambda: self.core.end_session(session_id))
+
     def add_kv_event_listener(self, listener: KVEventListener) -> None:
         """Call `listener(event)` for each prefix-cache event from now on (stored, removed, all
         cleared; `inference.kv_cache.events`), on the thread that steps. A listener that raises is

@@ -17,7 +17,8 @@ class SaltBook:
 
     Invariants: `_requests[v]` counts the live salted requests keyed by version v (each counted
     once, from `acquire` to `release`); `_sessions` maps every remembered session to its start
-    version, at most `max_sessions` of them (least recently used dropped first); `stale` holds
+    version, at most `max_sessions` of them (least recently used dropped first), and only salted ones
+    make their version live (a RESET session's start is kept for `max_staleness`); `stale` holds
     the sessions refused for staleness (StalePolicy.ABORT) until they end.
     """
 
@@ -25,7 +26,8 @@ class SaltBook:
         self.max_sessions = max_sessions
         self._requests: Counter[int] = Counter()
         self._sessions: OrderedDict[str, int] = OrderedDict()
-        self._session_counts: Counter[int] = Counter()  # sessions per start version
+        self._session_counts: Counter[int] = Counter()  # salted sessions per start version
+        self._salted: set[str] = set()  # sessions whose turns are keyed by their start version
         self.stale: set[str] = set()
 
     def session_version(self, session_id: str) -> Optional[int]:
@@ -35,11 +37,15 @@ class SaltBook:
             self._sessions.move_to_end(session_id)
         return version
 
-    def start_session(self, session_id: str, version: int) -> list[int]:
-        """Remember a session under `version`; returns the versions whose last user the LRU bound dropped."""
+    def start_session(self, session_id: str, version: int, salted: Optional[bool] = None) -> list[int]:
+        """Remember a session under `version` (`salted`: its blocks are keyed by it; None: as it was);
+        returns the versions whose last user the LRU bound dropped."""
+        salted = session_id in self._salted if salted is None else salted
         self._forget(session_id)
         self._sessions[session_id] = version
-        self._session_counts[version] += 1
+        if salted:
+            self._salted.add(session_id)
+            self._session_counts[version] += 1
         dropped = []
         while len(self._sessions) > self.max_sessions:
             oldest = next(iter(self._sessions))
@@ -49,7 +55,8 @@ class SaltBook:
 
     def _forget(self, session_id: str) -> Optional[int]:
         version = self._sessions.pop(session_id, None)
-        if version is not None:
+        if version is not None and session_id in self._salted:
+            self._salted.discard(session_id)
             self._session_counts[version] -= 1
             if not self._session_counts[version]:
                 del self._session_counts[version]

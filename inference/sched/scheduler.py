@@ -144,7 +144,8 @@ class Scheduler:
         if params.session_id is not None:
             known = self.salts.session_version(params.session_id)
             if known is None:
-                self.ctx.allocator.demote_key_versions(set(self.salts.start_session(params.session_id, current)))
+                unused = set(self.salts.start_session(params.session_id, current, salted)) - {current}
+                self.ctx.allocator.demote_key_versions(unused)  # sessions the LRU bound dropped
             else:
                 start = known
         for req in samples:

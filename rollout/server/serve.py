@@ -77,6 +77,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                      help="samples waiting for a slot, all clients together; past it a call is OVERLOADED (HTTP 429)")
     eng.add_argument("--max-samples-per-request", type=int,
                      help="prompts x n of one call (default 32,768, or --max-waiting-samples if less)")
+    eng.add_argument("--prefix-cache-policy", choices=["reset", "salted"], default="reset",
+                     help="reset: each weight update empties the prefix cache (exact); salted: requests, groups "
+                     "and sessions keep matching the blocks of the version they started with")
+    eng.add_argument("--max-staleness", type=int, help="samples and sessions started more than this many "
+                     "versions ago are restarted or aborted (--stale-policy) at each update")
+    eng.add_argument("--stale-policy", choices=["recompute", "abort"], default="recompute")
     sync = parser.add_argument_group("weight sync (weight_sync; the calls: rollout.client.weights)")
     sync.add_argument("--weight-staging", choices=["double", "in_place"], default="double",
                       help="weight updates: double (old weights serve until the commit; a second copy kept for "
@@ -165,7 +171,9 @@ def build_server(args: argparse.Namespace):
                              max_batch_tokens=args.max_batch_tokens, max_sequence_length=args.max_seq_len,
                              dtype=args.dtype, device=args.device, max_waiting_samples=args.max_waiting_samples,
                              max_samples_per_request=args.max_samples_per_request, max_loras=args.max_loras,
-                             max_lora_rank=args.max_lora_rank, lora_max_staleness=args.lora_max_staleness)
+                             max_lora_rank=args.max_lora_rank, lora_max_staleness=args.lora_max_staleness,
+                             prefix_cache_policy=args.prefix_cache_policy, max_staleness=args.max_staleness,
+                             stale_policy=args.stale_policy)
     engine = DynamicInferenceEngine.from_pretrained(model_path(args.model, args.dtype), config)
     engine.command_timeout = 120.0
     server_config = ServerConfig(host=args.host, port=args.port, lease_s=args.lease_s, max_lease_s=args.max_lease_s,

@@ -113,7 +113,7 @@ def planted_version_not_bumped(monkeypatch):
 @pytest.fixture
 def planted_cache_outlives_versions(monkeypatch):
     """Planted bug: suspend keeps the prefix cache, updates forget to reset it, hashes ignore the
-    version: blocks of the last step's weights are served to the next."""
+    version and the match rule is off: blocks of the last step's weights are served to the next."""
     import inference.sched.block_registration as block_registration
     import inference.sched.context as context
     from inference.cache.manager import CacheManager
@@ -130,6 +130,8 @@ def planted_cache_outlives_versions(monkeypatch):
 
     monkeypatch.setattr(CacheManager, "release", release_keeping_cache)
     monkeypatch.setattr("inference.core.engine_core.EngineCore.reset_prefix_cache", lambda self: None)
+    monkeypatch.setattr("inference.kv_cache.allocator.KVBlockAllocator.matchable",
+                        lambda self, block_ids, key, current_version: len(block_ids))
     # NOTE: both users of the hash: the lookup (context) and the registration of filled blocks
     monkeypatch.setattr(context, "block_hashes", versionless)
     monkeypatch.setattr(block_registration, "block_hashes", versionless)

@@ -137,7 +137,8 @@ def test_kv_event_log_reads_what_a_model_holds(sizes, capacity, cursors):
         batch = log.read(since, max_events=3)
         reset = not first <= since <= len(model)
         assert batch.reset == reset and batch.start == (first if reset else since)
-        assert batch.events == [KvEvent(KvOp.CLEARED) if isinstance(e, AllBlocksCleared) else stored(e.block_hashes)
+        assert batch.events == [KvEvent(KvOp.CLEARED) if isinstance(e, AllBlocksCleared)
+                                else KvEvent(KvOp.STORED, list(e.block_hashes), e.salt, e.version, e.computed_by)
                                 for e in model[batch.start:batch.start + 3]]
         assert batch.next == batch.start + len(batch.events) and batch.more == (batch.next < len(model))
 
