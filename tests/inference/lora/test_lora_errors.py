@@ -10,7 +10,6 @@ import json
 import os
 
 import pytest
-import torch
 
 from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams
 from inference.errors import (
@@ -30,12 +29,7 @@ PROMPT = [5, 17, 99, 42, 7, 300, 12, 8, 77]
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

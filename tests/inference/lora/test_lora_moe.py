@@ -5,7 +5,6 @@ different ranks and the base model mixed in one batch; adapters of the experts (
 from __future__ import annotations
 
 import pytest
-import torch
 
 from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams
 from inference.errors import LoRATargetError
@@ -16,12 +15,7 @@ STEPS = 6
 PROMPTS = ([5, 17, 99, 42, 7, 300, 12, 8, 77, 150, 3], [250, 4, 88])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_engine(model) -> DynamicInferenceEngine:

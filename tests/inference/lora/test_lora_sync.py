@@ -20,12 +20,7 @@ STEPS = 6
 SYNCS = 50
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def trainer_model(base):
