@@ -258,13 +258,17 @@ def _inverse_cdf(w3: Tensor, chunk_sums: Tensor, cdf: Tensor, total: Tensor, u: 
     idx = torch.arange(rows, device=w3.device)
     # NOTE: u < 1, yet u * total may round up to total; keep the target strictly inside the mass.
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    c = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
+    # NOTE: clamped: a row whose mass does not add up (inf / nan weights from extreme parameters)
+    # would index past its last chunk and fail the whole step; it gets its last token instead
+    c = torch.searchsorted(cdf, target[:, None], right=True)[:, 0].clamp(max=cdf.shape[1] - 1)
     before = torch.where(c > 0, cdf[idx, (c - 1).clamp(min=0)], 0.0)
     inner = w3[idx, c].double().cumsum(-1)
     inner_total = inner[:, -1]
     # Rescale the residual from the float32 chunk sum to this float64 cumsum of the same chunk.
     rem = (target - before) / chunk_sums[idx, c] * inner_total
     rem = torch.minimum(rem.clamp(min=0.0), torch.nextafter(inner_total, torch.zeros_like(inner_total)))
-    j = torch.searchsorted(inner, rem[:, None], right=True)[:, 0]
-    return c * chunk + j
+    j = torch.searchsorted(inner, rem[:, None], right=True)[:, 0].clamp(max=chunk - 1)
+    # NOTE: a row with no mass (every token masked) or a non-finite one has no token to draw: token 0,
+    # so the step (and every other request in it) goes on
+    return torch.where((total > 0) & torch.isfinite(total), c * chunk + j, 0)
 
