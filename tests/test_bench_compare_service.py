@@ -37,7 +37,7 @@ def test_figures_pool_every_call_of_the_blocks():
     assert set(bench.figures_of(blocks, 1)) == {"p50_ms", "p99_ms"}
 
 
-@pytest.mark.slow
+@pytest.mark.stress  # three processes and a router (~25-40 s on 2 cores): a bench's driver, run by `make stress`
 def test_driver_serves_blocks_against_this_checkout(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
     commands = "".join(json.dumps(block) + "\n" for block in (["server", 1], ["router", 1], ["router", 64])) + "quit\n"

@@ -155,7 +155,7 @@ def test_a_killed_rank_makes_the_others_fail_with_a_clear_error(tmp_path, checkp
     assert f"within {KILL_TIMEOUT_S:.1f} s" in survivor["error"]
 
 
-@pytest.mark.slow
+@pytest.mark.stress  # ~15-50 s on 2 cores; the two-rank tests cover the same exchange in `make test`
 def test_four_ranks_match_one_process_with_idle_ranks(tmp_path, checkpoints, reference):
     want, full_bytes = reference
     results = run_group(tmp_path, checkpoints[0], 4, lambda r: REQUESTS[r::2] if r < 2 else [])
