@@ -30,7 +30,8 @@ from typing import Any, Optional, Union
 
 import torch
 
-from inference.errors import LoRAShapeError, LoRATargetError
+from inference.errors import LoRALoadError, LoRAShapeError, LoRATargetError
+from inference.lora.adapter import check_peft_config
 from weight_sync.buckets import as_bytes, bucket_checksum, unpack_bucket
 from weight_sync.manifest import ChecksumError, Manifest
 from weight_sync.sources import LORA_KEY, AdapterSource, DistributedSource, SharedMemorySource
@@ -70,14 +71,26 @@ class AdapterOutcome:
 
 def peft_adapter(peft_model: Any, adapter_name: str = "default") -> tuple[list[tuple[str, torch.Tensor]],
                                                                             AdapterConfig]:
-    """A live PEFT model's adapter `adapter_name`: its LoRA tensors (PEFT's saved names, detached,
-    as they are now) and config."""
-    from peft import get_peft_model_state_dict  # NOTE: only a PEFT trainer needs peft
+    """A live PEFT model's adapter `adapter_name`: its LoRA tensors under PEFT's saved names
+    (`base_model.model.<module>.lora_{A,B}.weight`, detached, as they are now) and its config,
+    refused (typed, as a replica would) if the engine does not compute what it describes."""
+    from peft.tuners.lora import LoraLayer  # NOTE: only a PEFT trainer needs peft
 
     config = getattr(peft_model, "peft_config", {}).get(adapter_name)
     if config is None:
-        raise ValueError(f"{type(peft_model).__name__} has no PEFT adapter {adapter_name!r}")
-    named = [(n, t.detach()) for n, t in get_peft_model_state_dict(peft_model, adapter_name=adapter_name).items()]
+        raise LoRALoadError(f"{type(peft_model).__name__} has no PEFT adapter {adapter_name!r}")
+    check_peft_config(config, f"{adapter_name} (live)")
+    # NOTE: one walk of the modules: peft's get_peft_model_state_dict walks the whole state dict
+    # several times (~0.1-0.2 s for SmolLM2, as long as the shm transfer of its rank-16 adapter)
+    named = []
+    for path, module in peft_model.named_modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        if adapter_name in getattr(module, "lora_embedding_A", {}):
+            raise LoRATargetError(f"PEFT adapter {adapter_name!r} adapts embedding {path}: not served")
+        if adapter_name in module.lora_A:
+            named.append((f"{path}.lora_A.weight", module.lora_A[adapter_name].weight.detach()))
+            named.append((f"{path}.lora_B.weight", module.lora_B[adapter_name].weight.detach()))
     return named, adapter_config(named, alpha=float(config.lora_alpha), rslora=bool(config.use_rslora))
 
 
@@ -121,11 +134,9 @@ def send_adapter(sender: Any, name: str, named: list[tuple[str, torch.Tensor]], 
 
 def check_adapter(engine: Any, source: AdapterSource) -> None:
     """Refuse, before a byte arrives, an adapter this engine cannot serve: the engine's own checks
-    on the manifest's names and shapes (meta tensors), and the trainer's config against them."""
+    on the manifest's names and shapes, and the trainer's config against them."""
     manifest = source.payload.manifest
-    fakes = {n: torch.empty(s, dtype=d, device="meta")
-             for n, d, s in zip(manifest.names, manifest.torch_dtypes, manifest.shapes)}
-    checked = engine.build_lora(source.name, fakes, alpha=source.alpha, rslora=source.rslora, meta=True)
+    checked = engine.check_lora_shapes(source.name, {n: tuple(s) for n, s in zip(manifest.names, manifest.shapes)})
     if checked.rank != source.rank:
         raise LoRAShapeError(f"LoRA adapter {source.name!r}: its tensors have rank {checked.rank}, the sync says "
                              f"{source.rank}")

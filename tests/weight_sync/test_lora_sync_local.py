@@ -15,7 +15,8 @@ from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams
 from inference.errors import LoRAShapeError, LoRATargetError
 from tests.inference.lora.peft_adapters import ALL_LINEAR, greedy_with_logprobs
 from tests.weight_sync.local import LocalControl, corrupting_pipeline, tiny_llama
-from weight_sync import SyncError, Transport, WeightSender, memcopy
+from weight_sync import AdapterConfig, SyncError, Transport, WeightSender, memcopy
+from weight_sync.lora_sync import peft_adapter
 from weight_sync.manifest import ChecksumError
 from weight_sync.receiver import WeightReceiver
 from weight_sync.transports import distributed
@@ -99,6 +100,17 @@ def test_named_tensors_with_their_config_sync_as_the_peft_model_does(replicas, b
             sender.sync_lora("policy", named, version=7, alpha=8.0)
     assert [e.list_loras()[0].version for e in engines] == [7, 7]
     assert served(engines[0]) == greedy_with_logprobs(trainer, PROMPT, STEPS)[0]
+
+
+def test_a_peft_models_adapter_is_what_peft_saves_and_what_the_engine_refuses_is_refused_at_the_trainer(base):
+    trainer = peft_trainer(base)
+    named, config = peft_adapter(trainer)
+    saved = get_peft_model_state_dict(trainer)
+    assert [n for n, _ in named] == list(saved) and all(t is saved[n] or torch.equal(t, saved[n]) for n, t in named)
+    assert config == AdapterConfig(rank=4, alpha=8.0, rslora=False, target_modules=tuple(sorted(ALL_LINEAR)))
+    dora = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    with pytest.raises(LoRATargetError, match="DoRA"):
+        peft_adapter(dora)
 
 
 def bad_shape(named: dict) -> dict:

@@ -94,6 +94,8 @@ def fleet(base):
                         r.close()
     finally:
         for p in procs:
+            p.proc.terminate()  # NOTE: both wind down at once, then each is waited for (or killed)
+        for p in procs:
             p.stop(grace_s=5.0)
 
 
