@@ -34,7 +34,7 @@ from inference.errors import LoRALoadError, LoRAShapeError, LoRATargetError
 from inference.lora.adapter import check_peft_config
 from weight_sync.buckets import as_bytes, bucket_checksum, unpack_bucket
 from weight_sync.manifest import ChecksumError, Manifest
-from weight_sync.sources import LORA_KEY, AdapterSource, DistributedSource, SharedMemorySource
+from weight_sync.sources import LORA_KEY, MAX_LORA_NAME, AdapterSource, DistributedSource, SharedMemorySource
 from weight_sync.transports import Transport
 from weight_sync.transports.bucket_broadcast import receive_buckets
 from weight_sync.transports.distributed import GroupError
@@ -116,6 +116,11 @@ def send_adapter(sender: Any, name: str, named: list[tuple[str, torch.Tensor]], 
     if sender.transport not in ADAPTER_TRANSPORTS:
         raise ValueError(f"an adapter sync rides {[t.value for t in ADAPTER_TRANSPORTS]}; over disk, save the "
                          "adapter with PEFT's save_pretrained and LoadLora its directory")
+    # NOTE: the wire's bounds, checked here: a source a replica cannot decode would leave the group's
+    # other ranks waiting for it until the timeout
+    if not 0 < len(name) <= MAX_LORA_NAME or not 1 <= config.rank <= 2**16 or not config.alpha > 0:
+        raise ValueError(f"adapter {name!r}: a name of 1..{MAX_LORA_NAME} characters, a rank in 1..65536 and an "
+                         f"alpha > 0 (got rank {config.rank}, alpha {config.alpha})")
     answers: list[int] = []
 
     def tell(target: Any, payload: Union[DistributedSource, SharedMemorySource]) -> int:
