@@ -6,6 +6,9 @@ A megatron-core trainer passes `MEGATRON_ADAPTER` to the engine where its layout
 `engine.bind_trainer_model(gpt_model, adapter=MEGATRON_ADAPTER)`,
 `engine.update_weights(megatron_named_tensors, adapter=MEGATRON_ADAPTER)`. Importing this package
 registers nothing.
+
+A trainer of a LoRA adapter syncs the adapter alone: `WeightSender.sync_lora(name, peft_model)`
+(`weight_sync.lora_sync`: its tensors over gloo / NCCL / shm, the adapter's next version on every replica).
 """
 
 from inference.weights.staging import Staging  # how an update is staged (double / in place): part of the wire sources

@@ -130,7 +130,8 @@ def send_adapter(sender: Any, name: str, named: list[tuple[str, torch.Tensor]], 
         answers.append(committed)  # NOTE: list.append is atomic: the sender's threads share it
         return committed
 
-    moved = BY_TRANSPORT[sender.transport].send(sender, named, version, None, tell=tell)
+    what = f"adapter {name!r} sync" + ("" if version is None else f" to version {version}")
+    moved = BY_TRANSPORT[sender.transport].send(sender, named, version, None, tell=tell, what=what)
     return max(answers), moved
 
 

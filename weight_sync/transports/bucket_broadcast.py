@@ -225,7 +225,7 @@ class DistributedTransport:
     source_type = DistributedSource
 
     def send(self, sender: Any, named: list[tuple[str, torch.Tensor]], version: Optional[int], policy: Any, *,
-             tell: Optional[Callable[[Any, DistributedSource], Any]] = None) -> int:
+             tell: Optional[Callable[[Any, DistributedSource], Any]] = None, what: Optional[str] = None) -> int:
         """The bytes moved; made (again) first: the group, when there is none or it broke.
         `tell(target, source)`: how each target hears of the update (default `update(source,
         policy)`; an adapter sync wraps the source in its own call)."""
@@ -240,7 +240,7 @@ class DistributedTransport:
         source = DistributedSource(manifest=manifest, group_name=sender.group_name)
         tell = tell or (lambda t, s: t.update(s, policy))
         futures = sender.each(lambda t: tell(t, source))
-        return sender.move_then_collect(futures, f"sync to version {version}",
+        return sender.move_then_collect(futures, what or f"sync to version {version}",
                                         lambda: send_buckets(group, manifest, tensors))
 
     @staticmethod
