@@ -249,7 +249,7 @@ def run_disaggregated_grpo(cfg: GRPOConfig, dcfg: Optional[DisaggregatedConfig] 
     return DisaggregatedSummary(
         run=run, replicas=fleet.replicas, off_policy=dcfg.off_policy, transport=dcfg.transport.value,
         delta=dcfg.delta, replica_dtype=dcfg.replica_dtype, delta_syncs=loop.delta_syncs, lora_rank=cfg.lora_rank,
-        sync_bytes=loop.sender.stats.last_bytes,
+        sync_bytes=loop.sync_bytes,
         step_seconds=statistics.median(h["time/step"] for h in tracker.history),
         sync_seconds=statistics.median(h["time/weight_update"] for h in tracker.history),
         startup_seconds=startup, max_staleness=loop.max_staleness, replicas_match_trainer=matches)
@@ -386,7 +386,7 @@ class _Loop:
                     "prefix_hits_cross_version": step_cross, "loss": stats.loss, "grad_norm": stats.grad_norm,
                     "clip_fraction": stats.clip_fraction, "completion_tokens": batch.stats.completion_tokens,
                     "entropy": stats.entropy, "signal_fraction": stats.signal_fraction,
-                    "advantage_std": stats.advantage_std, "lr": lr, "weight_sync/bytes": self.sender.stats.last_bytes,
+                    "advantage_std": stats.advantage_std, "lr": lr, "weight_sync/bytes": self.sync_bytes,
                     **({} if moves else {"lora_version": self.lora_first + step + 1}),
                 }, example=task.render(problems[batch[0].group], batch[0].completion_ids))
                 problems = next_problems
@@ -408,6 +408,11 @@ class _Loop:
     @property
     def delta_syncs(self) -> int:
         return self.sender.stats.delta_syncs
+
+    @property
+    def sync_bytes(self) -> int:
+        """Bytes the last sync moved (0 where the sender does not count them: the vLLM-family calls)."""
+        return getattr(self.sender.stats, "last_bytes", 0)
 
     def close(self) -> None:
         self.ahead.shutdown(wait=False, cancel_futures=True)
