@@ -164,3 +164,35 @@ def test_fifty_syncs_keep_at_most_staleness_plus_one_versions_and_memory_flat_an
         assert [stat(r, "engine/lora_adapter_bytes") for r in replicas] == size  # flat: every old version freed
         assert [r.list_loras()[0].version for r in replicas] == [start + SYNCS] * 2
     assert [generate(r) for r in replicas] == [expected(trainer)] * 2  # HF + PEFT, the adapter unmerged
+
+
+@pytest.mark.parametrize("transport", [Transport.GLOO, Transport.SHM])
+def test_a_refused_adapter_sync_through_the_router_leaves_every_replica_on_the_previous_version(
+        fleet, base, transport, monkeypatch):
+    """gloo: a bad shape, refused by each replica before a byte moves; shm: a corrupted piece (its
+    published checksum off by one bit), refused by each replica's check. The router answers the
+    refusal, and both replicas serve on the version they had."""
+    from weight_sync import SyncError, memcopy
+
+    client, replicas = fleet
+    trainer = peft_trainer(base[1], seed=3)
+    with WeightSender([client], transport, replicas=2, timeout_s=TIMEOUT_S, piece_bytes=64 * 1024) as sender:
+        version = sender.sync_lora("policy", trainer)
+        served = [generate(r) for r in replicas]
+        train_step(trainer, 7)
+        named = get_peft_model_state_dict(trainer)
+        if transport is Transport.GLOO:
+            key = next(k for k in named if k.endswith("v_proj.lora_B.weight"))
+            named = {**named, key: torch.zeros(named[key].shape[0] + 1, named[key].shape[1])}
+            says = "must be"
+        else:
+            real = memcopy.publish
+            monkeypatch.setattr(memcopy, "publish", lambda h, slot, checksum, token: real(h, slot, checksum ^ 1, token))
+            says = "checksum"
+        with pytest.raises(SyncError, match=says):
+            sender.sync_lora("policy", named, alpha=8.0)
+        monkeypatch.undo()
+        assert [r.list_loras()[0].version for r in replicas] == [version] * 2
+        assert [generate(r) for r in replicas] == served
+        assert sender.sync_lora("policy", trainer) == version + 1  # the next sync heals
+    assert [generate(r) for r in replicas] == [expected(trainer)] * 2
