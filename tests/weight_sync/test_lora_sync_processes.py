@@ -1,6 +1,7 @@
 """Adapter-only syncs between real processes on CPU: the trainer is this process (a PEFT LoRA on the
-tiny Llama the replicas serve), two `rollout serve` replicas sit behind a `rollout route` router,
-and each sync moves the adapter's tensors alone, over gloo and over shared memory, to both.
+tiny Llama the replicas serve), two `rollout serve` replicas sit behind a router (`RolloutRouter`,
+on a thread of this process as `rollout route` runs it), and each sync moves the adapter's tensors
+alone, over gloo and over shared memory, to both.
 
 What is checked: the bytes moved are the adapter's (each replica counts its own); a request started
 before a sync finishes on the version it started with (its tokens are HF + PEFT's at that
