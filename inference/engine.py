@@ -32,7 +32,8 @@ from inference.core.memory import SuspendReport
 from inference.core.states import EngineState
 from inference.errors import EngineStateError, LoRALoadError
 from inference.kv_cache.events import KVEventListener
-from inference.lora import AdapterInfo, AdapterRef, load_live_peft_adapter, load_peft_adapter
+from inference.lora import AdapterInfo, AdapterRef, LoRAAdapter, load_live_peft_adapter, load_peft_adapter
+from inference.lora.adapter import AdapterShape, adapter_from_tensors, check_adapter_shapes
 from inference.request import SHARED_CLIENT, RequestOutput, TokenEvent
 from inference.sampling.params import SamplingParams
 from inference.streams import Callback, RequestStream
@@ -491,6 +492,32 @@ class DynamicInferenceEngine:
         adapter = load_live_peft_adapter(peft_model, name, model, max_rank=self.core.config.max_lora_rank,
                                          dtype=model.spec.dtype, device=model.device, adapter_name=adapter_name)
         return self.calls.run(self.core.add_lora, adapter)
+
+    def build_lora(self, name: str, tensors: dict[str, torch.Tensor], *, alpha: float,
+                   rslora: bool = False) -> LoRAAdapter:
+        """An adapter of PEFT-named `tensors` (`base_model.model.<module>.lora_{A,B}.weight`: what a
+        trainer's sync sends) checked against this model and `max_lora_rank`, on the caller's thread;
+        typed `LoRAError`s. `add_lora` makes it resident."""
+        self._check_lora_name(name)
+        model = self.core.model
+        return adapter_from_tensors(tensors, name, model, alpha=alpha, rslora=rslora,
+                                    max_rank=self.core.config.max_lora_rank, dtype=model.spec.dtype,
+                                    device=model.device)
+
+    def check_lora_shapes(self, name: str, shapes: dict[str, tuple[int, ...]]) -> AdapterShape:
+        """`build_lora`'s checks on names and shapes alone (a sync's, before a byte arrives)."""
+        self._check_lora_name(name)
+        return check_adapter_shapes(shapes, name, self.core.model, max_rank=self.core.config.max_lora_rank)
+
+    @staticmethod
+    def _check_lora_name(name: str) -> None:
+        if not isinstance(name, str) or not name:
+            raise LoRALoadError(f"lora_name must be a non-empty string, got {name!r}")
+
+    def add_lora(self, adapter: LoRAAdapter, version: Optional[int] = None) -> AdapterRef:
+        """Make `adapter` (from `build_lora`) the current version of its name: `version`, or (None)
+        the next one; requests in flight finish on theirs (PIN)."""
+        return self.calls.run(self.core.add_lora, adapter, version)
 
     def unload_lora(self, name: str) -> None:
         """Unload adapter `name`: `LoRANotFoundError`, or `LoRAInUseError` while requests use it."""

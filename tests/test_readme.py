@@ -9,9 +9,9 @@ import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-EXCERPTS = ("gpt_model", "start_ep_rank", "adapters/math")  # need a trainer from elsewhere (megatron),
-# several processes (expert parallelism) or a trained PEFT adapter's directory: read, not run (the LoRA
-# calls run in tests/inference/lora)
+EXCERPTS = ("gpt_model", "start_ep_rank", "adapters/math", "sync_lora")  # need a trainer from elsewhere
+# (megatron), several processes (expert parallelism), a trained PEFT adapter's directory or a served fleet:
+# read, not run (the LoRA calls run in tests/inference/lora, the adapter sync in tests/weight_sync)
 SLOW = ("grpo_step",)
 HTTP = ("http_url",)  # SmolLM2 behind `rollout serve --http` (~15 s on 2 cores): run by `make stress`; the same
 # calls run under `slow` in tests/rollout/http/test_http_smollm2.py

@@ -19,6 +19,9 @@ update left open longer than the timeout is aborted.
 What reads the bytes is the source's transport object (`weight_sync.transports.table`); the
 staged update around it (begin, commit, abort, a sequence left open) is the receiver's.
 
+An adapter-only sync (`apply_lora`, `weight_sync.lora_sync`) never opens a staged update of the
+base weights: it builds a new version of one LoRA adapter beside the one serving.
+
 One update (or group change) runs at a time; a second one meanwhile is refused at once. The
 receiver owns its weight-update groups (`init_group` / `destroy_group`); a group whose collective
 failed is closed and forgotten (the trainer makes a new one).
@@ -45,9 +48,10 @@ import torch
 
 from inference.errors import EngineStateError
 from inference.weights.staging import Staging
+from weight_sync.lora_sync import AdapterOutcome, receive_adapter
 from weight_sync.manifest import Manifest, Naming, check_against_model
 from weight_sync.megatron.model import MEGATRON_ADAPTER
-from weight_sync.sources import DEFAULT_GROUP, WeightSource
+from weight_sync.sources import DEFAULT_GROUP, AdapterSource, WeightSource
 from weight_sync.transports.checkpoint_files import ANYWHERE, DiskAccess
 from weight_sync.transports.distributed import GroupError, ReceiveBuffer, RefusedError, WeightGroup
 from weight_sync.transports.shm import SegmentMappings
@@ -81,6 +85,10 @@ class ReceiverStats:
     bytes_received: int = 0
     last_update_seconds: float = 0.0
     last_error: str = ""
+    lora_updates_committed: int = 0  # adapter-only syncs (`weight_sync.lora_sync`)
+    lora_updates_aborted: int = 0
+    lora_bytes_received: int = 0
+    last_lora_bytes: int = 0  # the bytes of the last committed adapter sync
 
     def wire(self) -> dict[str, Any]:
         """As `weight_sync/<name>` stats entries."""
@@ -122,6 +130,13 @@ class WeightReceiver:
     def apply(self, source: WeightSource, policy: Any = None) -> concurrent.futures.Future:
         """Update from `source` (checked, staged, committed whole) on the worker: an `UpdateOutcome`."""
         return self._submit(lambda: self._outcome(self.update(source, policy)))
+
+    def apply_lora(self, source: AdapterSource) -> concurrent.futures.Future:
+        """An adapter-only sync (`weight_sync.lora_sync`) on the worker: an `AdapterOutcome`."""
+        def call() -> AdapterOutcome:
+            with self._exclusive("a LoRA adapter sync"):
+                return receive_adapter(self, source)
+        return self._submit(call)
 
     def join_group(self, master_address: str, master_port: int, rank_offset: Optional[int], world_size: int,
                    group_name: str = DEFAULT_GROUP, backend: Optional[str] = None,

@@ -32,6 +32,10 @@ the base's (it restarted, or another sender updated it) gets the same update in 
 delta's own payload, while the others take the delta (every replica's version is asked before a
 byte moves; behind a router, from its stats' per-replica versions).
 
+`sync_lora(name, peft_model)` moves one LoRA adapter's tensors alone (gloo / nccl / shm), as the next
+version of adapter `name` on every replica (`weight_sync.lora_sync`); the base weights and the
+policy version stay as they are.
+
 `tensor_by_tensor=True` (gloo / nccl) does what several frameworks still do: one control call and
 one broadcast per tensor, no buckets, no checksums; kept as a contrast (the benchmark prints it).
 
@@ -85,6 +89,7 @@ class SenderStats:
     delta_syncs: int = 0  # syncs that sent a delta (delta mode); the others were full
     last_delta: bool = False
     last_full_replicas: int = 0  # of the last delta sync: replicas not on its base, given it in full
+    lora_syncs: int = 0  # adapter-only syncs (`sync_lora`); `last_bytes` counts theirs too
 
 
 def named_tensors(weights: Weights, *, tp_group: Any = None) -> Optional[list[tuple[str, torch.Tensor]]]:
@@ -180,6 +185,31 @@ class WeightSender:
         self.stats.last_bytes = moved
         self.stats.last_seconds = time.perf_counter() - start
         return version
+
+    def sync_lora(self, name: str, adapter: Any, version: Optional[int] = None, *, alpha: Optional[float] = None,
+                  rslora: bool = False, adapter_name: str = "default") -> int:
+        """Move only LoRA adapter `name`'s tensors into every replica (`weight_sync.lora_sync`) as
+        its `version` (None: each replica's next); returns the version once every target committed
+        it, raises `SyncError` otherwise. `adapter`: a live PEFT model (its adapter `adapter_name`
+        and config), or PEFT-named A/B tensors with `alpha` (and `rslora`)."""
+        from weight_sync.lora_sync import adapter_config, peft_adapter, send_adapter
+
+        if hasattr(adapter, "peft_config"):
+            named, config = peft_adapter(adapter, adapter_name)
+        else:
+            if alpha is None:
+                raise ValueError("sync_lora of named tensors needs the adapter's alpha")
+            named = named_tensors(adapter)
+            config = adapter_config(named, alpha=alpha, rslora=rslora)
+        if self.dtype is not None:
+            named = [(n, t.to(self.dtype)) for n, t in named]
+        start = time.perf_counter()
+        committed, moved = send_adapter(self, name, named, config, version)
+        self.stats.lora_syncs += 1
+        self.stats.bytes_sent += moved
+        self.stats.last_bytes = moved
+        self.stats.last_seconds = time.perf_counter() - start
+        return committed
 
     def _sync_delta(self, named: list[tuple[str, torch.Tensor]], owned: list[bool], version: int, policy: Any,
                     full: bool) -> int:

@@ -30,6 +30,10 @@ The others carry the manifest (`weight_sync.manifest`, with the version), checke
   before a byte moves (and the sender's next sync is full).
 
 `staging` (None: the replica's default) chooses double or in-place staging for this update.
+
+`AdapterSource` is not an `UpdateWeights` payload but `SyncLora`'s: one LoRA adapter's tensors
+alone (the base weights untouched), their bytes in a `DistributedSource` or `SharedMemorySource`
+as above, committed as a version of that adapter (`weight_sync.lora_sync`).
 """
 
 from __future__ import annotations
@@ -158,6 +162,39 @@ class VersionSource(msgspec.Struct, tag_field="type", tag="version_only", forbid
 
 
 WeightSource = Union[DiskSource, DistributedSource, SharedMemorySource, DeltaSource, VersionSource]
+
+
+MAX_LORA_NAME = 256
+LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_[AB]\.weight$")  # PEFT's names
+
+
+class AdapterSource(msgspec.Struct, tag_field="type", tag="lora_adapter", forbid_unknown_fields=True,
+                    kw_only=True):
+    """LoRA adapter `name`'s tensors only (PEFT names, `base_model.model.<module>.lora_{A,B}.weight`,
+    in the manifest of `payload`, whose version is the adapter's: None, the replica's next) and
+    the config they need (`alpha`, `rslora`); `rank` and `target_modules` (the projection names it
+    adapts, e.g. `q_proj`) are the trainer's word, checked against the tensors. `payload` is
+    bucketed (a layout: checksums) and commits at once (no `finish`, no `staging`: an adapter is
+    staged beside the live one, never over it)."""
+
+    name: Annotated[str, Meta(min_length=1, max_length=MAX_LORA_NAME)]
+    rank: Annotated[int, Meta(ge=1, le=2**16)]
+    alpha: Annotated[float, Meta(gt=0)]
+    rslora: bool = False
+    target_modules: Annotated[list[Annotated[str, Meta(min_length=1, max_length=128)]], Meta(max_length=64)]
+    payload: Union[DistributedSource, SharedMemorySource]
+
+    def __post_init__(self) -> None:
+        payload = self.payload
+        if payload.manifest.layout is None:
+            raise ValueError("an adapter source's payload is bucketed (its manifest has a layout: checksums)")
+        if isinstance(payload, DistributedSource) and payload.finish is not None:
+            raise ValueError("an adapter source commits at once: its distributed payload has no finish")
+        if payload.staging is not None:
+            raise ValueError("an adapter source has no staging: a new version is staged beside the live one")
+        bad = [n for n in payload.manifest.names if LORA_KEY.match(n) is None]
+        if bad:
+            raise ManifestError(f"an adapter source carries LoRA A/B weights only, not {bad[:4]}")
 
 
 def source_version(source: WeightSource) -> Optional[int]:

@@ -181,9 +181,10 @@ class EngineCore:
 
     # ---- LoRA adapters -----------------------------------------------------------------------
 
-    def add_lora(self, adapter: LoRAAdapter) -> AdapterRef:
-        """Make a checked adapter the current version of its name; requests in flight keep theirs."""
-        return self.loras.add(adapter)
+    def add_lora(self, adapter: LoRAAdapter, version: Optional[int] = None) -> AdapterRef:
+        """Make a checked adapter the current version of its name (`version`, None: the next one);
+        requests in flight keep theirs."""
+        return self.loras.add(adapter, version)
 
     def remove_lora(self, name: str) -> None:
         """Unload `name` (`LoRANotFoundError`, or `LoRAInUseError` while requests use it)."""
@@ -597,6 +598,8 @@ class EngineCore:
             "max_sequence_length": self.config.max_sequence_length,
             "max_loras": self.config.max_loras,
             "max_lora_rank": self.config.max_lora_rank,
+            "lora_resident_versions": self.loras.resident_versions,  # every version of every adapter held
+            "lora_adapter_bytes": self.loras.adapter_bytes,
             "steps": self.num_steps,
             "generated_tokens": self.generated_tokens,
             "prefill_tokens": self.context.prefill_tokens,

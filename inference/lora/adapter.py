@@ -96,10 +96,10 @@ def _read_config(path: str) -> Any:
         config = PeftConfig.from_pretrained(path)
     except Exception as exc:  # a malformed or unknown config: peft raises several types
         raise LoRALoadError(f"LoRA adapter {path!r}: unreadable {ADAPTER_CONFIG}: {exc}") from exc
-    return _check_config(config, path)
+    return check_peft_config(config, path)
 
 
-def _check_config(config: Any, path: str) -> Any:
+def check_peft_config(config: Any, path: str) -> Any:
     """`config` (a peft `PeftConfig`) if the engine computes what it describes, else the typed refusal."""
     from peft import PeftType
 
@@ -148,26 +148,38 @@ def load_live_peft_adapter(peft_model: Any, name: str, model: Any, *, max_rank: 
 
     if adapter_name not in getattr(peft_model, "peft_config", {}):
         raise LoRALoadError(f"{type(peft_model).__name__} has no PEFT adapter {adapter_name!r}")
-    config = _check_config(peft_model.peft_config[adapter_name], f"{name} (live)")
+    config = check_peft_config(peft_model.peft_config[adapter_name], f"{name} (live)")
     with torch.no_grad():
         tensors = {k: v.detach() for k, v in get_peft_model_state_dict(peft_model, adapter_name=adapter_name).items()}
     return adapter_from_tensors(tensors, name, model, alpha=config.lora_alpha, rslora=bool(config.use_rslora),
                                 max_rank=max_rank, dtype=dtype, device=device)
 
 
-def adapter_from_tensors(tensors: dict[str, torch.Tensor], name: str, model: Any, *, alpha: float, rslora: bool,
-                         max_rank: int, dtype: torch.dtype, device: torch.device,
-                         path: Optional[str] = None) -> LoRAAdapter:
-    """An adapter from PEFT-named tensors (`base_model.model.<module>.lora_{A,B}.weight`), checked."""
+@dataclass(frozen=True, slots=True)
+class AdapterShape:
+    """What `check_adapter_shapes` found: per adapted module (HF path) the keys of its A and B, the
+    largest rank, the projection names adapted, and the model's layer count."""
+
+    keys: dict[str, tuple[str, str]]
+    rank: int
+    modules: frozenset[str]
+    num_layers: int
+
+
+def check_adapter_shapes(shapes: dict[str, tuple[int, ...]], name: str, model: Any, *, max_rank: int,
+                         path: Optional[str] = None) -> AdapterShape:
+    """Every check of PEFT-named adapter tensors that needs only their names and shapes (targets,
+    A / B pairs and shapes against the model's projections, rank): typed `LoRAError`s. No tensor is
+    touched, so a sync runs it on a manifest before a byte arrives."""
     targets = model_lora_targets(model)
     where = path or name
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for key, t in tensors.items():
+    pairs: dict[str, dict[str, str]] = {}
+    for key in shapes:
         m = _KEY.match(key[len(_PEFT_PREFIX):] if key.startswith(_PEFT_PREFIX) else key)
         if m is None:
             raise LoRATargetError(f"LoRA adapter {where!r}: tensor {key!r} is not a LoRA A/B weight "
                                   "(embeddings, DoRA magnitudes and biases are not served)")
-        pairs.setdefault(m["module"], {})[m["ab"]] = t
+        pairs.setdefault(m["module"], {})[m["ab"]] = key
     if not pairs:
         raise LoRALoadError(f"LoRA adapter {where!r} holds no LoRA tensors")
     unknown = sorted(set(pairs) - set(targets))
@@ -175,24 +187,36 @@ def adapter_from_tensors(tensors: dict[str, torch.Tensor], name: str, model: Any
         limits = getattr(model, "lora_limits", "")
         raise LoRATargetError(f"LoRA adapter {where!r} targets modules this model cannot adapt: {unknown[:4]} "
                               f"(adaptable: {sorted({p.rsplit('.', 1)[-1] for p in targets})}){limits}")
-    num_layers = 1 + max(int(_LAYER.match(p)["layer"]) for p in targets)
-    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(num_layers)]
-    rank, projs = 0, set()
+    rank, projs, keys = 0, set(), {}
     for module, ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise LoRAShapeError(f"LoRA adapter {where!r}: {module} has lora_{''.join(ab)} only")
-        a, b = ab["A"], ab["B"]
+        a, b = tuple(shapes[ab["A"]]), tuple(shapes[ab["B"]])
         out_f, in_f = targets[module]
-        r = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_f or b.shape != (out_f, r):
-            raise LoRAShapeError(f"LoRA adapter {where!r}: {module} has A {tuple(a.shape)} and B {tuple(b.shape)}; "
+        r = a[0] if a else 0
+        if len(a) != 2 or len(b) != 2 or a[1] != in_f or b != (out_f, r):
+            raise LoRAShapeError(f"LoRA adapter {where!r}: {module} has A {a} and B {b}; "
                                  f"the model's projection is [{out_f}, {in_f}], so A must be [r, {in_f}] "
                                  f"and B [{out_f}, r]")
         if r > max_rank:
             raise LoRACapacityError(f"LoRA adapter {where!r}: rank {r} of {module} exceeds max_lora_rank={max_rank}")
-        scaling = alpha / (math.sqrt(r) if rslora else r)
+        keys[module] = (ab["A"], ab["B"])
+        rank, projs = max(rank, r), projs | {_LAYER.match(module)["proj"]}
+    num_layers = 1 + max(int(_LAYER.match(p)["layer"]) for p in targets)
+    return AdapterShape(keys, rank, frozenset(projs), num_layers)
+
+
+def adapter_from_tensors(tensors: dict[str, torch.Tensor], name: str, model: Any, *, alpha: float, rslora: bool,
+                         max_rank: int, dtype: torch.dtype, device: torch.device,
+                         path: Optional[str] = None) -> LoRAAdapter:
+    """An adapter from PEFT-named tensors (`base_model.model.<module>.lora_{A,B}.weight`), checked."""
+    shape = check_adapter_shapes({k: tuple(t.shape) for k, t in tensors.items()}, name, model, max_rank=max_rank,
+                                 path=path)
+    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(shape.num_layers)]
+    for module, (ka, kb) in shape.keys.items():
+        a, b = tensors[ka], tensors[kb]
+        scaling = alpha / (math.sqrt(a.shape[0]) if rslora else a.shape[0])
         m = _LAYER.match(module)
         layers[int(m["layer"])][m["proj"]] = (a.to(device, dtype).contiguous(),
                                              (b.to(device, torch.float32) * scaling).to(dtype).contiguous())
-        rank, projs = max(rank, r), projs | {m["proj"]}
-    return LoRAAdapter(name, rank, layers, path=path, modules=frozenset(projs))
+    return LoRAAdapter(name, shape.rank, layers, path=path, modules=shape.modules)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from inference.errors import LoRACapacityError, LoRAInUseError, LoRANotFoundError
+from inference.errors import LoRACapacityError, LoRAInUseError, LoRALoadError, LoRANotFoundError
 from inference.lora.adapter import LoRAAdapter
 
 
@@ -61,9 +61,14 @@ class LoRARegistry:
     def resident_versions(self) -> int:
         return len(self._resident)
 
-    def add(self, adapter: LoRAAdapter) -> AdapterRef:
-        """Make `adapter` the current version of its name (a new name, or the next version)."""
+    def add(self, adapter: LoRAAdapter, version: Optional[int] = None) -> AdapterRef:
+        """Make `adapter` the current version of its name (a new name, or the next version);
+        `version` (a trainer's sync names it) must be newer than the current one."""
         old = self._current.get(adapter.name)
+        latest = 0 if old is None else self._resident[old].version
+        if version is not None and version <= latest:
+            raise LoRALoadError(f"LoRA adapter {adapter.name!r}: version {version} is not newer than the loaded "
+                                f"version {latest}")
         if old is None and len(self._current) >= self.max_loras:
             raise LoRACapacityError(f"cannot load LoRA adapter {adapter.name!r}: max_loras={self.max_loras} adapters "
                                     f"are loaded ({sorted(self._current)}); unload one first")
@@ -76,7 +81,7 @@ class LoRARegistry:
                                     f"{adapter.name!r}: {versions} versions are resident and requests still use the "
                                     f"current one (max_staleness={self.max_staleness}); retry once the oldest "
                                     "version's requests finished, or abort them")
-        adapter.version = 1 if old is None else self._resident[old].version + 1
+        adapter.version = latest + 1 if version is None else version
         new = self._next_id
         self._next_id += 1
         self._resident[new] = adapter

@@ -41,6 +41,7 @@ from inference import Staging, UpdatePolicy
 from rollout.wire import messages as wire
 from weight_sync import (
     DEFAULT_GROUP,
+    AdapterSource,
     DiskSource,
     DistributedSource,
     Manifest,
@@ -117,6 +118,12 @@ class WeightSyncCalls:
         msg = wire.UpdateWeights(request_id=self.connection.next_id("c"), source=source,
                                  policy=None if policy is None else UpdatePolicy(policy))
         return self._call(msg, timeout).policy_version
+
+    def update_lora(self, source: AdapterSource, *, timeout: Optional[float] = None) -> int:
+        """An adapter-only sync (`weight_sync.lora_sync`, what `WeightSender.sync_lora` sends): the
+        adapter's version once committed (behind a router: on every replica)."""
+        return self._call(wire.SyncLora(request_id=self.connection.next_id("c"), source=source),
+                          timeout).loras[0].version
 
     def join_group(self, master_address: str, master_port: int, rank_offset: Optional[int], world_size: int,
                    group_name: str = DEFAULT_GROUP, backend: Optional[str] = None, *,

@@ -79,6 +79,7 @@ class GRPOConfig:
     eval_every: int = 10  # held-out reward every k steps (and at the last one)
     progress: bool = True
     speculative: bool = False  # the engine speculates on the tail of each batch (lossless; SpeculativeConfig)
+    lora_rank: Optional[int] = None  # LoRA rank of the trained adapter (None: full fine-tuning)
 
     def __post_init__(self) -> None:
         self.model = ModelKind(self.model)

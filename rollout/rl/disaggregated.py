@@ -22,6 +22,14 @@ only: generation, and weight sync (the router broadcasts each call to every repl
 their ranks in the trainer's weight-update group). The run begins by syncing the trainer's
 initial weights into all of them.
 
+With `GRPOConfig.lora_rank` R the trainer trains a PEFT LoRA of rank R on every linear projection
+(`rollout.rl.lora_policy`; its base frozen): the run's first sync puts the base weights in every
+replica, then each step's sync moves the adapter's tensors alone (`WeightSender.sync_lora`, gloo
+or shm), the adapter's next version on every replica, and every request names it. The per-token
+versions are then the base's, which never moves (so every token must carry the first one); that
+each step sampled the adapter just sent shows in the GRPO ratio's log-prob mismatch instead (an
+adapter one version behind is off by far more than float rounding).
+
 With `replica_dtype="bfloat16"` the replicas serve the fp32 trainer's bf16 cast; with `delta` every
 sync after the first sends only what changed (`WeightSender(delta=True)`), bitwise the same weights
 (the same seeds then sample the same tokens, step for step).
@@ -50,6 +58,7 @@ import torch
 
 from inference import LogprobsMode, SamplingParams
 from rollout.client.sync import RolloutClient
+from rollout.rl import lora_policy
 from rollout.rl.colocated import (
     EVAL_SEED,
     GRPOConfig,
@@ -118,6 +127,8 @@ class DisaggregatedSummary:
     delta: bool
     replica_dtype: str
     delta_syncs: int  # syncs that sent a delta (the first one, and any after a failure, are full)
+    lora_rank: Optional[int]  # the trained adapter's rank (None: full fine-tuning)
+    sync_bytes: int  # bytes the last sync moved (with LoRA: the adapter's)
     step_seconds: float  # median wall time of a training step (generation wait, train, sync)
     sync_seconds: float  # median wall time of a weight sync, until every replica committed
     startup_seconds: float  # the replicas' start and the first sync (not in the steps)
@@ -178,14 +189,18 @@ def serve_args(cfg: GRPOConfig, dcfg: DisaggregatedConfig, task: Task) -> list[s
     samples = prompts * cfg.samples_per_prompt
     longest = task.max_prompt_tokens + task.max_tokens
     blocks = samples * -(-longest // cfg.block_size)
+    lora = [] if cfg.lora_rank is None else ["--max-loras", "1", "--max-lora-rank", str(cfg.lora_rank)]
     return ["--dtype", dcfg.replica_dtype, "--threads", str(dcfg.replica_threads), "--block-size", str(cfg.block_size),
             "--num-blocks", str(blocks), "--max-requests", str(samples), "--max-batch-tokens", str(max(2048, samples)),
-            "--max-seq-len", str(longest), "--weight-sync-timeout-s", str(dcfg.sync_timeout_s)]
+            "--max-seq-len", str(longest), "--weight-sync-timeout-s", str(dcfg.sync_timeout_s), *lora]
 
 
 def run_disaggregated_grpo(cfg: GRPOConfig, dcfg: Optional[DisaggregatedConfig] = None) -> DisaggregatedSummary:
     """Train `cfg.model` with GRPO against `dcfg.replicas` engine processes (see module docstring)."""
     dcfg = dcfg or DisaggregatedConfig()
+    if cfg.lora_rank is not None and (dcfg.api != "rollout" or dcfg.delta or dcfg.transport is Transport.DISK):
+        raise ValueError("a LoRA run syncs its adapter alone over gloo / nccl / shm, through our own calls (no "
+                         "delta, no vLLM-family api)")
     threads = torch.get_num_threads()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
@@ -233,7 +248,8 @@ def run_disaggregated_grpo(cfg: GRPOConfig, dcfg: Optional[DisaggregatedConfig] 
     run.history = tracker.history
     return DisaggregatedSummary(
         run=run, replicas=fleet.replicas, off_policy=dcfg.off_policy, transport=dcfg.transport.value,
-        delta=dcfg.delta, replica_dtype=dcfg.replica_dtype, delta_syncs=loop.delta_syncs,
+        delta=dcfg.delta, replica_dtype=dcfg.replica_dtype, delta_syncs=loop.delta_syncs, lora_rank=cfg.lora_rank,
+        sync_bytes=loop.sync_bytes,
         step_seconds=statistics.median(h["time/step"] for h in tracker.history),
         sync_seconds=statistics.median(h["time/weight_update"] for h in tracker.history),
         startup_seconds=startup, max_staleness=loop.max_staleness, replicas_match_trainer=matches)
@@ -273,7 +289,11 @@ class _Loop:
                                        timeout_s=dcfg.sync_timeout_s, delta=dcfg.delta,
                                        dtype=None if cast is torch.float32 else cast, **directory)
         mode = LogprobsMode.RAW if cfg.temperature == 1.0 else LogprobsMode.PROCESSED
-        self.sampling = SamplingParams(temperature=cfg.temperature, max_tokens=task.max_tokens, logprobs_mode=mode)
+        lora = None if cfg.lora_rank is None else lora_policy.LORA_NAME
+        self.sampling = SamplingParams(temperature=cfg.temperature, max_tokens=task.max_tokens, logprobs_mode=mode,
+                                       lora_name=lora)
+        self.base: Optional[torch.nn.Module] = None  # a LoRA run's frozen base (the policy is the PEFT model)
+        self.lora_first = 0  # a LoRA run: the adapter's version at the start; step k syncs lora_first + k + 1
         self.ahead = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="generate-ahead")
         self.stale_tokens = 0  # tokens of another version than planned: must be 0
         self.cross_version_hits = 0
@@ -289,7 +309,19 @@ class _Loop:
         of them all: the trainer's version 0, which step k's sync advances to `first + k + 1`."""
         first = int(self.fleet.client.get_weight_version()) + 1
         self.sender.sync(self.policy, version=first)
+        if self.cfg.lora_rank is not None:  # NOTE: the base went in whole once; from now on the adapter alone
+            self.policy, self.base = lora_policy.lora_policy(self.policy, self.cfg.lora_rank)
+            loaded = [i.version for i in self.fleet.client.list_loras() if i.name == lora_policy.LORA_NAME]
+            self.lora_first = max(loaded, default=0) + 1
+            self.sender.sync_lora(lora_policy.LORA_NAME, self.policy, version=self.lora_first)
         return first
+
+    def _sync(self, first: int, step: int) -> None:
+        """Step `step`'s weights into every replica: the policy's next version, or the adapter's."""
+        if self.cfg.lora_rank is None:
+            self.sender.sync(self.policy, version=first + step + 1)
+        else:
+            self.sender.sync_lora(lora_policy.LORA_NAME, self.policy, version=self.lora_first + step + 1)
 
     def run(self, first: int) -> None:
         cfg, task = self.cfg, self.task
@@ -328,15 +360,18 @@ class _Loop:
                         pending.result()  # NOTE: the replicas finish version k's samples before k+1 lands
                 cross_before = self.fleet.stat("engine/cross_version_prefix_hits")
                 with timer("weight_update"):
-                    self.sender.sync(self.policy, version=first + step + 1)
+                    self._sync(first, step)
                 if not self.dcfg.off_policy and next_problems is not None:
                     pending = self.ahead.submit(self._generate, next_problems, step + 1)
                 # the trainer's own plan of versions, so a replica that skipped one is caught: batch k
                 # was sampled by version k (k - 1 when it overlapped step k - 1), the evaluation by k
-                planned = first + max(0, step - self.dcfg.off_policy)
+                moves = self.cfg.lora_rank is None  # NOTE: with LoRA the tokens' version is the base's, fixed
+                planned = first + max(0, step - self.dcfg.off_policy) if moves else first
                 step_stale = sum(v != planned for r in batch for v in r.versions)
-                step_stale += sum(v != first + step for b in eval_batches for r in b for v in r.versions)
-                staleness = max((first + step - v for r in batch for v in r.versions), default=0)
+                step_stale += sum(v != (first + step if moves else first) for b in eval_batches for r in b
+                                  for v in r.versions)
+                staleness = max(((first + step if moves else first) - v for r in batch for v in r.versions),
+                                default=0)
                 step_cross = self.fleet.stat("engine/cross_version_prefix_hits") - cross_before
                 self.stale_tokens += step_stale
                 self.max_staleness = max(self.max_staleness, staleness)
@@ -351,7 +386,8 @@ class _Loop:
                     "prefix_hits_cross_version": step_cross, "loss": stats.loss, "grad_norm": stats.grad_norm,
                     "clip_fraction": stats.clip_fraction, "completion_tokens": batch.stats.completion_tokens,
                     "entropy": stats.entropy, "signal_fraction": stats.signal_fraction,
-                    "advantage_std": stats.advantage_std, "lr": lr,
+                    "advantage_std": stats.advantage_std, "lr": lr, "weight_sync/bytes": self.sync_bytes,
+                    **({} if moves else {"lora_version": self.lora_first + step + 1}),
                 }, example=task.render(problems[batch[0].group], batch[0].completion_ids))
                 problems = next_problems
         finally:
@@ -373,6 +409,11 @@ class _Loop:
     def delta_syncs(self) -> int:
         return self.sender.stats.delta_syncs
 
+    @property
+    def sync_bytes(self) -> int:
+        """Bytes the last sync moved (0 where the sender does not count them: the vLLM-family calls)."""
+        return getattr(self.sender.stats, "last_bytes", 0)
+
     def close(self) -> None:
         self.ahead.shutdown(wait=False, cancel_futures=True)
         self.sender.close()
@@ -385,7 +426,10 @@ class _Loop:
         prompts = [list(p.prompt_ids) for p in self.task.held_out()] or [[1, 2]]
         greedy = dataclasses.replace(self.sampling, temperature=0.0, seed=None)
         config = dataclasses.replace(engine_config(self.cfg, self.task), dtype=REPLICA_DTYPES[self.dcfg.replica_dtype])
-        fresh = RolloutEngine(self.policy, config)  # NOTE: the replicas' dtype: a bf16 fleet serves the bf16 cast
+        if self.base is not None:  # NOTE: a LoRA run: the frozen base serving the adapter as trained
+            fresh = lora_policy.fresh_engine(self.base, self.policy, config)
+        else:
+            fresh = RolloutEngine(self.policy, config)  # NOTE: the replicas' dtype: a bf16 fleet serves the bf16 cast
         try:
             expected = [r.completion_ids for r in fresh.generate(prompts, 1, greedy)]
         finally:
@@ -407,7 +451,8 @@ def format_disaggregated(s: DisaggregatedSummary) -> str:
     mode = "off-policy 1 (generation of step k+1 overlaps training on k)" if s.off_policy else "on-policy"
     return "\n".join([
         f"disaggregated: {s.replicas} {s.replica_dtype} replicas, weights over {s.transport} every step"
-        f"{f' as deltas ({s.delta_syncs} delta syncs)' if s.delta else ''}, {mode}",
+        f"{f' as deltas ({s.delta_syncs} delta syncs)' if s.delta else ''}"
+        f"{f' (a rank-{s.lora_rank} LoRA adapter alone: {s.sync_bytes} bytes a sync)' if s.lora_rank else ''}, {mode}",
         format_summary(s.run),
         f"per step: {s.step_seconds:.3f} s median (weight sync {s.sync_seconds * 1e3:.1f} ms median); replicas "
         f"started in {s.startup_seconds:.1f} s; max staleness {s.max_staleness} version(s)",

@@ -4,8 +4,9 @@
 answered or was taken out (a replica that dies mid-broadcast does not hold the answer up). Its
 `outcome()` is one reply: the common `Result` (policy version of the fleet; suspend reports and
 abort counts summed; asleep if every replica that answered is), or, if every replica refused,
-the first refusal. Replicas that refused while others succeeded are named in `failed`; the router
-takes them out of rotation and brings them in line later.
+the first refusal (an adapter sync: if any replica refused it). Replicas that refused while
+others succeeded are named in `failed`; the router takes them out of rotation and brings them
+in line later.
 
 `FleetState` is what every replica should be in: policy version, paused (and how), suspended,
 and the last weight update, replayed to a replica that comes back (or joins) on an older
@@ -45,6 +46,9 @@ from weight_sync import DiskSource
 logger = logging.getLogger(__name__)
 
 Reply = Union[Result, ErrorReply]
+# NOTE: an adapter sync's answer is a refusal if any replica refused it: a trainer told it committed
+# would go on while that replica serves requests naming the adapter on its previous version
+ALL_OR_REFUSED = frozenset({Kind.SYNC_LORA})
 
 
 @dataclass(eq=False, slots=True)
@@ -86,7 +90,7 @@ class Fanout:
         """The one reply to the client (its request id; see module docstring)."""
         rid = self.msg.request_id
         ok = [self.replies[r] for r in self.succeeded]
-        if not ok:
+        if not ok or (request_kind in ALL_OR_REFUSED and self.failed):
             errors = [self.replies[r] for r in self.failed]
             if errors:
                 first = errors[0]

@@ -34,6 +34,7 @@ from rollout.wire.messages import (
     KvEvents,
     ListLoras,
     LoadLora,
+    LoraInfo,
     Pause,
     RequestMessage,
     ResetPrefixCache,
@@ -41,6 +42,7 @@ from rollout.wire.messages import (
     Resume,
     Stats,
     Suspend,
+    SyncLora,
     UnloadLora,
     UpdateWeights,
     kind_of,
@@ -78,6 +80,7 @@ class ServerCalls:
             Health: self.health, Heartbeat: self.heartbeat, GetWeightVersion: self.heartbeat,
             KvEvents: self.kv_events, IsSleeping: self.is_sleeping,
             LoadLora: self.load_lora, UnloadLora: self.unload_lora, ListLoras: self.list_loras,
+            SyncLora: self.sync_lora,
         }
 
     # ---- answered without the engine -----------------------------------------------------------
@@ -180,6 +183,13 @@ class ServerCalls:
         outcome = self.server.receiver.apply(msg.source, msg.policy)
         self._answer(peer, msg, outcome, lambda o: {"stats": {"committed": int(o.committed),
                                                                   "bytes_received": o.bytes_received}})
+
+    def sync_lora(self, peer: bytes, msg: SyncLora, now: float) -> None:
+        # NOTE: on the receiver's worker, as a full update: the socket thread never waits on the bytes
+        outcome = self.server.receiver.apply_lora(msg.source)
+        self._answer(peer, msg, outcome, lambda o: {
+            "loras": [LoraInfo(name=o.name, version=o.version, rank=o.rank)],
+            "stats": {"committed": 1, "bytes_received": o.bytes_received}})
 
     def join_group(self, peer: bytes, msg: InitWeightsUpdateGroup, now: float) -> None:
         rank = self.server.receiver.join_group(msg.master_address, msg.master_port, msg.rank_offset, msg.world_size,

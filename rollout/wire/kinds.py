@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 
-PROTOCOL_VERSION = 14  # 2: UpdateWeights.policy; 3: KvEvents, Result.kv_events; weight sync (group kinds,
+PROTOCOL_VERSION = 15  # 2: UpdateWeights.policy; 3: KvEvents, Result.kv_events; weight sync (group kinds,
 # distributed / shared-memory sources); 4: an update's version lives in its source alone (UpdateWeights
 # has no target_version; the disk source says the version of a plain checkpoint); IsSleeping, Result.sleeping;
 # 5: ErrorCode.OVERLOADED, Generate.client (whom a router forwards for: fair admission behind it); Sampling's
@@ -20,7 +20,8 @@ PROTOCOL_VERSION = 14  # 2: UpdateWeights.policy; 3: KvEvents, Result.kv_events;
 # 11: SampleOutput.cached_tokens; 12: Sampling.speculative (a request's opt-out of speculative decoding);
 # 13: Sampling.prefix_cache_policy, Generate.session_id reaches the engine (salted sessions), KvEvent's salt and
 # versions, FinishReason.STALE;
-# 14: LoRA adapters (Sampling.lora_name; LoadLora, UnloadLora, ListLoras; Result.loras)
+# 14: LoRA adapters (Sampling.lora_name; LoadLora, UnloadLora, ListLoras; Result.loras);
+# 15: SyncLora (an adapter-only weight sync: weight_sync.AdapterSource over a group or shared memory)
 MAX_REQUEST_ID_LENGTH = 256
 MAX_SAMPLES = 1024  # n per Generate
 MAX_STOP_TOKENS = 1024  # also: bad-word sequences per request, and tokens per sequence
@@ -58,6 +59,7 @@ class Kind(enum.IntEnum):
     LOAD_LORA = 17
     UNLOAD_LORA = 18
     LIST_LORAS = 19
+    SYNC_LORA = 20  # an adapter's tensors alone, from a trainer (weight_sync.lora_sync)
 
 
 class ErrorCode(enum.IntEnum):
@@ -82,5 +84,5 @@ REQUEST_KINDS = frozenset(k for k in Kind if k < 64)
 BROADCAST_KINDS = frozenset({Kind.PAUSE, Kind.CONTINUE, Kind.SUSPEND, Kind.RESUME, Kind.UPDATE_WEIGHTS,
                              Kind.RESET_PREFIX_CACHE, Kind.STATS, Kind.INIT_WEIGHTS_UPDATE_GROUP,
                              Kind.DESTROY_WEIGHTS_UPDATE_GROUP, Kind.GET_WEIGHT_VERSION, Kind.IS_SLEEPING,
-                             Kind.LOAD_LORA, Kind.UNLOAD_LORA, Kind.LIST_LORAS})
+                             Kind.LOAD_LORA, Kind.UNLOAD_LORA, Kind.LIST_LORAS, Kind.SYNC_LORA})
 REPLY_KINDS = frozenset(k for k in Kind if k >= 64)

@@ -44,7 +44,7 @@ from rollout.wire.kinds import (
     Kind,
 )
 from rollout.wire.packing import as_float32, as_int32, check_non_negative, check_same_length
-from weight_sync.sources import DEFAULT_GROUP, GroupName, WeightSource
+from weight_sync.sources import DEFAULT_GROUP, AdapterSource, GroupName, WeightSource
 
 
 class KvOp(enum.IntEnum):
@@ -272,6 +272,14 @@ class UnloadLora(_Request, tag=Kind.UNLOAD_LORA.value):
     lora_name: LoraName
 
 
+class SyncLora(_Request, tag=Kind.SYNC_LORA.value):
+    """A trainer's adapter-only sync (`weight_sync.lora_sync`): adapter `source.name`'s tensors over
+    a weight-update group or in shared memory, committed whole as its next version
+    (`Result.loras`: the adapter as committed; `Result.stats["bytes_received"]`: this update's)."""
+
+    source: AdapterSource
+
+
 class ListLoras(_Request, tag=Kind.LIST_LORAS.value):
     """The loaded adapters (`Result.loras`)."""
 
@@ -459,7 +467,7 @@ class ErrorReply(_Message, tag=Kind.ERROR.value):
 
 RequestMessage = Union[Generate, Abort, Pause, Continue, Suspend, Resume, UpdateWeights, ResetPrefixCache,
                        Stats, Health, Heartbeat, KvEvents, InitWeightsUpdateGroup, DestroyWeightsUpdateGroup,
-                       GetWeightVersion, IsSleeping, LoadLora, UnloadLora, ListLoras]
+                       GetWeightVersion, IsSleeping, LoadLora, UnloadLora, ListLoras, SyncLora]
 ReplyMessage = Union[SampleOutput, TokenDelta, Result, ErrorReply]
 Message = Union[RequestMessage, ReplyMessage]
 

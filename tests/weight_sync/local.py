@@ -52,6 +52,10 @@ class LocalControl:
     def weight_version(self) -> int:
         return self.receiver.engine.policy_version
 
+    def update_lora(self, source) -> int:
+        """An adapter-only sync, on the receiver's worker as a server runs it (its typed errors)."""
+        return self.receiver.apply_lora(source).result(30).version
+
 
 def corrupting_pipeline(bucket: int):
     """(`WeightGroup.pipeline` that flips one bit of bucket `bucket`'s first piece on the trainer's

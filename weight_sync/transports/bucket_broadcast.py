@@ -224,19 +224,23 @@ class DistributedTransport:
     transports = (Transport.GLOO, Transport.NCCL)
     source_type = DistributedSource
 
-    def send(self, sender: Any, named: list[tuple[str, torch.Tensor]], version: int, policy: Any) -> int:
-        """The bytes moved; made (again) first: the group, when there is none or it broke."""
+    def send(self, sender: Any, named: list[tuple[str, torch.Tensor]], version: Optional[int], policy: Any, *,
+             tell: Optional[Callable[[Any, DistributedSource], Any]] = None, what: Optional[str] = None) -> int:
+        """The bytes moved; made (again) first: the group, when there is none or it broke.
+        `tell(target, source)`: how each target hears of the update (default `update(source,
+        policy)`; an adapter sync wraps the source in its own call)."""
         if sender.group is None or sender.group.broken is not None:
             sender.regroup()
-        if sender.tensor_by_tensor:
+        if sender.tensor_by_tensor and tell is None:
             return self._send_tensor_by_tensor(sender, named, version, policy)
         group = sender.group
         tensors = [t for _, t in named]
         manifest = manifest_for(named, bucket_bytes=sender.bucket_bytes, version=version)
         fill_checksums(manifest, tensors)  # NOTE: the manifest goes first, so its checksums are computed first
         source = DistributedSource(manifest=manifest, group_name=sender.group_name)
-        futures = sender.each(lambda t: t.update(source, policy))
-        return sender.move_then_collect(futures, f"sync to version {version}",
+        tell = tell or (lambda t, s: t.update(s, policy))
+        futures = sender.each(lambda t: tell(t, source))
+        return sender.move_then_collect(futures, what or f"sync to version {version}",
                                         lambda: send_buckets(group, manifest, tensors))
 
     @staticmethod

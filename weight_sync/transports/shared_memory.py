@@ -7,7 +7,8 @@ into its staged update; the sender's memory is reused only once every replica an
 from __future__ import annotations
 
 import secrets
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 
@@ -25,32 +26,38 @@ class SharedMemoryTransport:
     transports = (Transport.SHM,)
     source_type = SharedMemorySource
 
-    def send(self, sender: Any, named: list[tuple[str, torch.Tensor]], version: int, policy: Any) -> int:
+    def send(self, sender: Any, named: list[tuple[str, torch.Tensor]], version: Optional[int], policy: Any, *,
+             tell: Optional[Callable[[Any, SharedMemorySource], Any]] = None, what: Optional[str] = None) -> int:
+        """The bytes moved. `tell(target, source)`: how each target hears of the update (default
+        `update(source, policy)`; an adapter sync wraps the source in its own call)."""
         manifest = manifest_for(named, bucket_bytes=sender.bucket_bytes, version=version)
         tensors = [t for _, t in named]
+        tell = tell or (lambda t, s: t.update(s, policy))
+        what = what or f"sync to version {version}"
         if not tensors or tensors[0].device.type != "cuda":
-            return self._fill_segment(sender, manifest, tensors, version, policy)
+            return self._fill_segment(sender, manifest, tensors, tell, what)
         sender.cuda_buckets = [torch.empty(b.nbytes, dtype=torch.uint8, device=tensors[0].device)
                                for b in manifest.layout.buckets]
         for i, buf in enumerate(sender.cuda_buckets):
             manifest.layout.buckets[i].checksum = pack_bucket(manifest, i, tensors, buf)
         torch.cuda.current_stream().synchronize()
         source = SharedMemorySource(manifest=manifest, cuda_ipc=[export_cuda(b) for b in sender.cuda_buckets])
-        futures = sender.each(lambda t: t.update(source, policy))
-        sender.collect(futures, f"sync to version {version}")
+        futures = sender.each(lambda t: tell(t, source))
+        sender.collect(futures, what)
         sender.cuda_buckets = []  # NOTE: every receiver answered: they copied what they needed
         return manifest.total_bytes
 
     @staticmethod
-    def _fill_segment(sender: Any, manifest: Manifest, tensors: list[torch.Tensor], version: int, policy: Any) -> int:
+    def _fill_segment(sender: Any, manifest: Manifest, tensors: list[torch.Tensor],
+                      tell: Callable[[Any, SharedMemorySource], Any], what: str) -> int:
         """The source goes first; the segment is filled while the replicas copy it."""
         plan = SegmentPlan.of(manifest, sender.piece_bytes)
         region = sender.regions.get(plan.segment_bytes)
         token = secrets.randbits(63) or 1
         source = SharedMemorySource(manifest=manifest, segment=region.name, token=token, piece_bytes=plan.piece_bytes)
-        futures = sender.each(lambda t: t.update(source, policy))
+        futures = sender.each(lambda t: tell(t, source))
         sources = [as_bytes(t).numpy() for t in tensors]
-        return sender.move_then_collect(futures, f"sync to version {version}",
+        return sender.move_then_collect(futures, what,
                                         lambda: fill_segment(region, plan, sources, token))
 
     def receive(self, receiver: Any, source: SharedMemorySource, policy: Any) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -34,18 +35,21 @@ from rollout.wire.messages import (
     KvEvent,
     KvEvents,
     KvOp,
+    LoraInfo,
     Pause,
     Result,
     Resume,
     SampleOutput,
     Sampling,
     Suspend,
+    SyncLora,
     TokenDelta,
     UpdateWeights,
 )
 from tests.rollout.conftest import small_engine_config, tiny_policy
 from tests.rollout.service_util import greedy
-from weight_sync import DiskSource
+from weight_sync import AdapterSource, DiskSource, DistributedSource
+from weight_sync.buckets import manifest_for
 
 # ---- placement -----------------------------------------------------------------------------------
 
@@ -195,7 +199,7 @@ def test_fleet_sync_plans_bring_a_replica_in_step():
 
 
 def test_a_weight_sync_broadcast_is_never_replayed_to_a_lagging_replica():
-    from weight_sync import DistributedSource, Manifest
+    from weight_sync import Manifest
 
     ids = iter(f"s{i}" for i in range(100)).__next__
     fleet = FleetState(version=3)
@@ -224,6 +228,19 @@ def test_fanout_outcome_and_merged_figures():
     refused.add("a", "y")
     refused.on_reply("a", ErrorReply(code=ErrorCode.ENGINE_STATE, message="no", request_id="y"))
     assert refused.outcome(Kind.PAUSE, 2).code is ErrorCode.ENGINE_STATE
+    # an adapter sync is refused if any replica refused it (a trainer must not go on as if all committed)
+    named = [(f"base_model.model.model.layers.0.self_attn.q_proj.lora_{ab}.weight", torch.zeros(shape))
+             for ab, shape in (("A", (4, 32)), ("B", (32, 4)))]
+    source = AdapterSource(name="policy", rank=4, alpha=8.0, target_modules=["q_proj"],
+                           payload=DistributedSource(manifest=manifest_for(named, version=2)))
+    synced = Fanout(b"peer", SyncLora(request_id="c-3", source=source))
+    for name in ("a", "b"):
+        synced.add(name, f"z-{name}")
+    synced.on_reply("a", Result(request_id="z-a", request_kind=Kind.SYNC_LORA, loras=[
+        LoraInfo(name="policy", version=2, rank=4)]))
+    synced.on_reply("b", ErrorReply(code=ErrorCode.INVALID_REQUEST, message="checksum", request_id="z-b"))
+    out = synced.outcome(Kind.SYNC_LORA, 2)
+    assert isinstance(out, ErrorReply) and "checksum" in out.message and "replicas b" in out.message
     assert sum_stats([{"bytes": 1, "k": "x"}, {"bytes": 2}]) == {"bytes": 3, "k": "x"}
     merged = merge_stats([{"engine/steps": 3, "engine/prefix_hit_rate": 0.5, "engine/state": "running", "x": 1,
                            "engine/generated_tokens": 5},

@@ -21,7 +21,7 @@ import numpy as np
 from inference import FinishReason, LogprobsMode, PauseMode, Staging, SuspendPolicy, UpdatePolicy
 from rollout.wire import codec, kinds
 from rollout.wire import messages as wire
-from weight_sync import DeltaSource, DiskSource, DistributedSource, SharedMemorySource, VersionSource
+from weight_sync import AdapterSource, DeltaSource, DiskSource, DistributedSource, SharedMemorySource, VersionSource
 from weight_sync.delta_manifest import DeltaManifest, Encoding, TensorChange
 from weight_sync.manifest import Bucket, Layout, Manifest
 from weight_sync.sources import CudaIpcBuffer
@@ -36,6 +36,13 @@ def manifest(layout: bool = True) -> Manifest:
     return Manifest(names=["model.embed_tokens.weight", "lm_head.weight"], dtypes=["float32", "bfloat16"],
                     shapes=[[16, 8], [16, 8]], version=7, total_bytes=768,
                     layout=Layout(offsets=[0, 512], buckets=[Bucket(0, 2, 768, 2**63 + 5)]) if layout else None)
+
+
+def adapter_manifest() -> Manifest:
+    """One layer's q_proj LoRA of rank 8 (PEFT's names) in one bucket."""
+    names = [f"base_model.model.model.layers.0.self_attn.q_proj.lora_{ab}.weight" for ab in "AB"]
+    return Manifest(names=names, dtypes=["float32", "float32"], shapes=[[8, 16], [16, 8]], version=3,
+                    layout=Layout(offsets=[0, 512], buckets=[Bucket(0, 2, 1024, 2**63 + 9)]))
 
 
 def delta_manifest(base_version) -> DeltaManifest:
@@ -111,6 +118,13 @@ def messages() -> dict[str, tuple[msgspec.Struct, list[str]]]:
         "load_lora": (p.LoadLora(request_id="l1", lora_name="math", lora_path="/adapters/math"),
                       ["request_id", "lora_name", "lora_path"]),
         "unload_lora": (p.UnloadLora(request_id="l2", lora_name="math"), ["request_id", "lora_name"]),
+        "sync_lora_distributed": (p.SyncLora(request_id="l4", source=AdapterSource(
+            name="policy", rank=8, alpha=16.0, target_modules=["q_proj"],
+            payload=DistributedSource(manifest=adapter_manifest(), group_name="g"))), []),
+        "sync_lora_shm": (p.SyncLora(request_id="l5", source=AdapterSource(
+            name="policy", rank=8, alpha=16.0, rslora=True, target_modules=["q_proj"],
+            payload=SharedMemorySource(manifest=adapter_manifest(), segment="rollout-wsync-12-0123456789abcdef",
+                                       token=99))), []),
         "list_loras": (p.ListLoras(request_id="l3"), ["request_id"]),
         "result_loras": (p.Result(request_id="l3", request_kind=p.Kind.LIST_LORAS, policy_version=3,
                                   loras=[p.LoraInfo(name="math", version=2, rank=16, path="/adapters/math"),

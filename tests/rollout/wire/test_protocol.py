@@ -60,6 +60,7 @@ from rollout.wire.messages import (
     Sampling,
     Stats,
     Suspend,
+    SyncLora,
     TokenDelta,
     UnloadLora,
     UpdateWeights,
@@ -116,7 +117,22 @@ def weight_sync_examples() -> list:
                                rank_offset=1, group_name="wsync", backend="gloo", timeout_s=5.0),
         DestroyWeightsUpdateGroup(request_id="c-22", group_name="wsync"),
         GetWeightVersion(request_id="c-23"),
+        SyncLora(request_id="c-24", source=adapter_source()),
     ]
+
+
+def adapter_source():
+    """A rank-4 q_proj adapter's tensors in shared memory (the names and buckets an adapter sync sends)."""
+    import torch
+
+    from weight_sync import AdapterSource, SharedMemorySource
+    from weight_sync.buckets import manifest_for
+
+    named = [(f"base_model.model.model.layers.0.self_attn.q_proj.lora_{ab}.weight", torch.zeros(s))
+             for ab, s in (("A", (4, 32)), ("B", (32, 4)))]
+    return AdapterSource(name="policy", rank=4, alpha=8.0, target_modules=["q_proj"],
+                         payload=SharedMemorySource(manifest=manifest_for(named, version=2),
+                                                    segment="rollout-wsync-1-0123456789abcdef", token=7))
 
 
 EXAMPLES = examples() + weight_sync_examples()
@@ -147,7 +163,7 @@ def test_kinds_have_fixed_numbers_requests_low_replies_high():
         "SAMPLE_OUTPUT": 64, "TOKEN_DELTA": 65, "RESULT": 66, "ERROR": 67,
     } | {"INIT_WEIGHTS_UPDATE_GROUP": 13, "DESTROY_WEIGHTS_UPDATE_GROUP": 14, "GET_WEIGHT_VERSION": 15,
                                                                                    "IS_SLEEPING": 16,
-         "LOAD_LORA": 17, "UNLOAD_LORA": 18, "LIST_LORAS": 19}
+         "LOAD_LORA": 17, "UNLOAD_LORA": 18, "LIST_LORAS": 19, "SYNC_LORA": 20}
     assert sorted(raw(m)["kind"] for m in EXAMPLES) == sorted(k.value for k in Kind)
 
 
