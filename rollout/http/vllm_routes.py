@@ -176,9 +176,10 @@ async def finish_session(request: Request,
 
 
 async def data_parallel_size(front: HttpFront) -> int:
-    """The engines behind this front: a router's replicas up (as vLLM's data parallel ranks, each
-    one worker), else 1."""
-    return int((await engine_call(front.client.stats())).get("replicas_up", 1))
+    """The engines behind this front: a router's replicas in its weight group (up, or lagging and
+    brought back by the next update; as vLLM's data parallel ranks, each one worker), else 1."""
+    stats = await engine_call(front.client.stats())
+    return int(stats.get("replicas_weight_group", stats.get("replicas_up", 1)))
 
 
 @router.get("/get_world_size")

@@ -13,7 +13,8 @@ and the last weight update, replayed to a replica that comes back (or joins) on 
 version. The broadcast is generic over message kinds: it copies the client's message for each
 replica (a fresh request id) and never looks inside beyond `Pause.mode` and `UpdateWeights`; a
 weight transport that cannot be replayed to one replica later (a collective broadcast) leaves a
-lagging replica out until the next update reaches it.
+lagging replica out until the trainer's next in-memory update, which reaches it too
+(`ReplicaSet.lagging`).
 
 `merge_stats` turns the replicas' `Stats` into one engine-level view for the router's own.
 """

@@ -47,6 +47,7 @@ from rollout.wire.codec import ProtocolError, decode_reply, encode
 from rollout.wire.kinds import Kind
 from rollout.wire.messages import (
     Abort,
+    DestroyWeightsUpdateGroup,
     ErrorReply,
     Health,
     InitWeightsUpdateGroup,
@@ -54,14 +55,27 @@ from rollout.wire.messages import (
     RequestMessage,
     Result,
     SampleOutput,
+    SyncLora,
     TokenDelta,
+    UpdateWeights,
 )
 from rollout.wire.security import ClientSecurity
+from weight_sync.sources import DeltaSource, DistributedSource, SharedMemorySource
 
 logger = logging.getLogger(__name__)
 
 KINDS = {cls: Kind(cls.__struct_config__.tag) for cls in RequestMessage.__args__}
 _STATEFUL = {Kind.PAUSE, Kind.CONTINUE, Kind.SUSPEND, Kind.RESUME, Kind.UPDATE_WEIGHTS, Kind.RESET_PREFIX_CACHE}
+
+
+def carries_weights(msg: RequestMessage) -> bool:
+    """A broadcast of the trainer's weight group: forming or leaving it, or weights moved in memory
+    over it (a broadcast, a shared-memory segment, a delta with its full manifest, an adapter).
+    A directory or a version alone is not: the first is replayed per replica, the second moves no
+    weights (it would mislabel a lagging replica's old ones)."""
+    if isinstance(msg, UpdateWeights):
+        return isinstance(msg.source, (DistributedSource, SharedMemorySource, DeltaSource))
+    return isinstance(msg, (InitWeightsUpdateGroup, DestroyWeightsUpdateGroup, SyncLora))
 
 
 class Sink(Protocol):
@@ -306,12 +320,15 @@ class ReplicaSet:
     # ---- control broadcast ---------------------------------------------------------------------
 
     def broadcast(self, fan: Fanout, now: float) -> None:
-        """Send `fan.msg` to every replica that is up; `Sink.control_done` once all answered."""
+        """Send `fan.msg` to every replica that is up (a weight group's broadcast: and to those
+        `lagging`); `Sink.control_done` once all answered."""
         fan.broadcast = True
         if KINDS[type(fan.msg)] is Kind.UPDATE_WEIGHTS:
             self._updating += 1
             fan.on_done = self._update_done
         up = [link for link in self.links.values() if link.state is ReplicaState.UP]
+        if carries_weights(fan.msg):
+            up += self.lagging(now)
         offset = fan.msg.rank_offset if isinstance(fan.msg, InitWeightsUpdateGroup) else None
         if offset is not None:
             # NOTE: the fleet stands for one engine of len(up) workers, as vLLM's and SGLang's
@@ -322,6 +339,18 @@ class ReplicaSet:
             self.send_part(link, fan, msg)
         if fan.done:
             self._fanout_done(fan, now)
+
+    def lagging(self, now: float) -> list[ReplicaLink]:
+        """Replicas out only because they lag: healthy, on another policy version than the fleet's,
+        with no update the router could replay to them (`FleetState.sync_plan`: only a directory
+        can be read again). What brings them back is the trainer's next in-memory update, so the
+        weight group's broadcasts (`carries_weights`) reach them too: they join the group with the
+        others, a full sync (a delta's full manifest) moves them to the fleet's version, and their
+        next health reply brings them up. They are never routed requests meanwhile."""
+        fleet = self.fleet
+        return [link for link in self.links.values()
+                if link.state is ReplicaState.DOWN and link.looks_healthy(now) and fleet.version is not None
+                and link.version != fleet.version and fleet.last_update is None]
 
     def send_part(self, link: ReplicaLink, fan: Fanout, msg: RequestMessage) -> None:
         part_id = self.next_id("c")
@@ -339,7 +368,10 @@ class ReplicaSet:
                     self.take_out(self.links[name], f"{kind.name} failed: {fan.replies[name].message}", now)
             for name in fan.succeeded:
                 link = self.links.get(name)
-                if link is not None and link.version != self.fleet.version:
+                if link is not None and link.state is ReplicaState.DOWN and kind is Kind.UPDATE_WEIGHTS:
+                    link.heard(now, fan.replies[name].policy_version)  # a lagging one, in step again:
+                    link.retry_at = now  # NOTE: up at its next health reply (`_sync`), not after a back-off
+                elif link is not None and link.version != self.fleet.version:
                     self.take_out(link, f"at policy version {link.version}, the fleet at {self.fleet.version}", now)
         if fan.on_done is not None:
             fan.on_done(fan)

@@ -342,7 +342,11 @@ class RolloutRouter:
         merged = merge_stats([fan.replies[r].stats or {} for r in fan.succeeded])
         merged.update(policy_version=fleet.version or 0, state=fleet.engine_state)
         extra: dict[str, Any] = {"replicas": len(self.replica_set.links),
-                                 "replicas_up": len(self.replica_set.candidates())}
+                                 "replicas_up": len(self.replica_set.candidates()),
+                                 # the replicas a weight group's broadcast reaches: up, and lagging ones
+                                 "replicas_weight_group": sum(link.state is ReplicaState.UP
+                                                              for link in self.replica_set.links.values())
+                                 + len(self.replica_set.lagging(time.monotonic()))}
         for name, info in self._infos().items():
             prefix = f"replica/{name}/"
             extra.update({prefix + "state": info.state.value, prefix + "address": info.address,

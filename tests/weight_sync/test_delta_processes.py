@@ -158,11 +158,23 @@ def router_sees(client: RolloutClient, versions: list[int]) -> None:
         time.sleep(0.1)
 
 
-def test_behind_a_router_a_replica_moved_to_another_version_reads_the_full_manifest(replicas, models, tmp_path):
+def router_waits(client: RolloutClient, key: str, want: int) -> None:
+    """Wait (bounded) until the router's stat `key` is `want` (its health checks move it)."""
+    deadline = time.monotonic() + 10.0
+    while (seen := int(client.stats()[key])) != want:
+        assert time.monotonic() < deadline, f"the router's {key} is {seen}, not {want}"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("transport", [Transport.SHM, Transport.GLOO])
+def test_behind_a_router_a_replica_moved_to_another_version_reads_the_full_manifest(replicas, models, tmp_path,
+                                                                                     transport):
     """The sender reads each replica's version from the router's stats; the replica that another
     trainer moved on takes the same source's full manifest (a pure delta it would have refused).
-    NOTE: the router itself then keeps the replica it considers stale out of rotation, and sends
-    it no broadcast (its policy: only a directory can be replayed), so that one stays behind."""
+    The router follows the moved one (the newer version) and takes the other out as lagging, with
+    no update to replay; the trainer's next sync still reaches it (a weight group's broadcast goes
+    to lagging replicas too: over gloo the group would not even form without it), so both end on
+    the new version and the router takes the lagging one back."""
     from rollout.router.process import RouterProcess
 
     (procs, clients), (dirs, expected) = replicas, models
@@ -170,7 +182,7 @@ def test_behind_a_router_a_replica_moved_to_another_version_reads_the_full_manif
     addresses = ",".join(p.address for p in procs)  # NOTE: the module's replicas, behind a router of this test's
     with RouterProcess("--replicas", addresses, ready_timeout=60) as router, \
             RolloutClient(router.address, timeout=30) as client:
-        with WeightSender([client], Transport.SHM, replicas=2, delta=True, timeout_s=TIMEOUT_S,
+        with WeightSender([client], transport, replicas=2, delta=True, timeout_s=TIMEOUT_S,
                           bucket_bytes=32 * 1024, piece_bytes=64 * 1024) as sender:
             sender.sync(hf_weights(dirs["base"]), version=v + 1)
             router_sees(client, [v + 1, v + 1])
@@ -180,7 +192,10 @@ def test_behind_a_router_a_replica_moved_to_another_version_reads_the_full_manif
                     WeightSender([b], Transport.DISK, directory=tmp_path, timeout_s=TIMEOUT_S) as other:
                 other.sync(hf_weights(dirs["step2"]), version=v + 2)  # another trainer moved one replica on
             router_sees(client, [v + 1, v + 2])
+            router_waits(client, "replicas_up", 1)  # the one left at v + 1 is out: nothing routed to it
+            router_waits(client, "replicas_weight_group", 2)  # ... but it is in the weight group
             assert sender.sync(hf_weights(dirs["step1"]), version=v + 3) == v + 3
-            assert sender.stats.last_delta and sender.stats.last_full_replicas == 1
-        with RolloutClient(moved, timeout=30) as replica:
-            assert int(replica.get_weight_version()) == v + 3 and remote_outputs(replica) == expected["step1"]
+            assert sender.stats.last_delta and sender.stats.last_full_replicas == 1  # the moved one: in full
+            router_waits(client, "replicas_up", 2)  # both on v + 3: the lagging one is back
+        for c in clients:
+            assert int(c.get_weight_version()) == v + 3 and remote_outputs(c) == expected["step1"]
