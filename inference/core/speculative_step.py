@@ -78,11 +78,21 @@ class SpeculativeSteps:
         (nothing changed) when the caller should run it as usual."""
         if plan.num_decode != plan.slots.size or plan.slots.size > self.config.max_rows:
             return False
+        if self._forks_pending(plan.slots):
+            return False
         drafts = self._propose(plan.slots)
         if drafts is None:
             return False
         self._verify(plan, drafts)
         return True
+
+    def _forks_pending(self, slots: np.ndarray) -> bool:
+        """Whether a group leader samples its first token this step: its samples fork from it in
+        the plain step (`Scheduler.fork_groups`), never in a verify one. NOTE: a prompt whose last
+        chunk is one token (chunk boundaries, a cached prefix) decodes it, so this does happen."""
+        ctx = self.core.context
+        first = slots[ctx.seq_len[slots] == ctx.prompt_len[slots]]
+        return any(ctx.requests[slot].fork_children for slot in first.tolist())
 
     def _propose(self, slots: np.ndarray) -> list[np.ndarray] | None:
         """Each slot's proposed tokens with their blocks taken, or None when none has any."""

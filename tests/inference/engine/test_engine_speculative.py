@@ -185,6 +185,26 @@ def test_hybrid_models_are_refused_with_a_clear_error():
         DynamicInferenceEngine.from_pretrained(tiny_hybrid("bamba", seed=7), config(SPEC))
 
 
+def test_a_group_leader_decoding_its_last_prompt_token_still_forks_its_samples():
+    """A prompt whose last chunk is one token decodes it; were that step a verify step, the leader's
+    samples would never fork from it and would wait for ever."""
+    hf = MODELS["llama"]()
+    prompt = [7, 8] * 4 + [7]  # a chunk of 8, then the last token as a decode; repeating: proposals
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=1, n=3, ignore_eos=True)
+    engine = DynamicInferenceEngine.from_pretrained(hf, config(SPEC))
+    ids = engine.add_request(prompt, params)
+    done = {}
+    for _ in range(100):  # NOTE: bounded: the bug this guards against is a hang
+        for out in engine.step():
+            done[out.request_id] = out
+        if not engine.has_unfinished_requests():
+            break
+    assert sorted(done) == sorted(ids)
+    plain, _ = generate(hf, None, [prompt], params)
+    assert_same(plain, [done[i] for i in ids])
+    assert_speculated(engine)
+
+
 def test_a_request_may_opt_out():
     hf = MODELS["qwen3"]()
     prompts = random_prompts(2, 3, 20, seed=7)
