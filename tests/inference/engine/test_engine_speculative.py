@@ -16,7 +16,6 @@ from inference.kv_cache.block_key import BlockKey
 from inference.kv_cache.hashing import block_hashes
 from inference.sampling.params import LogprobsMode
 from tests.inference.engine.conftest import hf_greedy, random_prompts, tiny_llama, tiny_qwen3
-from tests.inference.models.hybrid.tiny import tiny_hybrid
 from tests.inference.models.moe.tiny import tiny_moe
 from tests.inference.sampling.test_sampler import reference
 from tests.reference import float64_copy
@@ -178,11 +177,6 @@ def test_requests_with_logit_processors_are_refused_and_say_so():
     assert_same(plain, spec)
     stats = engine.stats()
     assert stats["spec_refused_logit_processors"] >= 4 and stats["spec_proposed_tokens"] == 0
-
-
-def test_hybrid_models_are_refused_with_a_clear_error():
-    with pytest.raises(ValueError, match="hybrid"):
-        DynamicInferenceEngine.from_pretrained(tiny_hybrid("bamba", seed=7), config(SPEC))
 
 
 def test_a_group_leader_decoding_its_last_prompt_token_still_forks_its_samples():
