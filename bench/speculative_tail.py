@@ -10,8 +10,9 @@ Workloads (`--workload`):
 * `arithmetic` (SmolLM2): the GRPO demo's task ("What is a + b?"), `--prompts` x `--n` samples at
   the demo's GRPO temperature (0.7, `--temperature`) with natural EOS up to `--max-tokens`: most
   samples answer in a few tokens, a few ramble.
-* `random` (SmolLM2 and the tiny random Llama): random-token prompts, lognormal output lengths
-  (median `--median-len`, sigma 0.8, so a few samples run 4-8x the median), `ignore_eos`: a
+* `random` (SmolLM2, the tiny random Llama and `--model hybrid`, a random Bamba: Mamba2 +
+  attention, whose verify steps roll the Mamba state back): random-token prompts, lognormal output
+  lengths (median `--median-len`, sigma 0.8, so a few samples run 4-8x the median), `ignore_eos`: a
   workload where little matches, to show what speculation costs when it does not pay.
 
 Per batch: wall time, and the tail (wall time after 90% of the samples finished). Printed per
@@ -19,7 +20,7 @@ model and workload: medians over `--repeats` rounds, ratio = not speculative / s
 speculation is faster), the acceptance rate (kept / proposed tokens) and tokens per row of the
 speculative steps, and tokens per engine step of both.
 
-Usage: `python bench/speculative_tail.py [--model tiny|smollm2|both] [--workload arithmetic|random|both]
+Usage: `python bench/speculative_tail.py [--model tiny|smollm2|hybrid|both] [--workload arithmetic|random|both]
 [--repeats 3] [--prompts 8] [--n 8] [--threads 2]`. One `RESULT {json}` line per model and workload.
 """
 
@@ -36,11 +37,23 @@ import sys  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
-from common import MODELS, SMOLLM2, TINY, hf_model, machine_line, median, print_result, set_threads  # noqa: E402
+from common import (  # noqa: E402
+    MODELS,
+    SMOLLM2,
+    TINY,
+    ModelChoice,
+    hf_model,
+    machine_line,
+    median,
+    print_result,
+    set_threads,
+)
 
 from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams  # noqa: E402
 from inference.config import SpeculativeConfig  # noqa: E402
 
+HYBRID = ModelChoice("hybrid", "random Bamba (bench/hybrid.py): hidden 256, 3 Mamba2 + 1 attention layers, "
+                              "vocab 32000")
 TAIL_FRACTION = 0.9  # the tail starts when this share of a batch's samples has finished
 
 
@@ -84,8 +97,13 @@ def timed_batch(engine: DynamicInferenceEngine, prompts, params) -> dict:
 
 
 def run(model_name: str, workload: str, args) -> bool:
-    choice = MODELS[model_name]
-    hf = hf_model(choice, torch.float32)
+    if model_name == HYBRID.name:
+        from hybrid import hybrid_model
+
+        choice, hf = HYBRID, hybrid_model("bamba")
+    else:
+        choice = MODELS[model_name]
+        hf = hf_model(choice, torch.float32)
     tokenizer = None
     if choice is SMOLLM2:
         from transformers import AutoTokenizer
@@ -147,7 +165,7 @@ def run(model_name: str, workload: str, args) -> bool:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=["tiny", "smollm2", "both"], default="both")
+    parser.add_argument("--model", choices=["tiny", "smollm2", HYBRID.name, "both"], default="both")
     parser.add_argument("--workload", choices=["arithmetic", "random", "both"], default="both")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=8)

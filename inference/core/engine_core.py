@@ -89,10 +89,6 @@ class EngineCore:
         self.grammars = GrammarCompiler(config.tokenizer, self.vocab_size, self.eos_token_ids.tolist())
         self.scheduler = Scheduler(self.context)
         self.runner = ModelRunner(model, self.caches, config, self.loras.adapter)
-        if config.speculative is not None and self.caches.states is not None:
-            raise ValueError("InferenceConfig.speculative: models with recurrent state (hybrid Mamba) are not "
-                             "supported yet: a rejected proposal would need the state rolled back; "
-                             "use speculative=None")
         # NOTE: None keeps the step exactly as without speculation (one attribute test per step)
         self.speculation = None if config.speculative is None else SpeculativeSteps(self, config.speculative)
         self.state = EngineState.RUNNING

@@ -13,7 +13,9 @@ speculation or without. Unseeded rows draw fresh uniforms per position: the same
 
 Rollback: `kv_len` advances only over the kept tokens (the K/V past them is stale and will be
 overwritten), blocks taken for rejected positions go back to the pool, and only blocks of kept
-tokens are registered in the prefix cache.
+tokens are registered in the prefix cache. A model with recurrent state (hybrid Mamba) leaves its
+state rows untouched by the verify forward and then moves them over the kept tokens only
+(`ModelRunner.advance_states`, see models/hybrid/verify.py), before any request finishes.
 
 Refused per request (counted in the engine's stats, by reason): its own opt-out
 (`SamplingParams.speculative=False`), logit processors (penalties,
@@ -78,11 +80,21 @@ class SpeculativeSteps:
         (nothing changed) when the caller should run it as usual."""
         if plan.num_decode != plan.slots.size or plan.slots.size > self.config.max_rows:
             return False
+        if self._forks_pending(plan.slots):
+            return False
         drafts = self._propose(plan.slots)
         if drafts is None:
             return False
         self._verify(plan, drafts)
         return True
+
+    def _forks_pending(self, slots: np.ndarray) -> bool:
+        """Whether a group leader samples its first token this step: its samples fork from it in
+        the plain step (`Scheduler.fork_groups`), never in a verify one. NOTE: a prompt whose last
+        chunk is one token (chunk boundaries, a cached prefix) decodes it, so this does happen."""
+        ctx = self.core.context
+        first = slots[ctx.seq_len[slots] == ctx.prompt_len[slots]]
+        return any(ctx.requests[slot].fork_children for slot in first.tolist())
 
     def _propose(self, slots: np.ndarray) -> list[np.ndarray] | None:
         """Each slot's proposed tokens with their blocks taken, or None when none has any."""
@@ -176,6 +188,8 @@ class SpeculativeSteps:
         is_stop |= (ctx.stop_ids[row_slots] == sampled[:, None]).any(axis=1)
         accepted = accepted_counts(sampled, drafts, starts)
         kept = cut_at_stops(accepted + 1, is_stop, starts)
+        if batch.verify is not None:  # NOTE: before commit_tokens may finish a request and free its row
+            core.runner.advance_states(batch, kept)
         for slot, state in seeded.items():  # position p keeps its p-th uniform (module docstring)
             gen = ctx.generators[slot]
             gen.set_state(state)

@@ -9,7 +9,7 @@ updated. The dense decoder implements it; hybrid (Mamba) and MoE models implemen
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, runtime_checkable
 
 import torch
@@ -21,17 +21,30 @@ from inference.cache.specs import CacheSpec
 
 
 @dataclass(slots=True)
+class VerifyRows:
+    """A speculative verify step of a stateful model: request `b` owns `lens[b]` consecutive rows
+    (its last token, then its proposed ones), each to be computed as a one-token decode after the
+    rows before it. The recurrent layers leave the state rows as they were and append to `trail`
+    what the model's `advance_states` needs to move each request's state over the rows it keeps."""
+
+    lens: list[int]
+    trail: list[Any] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class StateBatch:
     """Per-request state for one step: the pool's tensors (`name -> [slots + 1, *shape]`), the
     row of each request of the batch (`slots [B]`), and whether it starts from zero (`fresh [B]`,
     its first chunk). A recurrent layer reads its rows, runs the request's tokens, writes back.
     The first `num_decode` requests are decode steps (one sampled token each, state carried); the
-    others are prefill chunks (Mamba2 clamps its step size in prefill only, as its reference does)."""
+    others are prefill chunks (Mamba2 clamps its step size in prefill only, as its reference does).
+    With `verify`, the batch is a speculative verify step instead (`slots` one per request)."""
 
     tensors: Mapping[str, torch.Tensor]
     slots: torch.Tensor
     fresh: torch.Tensor
     num_decode: int = 0
+    verify: Optional[VerifyRows] = None
 
 
 @runtime_checkable

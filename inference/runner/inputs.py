@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from inference.attention.metadata import AttentionMetadata
+from inference.models.protocol import VerifyRows
 from inference.runner.buckets import pick_bucket
 from inference.sched.context import DynamicInferenceContext
 from inference.sched.scheduler import StepPlan
@@ -67,6 +68,8 @@ class StepInputs:
     # rows whose logits are taken (host copies); None when no request of the step has an adapter
     lora_ids: Optional[np.ndarray] = None
     logits_rows: Optional[np.ndarray] = None
+    # a verify step of a stateful model: its requests' rows (the state batch is one per request)
+    verify: Optional[VerifyRows] = None
 
     @property
     def padded_tokens(self) -> int:
@@ -122,6 +125,7 @@ def fill_inputs(buf: InputBuffers, ctx: DynamicInferenceContext, plan: StepPlan,
     """Write the step of `plan` into `buf` and return views of it; with `padded` (and a scratch
     block to pad into), padded to that many tokens."""
     slots, q = plan.slots, plan.query_lens
+    request_slots, request_lens = slots, q
     bs = ctx.block_size
     kv0 = ctx.kv_len[slots]
     if plan.verify:
@@ -187,8 +191,15 @@ def fill_inputs(buf: InputBuffers, ctx: DynamicInferenceContext, plan: StepPlan,
         np.concatenate(rows, out=n["logits_indices"][:num_rows])
     prompt_tokens = int(np.clip(np.minimum(kv1, prompt_len) - kv0, 0, None).sum())
 
-    state_slots = state_fresh = None
-    if ctx.states is not None:
+    state_slots = state_fresh = verify = None
+    if ctx.states is not None and plan.verify:
+        # NOTE: a recurrent layer runs each request's verify rows in order from its one state row
+        b = request_slots.size
+        n["state_slots"][:b] = ctx.state_slot[request_slots]
+        n["state_fresh"][:b] = False  # NOTE: a verify step is made of decodes: each follows its prefill
+        state_slots, state_fresh = buf.t["state_slots"][:b], buf.t["state_fresh"][:b]
+        verify = VerifyRows(request_lens.tolist())
+    elif ctx.states is not None:
         n["state_slots"][:num_reqs] = ctx.state_slot[slots]
         n["state_fresh"][:num_reqs] = kv0 == 0
         if pad:
@@ -232,6 +243,7 @@ def fill_inputs(buf: InputBuffers, ctx: DynamicInferenceContext, plan: StepPlan,
         record_routes=bool(ctx.returns_routes[slots].any()),
         lora_ids=lora_ids,
         logits_rows=None if lora_ids is None else n["logits_indices"][:num_rows].copy(),
+        verify=verify,
     )
 
 

@@ -101,13 +101,21 @@ class ModelRunner:
         self.eager_steps += 1
         kwargs: dict[str, Any] = {}
         if inputs.state_slots is not None:
-            kwargs["states"] = StateBatch(self.caches.states.tensors, inputs.state_slots, inputs.state_fresh,
-                                          inputs.num_decode)
+            kwargs["states"] = self._state_batch(inputs)
         if inputs.lora_ids is not None:
             kwargs["lora"] = LoRABatch(inputs.lora_ids, inputs.logits_rows, self.lora_adapter,
                                        inputs.input_ids.device)
         return self.model.forward(inputs.input_ids, inputs.positions, self.caches.kv, inputs.meta,
                                   inputs.logits_indices, **kwargs)
+
+    def _state_batch(self, inputs: StepInputs) -> StateBatch:
+        return StateBatch(self.caches.states.tensors, inputs.state_slots, inputs.state_fresh, inputs.num_decode,
+                          inputs.verify)
+
+    def advance_states(self, inputs: StepInputs, kept: np.ndarray) -> None:
+        """After the verify forward of `inputs` (a stateful model's): each request's state moves over
+        its first `kept[b]` verify rows, the tokens it keeps."""
+        self.model.advance_states(self._state_batch(inputs), kept.tolist())
 
     def routes_of(self, inputs: StepInputs) -> np.ndarray:
         """The experts of the step's real tokens: `[tokens, moe_layers, k]` (after `forward`)."""

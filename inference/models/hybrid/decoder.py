@@ -24,6 +24,7 @@ from inference.models.dense.decoder import BindReport, DenseDecoder
 from inference.models.hybrid import kernels as mamba_kernels
 from inference.models.hybrid.mamba2 import Mamba2Weights, mamba2_layer
 from inference.models.hybrid.spec import HybridSpec, MixerKind, MixerSpec
+from inference.models.hybrid.verify import advance_layer, verify_layer
 from inference.models.layers import RotaryEmbedding, apply_rotary, rms_norm
 from inference.models.protocol import StateBatch
 
@@ -98,6 +99,7 @@ class HybridDecoder:
                 mixers.append(_Mixer(m, counts[m.kind], self._mixer_tensors(m)))
                 counts[m.kind] += 1
             self._blocks.append((t[block.norm], mixers))
+        self._mamba = [m for _, mixers in self._blocks for m in mixers if m.spec.kind is MixerKind.MAMBA]
 
     def _mixer_tensors(self, m: MixerSpec):
         t, p = self._tensors, m.prefix
@@ -152,6 +154,18 @@ class HybridDecoder:
             x = x + out
         logits = F.linear(self._norm(x, self._final_norm), self._lm_head)
         return logits * s.lm_head_multiplier if s.lm_head_multiplier != 1.0 else logits
+
+    @torch.no_grad()
+    def advance_states(self, states: StateBatch, kept: list[int]) -> None:
+        """After a verify forward with `states.verify`: move request `b`'s state rows over the first
+        `kept[b]` of its verify rows (see `hybrid/verify.py`)."""
+        verify, s = states.verify, self.spec
+        if verify is None or len(verify.trail) != s.num_mamba_layers:
+            raise ValueError("advance_states needs the trail of a verify forward over every Mamba layer")
+        conv, ssm = states.tensors[CONV_STATE], states.tensors[SSM_STATE]
+        for record in verify.trail:
+            i = record.layer
+            advance_layer(record, self._mamba[i].w, s.mamba, conv[:, i], ssm[:, i], states.slots, verify.lens, kept)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         eps = self.spec.rms_norm_eps
@@ -208,7 +222,7 @@ class HybridDecoder:
 class _MambaStep:
     """What every Mamba layer of one step shares: request bounds and state rows, read once."""
 
-    __slots__ = ("bounds", "slots", "fresh", "num_decode", "conv", "ssm")
+    __slots__ = ("bounds", "slots", "fresh", "num_decode", "conv", "ssm", "verify")
 
     def __init__(self, meta: AttentionMetadata, states: StateBatch) -> None:
         qsl = meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None else meta.query_start_loc
@@ -216,9 +230,17 @@ class _MambaStep:
         self.slots, self.fresh = states.slots, states.fresh
         self.num_decode = states.num_decode
         self.conv, self.ssm = states.tensors[CONV_STATE], states.tensors[SSM_STATE]
+        self.verify = states.verify
 
     def run(self, model: HybridDecoder, mixer: _Mixer, h: torch.Tensor) -> torch.Tensor:
         i = mixer.index
+        if self.verify is not None:
+            # NOTE: the torch path on every device: verify steps run eagerly and are small (the tail
+            # of a batch); the CUDA kernels' in-place state updates would need their own rollback
+            out, record = verify_layer(h, mixer.w, model.spec.mamba, i, self.conv[:, i], self.ssm[:, i], self.slots,
+                                       self.verify.lens, model._proj_scale)
+            self.verify.trail.append(record)
+            return out
         if model.kernels is not None:
             return model.kernels.layer(h, mixer.w, model.spec.mamba, self.conv[:, i], self.ssm[:, i], self.slots,
                                        self.fresh, self.bounds, self.num_decode, model._proj_scale)

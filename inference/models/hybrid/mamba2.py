@@ -184,6 +184,20 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     return y + x * D[:, None], state
 
 
+def ssm_advance(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                state: torch.Tensor) -> torch.Tensor:
+    """The state half of `ssm_step`: `state [R, H, P, N]` advanced in place by one token per row;
+    returns it as `[R * H, P, N]`. Speculative verify steps replay it over the tokens they keep
+    (`hybrid/verify.py`), so one function keeps the two bit-identical."""
+    r, h, p = x.shape
+    g, n = B.shape[1:]
+    Bh = B.repeat_interleave(h // g, dim=1).reshape(r * h, 1, n)
+    flat = state.view(r * h, p, n)
+    flat.mul_(torch.exp(dt * A).reshape(r * h, 1, 1))
+    flat.baddbmm_((x * dt.unsqueeze(-1)).reshape(r * h, p, 1), Bh)
+    return flat
+
+
 def ssm_step(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
              D: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per request, in fp32: `x [R, H, P]`, `dt [R, H]`, `B`, `C` `[R, G, N]`,
@@ -192,12 +206,9 @@ def ssm_step(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     NOTE: the state is the largest tensor of a decode step; each op here passes over it once.
     """
     r, h, p = x.shape
-    g, n = B.shape[1:]
-    Bh = B.repeat_interleave(h // g, dim=1).reshape(r * h, 1, n)
+    g, n = C.shape[1:]
+    flat = ssm_advance(x, dt, A, B, state)
     Ch = C.repeat_interleave(h // g, dim=1).reshape(r * h, 1, n)
-    flat = state.view(r * h, p, n)
-    flat.mul_(torch.exp(dt * A).reshape(r * h, 1, 1))
-    flat.baddbmm_((x * dt.unsqueeze(-1)).reshape(r * h, p, 1), Bh)
     y = (flat * Ch).sum(-1).view(r, h, p)  # NOTE: ~3x a batched matrix-vector bmm on CPU
     return y + x * D[:, None], state
 
@@ -232,16 +243,9 @@ def mamba2_layer(hidden: torch.Tensor, w: Mamba2Weights, dims: Mamba2Dims, conv_
     steps (one token each, `bounds[r] == r`); the others are prefill chunks.
     """
     dtype = hidden.dtype
-    if dims.in_multiplier != 1.0:
-        hidden = hidden * dims.in_multiplier
-    proj = F.linear(hidden, w.in_w, w.in_b)
-    if proj_scale is not None:
-        proj = proj * proj_scale
-    inter, cdim, nh = dims.intermediate, dims.conv_dim, dims.num_heads
-    z, xbc, dt_raw = proj.split((inter, cdim, nh), dim=-1)
-    A = -torch.exp(w.A_log.float())
-    D = w.D.float()
-    dt_all = F.softplus(dt_raw.float() + w.dt_bias.float())
+    inter, nh = dims.intermediate, dims.num_heads
+    z, xbc, dt_all = in_projection(hidden, w, dims, proj_scale)
+    A, D = ssm_constants(w)
     y = torch.empty(hidden.shape[0], nh, dims.head_dim, dtype=torch.float32, device=hidden.device)
     if num_decode:
         rows = slots[:num_decode]
@@ -250,7 +254,7 @@ def mamba2_layer(hidden: torch.Tensor, w: Mamba2Weights, dims: Mamba2Dims, conv_
             windows[fresh[:num_decode]] = 0
             states[fresh[:num_decode]] = 0
         xbc_dec, new_windows = conv_decode(xbc[:num_decode], windows, w.conv_w, w.conv_b)
-        x, B, C = _split_xbc(xbc_dec.float(), dims)
+        x, B, C = split_xbc(xbc_dec.float(), dims)
         y_dec, new_states = ssm_step(x, dt_all[:num_decode], A, B, C, D, states)
         y[:num_decode] = y_dec
         conv_states.index_copy_(0, rows, new_windows.to(conv_states.dtype))
@@ -262,7 +266,7 @@ def mamba2_layer(hidden: torch.Tensor, w: Mamba2Weights, dims: Mamba2Dims, conv_
             lo, hi, slot = bounds[r], bounds[r + 1], slot_list[r]
             window = None if fresh_list[r] else conv_states[slot]
             xbc_r, new_window = conv_prefill(xbc[lo:hi], window, w.conv_w, w.conv_b)
-            x, B, C = _split_xbc(xbc_r.float(), dims)
+            x, B, C = split_xbc(xbc_r.float(), dims)
             y_r, final = ssd_scan(x, dt_pf[lo:hi], A, B, C, D, None if fresh_list[r] else ssm_states[slot],
                                   dims.chunk_size)
             y[lo:hi] = y_r
@@ -272,7 +276,25 @@ def mamba2_layer(hidden: torch.Tensor, w: Mamba2Weights, dims: Mamba2Dims, conv_
     return F.linear(out, w.out_w, w.out_b)
 
 
-def _split_xbc(xbc: torch.Tensor, dims: Mamba2Dims) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def in_projection(hidden: torch.Tensor, w: Mamba2Weights, dims: Mamba2Dims,
+                  proj_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`hidden [T, hidden]` -> the gate `z [T, I]`, the conv input `xBC [T, C]` (model dtype) and
+    the discretised step sizes `dt [T, H]` (fp32, not clamped)."""
+    if dims.in_multiplier != 1.0:
+        hidden = hidden * dims.in_multiplier
+    proj = F.linear(hidden, w.in_w, w.in_b)
+    if proj_scale is not None:
+        proj = proj * proj_scale
+    z, xbc, dt_raw = proj.split((dims.intermediate, dims.conv_dim, dims.num_heads), dim=-1)
+    return z, xbc, F.softplus(dt_raw.float() + w.dt_bias.float())
+
+
+def ssm_constants(w: Mamba2Weights) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(A, D)` in fp32: the (negative) decay rates and the skip weights, per head."""
+    return -torch.exp(w.A_log.float()), w.D.float()
+
+
+def split_xbc(xbc: torch.Tensor, dims: Mamba2Dims) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gs = dims.n_groups * dims.state_size
     x, B, C = xbc.split((dims.intermediate, gs, gs), dim=-1)
     t = xbc.shape[0]

@@ -16,7 +16,6 @@ from inference.kv_cache.block_key import BlockKey
 from inference.kv_cache.hashing import block_hashes
 from inference.sampling.params import LogprobsMode
 from tests.inference.engine.conftest import hf_greedy, random_prompts, tiny_llama, tiny_qwen3
-from tests.inference.models.hybrid.tiny import tiny_hybrid
 from tests.inference.models.moe.tiny import tiny_moe
 from tests.inference.sampling.test_sampler import reference
 from tests.reference import float64_copy
@@ -180,9 +179,24 @@ def test_requests_with_logit_processors_are_refused_and_say_so():
     assert stats["spec_refused_logit_processors"] >= 4 and stats["spec_proposed_tokens"] == 0
 
 
-def test_hybrid_models_are_refused_with_a_clear_error():
-    with pytest.raises(ValueError, match="hybrid"):
-        DynamicInferenceEngine.from_pretrained(tiny_hybrid("bamba", seed=7), config(SPEC))
+def test_a_group_leader_decoding_its_last_prompt_token_still_forks_its_samples():
+    """A prompt whose last chunk is one token decodes it; were that step a verify step, the leader's
+    samples would never fork from it and would wait for ever."""
+    hf = MODELS["llama"]()
+    prompt = [7, 8] * 4 + [7]  # a chunk of 8, then the last token as a decode; repeating: proposals
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=1, n=3, ignore_eos=True)
+    engine = DynamicInferenceEngine.from_pretrained(hf, config(SPEC))
+    ids = engine.add_request(prompt, params)
+    done = {}
+    for _ in range(100):  # NOTE: bounded: the bug this guards against is a hang
+        for out in engine.step():
+            done[out.request_id] = out
+        if not engine.has_unfinished_requests():
+            break
+    assert sorted(done) == sorted(ids)
+    plain, _ = generate(hf, None, [prompt], params)
+    assert_same(plain, [done[i] for i in ids])
+    assert_speculated(engine)
 
 
 def test_a_request_may_opt_out():
