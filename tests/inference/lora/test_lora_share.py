@@ -110,6 +110,28 @@ def test_a_new_version_never_hits_the_last_versions_prefix_blocks():
     assert_matches_peft(fresh, peft)
 
 
+def test_a_planted_key_without_the_adapter_version_is_served_stale_and_counted(monkeypatch):
+    """Planted bug: blocks keyed by the adapter's name only. The next version's request is then
+    served the old version's blocks, and `cross_version_prefix_hits` counts them (the loop's check)."""
+    from inference.kv_cache.block_key import BlockKey
+    from inference.sched.context import DynamicInferenceContext
+
+    def name_only(self, req):
+        return BlockKey(self.policy_version, req.params.cache_salt, req.lora.name, 1)
+
+    monkeypatch.setattr(DynamicInferenceContext, "block_key", name_only)
+    base = tiny_hf("llama")
+    peft = peft_of(base)
+    engine = make_engine(base)
+    engine.load_lora_from_peft("p", peft, share=True)
+    greedy(engine, "p")
+    assert engine.stats()["cross_version_prefix_hits"] == 0
+    step_in_place(peft, seed=1)
+    engine.load_lora_from_peft("p", peft, share=True)
+    assert greedy(engine, "p").cached_tokens == 8  # the bug: the old version's blocks served
+    assert engine.stats()["cross_version_prefix_hits"] == 2  # ... and counted
+
+
 def test_reloading_a_shared_adapter_under_requests_in_flight_is_refused():
     base = tiny_hf("llama")
     peft = peft_of(base)
