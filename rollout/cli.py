@@ -63,7 +63,7 @@ def _add_grpo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora", dest="lora_rank", type=int, metavar="R",
                         help="train a LoRA adapter of rank R (PEFT, all attention and MLP projections) instead of "
                              "the full weights; the engine serves it aliased when colocated (lr default: tiny 1e-2, "
-                             "smollm2 5e-4)")
+                             "smollm2 1e-3)")
     parser.add_argument("--lora-alpha", type=float, help="the adapter's alpha (scaling alpha / R; default 2 x R)")
     dis = parser.add_argument_group("disaggregated (the trainer here, engines in `rollout serve` processes)")
     dis.add_argument("--disaggregated", action="store_true", help="run the engines as replica processes and "
