@@ -2,6 +2,7 @@
 
     python examples/grpo_colocated.py                   # the demo: ~1 min on 2 cores (58.6 s measured)
     python examples/grpo_colocated.py --model smollm2   # SmolLM2-135M-Instruct on "a + b" (slow)
+    python examples/grpo_colocated.py --model smollm2 --lora 16   # ... training a rank-16 LoRA (PEFT)
     python examples/grpo_colocated.py --help
 
 A 2-layer Llama (hidden 64) from random init learns to continue counting up to 9 and stop

@@ -484,13 +484,17 @@ class DynamicInferenceEngine:
                                     dtype=model.spec.dtype, device=model.device)
         return self.calls.run(self.core.add_lora, adapter)
 
-    def load_lora_from_peft(self, name: str, peft_model: Any, adapter_name: str = "default") -> AdapterRef:
-        """Load adapter `adapter_name` of a live PEFT model (a trainer's, colocated) as the next version
-        of `name`: its LoRA tensors are copied as they are now (bytes of the adapter only; the base
-        weights are untouched). Checked as `load_lora` checks a directory."""
+    def load_lora_from_peft(self, name: str, peft_model: Any, adapter_name: str = "default", *,
+                            share: bool = False) -> AdapterRef:
+        """Load adapter `adapter_name` of a live PEFT model (a trainer's) as the next version of
+        `name`: its LoRA tensors are copied as they are now (bytes of the adapter only; the base
+        weights are untouched), or with `share` aliased (colocated, zero copy: the trainer's in-place
+        optimizer steps are what the engine reads; call again after each step for the next version,
+        whose prefix-cache blocks never match the last one's). Checked as `load_lora` checks a directory."""
         model = self.core.model
         adapter = load_live_peft_adapter(peft_model, name, model, max_rank=self.core.config.max_lora_rank,
-                                         dtype=model.spec.dtype, device=model.device, adapter_name=adapter_name)
+                                         dtype=model.spec.dtype, device=model.device, adapter_name=adapter_name,
+                                         share=share)
         return self.calls.run(self.core.add_lora, adapter)
 
     def build_lora(self, name: str, tensors: dict[str, torch.Tensor], *, alpha: float,

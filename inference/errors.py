@@ -169,5 +169,5 @@ class LoRANotFoundError(LoRAError):
 
 
 class LoRAInUseError(LoRAError):
-    """Unloading an adapter that requests in flight still use (they are pinned to it): retry once
-    they finished, or abort them."""
+    """Unloading an adapter that requests in flight still use (they are pinned to it), or loading the
+    next version of a shared (aliased) one while they do: retry once they finished, or abort them."""

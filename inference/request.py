@@ -128,6 +128,7 @@ class RequestOutput:
     # the experts each computed token went to: `[num_tokens - 1, moe_layers, k]` (the last sampled
     # token was never fed to the model); None unless `return_routed_experts`
     routed_experts: Optional[np.ndarray] = None
+    lora_version: Optional[int] = None  # the LoRA adapter version that sampled every token (None: the base model)
 
     @property
     def time_to_first_token(self) -> Optional[float]:
@@ -157,4 +158,5 @@ class RequestOutput:
             num_preemptions=req.num_preemptions,
             cached_tokens=req.cached_tokens or 0,
             routed_experts=None if req.routed_experts is None else req.routed_experts[: req.num_tokens - 1],
+            lora_version=None if req.lora is None else req.lora.version,
         )

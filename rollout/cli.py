@@ -3,6 +3,7 @@
     rollout grpo                      # the colocated GRPO demo (tiny Llama, counting task)
     rollout grpo --model smollm2      # SmolLM2-135M-Instruct on arithmetic (slow on CPU)
     rollout grpo --steps 50 --no-wandb
+    rollout grpo --model smollm2 --lora 16               # a rank-16 LoRA (PEFT), the engine aliasing the adapter
     rollout grpo --disaggregated                         # trainer here, 2 replicas behind a router, gloo sync
     rollout grpo --disaggregated --off-policy 1          # generation of step k+1 overlaps training on k
     rollout serve --model smollm2 --port 5555            # an engine behind ZMQ
@@ -59,6 +60,11 @@ def _add_grpo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="no progress bar")
     parser.add_argument("--speculative", action="store_true", default=None,
                         help="the engine speculates on each batch's tail (draft-free, lossless)")
+    parser.add_argument("--lora", dest="lora_rank", type=int, metavar="R",
+                        help="train a LoRA adapter of rank R (PEFT, all attention and MLP projections) instead of "
+                             "the full weights; the engine serves it aliased when colocated (lr default: tiny 1e-2, "
+                             "smollm2 1e-3)")
+    parser.add_argument("--lora-alpha", type=float, help="the adapter's alpha (scaling alpha / R; default 2 x R)")
     dis = parser.add_argument_group("disaggregated (the trainer here, engines in `rollout serve` processes)")
     dis.add_argument("--disaggregated", action="store_true", help="run the engines as replica processes and "
                      "sync the weights into them every step (rollout.rl.disaggregated)")

@@ -29,6 +29,7 @@ from inference import (
     TokenEvent,
     UpdatePolicy,
 )
+from inference.lora import AdapterRef
 from inference.weights.adapters import WeightAdapter
 from rollout.backend import Prompts, WeightSource, params_per_prompt, sort_rollouts
 from rollout.text import TextCodec, add_text, has_tokenizer, needs_codec, token_prompts
@@ -112,6 +113,7 @@ def _rollout(out: RequestOutput, group: int) -> Rollout:
         routed_experts=out.routed_experts,
         prompt_logprobs=out.prompt_logprobs,
         cached_tokens=out.cached_tokens,
+        lora_version=out.lora_version,
     )
 
 
@@ -224,6 +226,11 @@ class RolloutEngine:
         megatron-core's: `weight_sync.MEGATRON_ADAPTER`); returns the bind report (aliased / copied
         names)."""
         return self.engine.bind_trainer_model(module, adapter)
+
+    def load_lora_from_peft(self, name: str, peft_model: Any, *, share: bool = False) -> AdapterRef:
+        """Adapter `name`'s next version from a live PEFT model: copied, or with `share` aliased
+        (colocated: zero copy, the trainer's in-place steps show through; see the engine's method)."""
+        return self.engine.load_lora_from_peft(name, peft_model, share=share)
 
     def on_weights_updated(self) -> int:
         """The aliased parameters changed in place: bump the version, drop the prefix cache."""

@@ -4,6 +4,12 @@ An adapter holds, per decoder layer, `module -> (A [r, in], B [out, r] * scaling
 it adapts (`q_proj` ... `down_proj`): the scaling is folded into B once, so a step computes
 `y += (x A^T) B^T` and nothing else. Projections that read the same input (q, k, v; gate, up)
 keep their A stacked (`fused`): one GEMM `x A_cat^T` serves them all, then one small GEMM per B.
+
+A *shared* adapter (`load_live_peft_adapter(..., share=True)`, colocated) instead aliases the
+trainer's PEFT parameters: A and B are the trainer's tensors themselves (zero copy, like the base
+weights' `share_weights`), so an in-place optimizer step is what the next forward reads. Nothing
+may be folded, stacked or transposed into a copy: each projection keeps its own A, B^T is a view,
+and the scaling multiplies `x A^T` at run time.
 What the model can adapt comes from the model itself (`model.lora_targets()`: HF module path ->
 (out, in)); a model without it refuses with its reason.
 """
@@ -29,7 +35,8 @@ _LAYER = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<pro
 
 @dataclass(slots=True)
 class LoRAAdapter:
-    """An adapter ready to apply: `layers[i][proj] = (A, B_scaled)` in the engine's dtype and device.
+    """An adapter ready to apply: `layers[i][proj] = (A, B_scaled)` in the engine's dtype and device
+    (shared: `(A, B)`, the trainer's own tensors, and `scales[i][proj]` the scaling).
 
     Invariant: every A is `[rank_of_module, in]` and every B `[out, rank_of_module]` of the module it
     adapts, with `rank_of_module <= rank`; `nbytes` counts them all."""
@@ -40,15 +47,24 @@ class LoRAAdapter:
     path: Optional[str] = None
     version: int = 0  # set by the registry when the adapter becomes resident
     modules: frozenset[str] = field(default_factory=frozenset)  # the projection names it adapts
-    # per layer: input group -> (A_cat [sum r, in], [(output j of the group, r0, r1, B^T [r, out])])
-    fused: list[dict[str, tuple[torch.Tensor, list[tuple[int, int, int, torch.Tensor]]]]] = field(default_factory=list)
+    # shared: `layers` alias a live PEFT model's parameters, B unscaled; `scales[i][proj]` is the scaling
+    shared: bool = False
+    scales: list[dict[str, float]] = field(default_factory=list)
+    # per layer: input group -> [(A [sum r, in], scale of x A^T, [(output j of the group, r0, r1, B^T [r, out])])]:
+    # one entry whose A stacks the group's (scale 1, folded into B), or one per projection (shared)
+    fused: list[dict[str, list[FusedA]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.fused = [_fuse(layer) for layer in self.layers]
+        if self.shared:
+            self.fused = [_alias(layer, scales) for layer, scales in zip(self.layers, self.scales, strict=True)]
+        else:
+            self.fused = [_fuse(layer) for layer in self.layers]
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes + sum(bt.nbytes for *_, bt in parts) for layer in self.fused for a, parts in layer.values())
+        """Bytes of the tensors a forward reads (a shared adapter's are the trainer's, not the engine's)."""
+        return sum(a.nbytes + sum(bt.nbytes for *_, bt in parts)
+                   for layer in self.fused for blocks in layer.values() for a, _, parts in blocks)
 
     def adapts(self, layer: int, projs: tuple[str, ...]) -> bool:
         own = self.layers[layer]
@@ -60,7 +76,10 @@ INPUT_GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_u
                 "down": ("down_proj",)}
 
 
-def _fuse(layer: dict[str, tuple[torch.Tensor, torch.Tensor]]):
+FusedA = tuple[torch.Tensor, float, list[tuple[int, int, int, torch.Tensor]]]
+
+
+def _fuse(layer: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, list[FusedA]]:
     fused = {}
     for group, projs in INPUT_GROUPS.items():
         present = [(j, p) for j, p in enumerate(projs) if p in layer]
@@ -72,7 +91,19 @@ def _fuse(layer: dict[str, tuple[torch.Tensor, torch.Tensor]]):
             r = layer[p][0].shape[0]
             parts.append((j, r0, r0 + r, layer[p][1].t().contiguous()))
             r0 += r
-        fused[group] = (a_cat, parts)
+        fused[group] = [(a_cat, 1.0, parts)]
+    return fused
+
+
+def _alias(layer: dict[str, tuple[torch.Tensor, torch.Tensor]], scales: dict[str, float]) -> dict[str, list[FusedA]]:
+    """The shared layout: views of the trainer's tensors only (NOTE: `B.t()` is a view; `mm` reads it
+    transposed, so nothing is copied and the trainer's next in-place step shows through)."""
+    fused = {}
+    for group, projs in INPUT_GROUPS.items():
+        blocks = [(layer[p][0], scales[p], [(j, 0, layer[p][0].shape[0], layer[p][1].t())])
+                  for j, p in enumerate(projs) if p in layer]
+        if blocks:
+            fused[group] = blocks
     return fused
 
 
@@ -141,18 +172,28 @@ def load_peft_adapter(path: str, name: str, model: Any, *, max_rank: int, dtype:
 
 
 def load_live_peft_adapter(peft_model: Any, name: str, model: Any, *, max_rank: int, dtype: torch.dtype,
-                           device: torch.device, adapter_name: str = "default") -> LoRAAdapter:
-    """The adapter `adapter_name` of a live PEFT model (a trainer's), its tensors copied as they
-    are now: the sync of a trained adapter without a trip through disk (typed refusals as above)."""
+                           device: torch.device, adapter_name: str = "default", share: bool = False) -> LoRAAdapter:
+    """The adapter `adapter_name` of a live PEFT model (a trainer's): its tensors copied as they are
+    now (the sync of a trained adapter without a trip through disk), or with `share` aliased (the
+    colocated trainer's own parameters, zero copy: they must already be in `dtype` on `device`,
+    else `LoRALoadError`). Typed refusals as above."""
     from peft import get_peft_model_state_dict
 
     if adapter_name not in getattr(peft_model, "peft_config", {}):
         raise LoRALoadError(f"{type(peft_model).__name__} has no PEFT adapter {adapter_name!r}")
     config = check_peft_config(peft_model.peft_config[adapter_name], f"{name} (live)")
+    # NOTE: state_dict tensors are detached views of the parameters (same storage), which `share` keeps
     with torch.no_grad():
         tensors = {k: v.detach() for k, v in get_peft_model_state_dict(peft_model, adapter_name=adapter_name).items()}
+    if share:
+        wrong = [k for k, t in tensors.items() if t.dtype != dtype or t.device != torch.device(device)]
+        if wrong:
+            t = tensors[wrong[0]]
+            raise LoRALoadError(f"LoRA adapter {name!r} (live, share=True): {wrong[0]} is {t.dtype} on {t.device}, "
+                                f"the engine computes in {dtype} on {device}; aliasing needs both equal (or load "
+                                "it with share=False, which copies)")
     return adapter_from_tensors(tensors, name, model, alpha=config.lora_alpha, rslora=bool(config.use_rslora),
-                                max_rank=max_rank, dtype=dtype, device=device)
+                                max_rank=max_rank, dtype=dtype, device=device, share=share)
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,15 +249,22 @@ def check_adapter_shapes(shapes: dict[str, tuple[int, ...]], name: str, model: A
 
 def adapter_from_tensors(tensors: dict[str, torch.Tensor], name: str, model: Any, *, alpha: float, rslora: bool,
                          max_rank: int, dtype: torch.dtype, device: torch.device,
-                         path: Optional[str] = None) -> LoRAAdapter:
-    """An adapter from PEFT-named tensors (`base_model.model.<module>.lora_{A,B}.weight`), checked."""
+                         path: Optional[str] = None, share: bool = False) -> LoRAAdapter:
+    """An adapter from PEFT-named tensors (`base_model.model.<module>.lora_{A,B}.weight`), checked;
+    `share`: the tensors themselves, unscaled (their caller checked dtype and device)."""
     shape = check_adapter_shapes({k: tuple(t.shape) for k, t in tensors.items()}, name, model, max_rank=max_rank,
                                  path=path)
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(shape.num_layers)]
+    scales: list[dict[str, float]] = [{} for _ in range(shape.num_layers)]
     for module, (ka, kb) in shape.keys.items():
         a, b = tensors[ka], tensors[kb]
         scaling = alpha / (math.sqrt(a.shape[0]) if rslora else a.shape[0])
         m = _LAYER.match(module)
-        layers[int(m["layer"])][m["proj"]] = (a.to(device, dtype).contiguous(),
-                                             (b.to(device, torch.float32) * scaling).to(dtype).contiguous())
-    return LoRAAdapter(name, shape.rank, layers, path=path, modules=shape.modules)
+        i, proj = int(m["layer"]), m["proj"]
+        if share:
+            layers[i][proj], scales[i][proj] = (a, b), scaling
+        else:
+            layers[i][proj] = (a.to(device, dtype).contiguous(),
+                               (b.to(device, torch.float32) * scaling).to(dtype).contiguous())
+    return LoRAAdapter(name, shape.rank, layers, path=path, modules=shape.modules, shared=share,
+                       scales=scales if share else [])

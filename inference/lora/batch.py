@@ -46,15 +46,14 @@ class LoRAGroups:
         xs = x if self.perm is None else x.index_select(0, self.perm)
         deltas: list[torch.Tensor | None] = [None] * len(outs)
         for adapter, start, end in self.segments:
-            fused = adapter.fused[layer].get(group)
-            if fused is None:
-                continue
-            a_cat, parts = fused
-            u = F.linear(xs[start:end], a_cat)
-            for j, r0, r1, bt in parts:
-                if deltas[j] is None:  # NOTE: zeros: another adapter of the step may not adapt this one
-                    deltas[j] = xs.new_zeros(self.rows, outs[j].shape[1])
-                torch.mm(u[:, r0:r1], bt, out=deltas[j][start:end])
+            for a, scale, parts in adapter.fused[layer].get(group, ()):
+                u = F.linear(xs[start:end], a)
+                if scale != 1.0:  # NOTE: a shared adapter's scaling: B is the trainer's, nothing folded into it
+                    u.mul_(scale)
+                for j, r0, r1, bt in parts:
+                    if deltas[j] is None:  # NOTE: zeros: another adapter of the step may not adapt this one
+                        deltas[j] = xs.new_zeros(self.rows, outs[j].shape[1])
+                    torch.mm(u[:, r0:r1], bt, out=deltas[j][start:end])
         for y, d in zip(outs, deltas):
             if d is None:
                 continue

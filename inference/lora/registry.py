@@ -38,7 +38,8 @@ class LoRARegistry:
     """Invariants: at most `max_loras` names are current; at most `max_staleness + 1` versions of
     one name are resident (the current one and those requests in flight still use); a resident id
     is current or pinned by at least one request; ids only grow, so a stale id never names another
-    adapter."""
+    adapter. A shared adapter (aliasing a trainer's tensors) gets its next version only while no
+    request is pinned to the current one, since both would read the same memory."""
 
     def __init__(self, max_loras: int, max_lora_rank: int, max_staleness: int = 1) -> None:
         self.max_loras = max_loras
@@ -75,6 +76,12 @@ class LoRARegistry:
         if adapter.rank > self.max_lora_rank:
             raise LoRACapacityError(f"LoRA adapter {adapter.name!r}: rank {adapter.rank} exceeds "
                                     f"max_lora_rank={self.max_lora_rank}")
+        if old is not None and self._pins[old] and (adapter.shared or self._resident[old].shared):
+            # NOTE: versions of a shared adapter read the same (the trainer's) tensors: PIN cannot hold
+            raise LoRAInUseError(f"cannot load version {self._resident[old].version + 1} of LoRA adapter "
+                                 f"{adapter.name!r}: {self._pins[old]} requests use the current one, whose tensors "
+                                 "are shared with the trainer; step the trainer and load the next version once "
+                                 "they finished (colocated: while the engine is suspended)")
         versions = sum(1 for a in self._resident.values() if a.name == adapter.name)
         if old is not None and self._pins[old] and versions >= self.max_staleness + 1:
             raise LoRACapacityError(f"cannot load version {self._resident[old].version + 1} of LoRA adapter "

@@ -103,7 +103,7 @@ class DynamicInferenceContext:
         self.free_slots: list[int] = list(range(n - 1, -1, -1))
         self.active: list[int] = []
         self.paused: list[int] = []
-        self.cross_version_hits = 0  # matched blocks an older version's weights computed (SALTED only)
+        self.cross_version_hits = 0  # matched blocks an older version's weights (or adapter) computed (SALTED only)
         self.prefill_tokens = 0  # tokens whose K/V was computed by a prefill (not served by cache)
         self.prefix_cached_tokens = 0  # tokens whose K/V a request took from the prefix cache
         self.prompt_logprobs_cached = 0  # prompt positions whose scores came with cached blocks
@@ -180,8 +180,12 @@ class DynamicInferenceContext:
             to_match, given_up = self._prefix_to_match(req)
             matched = self.allocator.match_prefix(to_match, len(self.matchable_hashes(req)), key=self.block_key(req),
                                                   current_version=self.rule_version(req))
-            computed_by = self.allocator.state.computed_by
-            self.cross_version_hits += sum(computed_by(b) != self.policy_version for b in matched)
+            state, lora = self.allocator.state, req.lora
+            # NOTE: a LoRA request's block must also come from its adapter's version (the key mixed
+            # into the hash is what keeps them apart; this counts, by the recorded key, if it ever failed)
+            self.cross_version_hits += sum(
+                state.computed_by(b) != self.policy_version
+                or (lora is not None and state.key_of(b).adapter_version != lora.version) for b in matched)
         else:
             matched = []
         kv_len = len(matched) * self.block_size

