@@ -41,6 +41,7 @@ from inference.errors import (
 )
 from inference.kv_cache.policy import PrefixCachePolicy
 from inference.lora import AdapterInfo, AdapterRef, LoRAAdapter, LoRARegistry
+from inference.lora.offload import AdapterOffload
 from inference.request import SHARED_CLIENT, Request, RequestOutput
 from inference.runner.model_runner import ModelRunner
 from inference.sampling.grammar import GrammarCompiler
@@ -77,6 +78,7 @@ class EngineCore:
         self.eos_token_ids = np.array(sorted(spec.eos_token_ids), dtype=np.int64)
         self.weights = WeightManager(model)
         self.loras = LoRARegistry(config.max_loras, config.max_lora_rank, config.lora_max_staleness)
+        self.lora_offload = AdapterOffload()  # the adapters' tensors while the weights sleep
         # NOTE: padding rows and expert-parallel dummy steps write their K/V into a scratch block
         self.caches = CacheManager(model.cache_specs(), config, model.device,
                                    scratch_block=config.batch_buckets is not None
@@ -399,6 +401,7 @@ class EngineCore:
             workspace = self.runner.release_workspace()  # CUDA graphs and their memory pool too
         if "weights" in new:
             weight_bytes = self.weights.discard() if discard_weights else self.weights.offload()
+            weight_bytes += self.lora_offload.offload(self.loras.resident())  # NOTE: to host at either level
         self.weights.drop_spare()  # NOTE: spare staging buffers are the trainer's memory now too
         freed = max(0, before - memory_in_use(device))
         self.asleep |= new
@@ -422,14 +425,18 @@ class EngineCore:
             return
         device = self.kv_cache.device
         needed = (self.caches.nbytes if "kv_cache" in wake else 0) + (
-            self.weights.offloaded_bytes() + self.weights.discarded_bytes() if "weights" in wake else 0)
+            self.weights.offloaded_bytes() + self.weights.discarded_bytes() + self.lora_offload.nbytes
+            if "weights" in wake else 0)
         free = available_device_memory(device)
         if needed > free:
             raise ResumeMemoryError(f"resume needs {needed} bytes on {device}, {free} available; still suspended")
         if "weights" in wake:
             try:
                 self.weights.restore()
+                self.lora_offload.restore()
             except (RuntimeError, MemoryError, OSError) as exc:
+                if self.lora_offload.nbytes:  # NOTE: the adapters' restore failed: the weights go back too
+                    self.weights.offload()
                 raise ResumeMemoryError(f"resume could not allocate the weights ({exc}); still suspended") from exc
         if "kv_cache" in wake:
             try:

@@ -264,7 +264,9 @@ def adapter_from_tensors(tensors: dict[str, torch.Tensor], name: str, model: Any
         if share:
             layers[i][proj], scales[i][proj] = (a, b), scaling
         else:
-            layers[i][proj] = (a.to(device, dtype).contiguous(),
+            # NOTE: copy=True: a copy owns its bytes (a live PEFT model's A in the engine's dtype would
+            # be aliased by a plain `.to`, and the trainer's next step would then leak into this version)
+            layers[i][proj] = (a.to(device, dtype, copy=True).contiguous(),
                                (b.to(device, torch.float32) * scaling).to(dtype).contiguous())
     return LoRAAdapter(name, shape.rank, layers, path=path, modules=shape.modules, shared=share,
                        scales=scales if share else [])

@@ -126,6 +126,10 @@ class LoRARegistry:
             self._pins[ident] -= 1
             self._free_if_unused(ident)
 
+    def resident(self) -> list[LoRAAdapter]:
+        """Every resident version (current ones and those kept for requests pinned to them)."""
+        return list(self._resident.values())
+
     def adapter(self, ident: int) -> LoRAAdapter:
         return self._resident[ident]
 
