@@ -46,8 +46,7 @@ class Rollout:
     routed_experts: Optional[np.ndarray] = None
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
     cached_tokens: int = 0  # prompt tokens the engine's prefix cache served for this sample
-    # the LoRA adapter version that sampled it (PIN: one for all its tokens); None: the base model, or
-    # a backend that does not report it (NOTE: the wire does not carry it yet; in-process only)
+    # the LoRA adapter version that sampled it (PIN: one for all its tokens); None: the base model
     lora_version: Optional[int] = None
 
     def __post_init__(self) -> None:

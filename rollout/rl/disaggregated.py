@@ -374,6 +374,11 @@ class _Loop:
                                   for v in r.versions)
                 staleness = max(((first + step if moves else first) - v for r in batch for v in r.versions),
                                 default=0)
+                if not moves:  # NOTE: a LoRA run: every sample's adapter version (PIN: one for all its tokens)
+                    adapter = self.lora_first + max(0, step - self.dcfg.off_policy)
+                    step_stale += sum(len(r.versions) for r in batch if r.lora_version != adapter)
+                    step_stale += sum(len(r.versions) for b in eval_batches for r in b
+                                      if r.lora_version != self.lora_first + step)
                 step_cross = self.fleet.stat("engine/cross_version_prefix_hits") - cross_before
                 self.stale_tokens += step_stale
                 self.max_staleness = max(self.max_staleness, staleness)

@@ -150,6 +150,7 @@ def output_to_wire(out: RequestOutput, request_id: str, *, n: int) -> SampleOutp
         num_preemptions=out.num_preemptions,
         routed_experts=_routes_to_wire(out.routed_experts),
         cached_tokens=out.cached_tokens,
+        lora_version=out.lora_version,
     )
 
 
@@ -179,4 +180,5 @@ def output_from_wire(msg: SampleOutput, prompt_ids: Sequence[int], group: int) -
         top_logprobs=None if msg.top_logprobs is None else [dict(d) for d in msg.top_logprobs],
         routed_experts=None if msg.routed_experts is None else msg.routed_experts.array,
         cached_tokens=msg.cached_tokens,
+        lora_version=msg.lora_version,
     )

@@ -367,6 +367,8 @@ class SampleOutput(_Message, tag=Kind.SAMPLE_OUTPUT.value):
     num_preemptions: NonNegInt = 0
     routed_experts: Optional[RoutedExperts] = None
     cached_tokens: NonNegInt = 0  # prompt tokens the prefix cache served (SGLang's `cached_tokens`)
+    # the LoRA adapter version that sampled every token (PIN: one per request; None: the base model)
+    lora_version: Optional[NonNegInt] = None
 
     def __post_init__(self) -> None:
         if self.sample_index >= self.n:

@@ -146,7 +146,7 @@ def messages() -> dict[str, tuple[msgspec.Struct, list[str]]]:
             logprobs=np.array([-0.5, -1.0], np.float32), versions=np.array([4, 4], np.int32),
             finish_reason=FinishReason.LENGTH, top_logprobs=[{1: -0.5, 2: -1.5}, {2: -1.0}],
             prompt_logprobs=[None, {2: -0.25}, {3: -0.75}], ttft=0.01, latency=0.5, num_preemptions=1,
-            routed_experts=routes), []),
+            routed_experts=routes, cached_tokens=2, lora_version=3), []),
         "token_delta": (p.TokenDelta(request_id="r1", sample_index=0, start=2, token_ids=ids[:1],
                                      logprobs=np.array([-0.1], np.float32), versions=np.array([3], np.int32)),
                         ["request_id", "sample_index", "start", "token_ids", "logprobs", "versions"]),
