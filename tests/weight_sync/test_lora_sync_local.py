@@ -13,7 +13,7 @@ from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 
 from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams
 from inference.errors import LoRAShapeError, LoRATargetError
-from tests.inference.lora.peft_adapters import ALL_LINEAR, greedy_with_logprobs
+from tests.inference.lora.peft_adapters import ALL_LINEAR, greedy_with_logprobs, live_peft, lora_step
 from tests.weight_sync.local import LocalControl, corrupting_pipeline, tiny_llama
 from weight_sync import AdapterConfig, SyncError, Transport, WeightSender, memcopy
 from weight_sync.lora_sync import peft_adapter
@@ -29,23 +29,8 @@ PARAMS = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, lora_n
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def peft_trainer(base, seed: int = 1):
-    torch.manual_seed(seed)
-    model = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, target_modules=ALL_LINEAR,
-                                                           init_lora_weights=False))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.2)
-    return model.eval()
 
 
-def train_step(model, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.add_(torch.randn(p.shape, generator=g) * 0.1)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +60,7 @@ def sender_of(receivers, transport) -> WeightSender:
 @pytest.mark.parametrize("transport", [Transport.GLOO, Transport.SHM])
 def test_only_the_adapter_moves_and_each_sync_is_its_next_version(replicas, base, transport):
     engines, receivers = replicas
-    trainer = peft_trainer(base)
+    trainer = live_peft(base, std=0.2)
     adapter_bytes = sum(t.nbytes for t in get_peft_model_state_dict(trainer).values())
     with sender_of(receivers, transport) as sender:
         for version in (1, 2, 3):
@@ -85,14 +70,14 @@ def test_only_the_adapter_moves_and_each_sync_is_its_next_version(replicas, base
             assert [r.stats.last_lora_bytes for r in receivers] == [adapter_bytes] * 2
             expected = greedy_with_logprobs(trainer, PROMPT, STEPS)[0]
             assert [served(e) for e in engines] == [expected] * 2
-            train_step(trainer, version)
+            lora_step(trainer, version, 0.1)
     assert [e.policy_version for e in engines] == [0, 0]  # the base weights never moved
     assert [r.stats.updates_committed for r in receivers] == [0, 0]
 
 
 def test_named_tensors_with_their_config_sync_as_the_peft_model_does(replicas, base):
     engines, receivers = replicas
-    trainer = peft_trainer(base)
+    trainer = live_peft(base, std=0.2)
     named = get_peft_model_state_dict(trainer)
     with sender_of(receivers, Transport.GLOO) as sender:
         assert sender.sync_lora("policy", named, version=7, alpha=8.0) == 7
@@ -103,7 +88,7 @@ def test_named_tensors_with_their_config_sync_as_the_peft_model_does(replicas, b
 
 
 def test_a_peft_models_adapter_is_what_peft_saves_and_what_the_engine_refuses_is_refused_at_the_trainer(base):
-    trainer = peft_trainer(base)
+    trainer = live_peft(base, std=0.2)
     named, config = peft_adapter(trainer)
     saved = get_peft_model_state_dict(trainer)
     assert [n for n, _ in named] == list(saved) and all(t is saved[n] or torch.equal(t, saved[n]) for n, t in named)
@@ -130,11 +115,11 @@ def unknown_target(named: dict) -> dict:
 def test_a_refused_adapter_update_changes_nothing_and_the_previous_version_serves(replicas, base, transport, fault,
                                                                                   error, monkeypatch):
     engines, receivers = replicas
-    trainer = peft_trainer(base)
+    trainer = live_peft(base, std=0.2)
     with sender_of(receivers, transport) as sender:
         assert sender.sync_lora("policy", trainer) == 1
         before = [served(e) for e in engines]
-        train_step(trainer, 0)
+        lora_step(trainer, 0, 0.1)
         named = get_peft_model_state_dict(trainer)
         if fault == "corrupt":
             if transport is Transport.GLOO:

@@ -18,12 +18,12 @@ import copy
 import msgspec
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+from peft import get_peft_model_state_dict
 
 from inference import PauseMode, SamplingParams
 from rollout import RolloutClient, RolloutRouter, RouterConfig, ServerProcess
 from rollout.types import TokenChunk
-from tests.inference.lora.peft_adapters import ALL_LINEAR, greedy_with_logprobs
+from tests.inference.lora.peft_adapters import greedy_with_logprobs, live_peft, lora_step
 from tests.rollout.router.router_util import HEALTH, wait_up
 from tests.rollout.service_util import SERVER_ARGS, save_tiny_model, wait_for
 from weight_sync import Transport, WeightSender
@@ -36,24 +36,8 @@ SYNCS = 50
 LORA_ARGS = ("--max-loras", "2", "--max-lora-rank", "8", "--lora-max-staleness", "1")
 
 
-def peft_trainer(base, seed: int = 1):
-    torch.manual_seed(seed)
-    model = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, target_modules=ALL_LINEAR,
-                                                           init_lora_weights=False))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.2)
-    return model.eval()
 
 
-def train_step(model, seed: int) -> None:
-    """A stand-in optimizer step: every LoRA tensor moves, the base weights never do."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.add_(torch.randn(p.shape, generator=g) * 0.1)
 
 
 def greedy(max_tokens: int = STEPS) -> SamplingParams:
@@ -113,7 +97,7 @@ def generate(client: RolloutClient, max_tokens: int = STEPS) -> list[int]:
 def test_an_adapter_sync_moves_the_adapters_bytes_alone_and_in_flight_requests_keep_their_version(
         fleet, base, transport):
     client, replicas = fleet
-    trainer = peft_trainer(base[1])
+    trainer = live_peft(base[1], std=0.2)
     named = list(get_peft_model_state_dict(trainer).items())
     adapter_bytes = sum(t.nbytes for _, t in named)
     model_bytes = sum(p.nbytes for p in base[1].parameters())
@@ -134,7 +118,7 @@ def test_an_adapter_sync_moves_the_adapters_bytes_alone_and_in_flight_requests_k
         stream = client.stream([PROMPT], sampling=greedy(3 * STEPS), tokens=True, timeout=30)
         assert isinstance(next(stream), TokenChunk)  # admitted: pinned to the version current now
         client.pause(PauseMode.KEEP)  # NOTE: frozen with its KV, so it is surely mid-decode at the sync
-        train_step(trainer, 0)
+        lora_step(trainer, 0, 0.1)
         assert sender.sync_lora("policy", trainer) == first + 1
         assert [stat(r, "engine/lora_resident_versions") for r in replicas].count(2) == 1  # its replica holds both
         client.continue_()
@@ -146,13 +130,13 @@ def test_an_adapter_sync_moves_the_adapters_bytes_alone_and_in_flight_requests_k
 
 def test_fifty_syncs_keep_at_most_staleness_plus_one_versions_and_memory_flat_and_end_on_peft(fleet, base):
     client, replicas = fleet
-    trainer = peft_trainer(base[1], seed=2)
+    trainer = live_peft(base[1], seed=2, std=0.2)
     with WeightSender([client], Transport.GLOO, replicas=2, timeout_s=TIMEOUT_S) as sender:
         start = sender.sync_lora("policy", trainer)
         size = [stat(r, "engine/lora_adapter_bytes") for r in replicas]
         most = 0
         for k in range(SYNCS):
-            train_step(trainer, 100 + k)
+            lora_step(trainer, 100 + k, 0.1)
             stream = client.stream([PROMPT], sampling=greedy(), tokens=True, timeout=30) if k % 10 == 0 else None
             if stream is not None:
                 next(stream)  # NOTE: in flight across this sync (it may finish before it, too)
@@ -176,11 +160,11 @@ def test_a_refused_adapter_sync_through_the_router_leaves_every_replica_on_the_p
     from weight_sync import SyncError, memcopy
 
     client, replicas = fleet
-    trainer = peft_trainer(base[1], seed=3)
+    trainer = live_peft(base[1], seed=3, std=0.2)
     with WeightSender([client], transport, replicas=2, timeout_s=TIMEOUT_S, piece_bytes=64 * 1024) as sender:
         version = sender.sync_lora("policy", trainer)
         served = [generate(r) for r in replicas]
-        train_step(trainer, 7)
+        lora_step(trainer, 7, 0.1)
         named = get_peft_model_state_dict(trainer)
         if transport is Transport.GLOO:
             key = next(k for k in named if k.endswith("v_proj.lora_B.weight"))

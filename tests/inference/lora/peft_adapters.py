@@ -44,3 +44,25 @@ def greedy_with_logprobs(model: torch.nn.Module, prompt: list[int], steps: int) 
         logprobs.append(float(torch.log_softmax(logits, -1)[tok]))
         ids.append(tok)
     return tokens, logprobs
+
+
+def live_peft(base: torch.nn.Module, *, std: float, seed: int = 1) -> PeftModel:
+    """A trainer's live PEFT model of `base` (rank 4, alpha 8, every linear projection), its LoRA
+    tensors drawn from N(0, std) so that the adapter changes the outputs."""
+    torch.manual_seed(seed)
+    model = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, target_modules=ALL_LINEAR,
+                                                           init_lora_weights=False))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, std)
+    return model.eval()
+
+
+def lora_step(model: torch.nn.Module, seed: int, scale: float) -> None:
+    """A stand-in optimizer step: every LoRA tensor moves, in place (the base weights never do)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.add_(torch.randn(p.shape, generator=g) * scale)

@@ -4,15 +4,12 @@ at most `lora_max_staleness + 1` versions are ever resident, and memory stays fl
 
 from __future__ import annotations
 
-import copy
-
 import pytest
-import torch
-from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
 from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams
 from inference.errors import LoRACapacityError
-from tests.inference.lora.peft_adapters import ALL_LINEAR, greedy_with_logprobs
+from tests.inference.lora.peft_adapters import greedy_with_logprobs, live_peft, lora_step
 from tests.inference.models.dense.test_decoder_parity import tiny_hf
 
 PROMPT = [5, 17, 99, 42, 7, 300, 12, 8, 77]
@@ -23,35 +20,19 @@ SYNCS = 50
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def trainer_model(base):
-    torch.manual_seed(1)
-    model = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, target_modules=ALL_LINEAR,
-                                                           init_lora_weights=False))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.1)
-    return model.eval()
 
 
-def train_step(model, seed: int) -> None:
-    """A stand-in optimizer step: every LoRA tensor moves (the base weights never do)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.add_(torch.randn(p.shape, generator=g) * 0.05)
 
 
 def reference_of(base, state: dict):
-    model = trainer_model(base)
+    model = live_peft(base, std=0.1)
     set_peft_model_state_dict(model, state)
     return model
 
 
 def test_fifty_syncs_pin_in_flight_requests_and_keep_memory_flat():
     base = tiny_hf("llama")
-    trainer = trainer_model(base)
+    trainer = live_peft(base, std=0.1)
     engine = DynamicInferenceEngine.from_pretrained(base, InferenceConfig(
         block_size=4, num_blocks=64, max_requests=8, max_batch_tokens=32, max_sequence_length=32,
         max_loras=1, max_lora_rank=8, lora_max_staleness=1))
@@ -65,7 +46,7 @@ def test_fifty_syncs_pin_in_flight_requests_and_keep_memory_flat():
         stream = engine.submit(PROMPT, params)
         for _ in range(2):
             engine.step()  # NOTE: the request is mid-decode when the next version lands
-        train_step(trainer, seed=k)
+        lora_step(trainer, k, 0.05)
         assert engine.load_lora_from_peft("policy", trainer).version == k + 2
         most_resident = max(most_resident, loras.resident_versions)
         while engine.has_unfinished_requests():
