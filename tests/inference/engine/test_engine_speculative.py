@@ -159,6 +159,13 @@ def test_suspend_and_pause_mid_generation_change_nothing():
     params = SamplingParams(temperature=1.0, max_tokens=50, seed=9, n=3, ignore_eos=True)
     plain, _ = generate(hf, None, prompts, params)
     engine = DynamicInferenceEngine.from_pretrained(hf, config(SPEC))
+    assert_same(plain, interrupted(engine, prompts, params))
+    assert_speculated(engine)
+
+
+def interrupted(engine, prompts, params) -> list:
+    """`prompts` generated step by step, suspended (offload, then recompute) and paused (retract)
+    midway; the outputs in request order."""
     ids = [i for p in prompts for i in engine.add_request(p, params)]
     done, steps = {}, 0
     while engine.has_unfinished_requests():
@@ -174,8 +181,7 @@ def test_suspend_and_pause_mid_generation_change_nothing():
         if steps == 28:
             engine.pause(PauseMode.RETRACT)
             engine.continue_()
-    assert_same(plain, [done[i] for i in ids])
-    assert_speculated(engine)
+    return [done[i] for i in ids]
 
 
 def test_requests_with_logit_processors_are_refused_and_say_so():

@@ -13,11 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference import DynamicInferenceEngine, SamplingParams, SuspendPolicy
-from inference.config import PauseMode
+from inference import DynamicInferenceEngine, SamplingParams
 from inference.sampling.params import LogprobsMode
 from tests.inference.engine.conftest import hf_greedy, random_prompts
-from tests.inference.engine.test_engine_speculative import SPEC, assert_same, config
+from tests.inference.engine.test_engine_speculative import SPEC, assert_same, config, interrupted
 from tests.inference.models.hybrid.tiny import tiny_hybrid
 from tests.reference import float64_copy, max_logprob_error
 
@@ -127,21 +126,6 @@ def test_suspend_and_pause_mid_generation_change_nothing(bamba):
     params = SamplingParams(temperature=1.0, max_tokens=50, seed=9, n=3, ignore_eos=True)
     plain = DynamicInferenceEngine.from_pretrained(bamba, config(None)).generate(prompts, params)
     engine = DynamicInferenceEngine.from_pretrained(bamba, config(SPEC))
-    ids = [i for p in prompts for i in engine.add_request(p, params)]
-    done, steps = {}, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            done[out.request_id] = out
-        steps += 1
-        if steps == 12:
-            engine.suspend(SuspendPolicy.OFFLOAD)
-            engine.resume()
-        if steps == 20:
-            engine.suspend(SuspendPolicy.RECOMPUTE)
-            engine.resume()
-        if steps == 28:
-            engine.pause(PauseMode.RETRACT)
-            engine.continue_()
-    assert_same(plain, [done[i] for i in ids])
+    assert_same(plain, interrupted(engine, prompts, params))
     assert_speculated_and_rolled_back(engine)
     assert_released(engine)
