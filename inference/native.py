@@ -53,6 +53,7 @@ SIGNATURES = {
     "paged_decode_f32": [PTR, PTR, PTR, PTR, I64, PTR, PTR, I64, I64, I64, I64, I64, ctypes.c_float, ctypes.c_int],
     "paged_decode_bf16": [PTR, PTR, PTR, PTR, I64, PTR, PTR, I64, I64, I64, I64, I64, ctypes.c_float, ctypes.c_int],
     "sample_rows_f32": [PTR, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR, ctypes.c_int],
+    "rotary_f32": [PTR, I64, I64, I64, I64, PTR, PTR, ctypes.c_int],
     "copy_sum_u64": [PTR, PTR, I64, PTR],
     "publish_piece": [PTR, ctypes.c_uint64, ctypes.c_uint64],
     "wait_piece": [PTR, ctypes.c_uint64, I64, PTR],

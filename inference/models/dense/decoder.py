@@ -20,7 +20,7 @@ from inference.attention.selector import select_backend
 from inference.cache.kv_buffer import KVCacheBuffer
 from inference.cache.specs import KVCacheSpec
 from inference.lora.batch import MLP_PROJS, LoRABatch, LoRAGroups
-from inference.models.layers import RotaryEmbedding, apply_rotary, rms_norm, swiglu
+from inference.models.layers import RotaryEmbedding, apply_rotary_, lm_head, rms_norm, swiglu
 from inference.models.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -333,15 +333,16 @@ class DenseDecoder:
         if w.q_norm is not None:
             q = rms_norm(q, w.q_norm, eps)
             k = rms_norm(k, w.k_norm, eps)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        return apply_rotary_(q, cos, sin), apply_rotary_(k, cos, sin), v
 
     def after_attention(self, i: int, x: torch.Tensor, o: torch.Tensor,
                         lora: LoRAGroups | None = None) -> torch.Tensor:
         """Block `i`'s output from its input `x` and its attention output `o [T, heads * head_dim]`."""
         w = self._layers[i]
         if lora is None:
-            x = x + F.linear(o, w.o_w, w.o_b)
-            return x + self.mlp(i, rms_norm(x, w.post_norm, self.spec.rms_norm_eps))
+            # NOTE: the residual adds land in the projections' fresh outputs (a + b == b + a exactly)
+            x = F.linear(o, w.o_w, w.o_b).add_(x)
+            return self.mlp(i, rms_norm(x, w.post_norm, self.spec.rms_norm_eps)).add_(x)
         attn = F.linear(o, w.o_w, w.o_b)
         lora.add(o, i, "o", (attn,))
         x = x + attn
@@ -364,7 +365,7 @@ class DenseDecoder:
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head over the rows of `x` whose logits are wanted."""
-        return F.linear(rms_norm(x, self._final_norm, self.spec.rms_norm_eps), self._lm_head)
+        return lm_head(rms_norm(x, self._final_norm, self.spec.rms_norm_eps), self._lm_head)
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
         return self.forward(*args, **kwargs)  # NOTE: late-bound, so subclasses' forward is the one called

@@ -25,7 +25,7 @@ from inference.models.hybrid import kernels as mamba_kernels
 from inference.models.hybrid.mamba2 import Mamba2Weights, mamba2_layer
 from inference.models.hybrid.spec import HybridSpec, MixerKind, MixerSpec
 from inference.models.hybrid.verify import advance_layer, verify_layer
-from inference.models.layers import RotaryEmbedding, apply_rotary, rms_norm
+from inference.models.layers import RotaryEmbedding, apply_rotary, lm_head, rms_norm
 from inference.models.protocol import StateBatch
 
 CONV_STATE = "conv"
@@ -152,7 +152,7 @@ class HybridDecoder:
                 # NOTE: past the last attention / Mamba mixer everything is row-wise: only sampled rows go on
                 x, out = x.index_select(0, logits_indices), out.index_select(0, logits_indices)
             x = x + out
-        logits = F.linear(self._norm(x, self._final_norm), self._lm_head)
+        logits = lm_head(self._norm(x, self._final_norm), self._lm_head)
         return logits * s.lm_head_multiplier if s.lm_head_multiplier != 1.0 else logits
 
     @torch.no_grad()

@@ -1,0 +1,30 @@
+/* Rotary position embedding (HF's rotate-half convention) in place, in one pass over q or k.
+ *
+ * Per token t, head h and i < D/2, with x the head's row and c, s the token's cos / sin rows:
+ *   x[i]       <- x[i] * c[i] + (-x[i + D/2]) * s[i]
+ *   x[i + D/2] <- x[i + D/2] * c[i + D/2] + x[i] * s[i + D/2]
+ * Each product and the sum are rounded on their own (no FMA contraction, below), as torch's
+ * separate mul and add kernels round them: the result equals `x * cos + rotate_half(x) * sin`
+ * bit for bit.
+ */
+#pragma GCC optimize("fp-contract=off")
+#include <stdint.h>
+
+int rotary_f32(float *x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t token_stride,
+               const float *cos, const float *sin, int threads) {
+    if (tokens < 0 || heads <= 0 || head_dim <= 0 || (head_dim & 1)) return 1;
+    const int64_t half = head_dim / 2;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (tokens * heads >= 256)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos + t * head_dim, *s = sin + t * head_dim;
+        for (int64_t h = 0; h < heads; h++) {
+            float *row = x + t * token_stride + h * head_dim;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = row[i], b = row[i + half];
+                row[i] = a * c[i] + (-b) * s[i];
+                row[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+    }
+    return 0;
+}
