@@ -76,6 +76,26 @@ def hf_model(choice: ModelChoice, dtype: torch.dtype, seed: int = 0):
     return LlamaForCausalLM.from_pretrained(smollm2_dir(), dtype=dtype, attn_implementation="sdpa").eval()
 
 
+def random_peft(base, rank: int, seed: int):
+    """A PEFT LoRA of `rank` (alpha 2 x rank) on every projection the engine adapts, over a copy of
+    `base`: A random, B ~ N(0, 0.01), as an adapter after some training."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from inference.lora import LORA_PROJECTIONS
+
+    torch.manual_seed(seed)
+    model = get_peft_model(copy.deepcopy(base), LoraConfig(r=rank, lora_alpha=2 * rank,
+                                                          target_modules=list(LORA_PROJECTIONS),
+                                                          init_lora_weights=False))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.01)
+    return model.eval()
+
+
 RESULT_PREFIX = "RESULT "
 
 

@@ -23,35 +23,27 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # NOTE: before torch loads OpenMP; see common.py
 
 import argparse  # noqa: E402
-import copy  # noqa: E402
 import random  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
-from common import SMOLLM2, hf_model, machine_line, median, print_result, set_threads  # noqa: E402
+from common import SMOLLM2, hf_model, machine_line, median, print_result, random_peft, set_threads  # noqa: E402
 
 from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams  # noqa: E402
+from inference.lora import LORA_PROJECTIONS  # noqa: E402
 from inference.models.smollm2 import smollm2_dir  # noqa: E402
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = LORA_PROJECTIONS
 ADAPTERS = 4
 
 
 def save_adapters(base, root: Path, rank: int) -> list[Path]:
     """`ADAPTERS` random PEFT adapters of `rank` on every linear projection, saved as PEFT saves them."""
-    from peft import LoraConfig, get_peft_model
-
     paths = []
     for k in range(ADAPTERS):
-        torch.manual_seed(rank * 100 + k)
-        model = get_peft_model(copy.deepcopy(base), LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS,
-                                                              init_lora_weights=False))
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0.0, 0.01)
+        model = random_peft(base, rank, seed=rank * 100 + k)
         path = root / f"r{rank}-{k}"
         model.save_pretrained(str(path))
         paths.append(path)

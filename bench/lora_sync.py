@@ -22,7 +22,6 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # NOTE: before torch loads OpenMP; see common.py
 
 import argparse  # noqa: E402
-import copy  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -31,26 +30,23 @@ import torch  # noqa: E402
 
 # NOTE: the repository root first, so the replica processes this script starts import this checkout
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import SMOLLM2, hf_model, load_average, machine_line, median, print_result, set_threads  # noqa: E402
+from common import (  # noqa: E402
+    SMOLLM2,
+    hf_model,
+    load_average,
+    machine_line,
+    median,
+    print_result,
+    random_peft,
+    set_threads,
+)
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+from inference.lora import LORA_PROJECTIONS  # noqa: E402
+
+TARGETS = LORA_PROJECTIONS
 REPLICA_ARGS = ("--threads", "1", "--block-size", "16", "--num-blocks", "64", "--max-requests", "4",
                 "--max-batch-tokens", "64", "--max-seq-len", "256", "--max-loras", "1",
                 "--weight-sync-timeout-s", "300")
-
-
-def peft_policy(base, rank: int):
-    """A PEFT LoRA of `rank` on every linear projection, A and B random (as after some training)."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(rank)
-    model = get_peft_model(copy.deepcopy(base), LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS,
-                                                          init_lora_weights=False))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.01)
-    return model.eval()
 
 
 def timed(fn) -> float:
@@ -74,7 +70,7 @@ def main() -> None:
     set_threads(args.threads)
     print(machine_line())
     base = hf_model(SMOLLM2, torch.float32)
-    policy = peft_policy(base, args.rank)
+    policy = random_peft(base, args.rank, seed=args.rank)
     directory = smollm2_dir(torch.float32)
     procs = []
     try:

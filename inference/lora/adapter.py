@@ -74,6 +74,8 @@ class LoRAAdapter:
 # projections that read one input, in the order the decoder passes their outputs
 INPUT_GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
                 "down": ("down_proj",)}
+# every projection an adapter may adapt (PEFT's `target_modules` for "all linear layers" of a block)
+LORA_PROJECTIONS = tuple(p for projs in INPUT_GROUPS.values() for p in projs)
 
 
 FusedA = tuple[torch.Tensor, float, list[tuple[int, int, int, torch.Tensor]]]

@@ -26,9 +26,9 @@ With `GRPOConfig.lora_rank` R the trainer trains a PEFT LoRA of rank R on every 
 (`rollout.rl.lora_policy`; its base frozen): the run's first sync puts the base weights in every
 replica, then each step's sync moves the adapter's tensors alone (`WeightSender.sync_lora`, gloo
 or shm), the adapter's next version on every replica, and every request names it. The per-token
-versions are then the base's, which never moves (so every token must carry the first one); that
-each step sampled the adapter just sent shows in the GRPO ratio's log-prob mismatch instead (an
-adapter one version behind is off by far more than float rounding).
+versions are then the base's, which never moves (so every token must carry the first one), and
+each sample's `lora_version` must be the adapter version just sent (the log-prob mismatch shows
+it too: an adapter one version behind is off by far more than float rounding).
 
 With `replica_dtype="bfloat16"` the replicas serve the fp32 trainer's bf16 cast; with `delta` every
 sync after the first sends only what changed (`WeightSender(delta=True)`), bitwise the same weights

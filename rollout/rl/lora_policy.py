@@ -24,12 +24,11 @@ from typing import Any
 import torch
 
 from inference.errors import LoRALoadError
-from inference.lora import AdapterRef
+from inference.lora import LORA_PROJECTIONS, AdapterRef
 from rollout.local import RolloutEngine
 
 ADAPTER_NAME = "policy"  # what the loop's requests name (`SamplingParams.lora_name`)
-# every linear layer of attention and MLP (what `inference.models.dense` can adapt)
-ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ALL_LINEAR = LORA_PROJECTIONS  # every linear layer of attention and MLP (what the engine can adapt)
 
 
 def lora_config(rank: int, alpha: float, targets: tuple[str, ...]) -> Any:

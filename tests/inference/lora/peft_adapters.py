@@ -8,7 +8,9 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
-ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+from inference.lora import LORA_PROJECTIONS
+
+ALL_LINEAR = list(LORA_PROJECTIONS)
 
 
 def save_adapter(base: torch.nn.Module, path: Path, *, r: int, alpha: float, targets: list[str] | str, seed: int,
