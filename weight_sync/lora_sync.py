@@ -32,13 +32,14 @@ import torch
 
 from inference.errors import LoRALoadError, LoRAShapeError, LoRATargetError
 from inference.lora.adapter import check_peft_config
-from weight_sync.buckets import as_bytes, bucket_checksum, unpack_bucket
-from weight_sync.manifest import ChecksumError, Manifest
+from weight_sync.buckets import as_bytes
+from weight_sync.manifest import Manifest
 from weight_sync.sources import LORA_KEY, MAX_LORA_NAME, AdapterSource, DistributedSource, SharedMemorySource
 from weight_sync.transports import Transport
 from weight_sync.transports.bucket_broadcast import receive_buckets
 from weight_sync.transports.distributed import GroupError
-from weight_sync.transports.shm import SegmentPlan, import_cuda, read_segment
+from weight_sync.transports.shared_memory import cuda_ipc_buckets
+from weight_sync.transports.shm import SegmentPlan, read_segment
 from weight_sync.transports.table import BY_TRANSPORT
 
 ADAPTER_TRANSPORTS = (Transport.GLOO, Transport.NCCL, Transport.SHM)  # disk: `LoadLora` of a PEFT directory
@@ -207,15 +208,9 @@ def _from_shared_memory(receiver: Any, payload: SharedMemorySource) -> tuple[dic
     manifest = payload.manifest
     if payload.segment is None:  # NOTE: a GPU trainer's buckets behind CUDA IPC handles
         tensors, received = {}, 0
-        for index, bucket in enumerate(manifest.layout.buckets):
-            view = import_cuda(payload.cuda_ipc[index], bucket.nbytes)
-            checksum = bucket_checksum(view, bucket)
-            if checksum != bucket.checksum:
-                raise ChecksumError(f"bucket {index} of {manifest.num_buckets}: checksum {checksum:#x}, the "
-                                    f"manifest says {bucket.checksum:#x}")
-            tensors.update({n: t.clone() for n, t in unpack_bucket(manifest, index, view).items()})
-            received += bucket.nbytes
-            del view
+        for named, nbytes in cuda_ipc_buckets(payload):
+            tensors.update({n: t.clone() for n, t in named.items()})
+            received += nbytes
         return tensors, received
     tensors = _fresh(manifest, torch.device("cpu"))
     plan = SegmentPlan.of(manifest, payload.piece_bytes)

@@ -7,7 +7,7 @@ into its staged update; the sender's memory is reused only once every replica an
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 import torch
@@ -89,7 +89,9 @@ def _read_segment(receiver: Any, source: SharedMemorySource, naming: Naming) -> 
     read_segment(receiver.mappings, source.segment, plan, source.token, destinations, receiver.timeout_s, load)
 
 
-def _read_cuda_ipc(receiver: Any, source: SharedMemorySource, naming: Naming) -> None:
+def cuda_ipc_buckets(source: SharedMemorySource) -> Iterator[tuple[dict[str, torch.Tensor], int]]:
+    """A GPU trainer's buckets behind its CUDA IPC handles, each checksummed, as (its tensors, its
+    bytes). The tensors are views of the mapping: the caller copies them before the next bucket."""
     manifest = source.manifest
     for index, bucket in enumerate(manifest.layout.buckets):
         view = import_cuda(source.cuda_ipc[index], bucket.nbytes)
@@ -97,6 +99,11 @@ def _read_cuda_ipc(receiver: Any, source: SharedMemorySource, naming: Naming) ->
         if checksum != bucket.checksum:
             raise ChecksumError(f"bucket {index} of {manifest.num_buckets} ({bucket.nbytes} bytes): checksum "
                                 f"{checksum:#x}, the manifest says {bucket.checksum:#x}")
-        receiver.load(unpack_bucket(manifest, index, view), naming)
-        receiver.stats.bytes_received += bucket.nbytes
-        del view  # NOTE: the engine copied every byte; the mapping goes with the last view
+        yield unpack_bucket(manifest, index, view), bucket.nbytes
+        del view  # NOTE: the caller copied every byte; the mapping goes with the last view
+
+
+def _read_cuda_ipc(receiver: Any, source: SharedMemorySource, naming: Naming) -> None:
+    for named, nbytes in cuda_ipc_buckets(source):
+        receiver.load(named, naming)
+        receiver.stats.bytes_received += nbytes
