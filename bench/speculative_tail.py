@@ -91,7 +91,7 @@ def timed_batch(engine: DynamicInferenceEngine, prompts, params) -> dict:
     stats = engine.stats()
     tokens = sum(len(o.generated_token_ids) for o in outputs)
     delta = {k: stats.get(k, 0) - stats0.get(k, 0) for k in ("spec_proposed_tokens", "spec_accepted_tokens",
-                                                              "spec_rows")}
+                                                              "spec_rows", "spec_expected_tokens")}
     return dict(outputs=[o.generated_token_ids for o in outputs], wall=wall, tail=wall - t90, tokens=tokens,
                 steps=engine.num_steps - steps0, **delta)
 
@@ -149,13 +149,17 @@ def run(model_name: str, workload: str, args) -> bool:
     accepted = sum(x["spec_accepted_tokens"] for x in results["spec"])
     rows = sum(x["spec_rows"] for x in results["spec"])
     figures["acceptance_rate"] = accepted / proposed if proposed else 0.0
+    # NOTE: kept tokens against what the proposals' estimated chances expected (1: calibrated)
+    expected = sum(x["spec_expected_tokens"] for x in results["spec"])
+    figures["kept_over_expected"] = accepted / expected if expected else 0.0
     figures["spec_tokens_per_row"] = (rows + accepted) / rows if rows else 1.0
     for name in ("plain", "spec"):
         figures[f"{name}_tokens_per_step"] = (sum(x["tokens"] for x in results[name])
                                               / sum(x["steps"] for x in results[name]))
     print(f"{choice.description}, {workload}: batch {figures['plain_wall_s']:.2f}s -> {figures['spec_wall_s']:.2f}s "
           f"({figures['wall_ratio']:.2f}x), tail {figures['plain_tail_s']:.2f}s -> {figures['spec_tail_s']:.2f}s "
-          f"({figures['tail_ratio']:.2f}x); acceptance {figures['acceptance_rate']:.2f}, "
+          f"({figures['tail_ratio']:.2f}x); acceptance {figures['acceptance_rate']:.2f} "
+          f"(kept / expected {figures['kept_over_expected']:.2f}), "
           f"{figures['spec_tokens_per_row']:.2f} tokens per speculative row; tokens per step "
           f"{figures['plain_tokens_per_step']:.2f} -> {figures['spec_tokens_per_step']:.2f}; "
           f"outputs {'identical' if same else 'DIFFER'}", flush=True)

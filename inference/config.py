@@ -84,9 +84,12 @@ class SpeculativeConfig:
     A decode-only step of at most `max_rows` requests proposes up to `num_tokens` tokens per
     request from n-gram matches (`min_match`..`max_match` tokens of the request's own suffix) in
     its own tokens, its group's siblings and the last `history_samples` finished samples of each of
-    `history_prompts` prompts, and verifies them in one forward of at most `max_step_tokens` tokens
-    (rows included: where a forward reads its weights anyway, extra tokens cost little). A request
-    proposes its j-th token only while its acceptance so far, to the power j, is >= `min_acceptance`.
+    `history_prompts` prompts, each proposal with its estimated chance of being kept (the share of
+    matches that continued with it; proposals below `min_acceptance` are not made). The step
+    verifies the proposals that maximise tokens per second under the cost of a step by its token
+    count, at most `max_step_tokens` tokens (rows included): `cost_model="measured"` times the
+    engine's own decode steps, `"flat"` takes every step up to `max_step_tokens` as costing the
+    same (where a forward has room to spare; the choice then does not depend on timing).
     Lossless: a proposed token is kept only where it equals the token the target samples there
     with the randomness of that position.
     """
@@ -94,11 +97,12 @@ class SpeculativeConfig:
     num_tokens: int = 8
     max_rows: int = 16
     max_step_tokens: int = 48
-    min_acceptance: float = 0.4
+    min_acceptance: float = 0.05
     min_match: int = 2
     max_match: int = 8
     history_samples: int = 16
     history_prompts: int = 1024
+    cost_model: str = "measured"
 
     def __post_init__(self) -> None:
         for name in ("num_tokens", "max_rows", "max_step_tokens", "min_match", "max_match", "history_prompts"):
@@ -109,6 +113,8 @@ class SpeculativeConfig:
             raise ValueError(f"SpeculativeConfig.history_samples must be an int >= 0, got {self.history_samples!r}")
         if not 0.0 < self.min_acceptance < 1.0:
             raise ValueError(f"SpeculativeConfig.min_acceptance must be in (0, 1), got {self.min_acceptance!r}")
+        if self.cost_model not in ("measured", "flat"):
+            raise ValueError(f"SpeculativeConfig.cost_model must be 'measured' or 'flat', got {self.cost_model!r}")
         if self.max_match < self.min_match:
             raise ValueError(f"SpeculativeConfig.max_match ({self.max_match}) must be >= min_match ({self.min_match})")
 

@@ -287,7 +287,8 @@ class EngineCore:
         plan = self.scheduler.schedule(admit_new=self.state is EngineState.RUNNING)
         if plan.empty:
             return
-        if self.speculation is not None and self.speculation.try_step(plan):
+        if self.speculation is not None:  # NOTE: it runs the plan, as a verify step or plainly
+            self.speculation.step(plan)
             return
         self.run_plan(plan, self.runner.prepare(self.context, plan))
 

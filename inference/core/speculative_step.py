@@ -1,10 +1,11 @@
 """A speculative decode step: propose tokens per request, verify them all in one forward.
 
 Taken only for a decode-only step of at most `SpeculativeConfig.max_rows` requests (the tail of a
-batch, where a step is mostly fixed cost); a larger batch, or one where nothing is proposed,
-decodes as usual. For each request the step feeds its last token plus `d` proposed tokens (their
-K/V written into its blocks), samples the target at all `d + 1` positions and keeps the leading
-samples that confirm the proposals, plus the one sample after them (see speculation/verify.py).
+batch, where a step is mostly fixed cost) whose proposals pay by the step cost model (class
+docstring); a larger batch, or one where nothing pays, decodes as usual. For each request the step
+feeds its last token plus `d` proposed tokens (their K/V written into its blocks), samples the
+target at all `d + 1` positions and keeps the leading samples that confirm the proposals, plus the
+one sample after them (see speculation/verify.py).
 
 Reproducibility: a seeded request's generator gives one uniform per sampled position, in order
 (the sampler draws them row by row). Before the verify its state is saved; after it, the state is
@@ -26,6 +27,7 @@ one token per step, in a speculative step or not.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import Any
 
@@ -37,56 +39,68 @@ from inference.core import outputs as out_ops
 from inference.sampling.sampler import SamplerOutput
 from inference.sched.block_registration import register_full_blocks
 from inference.sched.scheduler import StepPlan
+from inference.speculation.costs import StepCosts
 from inference.speculation.history import PromptHistory
 from inference.speculation.proposer import build_corpus, propose
 from inference.speculation.verify import accepted_counts, cut_at_stops
 
-# A request's per-token acceptance estimate: (hits + PRIOR_WEIGHT * PRIOR) / (trials + PRIOR_WEIGHT),
-# its evidence fading by EVIDENCE_DECAY per step it decodes, so a request that stopped proposing
-# tries again once its failures are old.
-PRIOR, PRIOR_WEIGHT, EVIDENCE_DECAY = 0.5, 2.0, 0.9
+# A request's calibration: its proposals' estimated chances are scaled by (tokens kept + w) /
+# (tokens the estimates expected + w), the evidence fading by EVIDENCE_DECAY per step it decodes,
+# so a request whose corpus matches keep failing (high-entropy text that happens to match)
+# proposes less, and tries again once its failures are old.
+CALIBRATION_WEIGHT, EVIDENCE_DECAY = 2.0, 0.9
 
 
 class SpeculativeSteps:
     """Proposals and verify steps of one `EngineCore` (see module docstring). `core` is not
     imported here: the core imports this module.
 
-    Per request, the draft length follows its acceptance so far: with per-token acceptance
-    estimate a, the j-th proposed token is kept with probability about a^j, so it is proposed only
-    while a^j >= `SpeculativeConfig.min_acceptance` (a cost model: below it, the extra rows of the
-    forward and the sampler cost more than the tokens they are expected to save).
+    Which proposals a step verifies: each proposed token carries its estimated chance of being
+    kept (speculation/proposer.py, times the request's calibration); the step verifies the best
+    ones, as many as maximise tokens per second under the measured cost of a step by its token
+    count (speculation/costs.py). So a request whose draft is likely proposes far, a doubtful one
+    little, and a step where no proposal pays decodes plainly.
 
-    Invariant: per slot, `owner` is the request id the estimate belongs to; a slot taken by another
-    request starts afresh.
+    Invariant: per slot, `owner` is the request id the calibration belongs to; a slot taken by
+    another request starts afresh.
     """
 
     def __init__(self, core: Any, config: SpeculativeConfig) -> None:
         self.core = core
         self.config = config
         self.history = PromptHistory(config.history_samples, config.history_prompts)
+        self.costs = StepCosts(min(core.config.max_batch_tokens, config.max_step_tokens),
+                               measured=config.cost_model == "measured")
         n = core.config.max_requests
         self._owner = np.full(n, -1, dtype=np.int64)
-        self._hits = np.zeros(n, dtype=np.float64)  # proposed tokens kept (fading evidence)
-        self._trials = np.zeros(n, dtype=np.float64)  # proposed tokens tested (up to the first rejection)
+        self._kept = np.zeros(n, dtype=np.float64)  # proposed tokens kept (fading evidence)
+        self._expected = np.zeros(n, dtype=np.float64)  # what their estimated chances expected
         self._refused = np.zeros(n, dtype=bool)
         self._prompt_key: list[tuple[int, ...] | None] = [None] * n
+        self._chances: list[np.ndarray] = []  # the verified proposals' estimated chances, this step
         self.steps = self.rows = self.proposed = self.accepted = self.emitted = 0
+        self.expected = 0.0
         self.refused: Counter[str] = Counter()
 
     # ---- the step ----------------------------------------------------------------------------
 
-    def try_step(self, plan: StepPlan) -> bool:
-        """Run `plan` as a verify step if it is a small decode-only step with proposals; False
-        (nothing changed) when the caller should run it as usual."""
-        if plan.num_decode != plan.slots.size or plan.slots.size > self.config.max_rows:
-            return False
-        if self._forks_pending(plan.slots):
-            return False
-        drafts = self._propose(plan.slots)
+    def step(self, plan: StepPlan) -> None:
+        """Run `plan`: as a verify step if it is a small decode-only step with proposals that pay,
+        else as usual. A decode-only step's wall time is recorded by its token count."""
+        core = self.core
+        decode_only = plan.num_decode == plan.slots.size
+        start = time.perf_counter()
+        drafts = None
+        if decode_only and plan.slots.size <= self.config.max_rows and not self._forks_pending(plan.slots):
+            drafts = self._propose(plan.slots)
         if drafts is None:
-            return False
-        self._verify(plan, drafts)
-        return True
+            core.run_plan(plan, core.runner.prepare(core.context, plan))
+            tokens = int(plan.slots.size)
+        else:
+            self._verify(plan, drafts)
+            tokens = int(plan.slots.size + sum(d.size for d in drafts))
+        if decode_only:
+            self.costs.record(tokens, time.perf_counter() - start)
 
     def _forks_pending(self, slots: np.ndarray) -> bool:
         """Whether a group leader samples its first token this step: its samples fork from it in
@@ -97,47 +111,60 @@ class SpeculativeSteps:
         return any(ctx.requests[slot].fork_children for slot in first.tolist())
 
     def _propose(self, slots: np.ndarray) -> list[np.ndarray] | None:
-        """Each slot's proposed tokens with their blocks taken, or None when none has any."""
+        """Each slot's proposed tokens to verify, their blocks taken; None when none pays."""
         ctx, cfg = self.core.context, self.config
         groups: dict[int, list[int]] = {}
         for slot in slots.tolist():
             groups.setdefault(ctx.requests[slot].group_id, []).append(slot)
-        watermark = self.core.scheduler.watermark_blocks
-        self._hits[slots] *= EVIDENCE_DECAY
-        self._trials[slots] *= EVIDENCE_DECAY
-        lengths = self._draft_lengths(slots)
-        drafts: list[np.ndarray] = []
-        empty = np.empty(0, dtype=np.int64)
-        # NOTE: the step's input buffers hold no more than max_batch_tokens
-        budget = min(self.core.config.max_batch_tokens, cfg.max_step_tokens) - slots.size
-        for slot, length in zip(slots.tolist(), lengths.tolist()):
-            room = min(length, int(ctx.max_len[slot] - ctx.seq_len[slot]) - 1, budget)
+        self._kept[slots] *= EVIDENCE_DECAY
+        self._expected[slots] *= EVIDENCE_DECAY
+        calibration = (self._kept[slots] + CALIBRATION_WEIGHT) / (self._expected[slots] + CALIBRATION_WEIGHT)
+        empty, none = np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float64)
+        drafts, chances = [], []
+        for b, slot in enumerate(slots.tolist()):
+            room = min(cfg.num_tokens, int(ctx.max_len[slot] - ctx.seq_len[slot]) - 1)
             if room < 1 or not self._may_propose(slot):
                 drafts.append(empty)
+                chances.append(none)
                 continue
-            seq_len = int(ctx.seq_len[slot])
-            seq = ctx.tokens[slot, :seq_len]
+            seq = ctx.tokens[slot, : int(ctx.seq_len[slot])]
             siblings = [ctx.tokens[s, ctx.prompt_len[s] : ctx.seq_len[s]] for s in groups[ctx.requests[slot].group_id]
                         if s != slot]
             corpus = build_corpus(self.history.of(self._prompt_key[slot]) + siblings + [seq])
-            draft = propose(seq[-cfg.max_match :], corpus, room, cfg.min_match, cfg.max_match)
+            draft, chance = propose(seq[-cfg.max_match :], corpus, room, cfg.min_match, cfg.max_match,
+                                    cfg.min_acceptance)
+            drafts.append(draft)
+            chances.append(np.minimum(chance * calibration[b], 1.0))
+        counts = self._choose(slots.size, chances)
+        if not counts.any():
+            return None
+        watermark = self.core.scheduler.watermark_blocks
+        self._chances = []
+        for b, slot in enumerate(slots.tolist()):
+            draft = drafts[b][: counts[b]]
             kv_end = int(ctx.kv_len[slot]) + 1 + draft.size
             if draft.size and (ctx.allocator.available - ctx.blocks_needed(slot, kv_end) < watermark
                                or not ctx.grow(slot, kv_end)):
                 draft = empty
             if draft.size:
+                seq_len = int(ctx.seq_len[slot])
                 ctx.tokens[slot, seq_len : seq_len + draft.size] = draft  # NOTE: past seq_len: scratch until kept
-                budget -= draft.size
-            drafts.append(draft)
+            drafts[b] = draft
+            self._chances.append(chances[b][: draft.size] / calibration[b])  # NOTE: raw, for the calibration
         return drafts if any(d.size for d in drafts) else None
 
-    def _draft_lengths(self, slots: np.ndarray) -> np.ndarray:
-        """Tokens to propose per slot: the largest j with a^j >= min_acceptance (see class docstring)."""
-        cfg = self.config
-        alpha = (self._hits[slots] + PRIOR_WEIGHT * PRIOR) / (self._trials[slots] + PRIOR_WEIGHT)
-        with np.errstate(divide="ignore"):
-            j = np.floor(np.log(cfg.min_acceptance) / np.log(np.minimum(alpha, 1 - 1e-9)))
-        return np.clip(j, 0, cfg.num_tokens).astype(np.int64)
+    def _choose(self, rows: int, chances: list[np.ndarray]) -> np.ndarray:
+        """Per row, how many of its proposals to verify: the step's best ones by chance, as many as
+        `StepCosts.best_extra` says pay. A row's chances fall along its draft, so each row's chosen
+        proposals are a prefix of its draft."""
+        flat = np.concatenate(chances)
+        if flat.size == 0:
+            return np.zeros(rows, dtype=np.int64)
+        row = np.repeat(np.arange(rows), [c.size for c in chances])
+        depth = np.concatenate([np.arange(c.size) for c in chances])
+        order = np.lexsort((depth, -flat))
+        k = self.costs.best_extra(rows, flat[order])
+        return np.bincount(row[order[:k]], minlength=rows)
 
     def _may_propose(self, slot: int) -> bool:
         """Whether the slot's request may speculate at all (counts a refusal once per admission)."""
@@ -145,7 +172,7 @@ class SpeculativeSteps:
         req = ctx.requests[slot]
         if self._owner[slot] != req.request_id:
             self._owner[slot] = req.request_id
-            self._hits[slot] = self._trials[slot] = 0.0
+            self._kept[slot] = self._expected[slot] = 0.0
             self._prompt_key[slot] = tuple(req.prompt_token_ids)
             reason = self._refusal(slot)
             self._refused[slot] = reason is not None
@@ -224,9 +251,10 @@ class SpeculativeSteps:
         self.proposed += int(lens.sum())
         self.accepted += int(accepted.sum())
         self.emitted += int(slots.size + accepted.sum())
-        # NOTE: tokens after the first rejection were never tested: the geometric model's trials
-        self._hits[slots] += accepted
-        self._trials[slots] += np.minimum(accepted + 1, lens)
+        expected = np.array([c.sum() for c in self._chances], dtype=np.float64)
+        self.expected += float(expected.sum())
+        self._kept[slots] += accepted
+        self._expected[slots] += expected
 
     # ---- bookkeeping -------------------------------------------------------------------------
 
@@ -242,6 +270,7 @@ class SpeculativeSteps:
             "spec_accepted_tokens": self.accepted,
             "spec_acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
             "spec_tokens_per_row": self.emitted / self.rows if self.rows else 0.0,
+            "spec_expected_tokens": self.expected,
             "spec_history_prompts": len(self.history),
             **{f"spec_refused_{reason}": count for reason, count in sorted(self.refused.items())},
         }

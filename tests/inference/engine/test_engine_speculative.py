@@ -22,7 +22,9 @@ from tests.reference import float64_copy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-SPEC = SpeculativeConfig(num_tokens=4, max_rows=16, min_match=1)
+# NOTE: flat costs: how many proposals a step verifies then does not depend on timing, so every
+# test speculates on every run (the measured cost model has its own tests and the greedy one here)
+SPEC = SpeculativeConfig(num_tokens=4, max_rows=16, min_match=1, cost_model="flat")
 LOGPROB_TOL = 1e-5
 
 
@@ -91,17 +93,22 @@ def test_seeded_samples_are_identical_with_speculation_on_and_off(model, params)
     assert engine.allocator.active == 0
 
 
+@pytest.mark.parametrize("cost_model", ["flat", "measured"])
 @pytest.mark.parametrize("build", [tiny_llama, tiny_qwen3], ids=["llama", "qwen3"])
-def test_greedy_matches_hf_with_speculation_pauses_and_chunked_prefill(build):
+def test_greedy_matches_hf_with_speculation_pauses_and_chunked_prefill(build, cost_model):
     hf = build()
     prompts = random_prompts(32, 2, 60, seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    outputs, engine = generate(hf, SpeculativeConfig(max_rows=24), prompts, params, num_blocks=96, max_requests=24,
-                               max_batch_tokens=64, chunked_prefill_size=16, max_sequence_length=128)
+    outputs, engine = generate(hf, SpeculativeConfig(max_rows=24, cost_model=cost_model), prompts, params,
+                               num_blocks=96, max_requests=24, max_batch_tokens=64, chunked_prefill_size=16,
+                               max_sequence_length=128)
     assert sum(o.num_preemptions for o in outputs) > 0
     for prompt, out in zip(prompts, outputs):
         assert out.generated_token_ids == hf_greedy(hf, prompt, 24)
-    assert_speculated(engine)
+    if cost_model == "flat":
+        assert_speculated(engine)
+    else:  # NOTE: whether a step pays here depends on this machine's timing; the steps were measured
+        assert engine.core.speculation.costs.estimates().min() < 1.0
 
 
 @pytest.mark.parametrize("mode", [LogprobsMode.RAW, LogprobsMode.PROCESSED])

@@ -11,25 +11,35 @@ from inference.speculation.proposer import SEP, build_corpus, propose
 from inference.speculation.verify import accepted_counts, cut_at_stops
 
 
-def brute_force(suffix, corpus, k, lo, hi):
-    """The continuation of the latest longest match, by scanning every position."""
-    best, best_len = None, 0
-    for i in range(len(corpus) - 1):
-        if corpus[i + 1] == SEP:
-            continue
+def brute_force(suffix, corpus, k, lo, hi, min_chance=0.0):
+    """The vote walk (`propose`'s docstring) over every position, by scanning."""
+
+    def continues(i):  # position i ends a match with a continuation
+        return i + 1 < len(corpus) and corpus[i + 1] != SEP and corpus[i] != SEP
+
+    def match_len(i):
         n = 0
         while n < min(hi, len(suffix)) and i - n >= 0 and corpus[i - n] == suffix[-1 - n]:
             n += 1
-        if n >= lo and n >= best_len:
-            best, best_len = i, n
-    if best is None:
-        return []
-    out = []
-    for t in corpus[best + 1 : best + 1 + k]:
-        if t == SEP:
+        return n
+
+    ends = [i for i in range(len(corpus)) if continues(i) and match_len(i) >= lo]
+    if not ends:
+        return [], []
+    longest = max(match_len(i) for i in ends)
+    live = [i for i in ends if match_len(i) == longest]
+    tokens, chances, chance = [], [], 1.0
+    while live and len(tokens) < k:
+        nxt = [corpus[i + 1] for i in live]
+        top = max(nxt.count(t) for t in nxt)
+        token = [t for t in nxt if nxt.count(t) == top][-1]  # a tie: the latest match's
+        chance *= top / (len(live) + 1)
+        if chance < min_chance:
             break
-        out.append(t)
-    return out
+        tokens.append(token)
+        chances.append(chance)
+        live = [i + 1 for i in live if corpus[i + 1] == token and continues(i + 1)]
+    return tokens, chances
 
 
 tokens = st.lists(st.integers(0, 3), min_size=0, max_size=30)
@@ -37,20 +47,33 @@ tokens = st.lists(st.integers(0, 3), min_size=0, max_size=30)
 
 @settings(max_examples=300, deadline=None)
 @given(seqs=st.lists(tokens, min_size=1, max_size=4), k=st.integers(1, 6), lo=st.integers(1, 3),
-       extra=st.integers(0, 4))
-def test_proposal_is_the_latest_longest_match(seqs, k, lo, extra):
+       extra=st.integers(0, 4), min_chance=st.sampled_from([0.0, 0.05, 0.3]))
+def test_proposal_is_the_vote_over_the_longest_matches(seqs, k, lo, extra, min_chance):
     corpus = build_corpus([np.array(s, dtype=np.int64) for s in seqs])
     suffix = np.array(seqs[-1], dtype=np.int64)
-    got = propose(suffix, corpus, k, lo, lo + extra).tolist()
-    assert got == brute_force(suffix.tolist(), corpus.tolist(), k, lo, lo + extra)
+    got, chances = propose(suffix, corpus, k, lo, lo + extra, min_chance)
+    want, want_chances = brute_force(suffix.tolist(), corpus.tolist(), k, lo, lo + extra, min_chance)
+    assert got.tolist() == want
+    np.testing.assert_allclose(chances, want_chances, rtol=1e-12)
+
+
+def test_the_majority_continuation_wins_with_its_share():
+    # "1 2" continued with 3 twice and with 4 once (the latest): 3 is proposed, chance 2 / (3 + 1)
+    corpus = build_corpus([np.array([1, 2, 3, 5]), np.array([1, 2, 3, 6]), np.array([1, 2, 4]), np.array([1, 2])])
+    got, chances = propose(np.array([1, 2]), corpus, 4, 2, 4)
+    assert got.tolist()[:1] == [3]
+    assert chances[0] == 2 / 4
+    # then the two matches that said 3 split 5 / 6: a tie, the latest (6), chance 1/2 * 1/3
+    assert got.tolist() == [3, 6] and chances[1] == 2 / 4 * 1 / 3
 
 
 def test_siblings_continue_a_shared_phrase():
     sibling = np.array([5, 6, 7, 8, 9, 10, 11])
     own = np.array([1, 2, 6, 7, 8])
-    assert propose(own, build_corpus([sibling, own]), 3, 2, 4).tolist() == [9, 10, 11]
-    assert propose(own, build_corpus([sibling, own]), 8, 2, 4).tolist() == [9, 10, 11]  # stops at the sequence's end
-    assert propose(np.array([1, 2, 3]), build_corpus([sibling, np.array([1, 2, 3])]), 3, 2, 4).size == 0
+    assert propose(own, build_corpus([sibling, own]), 3, 2, 4)[0].tolist() == [9, 10, 11]
+    assert propose(own, build_corpus([sibling, own]), 8, 2, 4)[0].tolist() == [9, 10, 11]  # stops at the sequence's end
+    assert propose(np.array([1, 2, 3]), build_corpus([sibling, np.array([1, 2, 3])]), 3, 2, 4)[0].size == 0
+    assert propose(own, build_corpus([sibling, own]), 8, 2, 4, min_chance=0.2)[0].tolist() == [9, 10]  # 1/2, 1/4, 1/8
 
 
 def test_history_is_bounded_per_prompt_and_in_prompts():
