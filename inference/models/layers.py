@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from inference import native
+from inference.models.small_gemm import few_rows, linear
 from inference.models.spec import RopeKind, RopeSpec
 
 
@@ -39,8 +40,8 @@ def swiglu(
     NOTE: silu and the product run in place on the gate projection's output (the same values as
     the out-of-place ops, without two `[T, intermediate]` temporaries per layer).
     """
-    act = F.silu(F.linear(x, gate_w, gate_b), inplace=True)
-    return F.linear(act.mul_(F.linear(x, up_w, up_b)), down_w, down_b)
+    act = F.silu(linear(x, gate_w, gate_b), inplace=True)
+    return linear(act.mul_(linear(x, up_w, up_b)), down_w, down_b)
 
 
 # rows of the LM head weight per GEMM call on CPU (see `lm_head`)
@@ -56,6 +57,8 @@ def lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     69 -> 51 ms). A chunk's dot products are the same ones, bit for bit (tested against
     `F.linear`), so the logits are unchanged.
     """
+    if few_rows(x, weight):  # NOTE: a few rows: the native kernel reads the weight once (small_gemm.py)
+        return linear(x, weight)
     if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2:
         return F.linear(x, weight)
     vocab = weight.shape[0]

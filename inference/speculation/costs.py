@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
-# Each token count's estimate moves this far toward a new measurement: steps drift as contexts
-# grow and other processes come and go, so old steps should fade within tens of steps.
-EMA_WEIGHT = 0.2
+# Each token count keeps its last WINDOW step times and is estimated by their median: steps drift
+# as contexts grow, and another process taking the cores makes some steps many times slower
+# (seen: 3 s for a 100 ms step), which a mean would carry for many steps.
+WINDOW = 9
 
 
 class StepCosts:
@@ -27,33 +28,34 @@ class StepCosts:
     `measured=False` takes every step up to `max_tokens` as costing the same (a forward with room
     to spare: a GPU's tail), which makes the choice independent of timing (the engine's tests).
 
-    Estimates: a token count's own record where it has one; between records, linear; below the
+    Estimates: a token count's median where it has records; between records, linear; below the
     smallest, that one's; above the largest, the largest's (optimistic: untried sizes get tried,
-    and then they are measured). Made nondecreasing in n (more tokens never cost less).
+    and then they are measured). Then nondecreasing in n from above: n's estimate is the least of
+    its own and every larger count's (more tokens never cost less; noise only ever adds time, so a
+    slow outlier at one count must not raise the counts above it).
     """
 
     def __init__(self, max_tokens: int, measured: bool = True) -> None:
         self.max_tokens = max_tokens
         self.measured = measured
-        self._seconds = np.zeros(max_tokens + 1, dtype=np.float64)
-        self._seen = np.zeros(max_tokens + 1, dtype=bool)
+        self._times = np.full((max_tokens + 1, WINDOW), np.nan, dtype=np.float64)
+        self._next = np.zeros(max_tokens + 1, dtype=np.int64)  # per count: the ring slot written next
 
     def record(self, tokens: int, seconds: float) -> None:
         if not self.measured or not 1 <= tokens <= self.max_tokens:
             return
-        if self._seen[tokens]:
-            self._seconds[tokens] += EMA_WEIGHT * (seconds - self._seconds[tokens])
-        else:
-            self._seconds[tokens], self._seen[tokens] = seconds, True
+        self._times[tokens, self._next[tokens] % WINDOW] = seconds
+        self._next[tokens] += 1
 
     def estimates(self) -> np.ndarray:
         """Estimated seconds for 0 .. max_tokens tokens (index 0 unused); all ones when nothing is
         measured yet or `measured` is False."""
-        known = np.flatnonzero(self._seen)
+        known = np.flatnonzero(self._next)
         if not self.measured or known.size == 0:
             return np.ones(self.max_tokens + 1, dtype=np.float64)
+        medians = np.nanmedian(self._times[known], axis=1)
         n = np.arange(self.max_tokens + 1)
-        return np.maximum.accumulate(np.interp(n, known, self._seconds[known]))
+        return np.minimum.accumulate(np.interp(n, known, medians)[::-1])[::-1]
 
     def best_extra(self, rows: int, chances: np.ndarray) -> int:
         """How many of the proposals (`chances`, best first) to verify with `rows` rows; at most

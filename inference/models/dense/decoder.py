@@ -21,6 +21,7 @@ from inference.cache.kv_buffer import KVCacheBuffer
 from inference.cache.specs import KVCacheSpec
 from inference.lora.batch import MLP_PROJS, LoRABatch, LoRAGroups
 from inference.models.layers import RotaryEmbedding, apply_rotary_, lm_head, rms_norm, swiglu
+from inference.models.small_gemm import linear
 from inference.models.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -324,7 +325,7 @@ class DenseDecoder:
         s, w = self.spec, self._layers[i]
         n_tok, eps = x.shape[0], s.rms_norm_eps
         h = rms_norm(x, w.in_norm, eps)
-        q, k, v = F.linear(h, w.q_w, w.q_b), F.linear(h, w.k_w, w.k_b), F.linear(h, w.v_w, w.v_b)
+        q, k, v = linear(h, w.q_w, w.q_b), linear(h, w.k_w, w.k_b), linear(h, w.v_w, w.v_b)
         if lora is not None:
             lora.add(h, i, "qkv", (q, k, v))
         q = q.view(n_tok, s.num_heads, s.head_dim)
@@ -341,7 +342,7 @@ class DenseDecoder:
         w = self._layers[i]
         if lora is None:
             # NOTE: the residual adds land in the projections' fresh outputs (a + b == b + a exactly)
-            x = F.linear(o, w.o_w, w.o_b).add_(x)
+            x = linear(o, w.o_w, w.o_b).add_(x)
             return self.mlp(i, rms_norm(x, w.post_norm, self.spec.rms_norm_eps)).add_(x)
         attn = F.linear(o, w.o_w, w.o_b)
         lora.add(o, i, "o", (attn,))

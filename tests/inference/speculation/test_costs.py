@@ -14,15 +14,19 @@ def test_estimates_interpolate_hold_and_never_fall():
     assert (costs.estimates() == 1.0).all()  # nothing measured: every size alike
     costs.record(4, 0.010)
     costs.record(12, 0.030)
-    costs.record(8, 0.005)  # a fast outlier between: the estimate does not fall below 4's
+    costs.record(8, 0.050)  # a slow outlier between: it does not raise the counts above it
     est = costs.estimates()
     assert est[1] == est[4] == 0.010  # below the smallest record: that one's
-    assert est[8] == 0.010 and abs(est[10] - 0.0175) < 1e-12 and est[12] == 0.030  # 8 -> 12 linear, then held up
-    assert est[16] == 0.030  # above the largest: held (untried sizes get tried)
-    costs.record(12, 0.040)  # an EMA step toward the new time
-    assert abs(costs.estimates()[12] - (0.030 + 0.2 * 0.010)) < 1e-12
+    assert est[8] == 0.030 and abs(est[6] - 0.030) < 1e-12 and abs(est[5] - 0.020) < 1e-12  # capped by 12
+    assert est[12] == est[16] == 0.030  # above the largest: held (untried sizes get tried)
+    for t in (0.040, 0.040, 3.0):  # a median over the recent steps: one slow step moves nothing
+        costs.record(12, t)
+    assert costs.estimates()[12] == 0.040
+    for _ in range(9):  # the window forgets: only the last 9 steps count
+        costs.record(12, 0.020)
+    assert costs.estimates()[12] == 0.020
     costs.record(17, 9.0)  # beyond max_tokens: ignored
-    assert costs.estimates()[16] == costs.estimates()[12]
+    assert costs.estimates()[16] == 0.020
 
 
 def test_flat_costs_take_every_proposal_up_to_the_budget():
