@@ -10,11 +10,17 @@ The machine's rate: one decode step's GEMMs (each layer's q/k/v/o, gate/up/down 
 at a batch of `batch` rows, FLOPs / median time. That is the dense-matmul ceiling for the shapes
 the engine multiplies; attention's reads are not GEMMs and the count above credits them at the
 same rate, as the issue asks.
+
+The roofline beside it: the machine's memory bandwidth (`memory_bandwidth`, in the same run) and a
+decode step's least memory traffic (`DecodeStep`: every GEMM weight read once, each row's K/V over
+its context), so a step's arithmetic intensity (FLOPs / bytes) can be set against the machine's
+ridge (matmul rate / bandwidth): below it a step is bound by memory, above it by the matmuls.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 from rollout_workload import Workload
@@ -41,6 +47,66 @@ def useful_flops(config, work: Workload) -> float:
             contexts = length * (p + 1) + length * (length - 1) // 2
             total += length * per_token + attention * contexts
     return total
+
+
+def mean_context(work: Workload) -> float:
+    """Positions a generated token attends to, averaged over the workload's tokens (see `useful_flops`)."""
+    contexts = sum(length * (len(prompt) + 1) + length * (length - 1) // 2
+                   for prompt, lengths in zip(work.prompts, work.lengths) for length in lengths)
+    return contexts / work.useful_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeStep:
+    """One decode step of `batch` rows at `context` positions each: its FLOPs (the issue's count)
+    and the least it reads from memory (each GEMM weight once, each row's K and V over its context)."""
+
+    batch: int
+    context: float
+    flops: float
+    weight_bytes: float
+    kv_bytes: float
+
+    @classmethod
+    def of(cls, config, batch: int, context: float, dtype: torch.dtype) -> DecodeStep:
+        item = torch.empty((), dtype=dtype).element_size()
+        shapes = gemm_shapes(config)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        gemm_flops = 2 * batch * sum(o * i for o, i in shapes)
+        attention_flops = 4 * config.num_hidden_layers * config.hidden_size * context * batch
+        kv_per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * item
+        return cls(batch, context, gemm_flops + attention_flops, item * sum(o * i for o, i in shapes),
+                   kv_per_position * context * batch)
+
+    @property
+    def bytes(self) -> float:
+        return self.weight_bytes + self.kv_bytes
+
+    @property
+    def intensity(self) -> float:
+        """FLOPs per byte read."""
+        return self.flops / self.bytes
+
+
+def memory_bandwidth(mib: int = 256, repeats: int = 5) -> tuple[float, float]:
+    """(read, copy) bytes/s of this machine's memory: a sum over, and a copy of, a `mib` MiB fp32
+    tensor (far past the caches), median of `repeats` after a warm pass; a copy's bytes count its
+    read and its write."""
+    src = torch.ones(mib * 2**18)
+    dst = torch.empty_like(src)
+    reads, copies = [], []
+    with torch.inference_mode():
+        for attempt in range(repeats + 1):
+            start = time.perf_counter()
+            src.sum()
+            middle = time.perf_counter()
+            dst.copy_(src)
+            end = time.perf_counter()
+            if attempt:  # NOTE: the first pass faults the pages in
+                reads.append(middle - start)
+                copies.append(end - middle)
+    nbytes = src.numel() * src.element_size()
+    return nbytes / sorted(reads)[repeats // 2], 2 * nbytes / sorted(copies)[repeats // 2]
 
 
 class MatmulProbe:

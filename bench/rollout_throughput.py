@@ -26,7 +26,9 @@ stopped or under `--prune` (0.6) x the best peer configuration are printed from 
 not rerun (each family's best is kept). The headline is the median over repeats of engine
 tok/s / the best peer configuration's tok/s, the best being the one with the highest median.
 Then the share of the machine's matmul rate each side reaches (see `flop_share.py`: useful FLOPs
-/ wall time against the rate of the model's own GEMM shapes, measured once per repeat).
+/ wall time against the rate of the model's own GEMM shapes, measured once per repeat), and the
+roofline of a decode step at the engine's fullest batch (its FLOPs and least bytes read, against
+that rate and the memory bandwidth, also measured once per repeat).
 
 Usage: `python bench/rollout_throughput.py [--model tiny|smollm2|both] [--prompts 64] [--n 8]
 [--quick] [--repeats 3] [--hf-batch 1,8] [--cb-pages 16,256] [--threads 2]`. Prints one
@@ -58,7 +60,7 @@ from common import (  # noqa: E402
     median,
     print_result,
 )
-from flop_share import MatmulProbe, useful_flops  # noqa: E402
+from flop_share import DecodeStep, MatmulProbe, mean_context, memory_bandwidth, useful_flops  # noqa: E402
 from hf_peers import GenerateConfig, Prefill, run_continuous, run_generate  # noqa: E402
 from rollout_workload import FIRST_TOKEN, Budget, RunResult, Workload, make_workload  # noqa: E402
 from transformers.utils import logging as transformers_logging  # noqa: E402
@@ -172,8 +174,10 @@ def bench_model(choice: ModelChoice, args: argparse.Namespace) -> list[RunResult
     rate_batch = min(budget.max_requests, work.n * len(work.prompts))  # the engine's fullest decode batch
     probe = MatmulProbe(model.config, rate_batch, DTYPES[args.dtype])
     rates: list[float] = []
+    bandwidths: list[tuple[float, float]] = []
     for repeat in range(args.repeats):  # NOTE: repeats interleave the runners, so load drifts hit all alike
         rates.append(probe.rate())
+        bandwidths.append(memory_bandwidth())
         for runner in runners:
             if runner.key in skipped or runner.key in pruned:
                 continue
@@ -203,6 +207,9 @@ def bench_model(choice: ModelChoice, args: argparse.Namespace) -> list[RunResult
         runs[key] = []
     _report(choice, runs, skipped, args.repeats)
     _report_flop_share(choice, runs, useful_flops(model.config, work), median(rates), rate_batch)
+    step = DecodeStep.of(model.config, rate_batch, mean_context(work), DTYPES[args.dtype])
+    _report_roofline(choice, runs, step, median(rates), median([b[0] for b in bandwidths]),
+                     median([b[1] for b in bandwidths]), useful_flops(model.config, work))
     return [r for rs in runs.values() for r in rs]
 
 
@@ -296,6 +303,27 @@ def _report_flop_share(choice: ModelChoice, runs: dict[str, list[RunResult]], fl
         if key == "engine":
             figures[f"flop_share[{choice.name}]"] = achieved / rate
     print_result("rollout_throughput_flops", figures, model=choice.name, matmul_gflops=rate / 1e9)
+
+
+def _report_roofline(choice: ModelChoice, runs: dict[str, list[RunResult]], step: DecodeStep, rate: float,
+                     read_bw: float, copy_bw: float, flops: float) -> None:
+    """A decode step at the engine's fullest batch against the machine's matmul rate and bandwidth."""
+    ridge = rate / read_bw
+    bound = min(rate, step.intensity * read_bw)
+    achieved = flops / median([r.wall_s for r in runs["engine"]])
+    print(
+        f"-- {choice.name}: roofline of a decode step at {step.batch} rows, mean context {step.context:.0f}: "
+        f"{step.flops / 1e9:.2f} GFLOP, {step.bytes / 1e6:.1f} MB read at least (weights "
+        f"{step.weight_bytes / 1e6:.1f} + KV {step.kv_bytes / 1e6:.1f}), intensity {step.intensity:.1f} FLOP/B; "
+        f"machine: matmul {rate / 1e9:.1f} GFLOP/s, memory {read_bw / 1e9:.1f} GB/s read ({copy_bw / 1e9:.1f} "
+        f"copy), ridge {ridge:.1f} FLOP/B: {'compute' if step.intensity >= ridge else 'memory'}-bound, roof "
+        f"{bound / 1e9:.1f} GFLOP/s; engine {achieved / 1e9:.1f} GFLOP/s useful = {achieved / bound:.1%} of it"
+    )
+    print_result("rollout_throughput_roofline", {
+        f"step_gflop[{choice.name}]": step.flops / 1e9, f"step_mb[{choice.name}]": step.bytes / 1e6,
+        f"intensity[{choice.name}]": step.intensity, f"read_gbs[{choice.name}]": read_bw / 1e9,
+        f"copy_gbs[{choice.name}]": copy_bw / 1e9, f"ridge[{choice.name}]": ridge,
+        f"engine/roof[{choice.name}]": achieved / bound}, model=choice.name, batch=step.batch)
 
 
 def _paired_ratio(engine: list[RunResult], peer: list[RunResult]) -> float:

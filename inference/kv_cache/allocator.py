@@ -272,8 +272,9 @@ class KVBlockAllocator:
         self.state.attach_prompt_logprobs(new_ids, None if prompt_logprobs is None else list(prompt_logprobs[:count]))
         self.state.record_keys(new_ids, key, computed_by)
         self.registry.register_kv(new_ids, new_hashes)
-        self.events.queue_stored(BlockStored(tuple(new_hashes), parent_hash, tuple(new_ids), self.block_size,
-                                             key.salt, key.version, computed_by))
+        if self.events.enabled:  # NOTE: the event is built only for someone to hear it (a per-step cost)
+            self.events.queue_stored(BlockStored(tuple(new_hashes), parent_hash, tuple(new_ids), self.block_size,
+                                                 key.salt, key.version, computed_by))
         return count
 
     def adopt(self, block_hash: int, own_block: int) -> int | None:

@@ -8,6 +8,8 @@ low-precision runs round the way HF does.
 from __future__ import annotations
 
 import math
+import platform
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +26,43 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # one fused kernel; in fp32 there is no intermediate cast for HF's op order to differ on
         return F.rms_norm(x, (x.shape[-1],), weight=weight, eps=eps)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(dtype)
+
+
+@lru_cache(maxsize=1)
+def torch_sum_lanes() -> int | None:
+    """The float lanes of the `Vectorized` torch's CPU float sum runs with (its reduction order), or None.
+
+    NOTE: known on x86-64 only: 8 under every capability. The default build's `Vectorized` is 32
+    bytes like AVX2's, and torch registers no AVX512 sum kernel (an AVX512 CPU runs the AVX2 one;
+    torch 2.13 here: a 16-lane order misses torch's sums, the 8-lane one matches them).
+    """
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    return 8 if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX2", "DEFAULT") else None
+
+
+def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`x += residual`, then `rms_norm(x, weight, eps)`; `x` is the caller's (a projection's fresh output).
+
+    NOTE: float32 on the CPU runs the native kernel (`csrc/add_rms_norm.c`): one pass per row instead
+    of torch's add and rms_norm's seven ops (pow, sum, fill, div, add, rsqrt, two muls), each step
+    rounded as torch rounds it and the sum of squares in torch's order, so `x` and the result are
+    the same bit for bit. Elsewhere (and under ROLLOUT_ENGINE_NO_KERNELS) it is those torch ops.
+    """
+    n = x.shape[-1]
+    lanes = torch_sum_lanes()
+    if (x.device.type == "cpu" and x.dtype == torch.float32 and residual.dtype == torch.float32
+            and weight.dtype == torch.float32 and x.dim() == 2 and residual.shape == x.shape and lanes is not None
+            and n >= lanes and weight.shape == (n,) and x.is_contiguous() and residual.is_contiguous()
+            and weight.is_contiguous() and native.available()):
+        out = torch.empty_like(x)
+        status = native.library().add_rms_norm_f32(x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
+                                                    out.data_ptr(), x.shape[0], n, eps, lanes,
+                                                    torch.get_num_threads())
+        if status:
+            raise RuntimeError(f"add_rms_norm_f32 failed with status {status} (hidden {n}, lanes {lanes})")
+        return out
+    return rms_norm(x.add_(residual), weight, eps)
 
 
 def swiglu(

@@ -345,7 +345,8 @@ class DynamicInferenceContext:
             now = time.perf_counter()
             for slot in first.tolist():
                 self.requests[slot].first_token_time = now
-        is_stop = np.isin(new_tokens, eos_token_ids) & ~self.ignore_eos[slots]
+        # NOTE: a broadcast compare against the few EOS ids (np.isin costs ~15 us a call here)
+        is_stop = (new_tokens[:, None] == eos_token_ids).any(axis=1) & ~self.ignore_eos[slots]
         is_stop |= (self.stop_ids[slots] == new_tokens[:, None]).any(axis=1)
         is_stop |= grammar_done
         done = is_stop | (pos + 1 >= self.max_len[slots])

@@ -20,7 +20,7 @@ from inference.attention.selector import select_backend
 from inference.cache.kv_buffer import KVCacheBuffer
 from inference.cache.specs import KVCacheSpec
 from inference.lora.batch import MLP_PROJS, LoRABatch, LoRAGroups
-from inference.models.layers import RotaryEmbedding, apply_rotary_, lm_head, rms_norm, swiglu
+from inference.models.layers import RotaryEmbedding, add_rms_norm_, apply_rotary_, lm_head, rms_norm, swiglu
 from inference.models.small_gemm import linear
 from inference.models.spec import ModelSpec
 
@@ -341,9 +341,11 @@ class DenseDecoder:
         """Block `i`'s output from its input `x` and its attention output `o [T, heads * head_dim]`."""
         w = self._layers[i]
         if lora is None:
-            # NOTE: the residual adds land in the projections' fresh outputs (a + b == b + a exactly)
-            x = linear(o, w.o_w, w.o_b).add_(x)
-            return self.mlp(i, rms_norm(x, w.post_norm, self.spec.rms_norm_eps)).add_(x)
+            # NOTE: the residual adds land in the projections' fresh outputs (a + b == b + a exactly);
+            # the first one and the norm after it are one pass (`add_rms_norm_`)
+            attn = linear(o, w.o_w, w.o_b)
+            h = add_rms_norm_(attn, x, w.post_norm, self.spec.rms_norm_eps)  # attn <- attn + x
+            return self.mlp(i, h).add_(attn)
         attn = F.linear(o, w.o_w, w.o_b)
         lora.add(o, i, "o", (attn,))
         x = x + attn

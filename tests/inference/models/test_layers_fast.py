@@ -1,12 +1,15 @@
 """The CPU fast paths of the layers give the reference ops' results bit for bit: the chunked LM head
-(`F.linear`), the in-place rotary (`apply_rotary`; native kernel unless ROLLOUT_ENGINE_NO_KERNELS)."""
+(`F.linear`), the in-place rotary (`apply_rotary`; native kernel unless ROLLOUT_ENGINE_NO_KERNELS) and
+the fused residual add + RMSNorm (`add_` then `F.rms_norm`; native kernel and torch path both)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from inference.models.layers import LM_HEAD_CHUNK, RotaryEmbedding, apply_rotary, apply_rotary_, lm_head
+from inference import native
+from inference.models.layers import LM_HEAD_CHUNK, RotaryEmbedding, add_rms_norm_, apply_rotary, apply_rotary_, lm_head
 from inference.models.spec import RopeSpec
+from tests.inference.native_util import SWITCH, kernels_on
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 64, 129])
@@ -30,3 +33,51 @@ def test_rotary_in_place_equals_apply_rotary(tokens: int, heads: int, dim: int) 
     x = torch.randn(tokens, heads * dim, generator=gen).view(tokens, heads, dim)
     want = apply_rotary(x, cos, sin)
     assert torch.equal(apply_rotary_(x.clone(), cos, sin), want)
+
+
+@pytest.fixture(params=["native", "torch"])
+def kernel_setting(request, monkeypatch):
+    """Each test runs with the native kernels and without them (ROLLOUT_ENGINE_NO_KERNELS)."""
+    if request.param == "native":
+        if native.compiler() is None:
+            pytest.skip("no C compiler on this machine")
+        with kernels_on():
+            yield request.param
+        return
+    monkeypatch.setenv(SWITCH, "1")
+    native.library.cache_clear()
+    try:
+        assert not native.available()
+        yield request.param
+    finally:
+        monkeypatch.delenv(SWITCH)
+        native.library.cache_clear()
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 64, 129])
+@pytest.mark.parametrize("hidden", [576, 256, 960, 100, 17, 4])
+@pytest.mark.parametrize("scale", [1.0, 1e-3, 40.0])
+def test_add_rms_norm_equals_add_then_rms_norm(kernel_setting: str, rows: int, hidden: int, scale: float) -> None:
+    gen = torch.Generator().manual_seed(rows * hidden + int(scale * 10))
+    x, residual = torch.randn(rows, hidden, generator=gen) * scale, torch.randn(rows, hidden, generator=gen) * scale
+    weight = torch.randn(hidden, generator=gen)
+    summed = x.clone()
+    want = F.rms_norm(summed.add_(residual), (hidden,), weight=weight, eps=1e-5)
+    got = add_rms_norm_(x, residual, weight, 1e-5)
+    assert torch.equal(x, summed) and torch.equal(got, want)
+
+
+def test_add_rms_norm_with_two_threads(kernel_setting: str) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # NOTE: 129 x 576 crosses the kernel's threshold for an OpenMP team
+    try:
+        test_add_rms_norm_equals_add_then_rms_norm(kernel_setting, 129, 576, 1.0)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_add_rms_norm_other_dtypes_fall_back() -> None:
+    x, residual, weight = torch.randn(5, 64).bfloat16(), torch.randn(5, 64).bfloat16(), torch.randn(64).bfloat16()
+    summed = x.clone().add_(residual)
+    want = weight * F.rms_norm(summed.float(), (64,), eps=1e-6).bfloat16()
+    assert torch.equal(add_rms_norm_(x, residual, weight, 1e-6), want) and torch.equal(x, summed)

@@ -1,0 +1,94 @@
+/* A residual add and the RMSNorm after it, in one pass over each row of x `[rows, n]`:
+ *   x[r] <- x[r] + residual[r]
+ *   out[r] <- (x[r] * rstd) * weight,   rstd = 1 / sqrt(sum(x[r]^2) / n + eps)
+ *
+ * Bit for bit what torch's CPU ops give for `x.add_(residual)` then `F.rms_norm(x, (n,), weight,
+ * eps)` in fp32. F.rms_norm there is a composite (pow(x, 2); mean = sum / n; add_(eps); rsqrt;
+ * mul by rstd; mul by weight), each op rounded on its own: so is every step here (no FMA
+ * contraction, no reassociation or reciprocals; see the pragma). The one reduction, the sum of
+ * squares, follows torch's `cascade_sum` for a contiguous row (aten/src/ATen/native/cpu/
+ * SumKernel.cpp: vectorized_inner_sum -> row_sum -> multi_row_sum) with `lanes` = its
+ * Vectorized<float> width, which the caller reads from torch's CPU capability: the row as vectors
+ * of `lanes` squares, vector v summed lane-wise into accumulator v % 4 through a 4-level cascade,
+ * the leftover vectors into accumulator 0, the four folded in order, then the leftover scalars and
+ * the lanes added one by one to 0.
+ */
+#pragma GCC optimize("fp-contract=off", "no-associative-math", "no-reciprocal-math")
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { ILP = 4, LEVELS = 4, MAX_LANES = 16 };
+
+/* c10::utils::CeilLog2 */
+static int ceil_log2(int64_t x) {
+    if (x <= 2) return 1;
+    return 64 - __builtin_clzll((uint64_t)(x - 1));
+}
+
+static inline __attribute__((always_inline)) float sum_of_squares(const float *x, int64_t n, const int lanes) {
+    const int64_t vectors = n / lanes, groups = vectors / ILP;
+    const int level_power = ceil_log2(groups) / LEVELS > 4 ? ceil_log2(groups) / LEVELS : 4;
+    const int64_t level_step = (int64_t)1 << level_power, level_mask = level_step - 1;
+    float acc[LEVELS][ILP][MAX_LANES];
+    memset(acc, 0, sizeof(acc));
+    int64_t g = 0;
+    while (g + level_step <= groups) {
+        for (int64_t j = 0; j < level_step; j++, g++)
+            for (int k = 0; k < ILP; k++)
+                for (int l = 0; l < lanes; l++) {
+                    const float v = x[(g * ILP + k) * lanes + l];
+                    acc[0][k][l] += v * v;
+                }
+        for (int j = 1; j < LEVELS; j++) {
+            for (int k = 0; k < ILP; k++)
+                for (int l = 0; l < lanes; l++) {
+                    acc[j][k][l] += acc[j - 1][k][l];
+                    acc[j - 1][k][l] = 0.0f;
+                }
+            if (g & (level_mask << (j * level_power))) break;
+        }
+    }
+    for (; g < groups; g++)
+        for (int k = 0; k < ILP; k++)
+            for (int l = 0; l < lanes; l++) {
+                const float v = x[(g * ILP + k) * lanes + l];
+                acc[0][k][l] += v * v;
+            }
+    for (int j = 1; j < LEVELS; j++)
+        for (int k = 0; k < ILP; k++)
+            for (int l = 0; l < lanes; l++) acc[0][k][l] += acc[j][k][l];
+    for (int64_t v = groups * ILP; v < vectors; v++)  /* row_sum's leftover vectors */
+        for (int l = 0; l < lanes; l++) {
+            const float s = x[v * lanes + l];
+            acc[0][0][l] += s * s;
+        }
+    for (int k = 1; k < ILP; k++)
+        for (int l = 0; l < lanes; l++) acc[0][0][l] += acc[0][k][l];
+    float total = 0.0f;
+    for (int64_t e = vectors * lanes; e < n; e++) total += x[e] * x[e];
+    for (int l = 0; l < lanes; l++) total += acc[0][0][l];
+    return total;
+}
+
+static inline __attribute__((always_inline)) void add_rms_norm_row(float *x, const float *residual, const float *weight,
+                                                                   float *out, int64_t n, float eps, const int lanes) {
+    for (int64_t e = 0; e < n; e++) x[e] = x[e] + residual[e];
+    const float mean = sum_of_squares(x, n, lanes) / (float)n;
+    const float rstd = 1.0f / sqrtf(mean + eps);
+    for (int64_t e = 0; e < n; e++) out[e] = (x[e] * rstd) * weight[e];
+}
+
+int add_rms_norm_f32(float *x, const float *residual, const float *weight, float *out, int64_t rows, int64_t n,
+                     float eps, int lanes, int threads) {
+    if (rows < 0 || n <= 0 || (lanes != 8 && lanes != 16) || n < lanes) return 1;
+    /* NOTE: one specialisation per width, so the lane loops have constant trip counts */
+    #pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        if (lanes == 16)
+            add_rms_norm_row(x + r * n, residual + r * n, weight, out + r * n, n, eps, 16);
+        else
+            add_rms_norm_row(x + r * n, residual + r * n, weight, out + r * n, n, eps, 8);
+    }
+    return 0;
+}

@@ -1,0 +1,55 @@
+"""The native few-row GEMM against a float64 reference, and its batch invariance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inference import native
+from inference.models import small_gemm
+from inference.models.small_gemm import MAX_ROWS, few_rows, linear
+
+needs_kernels = pytest.mark.skipif(not native.available(), reason="native kernels not built (ROLLOUT_ENGINE_NO_KERNELS)")
+
+
+@pytest.mark.parametrize("shape", [(576, 576), (192, 576), (1536, 576), (576, 1536), (37, 13), (5, 8), (3, 1)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_close_to_float64_and_with_kernels_each_row_alike_at_every_row_count(shape, bias):
+    out_f, in_f = shape
+    g = torch.Generator().manual_seed(out_f * 7 + in_f)
+    w = torch.randn(out_f, in_f, generator=g)
+    b = torch.randn(out_f, generator=g) if bias else None
+    x = torch.randn(MAX_ROWS, in_f + 3, generator=g)[:, :in_f]  # NOTE: a row stride past the width
+    full = linear(x, w, b)
+    exact = x.double() @ w.double().T + (0 if b is None else b.double())
+    # fp32 sums of in_f products: a few ulps of the sum of magnitudes
+    bound = 8 * torch.finfo(torch.float32).eps * (x.double().abs() @ w.double().abs().T + 1)
+    assert ((full.double() - exact).abs() <= bound).all()
+    if native.available():  # NOTE: MKL's sgemm (the fallback) rounds a row by the batch's shape
+        for rows in range(1, MAX_ROWS + 1):
+            assert torch.equal(linear(x[:rows], w, b), full[:rows]), rows  # the same bits in any batch
+
+
+@needs_kernels
+def test_few_rows_take_the_kernel_and_others_f_linear(monkeypatch):
+    w = torch.randn(64, 32)
+    assert few_rows(torch.randn(MAX_ROWS, 32), w)
+    assert not few_rows(torch.randn(MAX_ROWS + 1, 32), w)
+    assert not few_rows(torch.randn(4, 32, dtype=torch.float64), w.double())
+    assert not few_rows(torch.randn(32, 4).T, w)  # columns not contiguous
+    assert not few_rows(torch.randn(4, 32), torch.randn(32, 64).T)  # weight not contiguous
+    calls = []
+    monkeypatch.setattr(small_gemm.F, "linear", lambda *a: calls.append(a) or torch.zeros(1))
+    linear(torch.randn(2, 32), w)
+    assert not calls
+    linear(torch.randn(MAX_ROWS + 1, 32), w)
+    assert len(calls) == 1
+
+
+@needs_kernels
+def test_a_bad_shape_is_refused_by_the_kernel():
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    y = torch.empty(2, 4)
+    lib = native.library()
+    assert lib.small_gemm_f32(x.data_ptr(), 17, 8, 8, w.data_ptr(), 4, None, y.data_ptr(), 4, 1) == 1
+    assert lib.small_gemm_f32(x.data_ptr(), 2, 8, 4, w.data_ptr(), 4, None, y.data_ptr(), 4, 1) == 1
