@@ -9,7 +9,7 @@ from inference import native
 from inference.models import small_gemm
 from inference.models.small_gemm import MAX_ROWS, few_rows, linear
 
-needs_kernels = pytest.mark.skipif(not native.available(), reason="native kernels not built (ROLLOUT_ENGINE_NO_KERNELS)")
+needs_kernels = pytest.mark.skipif(not native.available(), reason="native kernels not built")
 
 
 @pytest.mark.parametrize("shape", [(576, 576), (192, 576), (1536, 576), (576, 1536), (37, 13), (5, 8), (3, 1)])
