@@ -94,7 +94,8 @@ def lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     into one output: MKL's sgemm over the whole `[vocab, hidden]` weight at decode batch sizes
     runs at ~60% of the rate it gives the model's other GEMMs (SmolLM2, 64 rows, one thread:
     69 -> 51 ms). A chunk's dot products are the same ones, bit for bit (tested against
-    `F.linear`), so the logits are unchanged.
+    `F.linear`), so the logits are unchanged. At 1-8 rows the few-row GEMM runs instead
+    (`small_gemm.linear`: faster there, its own rounding, the same bits at every row count).
     """
     if few_rows(x, weight):  # NOTE: a few rows: the native kernel reads the weight once (small_gemm.py)
         return linear(x, weight)
