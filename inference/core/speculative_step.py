@@ -77,7 +77,7 @@ class SpeculativeSteps:
         self._expected = np.zeros(n, dtype=np.float64)  # what their estimated chances expected
         self._refused = np.zeros(n, dtype=bool)
         self._prompt_key: list[tuple[int, ...] | None] = [None] * n
-        self._chances: list[np.ndarray] = []  # the verified proposals' estimated chances, this step
+        self._chances: list[np.ndarray] = []  # the verified proposals' chances before calibration, this step
         self.steps = self.rows = self.proposed = self.accepted = self.emitted = 0
         self.expected = 0.0
         self.refused: Counter[str] = Counter()
@@ -120,12 +120,12 @@ class SpeculativeSteps:
         self._expected[slots] *= EVIDENCE_DECAY
         calibration = (self._kept[slots] + CALIBRATION_WEIGHT) / (self._expected[slots] + CALIBRATION_WEIGHT)
         empty, none = np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float64)
-        drafts, chances = [], []
-        for b, slot in enumerate(slots.tolist()):
+        drafts, raw = [], []  # raw: the proposer's chances (the calibration compares with them)
+        for slot in slots.tolist():
             room = min(cfg.num_tokens, int(ctx.max_len[slot] - ctx.seq_len[slot]) - 1)
             if room < 1 or not self._may_propose(slot):
                 drafts.append(empty)
-                chances.append(none)
+                raw.append(none)
                 continue
             seq = ctx.tokens[slot, : int(ctx.seq_len[slot])]
             siblings = [ctx.tokens[s, ctx.prompt_len[s] : ctx.seq_len[s]] for s in groups[ctx.requests[slot].group_id]
@@ -134,8 +134,8 @@ class SpeculativeSteps:
             draft, chance = propose(seq[-cfg.max_match :], corpus, room, cfg.min_match, cfg.max_match,
                                     cfg.min_acceptance)
             drafts.append(draft)
-            chances.append(np.minimum(chance * calibration[b], 1.0))
-        counts = self._choose(slots.size, chances)
+            raw.append(chance)
+        counts = self._choose(slots.size, [np.minimum(c * f, 1.0) for c, f in zip(raw, calibration.tolist())])
         if not counts.any():
             return None
         watermark = self.core.scheduler.watermark_blocks
@@ -150,7 +150,7 @@ class SpeculativeSteps:
                 seq_len = int(ctx.seq_len[slot])
                 ctx.tokens[slot, seq_len : seq_len + draft.size] = draft  # NOTE: past seq_len: scratch until kept
             drafts[b] = draft
-            self._chances.append(chances[b][: draft.size] / calibration[b])  # NOTE: raw, for the calibration
+            self._chances.append(raw[b][: draft.size])
         return drafts if any(d.size for d in drafts) else None
 
     def _choose(self, rows: int, chances: list[np.ndarray]) -> np.ndarray:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from inference import native
-from inference.models.small_gemm import few_rows, linear
+from inference.models.small_gemm import few_rows, linear, native_linear
 from inference.models.spec import RopeKind, RopeSpec
 
 
@@ -98,7 +98,7 @@ def lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     (`small_gemm.linear`: faster there, its own rounding, the same bits at every row count).
     """
     if few_rows(x, weight):  # NOTE: a few rows: the native kernel reads the weight once (small_gemm.py)
-        return linear(x, weight)
+        return native_linear(x, weight)
     if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2:
         return F.linear(x, weight)
     vocab = weight.shape[0]

@@ -29,8 +29,11 @@ def few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`; a few fp32 rows on CPU through the native kernel (module docstring)."""
-    if not few_rows(x, weight, bias):
-        return F.linear(x, weight, bias)
+    return native_linear(x, weight, bias) if few_rows(x, weight, bias) else F.linear(x, weight, bias)
+
+
+def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The native kernel's `x @ weight.T (+ bias)`, for inputs `few_rows` accepts."""
     out = x.new_empty(x.shape[0], weight.shape[0])
     status = native.library().small_gemm_f32(
         x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), weight.data_ptr(), weight.shape[0],
