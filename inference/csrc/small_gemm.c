@@ -1,36 +1,50 @@
-/* y = x . w^T (+ bias) for a few rows of x: the decode step's GEMMs at the tail of a batch.
+/* y = x . w^T (+ bias) for the rows of a decode step: the step's GEMMs, from one row to a full batch.
  *
- * x is [m, k] (row stride x_stride), w is [n, k] contiguous, y is [m, n] (row stride y_stride),
- * 1 <= m <= SMALL_GEMM_MAX_ROWS. Why not MKL: its sgemm at 2-3 rows runs at a fraction of
- * the memory bandwidth its gemv reaches at 1 row (SmolLM2-135M fp32, two threads: 1 row 35 ms,
- * 2 rows 56 ms, 3 rows 74 ms, 8 rows 47 ms for all of a step's GEMMs). Here each weight row is
- * read from memory once and multiplied into every row of x while it sits in L1: at 1-3 rows a
- * step costs about its weight bytes; from ~4 rows the arithmetic shows (one thread: 1 row 19 ms,
- * 3 rows 26, 8 rows 77), and past 8 rows MKL is faster (the caller stops there).
+ * x is [m, k] (row stride x_stride), w is [n, k] contiguous, y is [m, n] (row stride y_stride).
+ * Why not MKL: its sgemm at 1-64 rows runs below both the machine's memory bandwidth and its
+ * matmul rate (SmolLM2-135M fp32, one thread, all of a step's GEMMs: 1 row 48 ms, 4 rows 73,
+ * 8 rows 97, 16 rows 109, 64 rows 288; here 26, 27, 43, 63, 263), and its rounding of a row depends
+ * on how many rows share the call. Here a tile of MR rows of x by NR rows of w is multiplied in
+ * registers; weight tiles are the outer loop, so each weight is read from memory once per call
+ * while every row of x passes it from cache, and the next weight tile is prefetched in order
+ * while this one computes (the tile reads NR rows of w side by side, NR streams the hardware
+ * prefetchers do not follow: without it 1 row took 33 ms, 16 rows 95). Past ~128 rows MKL's
+ * blocking wins (measured: 128 rows 453 ms against 463, 256 rows 860 against 920); the caller stops there.
  *
  * Batch invariance: y[r, o] is computed by the same operations in the same order whatever m is
- * (eight lane sums over k, FMA, then a fixed pairwise sum of the lanes, the scalar tail, the
- * bias), so a row's logits are the same bits in a step of 1 row and in a verify step of 8.
- * Reassociation is off in this file for that reason (the library's flags allow it elsewhere).
+ * and wherever the row falls in a tile (eight lane sums over k by FMA in order of k, then a fixed
+ * pairwise sum of the lanes, the scalar tail, the bias), so a row's logits are the same bits in a
+ * step of 1 row, in a verify step of 8 and in a batch of 128. Reassociation is off in this file
+ * for that reason (the library's flags allow it elsewhere).
  */
 /* NOTE: both pragmas here, before every function: a function under other optimize options is not
  * inlined into these (each load would be a call) */
 #pragma GCC optimize("no-associative-math", "fp-contract=off")
 #include <stdint.h>
+#include <string.h>
 
 #define LANES 8
-#define SMALL_GEMM_MAX_ROWS 16
-/* rows of x per pass over one weight row: their accumulators fit in registers. NOTE: two weight rows
- * per pass (each x load feeding two products) measured slower at 1-4 rows */
-#define PASS 8
 
 /* eight lanes as one value (GCC's vector extension): AVX registers where the CPU has them, pairs
  * of SSE ones below; the arithmetic per lane is the same either way */
 typedef float lanes_t __attribute__((vector_size(LANES * sizeof(float))));
 
+/* the tile, MR rows of x by NR rows of w: its MR * NR accumulators, MR rows of x and one of w in
+ * registers (AVX-512 has 32 vector registers, AVX2 16; SSE holds a lanes_t in two) */
+#if defined(__AVX512VL__)
+#define MR 4
+#define NR 6
+#elif defined(__AVX__)
+#define MR 3
+#define NR 4
+#else
+#define MR 2
+#define NR 3
+#endif
+
 static inline __attribute__((always_inline)) lanes_t load(const float *p) {
     lanes_t v;
-    __builtin_memcpy(&v, p, sizeof v);
+    memcpy(&v, p, sizeof v);
     return v;
 }
 
@@ -48,62 +62,99 @@ static inline __attribute__((always_inline)) lanes_t madd(lanes_t a, lanes_t b, 
 static inline __attribute__((always_inline)) float madd1(float a, float b, float c) { return c + a * b; }
 #endif
 
-/* out[r] = lane sums of w[i] * x[r * xs + i] for r < M, i < kv (kv a multiple of LANES) */
-#define DEFINE_PASS(M)                                                                       \
-    static inline void pass_##M(const float *w, const float *x, int64_t xs, int64_t kv,    \
-                                lanes_t *out) {                                            \
-        lanes_t acc[M];                                                                      \
-        for (int r = 0; r < M; r++) acc[r] = (lanes_t){0};                                   \
-        for (int64_t i = 0; i < kv; i += LANES) {                                            \
-            const lanes_t wv = load(w + i);                                                  \
-            for (int r = 0; r < M; r++) acc[r] = madd(wv, load(x + r * xs + i), acc[r]);    \
-        }                                                                                    \
-        for (int r = 0; r < M; r++) out[r] = acc[r];                                         \
-    }
-DEFINE_PASS(1)
-DEFINE_PASS(2)
-DEFINE_PASS(3)
-DEFINE_PASS(4)
-DEFINE_PASS(5)
-DEFINE_PASS(6)
-DEFINE_PASS(7)
-DEFINE_PASS(8)
-
-/* The row's lanes summed in a fixed pairwise order. NOTE: not inlined: inlined, GCC 12 sums the
- * lanes of one row and of several rows (vectorised across them) in different orders */
-static __attribute__((noinline)) float sum_lanes(const float *a) {
-    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+/* (a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7) */
+static inline __attribute__((always_inline)) lanes_t pair_sums(lanes_t a, lanes_t b) {
+    return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14)
+         + __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
 }
 
-/* lanes of m <= PASS rows of x against one weight row */
-static void pass_rows(int64_t m, const float *w, const float *x, int64_t xs, int64_t kv, lanes_t *out) {
-    switch (m) {
-        case 1: pass_1(w, x, xs, kv, out); break;
-        case 2: pass_2(w, x, xs, kv, out); break;
-        case 3: pass_3(w, x, xs, kv, out); break;
-        case 4: pass_4(w, x, xs, kv, out); break;
-        case 5: pass_5(w, x, xs, kv, out); break;
-        case 6: pass_6(w, x, xs, kv, out); break;
-        case 7: pass_7(w, x, xs, kv, out); break;
-        default: pass_8(w, x, xs, kv, out); break;
+/* lane j = the lanes of v[j] summed as ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), for all
+ * eight at once: every output's lanes are summed in that order, whichever lane of the tree it is in */
+static inline __attribute__((always_inline)) lanes_t lane_sums(const lanes_t *v) {
+    const lanes_t u0 = pair_sums(pair_sums(v[0], v[1]), pair_sums(v[2], v[3]));
+    const lanes_t u1 = pair_sums(pair_sums(v[4], v[5]), pair_sums(v[6], v[7]));
+    return __builtin_shufflevector(u0, u1, 0, 1, 2, 3, 8, 9, 10, 11)
+         + __builtin_shufflevector(u0, u1, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+/* y[r, o] for the tile's rows r < mr of x and o < nr of w (mr, nr constants where inlined) */
+static inline __attribute__((always_inline)) void tile(
+    const int mr, const int nr, const float *x, int64_t xs, const float *w, int64_t k, int64_t kv,
+    const float *bias, float *y, int64_t ys, const char *pf, const char *pf_end, int64_t pf_step) {
+    lanes_t acc[MR][NR];
+    for (int r = 0; r < mr; r++)
+        for (int o = 0; o < nr; o++) acc[r][o] = (lanes_t){0};
+    for (int64_t i = 0; i < kv; i += LANES) {
+        lanes_t xv[MR];
+        if (pf < pf_end) { /* the next weight tile, in order: one stream the prefetchers would not see */
+            for (int64_t p = 0; p < pf_step; p++) __builtin_prefetch(pf + 64 * p, 0, 2);  /* into L2 */
+            pf += 64 * pf_step;
+        }
+        for (int r = 0; r < mr; r++) xv[r] = load(x + r * xs + i);
+        for (int o = 0; o < nr; o++) {
+            const lanes_t wv = load(w + o * k + i);
+            for (int r = 0; r < mr; r++) acc[r][o] = madd(wv, xv[r], acc[r][o]);
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        lanes_t row[LANES] = {{0}};
+        for (int o = 0; o < nr; o++) row[o] = acc[r][o];
+        const lanes_t sums = lane_sums(row);
+        for (int o = 0; o < nr; o++) {
+            float s = sums[o];
+            for (int64_t i = kv; i < k; i++) s = madd1(w[o * k + i], x[r * xs + i], s);
+            if (bias) s += bias[o];
+            y[r * ys + o] = s;
+        }
+    }
+}
+
+/* one tile of any shape up to MR x NR, dispatched to a copy compiled for that shape */
+#define TILE_CASE(A, B) case (A) * 16 + (B): tile(A, B, x, xs, w, k, kv, bias, y, ys, pf, pf_end, pf_step); break;
+#if NR == 6
+#define TILE_ROW(A) TILE_CASE(A, 1) TILE_CASE(A, 2) TILE_CASE(A, 3) TILE_CASE(A, 4) TILE_CASE(A, 5) TILE_CASE(A, 6)
+#elif NR == 4
+#define TILE_ROW(A) TILE_CASE(A, 1) TILE_CASE(A, 2) TILE_CASE(A, 3) TILE_CASE(A, 4)
+#else
+#define TILE_ROW(A) TILE_CASE(A, 1) TILE_CASE(A, 2) TILE_CASE(A, 3)
+#endif
+static void any_tile(int mr, int nr, const float *x, int64_t xs, const float *w, int64_t k, int64_t kv,
+                     const float *bias, float *y, int64_t ys, const char *pf, const char *pf_end, int64_t pf_step) {
+    switch (mr * 16 + nr) {
+        TILE_ROW(1)
+        TILE_ROW(2)
+#if MR >= 3
+        TILE_ROW(3)
+#endif
+#if MR >= 4
+        TILE_ROW(4)
+#endif
+        default: break;
     }
 }
 
 int small_gemm_f32(const float *x, int64_t m, int64_t k, int64_t x_stride, const float *w, int64_t n,
                    const float *bias, float *y, int64_t y_stride, int threads) {
-    if (m < 1 || m > SMALL_GEMM_MAX_ROWS || k < 1 || n < 1 || x_stride < k || y_stride < n) return 1;
+    if (m < 1 || k < 1 || n < 1 || x_stride < k || y_stride < n) return 1;
     const int64_t kv = k / LANES * LANES;
+    /* weight tiles outside, row tiles inside: a tile of w is read from memory once and stays in
+     * cache while every row of x passes it */
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t o = 0; o < n; o++) {
-        const float *wr = w + o * k;
-        lanes_t lanes[SMALL_GEMM_MAX_ROWS];
-        for (int64_t r0 = 0; r0 < m; r0 += PASS)
-            pass_rows(m - r0 < PASS ? m - r0 : PASS, wr, x + r0 * x_stride, x_stride, kv, lanes + r0);
-        for (int64_t r = 0; r < m; r++) {
-            float s = sum_lanes((const float *)&lanes[r]);
-            for (int64_t i = kv; i < k; i++) s = madd1(wr[i], x[r * x_stride + i], s);
-            if (bias) s += bias[o];
-            y[r * y_stride + o] = s;
+    for (int64_t o = 0; o < n; o += NR) {
+        const int nr = n - o < NR ? (int)(n - o) : NR;
+        const int64_t row_tiles = (m + MR - 1) / MR, steps = kv / LANES > 0 ? kv / LANES : 1;
+        /* the next weight tile's lines, spread over this tile's row tiles and their k steps */
+        const char *next = (const char *)(w + (o + NR) * k);
+        const int64_t next_rows = n - (o + NR) < NR ? (n - (o + NR) > 0 ? n - (o + NR) : 0) : NR;
+        const int64_t lines = (next_rows * k * 4 + 63) / 64;
+        const int64_t per_step = (lines + row_tiles * steps - 1) / (row_tiles * steps);
+        const char *const end = next + 64 * lines;
+        const char *pf = next;
+        for (int64_t r = 0; r < m; r += MR) {
+            const int mr = m - r < MR ? (int)(m - r) : MR;
+            any_tile(mr, nr, x + r * x_stride, x_stride, w + o * k, k, kv, bias ? bias + o : NULL,
+                     y + r * y_stride + o, y_stride, pf, end, per_step);
+            pf += 64 * per_step * steps;
         }
     }
     return 0;

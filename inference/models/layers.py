@@ -94,10 +94,11 @@ def lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     into one output: MKL's sgemm over the whole `[vocab, hidden]` weight at decode batch sizes
     runs at ~60% of the rate it gives the model's other GEMMs (SmolLM2, 64 rows, one thread:
     69 -> 51 ms). A chunk's dot products are the same ones, bit for bit (tested against
-    `F.linear`), so the logits are unchanged. At 1-8 rows the few-row GEMM runs instead
-    (`small_gemm.linear`: faster there, its own rounding, the same bits at every row count).
+    `F.linear`), so the logits are unchanged. At decode batch sizes (up to `small_gemm.MAX_ROWS`
+    rows) the native GEMM runs instead (`small_gemm.linear`: faster there, its own rounding, the
+    same bits at every row count).
     """
-    if few_rows(x, weight):  # NOTE: a few rows: the native kernel reads the weight once (small_gemm.py)
+    if few_rows(x, weight):  # NOTE: a decode step's rows: the native kernel (small_gemm.py)
         return native_linear(x, weight)
     if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2:
         return F.linear(x, weight)

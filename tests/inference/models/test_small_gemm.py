@@ -1,4 +1,4 @@
-"""The native few-row GEMM against a float64 reference, and its batch invariance."""
+"""The native decode-step GEMM against a float64 reference, and its batch invariance."""
 
 from __future__ import annotations
 
@@ -26,8 +26,12 @@ def test_close_to_float64_and_with_kernels_each_row_alike_at_every_row_count(sha
     bound = 8 * torch.finfo(torch.float32).eps * (x.double().abs() @ w.double().abs().T + 1)
     assert ((full.double() - exact).abs() <= bound).all()
     if native.available():  # NOTE: MKL's sgemm (the fallback) rounds a row by the batch's shape
-        for rows in range(1, MAX_ROWS + 1):
-            assert torch.equal(linear(x[:rows], w, b), full[:rows]), rows  # the same bits in any batch
+        # the same bits in any batch, wherever a row falls in the kernel's tiles of rows
+        for rows in [*range(1, 10), 12, 16, 17, 31, 64, 100, MAX_ROWS - 1, MAX_ROWS]:
+            for offset in (0, 1, 2, 3, 5):
+                end = offset + rows
+                if end <= MAX_ROWS:
+                    assert torch.equal(linear(x[offset:end], w, b), full[offset:end]), (offset, rows)
 
 
 @needs_kernels
@@ -51,5 +55,6 @@ def test_a_bad_shape_is_refused_by_the_kernel():
     x, w = torch.randn(2, 8), torch.randn(4, 8)
     y = torch.empty(2, 4)
     lib = native.library()
-    assert lib.small_gemm_f32(x.data_ptr(), 17, 8, 8, w.data_ptr(), 4, None, y.data_ptr(), 4, 1) == 1
-    assert lib.small_gemm_f32(x.data_ptr(), 2, 8, 4, w.data_ptr(), 4, None, y.data_ptr(), 4, 1) == 1
+    assert lib.small_gemm_f32(x.data_ptr(), 0, 8, 8, w.data_ptr(), 4, None, y.data_ptr(), 4, 1) == 1  # no rows
+    assert lib.small_gemm_f32(x.data_ptr(), 2, 8, 4, w.data_ptr(), 4, None, y.data_ptr(), 4, 1) == 1  # stride < k
+    assert lib.small_gemm_f32(x.data_ptr(), 2, 8, 8, w.data_ptr(), 4, None, y.data_ptr(), 3, 1) == 1  # stride < n
