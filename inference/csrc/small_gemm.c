@@ -143,10 +143,11 @@ int small_gemm_f32(const float *x, int64_t m, int64_t k, int64_t x_stride, const
     for (int64_t o = 0; o < n; o += NR) {
         const int nr = n - o < NR ? (int)(n - o) : NR;
         const int64_t row_tiles = (m + MR - 1) / MR, steps = kv / LANES > 0 ? kv / LANES : 1;
-        /* the next weight tile's lines, spread over this tile's row tiles and their k steps */
-        const char *next = (const char *)(w + (o + NR) * k);
-        const int64_t next_rows = n - (o + NR) < NR ? (n - (o + NR) > 0 ? n - (o + NR) : 0) : NR;
-        const int64_t lines = (next_rows * k * 4 + 63) / 64;
+        /* the next weight tile's lines (none after the last), spread over this tile's row tiles
+         * and their k steps */
+        const char *next = (const char *)(w + (o + nr) * k);
+        const int64_t left = n - o - nr, next_rows = left < NR ? left : NR;
+        const int64_t lines = (next_rows * k * (int64_t)sizeof(float) + 63) / 64;
         const int64_t per_step = (lines + row_tiles * steps - 1) / (row_tiles * steps);
         const char *const end = next + 64 * lines;
         const char *pf = next;
