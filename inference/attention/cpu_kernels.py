@@ -13,7 +13,9 @@ _KERNELS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf1
 
 
 def supports(dtype: torch.dtype, device: torch.device, num_heads: int, head_dim: int) -> bool:
-    return device.type == "cpu" and dtype in _KERNELS and num_heads <= 64 and head_dim <= 256 and native.available()
+    # NOTE: the kernel works in eight-float vectors along head_dim
+    return (device.type == "cpu" and dtype in _KERNELS and num_heads <= 64 and head_dim <= 256
+            and head_dim % 8 == 0 and native.available())
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -32,5 +34,5 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         scale, torch.get_num_threads(),
     )
     if status:
-        raise RuntimeError(f"paged_decode failed with status {status} (shape or memory)")
+        raise RuntimeError(f"paged_decode failed with status {status} (a shape it does not handle)")
     return out

@@ -70,6 +70,45 @@ def test_native_decode_sees_every_query_head_group():
         torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=0)  # NOTE: see TOLERANCES
 
 
+
+@needs_compiler
+@pytest.mark.usefixtures("native_kernels")
+@pytest.mark.parametrize("head_dim, block_size", [(128, 16), (24, 16), (64, 5), (64, 12), (16, 32)])
+def test_native_decode_at_every_head_size_and_block_size(head_dim, block_size):
+    # 64, 128 and 32 run copies specialised for their size, others the general one; chunks of eight
+    # tokens are cut short by blocks of 5 and 12 and by every length in `lens`
+    for dtype in (torch.float32, torch.bfloat16):
+        out, want = decode_step(dtype, True, head_dim=head_dim, block_size=block_size, lens=(1, 7, 9, 40, 130))
+        atol, rtol = TOLERANCES[dtype, True]
+        torch.testing.assert_close(out.double(), want, atol=atol, rtol=rtol)
+
+
+@needs_compiler
+@pytest.mark.usefixtures("native_kernels")
+def test_a_requests_output_is_the_same_bits_in_any_batch():
+    # each request is attended on its own: alone or beside others, on any number of threads, the
+    # same bits (what lets a verify step's tokens match the decode steps they stand in for)
+    from inference.attention import cpu_kernels
+
+    g = torch.Generator().manual_seed(3)
+    lens, block_size, heads, head_dim = [3, 33, 100, 17, 64], 16, 9, 64
+    k_cache, v_cache = (torch.randn(40, block_size, 3, head_dim, generator=g) for _ in range(2))
+    tables = torch.randperm(40, generator=g)[:35].view(5, 7).to(torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(5, heads, head_dim, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batch = cpu_kernels.paged_decode(q, k_cache, v_cache, tables, seq_lens, 0.125, torch.empty(5, heads, head_dim))
+        torch.set_num_threads(1)
+        for i in range(5):
+            alone = cpu_kernels.paged_decode(q[i:i + 1], k_cache, v_cache, tables[i:i + 1], seq_lens[i:i + 1], 0.125,
+                                             torch.empty(1, heads, head_dim))
+            assert torch.equal(alone[0], batch[i])
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_without_kernels_the_torch_path_serves(monkeypatch):
     monkeypatch.setenv("ROLLOUT_ENGINE_NO_KERNELS", "1")
     native_kernels.library.cache_clear()
