@@ -36,6 +36,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
+_HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))  # in the cache key: the sources include them
 # NOTE: never -ffast-math / -funsafe-math-optimizations: linking a shared library with them pulls
 # in crtfastmath, which turns on flush-to-zero for the whole process when the library loads. The
 # flags below allow the vectorised reductions without that.
@@ -110,7 +111,7 @@ def compiler() -> str | None:
 
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    texts = [source.read_text() for source in _SOURCES]
+    texts = [source.read_text() for source in (*_SOURCES, *_HEADERS)]
     flags = [f"-march={target_arch()}", *_FLAGS]
     key = hashlib.sha256("\0".join([*texts, " ".join(flags), version, _cpu_key()]).encode())
     target = _cache_dir() / key.hexdigest()[:16] / "kernels.so"

@@ -25,7 +25,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#define LANES 8
+#include "lanes.h"
+
 #define MAX_HEADS 64
 #define MAX_GROUP MAX_HEADS /* query heads per KV head */
 #define MAX_DIM 256
@@ -33,7 +34,6 @@
 #define PREFETCH_AHEAD 32
 #endif
 
-typedef float lanes_t __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t ilanes_t __attribute__((vector_size(LANES * sizeof(int32_t))));
 typedef uint32_t ulanes_t __attribute__((vector_size(LANES * sizeof(uint32_t))));
 typedef uint16_t hlanes_t __attribute__((vector_size(LANES * sizeof(uint16_t))));
@@ -63,20 +63,6 @@ static inline __attribute__((always_inline)) lanes_t splat(float x) {
 /* where mask (all ones / zeros per lane), a, else b */
 static inline __attribute__((always_inline)) lanes_t select(ilanes_t mask, lanes_t a, lanes_t b) {
     return (lanes_t)(((ilanes_t)a & mask) | ((ilanes_t)b & ~mask));
-}
-
-/* (a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7) */
-static inline __attribute__((always_inline)) lanes_t pair_sums(lanes_t a, lanes_t b) {
-    return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14)
-         + __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
-}
-
-/* lane j = the sum of the lanes of v[j], for all eight at once */
-static inline __attribute__((always_inline)) lanes_t lane_sums(const lanes_t *v) {
-    const lanes_t u0 = pair_sums(pair_sums(v[0], v[1]), pair_sums(v[2], v[3]));
-    const lanes_t u1 = pair_sums(pair_sums(v[4], v[5]), pair_sums(v[6], v[7]));
-    return __builtin_shufflevector(u0, u1, 0, 1, 2, 3, 8, 9, 10, 11)
-         + __builtin_shufflevector(u0, u1, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
 /* e^x for x <= 0 (scores less their running max), to ~1 ulp: x = n ln2 + r with |r| <= ln2 / 2,
