@@ -92,7 +92,7 @@ static inline __attribute__((always_inline)) float max_lanes(lanes_t v) {
     return m;
 }
 
-/* into L2 (locality 2: measured faster than into L1, which the chunk in use needs) */
+/* into L2 (locality 2), leaving L1 to the chunk in use */
 static inline __attribute__((always_inline)) void prefetch_bytes(const char *p, int64_t bytes) {
     for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
 }
@@ -128,7 +128,7 @@ static inline __attribute__((always_inline)) void prefetch_bytes(const char *p, 
                  * prefetches fills the miss queue and stalls the loads behind it) */                   \
                 const int64_t ahead = start + c + PREFETCH_AHEAD;                                       \
                 const char *k_ahead = NULL, *v_ahead = NULL;                                            \
-                int64_t ahead_share = 0;                                                                \
+                int64_t ahead_bytes = 0, ahead_share = 0;                                               \
                 if (ahead < len) {                                                                      \
                     const int64_t row = ahead % block_size;                                             \
                     int64_t rows = block_size - row < LANES ? block_size - row : LANES;                 \
@@ -136,12 +136,16 @@ static inline __attribute__((always_inline)) void prefetch_bytes(const char *p, 
                     const int64_t at = ((int64_t)table[ahead / block_size] * block_size + row) * row_stride; \
                     k_ahead = (const char *)(k_cache + at);                                             \
                     v_ahead = (const char *)(v_cache + at);                                             \
-                    ahead_share = (rows * row_stride * (int64_t)sizeof(T) + num_kv_heads * 64 - 1) / (num_kv_heads * 64) * 64; \
+                    ahead_bytes = rows * row_stride * (int64_t)sizeof(T);                               \
+                    ahead_share = (ahead_bytes + num_kv_heads * 64 - 1) / (num_kv_heads * 64) * 64;    \
                 }                                                                                       \
                 for (int64_t g = 0; g < num_kv_heads; ++g) {                                            \
-                    if (k_ahead != NULL) {                                                              \
-                        prefetch_bytes(k_ahead + g * ahead_share, ahead_share);                         \
-                        prefetch_bytes(v_ahead + g * ahead_share, ahead_share);                         \
+                    if (k_ahead != NULL && g * ahead_share < ahead_bytes) {                             \
+                        /* this head's share, never past the rows ahead */                               \
+                        const int64_t left = ahead_bytes - g * ahead_share;                             \
+                        const int64_t share = left < ahead_share ? left : ahead_share;                  \
+                        prefetch_bytes(k_ahead + g * ahead_share, share);                               \
+                        prefetch_bytes(v_ahead + g * ahead_share, share);                               \
                     }                                                                                   \
                     const T *kg = k_cache + g * head_dim;                                               \
                     const T *vg = v_cache + g * head_dim;                                               \
