@@ -140,8 +140,7 @@ static inline __attribute__((always_inline)) void prefetch_bytes(const char *p, 
                     ahead_share = (ahead_bytes + num_kv_heads * 64 - 1) / (num_kv_heads * 64) * 64;    \
                 }                                                                                       \
                 for (int64_t g = 0; g < num_kv_heads; ++g) {                                            \
-                    if (k_ahead != NULL && g * ahead_share < ahead_bytes) {                             \
-                        /* this head's share, never past the rows ahead */                               \
+                    if (g * ahead_share < ahead_bytes) { /* this head's share, never past the rows ahead */ \
                         const int64_t left = ahead_bytes - g * ahead_share;                             \
                         const int64_t share = left < ahead_share ? left : ahead_share;                  \
                         prefetch_bytes(k_ahead + g * ahead_share, share);                               \
