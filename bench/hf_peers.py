@@ -58,12 +58,27 @@ class ForceEosAtLength(LogitsProcessor):
 
 @dataclass(frozen=True, slots=True)
 class GenerateConfig:
+    """`static`: a static KV cache (`cache_implementation="static"`) and the decode step compiled by
+    HF's own auto-compile (`CompileConfig`, inductor, told to compile on CPU too), every call's
+    prompts padded to the workload's longest so its shapes, and the compiled graph, repeat.
+    Static caches are not expanded from a prefilled DynamicCache: `static` goes with REPEAT."""
+
     prompts_per_call: int
     prefill: Prefill
+    static: bool = False
 
     @property
     def key(self) -> str:
-        return f"hf-generate {self.prefill.value} x{self.prompts_per_call}"
+        return f"hf-generate {self.prefill.value} x{self.prompts_per_call}{' static+compile' if self.static else ''}"
+
+
+def _compile_config():
+    from transformers import CompileConfig
+
+    # NOTE: "default": the "reduce-overhead" default captures CUDA graphs, which a CPU has not
+    config = CompileConfig(mode="default", fullgraph=False, dynamic=False)
+    config._compile_all_devices = True  # HF's own switch for compiling off the GPU
+    return config
 
 
 def _special_ids(model) -> tuple[int, int]:
@@ -74,8 +89,8 @@ def _special_ids(model) -> tuple[int, int]:
     return (0 if pad is None else int(pad)), int(eos)
 
 
-def _left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, prompts))
+def _left_padded(prompts: list[list[int]], pad: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    width = width or max(map(len, prompts))
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, p in enumerate(prompts):
@@ -96,17 +111,22 @@ def _prefill_once(model, ids: torch.Tensor, mask: torch.Tensor, n: int):
 
 
 @torch.no_grad()
-def _generate_call(model, work: Workload, groups: list[int], prefill: Prefill) -> tuple[int, int, bool]:
-    """One `generate` call over prompts `groups`, n rows each; (prefill tokens, sampled tokens, ok)."""
+def _generate_call(model, work: Workload, groups: list[int], config: GenerateConfig,
+                   targets: list[int] | None = None) -> tuple[int, int, bool]:
+    """One `generate` call over prompts `groups`, n rows each; (prefill tokens, sampled tokens, ok).
+    `targets`: other lengths than the workload's (a warm-up's), one per row."""
     pad, eos = _special_ids(model)
-    n = work.n
-    ids, mask = _left_padded([work.prompts[g] for g in groups], pad)
+    n, prefill = work.n, config.prefill
+    width = max(map(len, work.prompts)) if config.static else None
+    ids, mask = _left_padded([work.prompts[g] for g in groups], pad, width)
     rows, width = ids.shape[0] * n, ids.shape[1]
-    targets = [length for g in groups for length in work.lengths[g]]
+    targets = targets or [length for g in groups for length in work.lengths[g]]
     kwargs = dict(
         do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=eos, pad_token_id=pad,
         max_new_tokens=work.max_output, logits_processor=LogitsProcessorList([ForceEosAtLength(targets, width, eos)]),
     )  # fmt: skip
+    if config.static:
+        kwargs.update(cache_implementation="static", compile_config=_compile_config())
     if prefill is Prefill.REPEAT:
         out = model.generate(input_ids=ids, attention_mask=mask, num_return_sequences=n, **kwargs)
         prefilled = rows * width
@@ -129,15 +149,19 @@ def run_generate(model, work: Workload, config: GenerateConfig, give_up_s: float
     With `give_up_s`, calls stop once that many seconds have passed: the result is then marked
     `stopped`, its wall time is a lower bound and its tok/s (all useful tokens / it) an upper bound.
     """
-    _generate_call(model, work, [0], config.prefill)  # warm-up
     order = sorted(range(len(work.prompts)), key=lambda g: max(work.lengths[g]), reverse=True)
     step = config.prompts_per_call
     calls = [order[i : i + step] for i in range(0, len(order), step)]
+    if config.static:  # NOTE: compiles for each call size (shapes are fixed); every row stops at its 2nd token
+        for groups in {len(c): c for c in calls}.values():
+            _generate_call(model, work, groups, config, targets=[2] * (len(groups) * work.n))
+    else:
+        _generate_call(model, work, [0], config)  # warm-up
     prefilled = sampled = done = 0
     ok, load = True, load_average()
     start = time.perf_counter()
     for groups in calls:
-        p, s, call_ok = _generate_call(model, work, groups, config.prefill)
+        p, s, call_ok = _generate_call(model, work, groups, config)
         prefilled, sampled, ok, done = prefilled + p, sampled + s, ok and call_ok, done + 1
         if give_up_s is not None and done < len(calls) and time.perf_counter() - start > give_up_s:
             break

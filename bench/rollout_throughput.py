@@ -1,7 +1,8 @@
 """Rollout throughput: one GRPO-shaped workload through this engine and HF transformers at its best.
 
 Workload (seeded): `--prompts` prompts of 32-256 random tokens, `--n` samples each, every sample
-asked for its own length (its target) drawn from 16-256; temperature 1.0, no top-k/top-p.
+asked for its own length (its target) drawn from 16-256 (`--group-lengths`: one per prompt, shared
+by its n samples); temperature 1.0, no top-k/top-p.
 tokens/s = useful tokens / wall time, useful = the targets summed. What each side is told:
 
 * engine: one n=1 request per sample, `max_tokens` = its target (`ignore_eos`). The engine has no
@@ -13,7 +14,9 @@ tokens/s = useful tokens / wall time, useful = the targets summed. What each sid
   are padded as HF does, until the call's last row finishes. Prompts are sorted by their group's
   longest target so a call wastes little. Swept: prompts per call (`--hf-batch`, default 1, 2,
   4, ... and all) x prefill (`repeat`: `num_return_sequences=n`; `once`: prefill each prompt once
-  and expand the DynamicCache n-fold).
+  and expand the DynamicCache n-fold); and, unless `--no-hf-static`, `repeat` with a static KV cache
+  and the decode step compiled by HF's own `CompileConfig` (inductor on CPU; compiled in an untimed
+  warm-up per call size, every call's prompts padded to the longest so the shapes repeat).
 * HF continuous batching: one request per sample, `max_new_tokens` = its target (as the engine);
   KV capacity, step tokens and request cap are the engine's; page size swept (`--cb-pages`, 16
   is ours). Its set-up and warm-up are untimed (printed).
@@ -138,10 +141,13 @@ def _runners(model, work: Workload, budget: Budget, args: argparse.Namespace) ->
     if args.engine_fork:
         runners.append(Runner("engine n-fork", "engine", lambda _: run_engine_fork(model, work, budget)))
     per_call = args.hf_batch or _powers_of_two_and_all(len(work.prompts))
-    for prefill in args.hf_prefill:
+    forms = [(prefill, False) for prefill in args.hf_prefill]
+    if not args.no_hf_static:  # NOTE: a static cache is not expanded from a prefilled one (hf_peers.GenerateConfig)
+        forms.append((Prefill.REPEAT, True))
+    for prefill, static in forms:
         # NOTE: largest calls first: they are likely the fastest, and set the bar for `--give-up`
         for size in sorted({min(s, len(work.prompts)) for s in per_call}, reverse=True):
-            config = GenerateConfig(size, prefill)
+            config = GenerateConfig(size, prefill, static)
             runners.append(Runner(config.key, "hf-generate", lambda g, c=config: run_generate(model, work, c, g)))
     for page in args.cb_pages:
         run = lambda _, p=page: run_continuous(model, work, budget, p)  # noqa: E731
@@ -159,7 +165,8 @@ def _powers_of_two_and_all(count: int) -> list[int]:
 
 def bench_model(choice: ModelChoice, args: argparse.Namespace) -> list[RunResult]:
     model = hf_model(choice, DTYPES[args.dtype])
-    work = make_workload(args.prompts, args.n, args.prompt_len, args.output_len, model.config.vocab_size, args.seed)
+    work = make_workload(args.prompts, args.n, args.prompt_len, args.output_len, model.config.vocab_size, args.seed,
+                         group_lengths=args.group_lengths)
     budget = Budget.for_workload(model, work, args.kv_gib, args.step_tokens, args.max_requests)
     print(f"\n== {choice.name}: {choice.description}, {args.dtype}")
     print(f"workload: {work.describe()}")
@@ -381,6 +388,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-requests", type=int, default=256, help="requests in flight, continuous batchers")
     parser.add_argument("--engine-fork", action="store_true", help="also run the engine with n samples per request")
     parser.add_argument("--no-hf-continuous", action="store_true", help="skip HF continuous batching")
+    parser.add_argument("--no-hf-static", action="store_true", help="skip HF generate with a static cache and "
+                        "its decode step compiled (torch.compile, inductor)")  # fmt: skip
+    parser.add_argument("--group-lengths", action="store_true", help="the n samples of a prompt share one length "
+                        "(HF generate's padding within a group then wastes nothing)")  # fmt: skip
     parser.add_argument("--give-up", type=float, default=2.0, help="in repeat 1, stop an HF generate configuration "
                         "after this x its family's fastest wall time so far (0: never)")  # fmt: skip
     parser.add_argument("--prune", type=float, default=0.6, help="after repeat 1, drop peer configurations under "
@@ -414,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
     transformers_logging.disable_progress_bar()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    # NOTE: the static-cache peer compiles one graph per call size of the sweep; past dynamo's default of
+    # 8 graphs a function falls back to eager, which would misreport the compiled peer
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     print(f"rollout throughput, temperature 1.0, every sample told its length; {machine_line()}")
     choices = list(MODELS.values()) if args.model == "both" else [MODELS[args.model]]
     all_ok = True

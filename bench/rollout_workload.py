@@ -44,11 +44,17 @@ class Workload:
 
 
 def make_workload(
-    num_prompts: int, n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab: int, seed: int
+    num_prompts: int, n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], vocab: int, seed: int,
+    group_lengths: bool = False,
 ) -> Workload:
+    """Random prompts and targets; with `group_lengths` the n samples of a prompt share one target
+    (a static batcher's best case: padding within a group wastes nothing)."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(FIRST_TOKEN, vocab) for _ in range(rng.randint(*prompt_len))] for _ in range(num_prompts)]
-    lengths = [[rng.randint(*output_len) for _ in range(n)] for _ in range(num_prompts)]
+    if group_lengths:
+        lengths = [[rng.randint(*output_len)] * n for _ in range(num_prompts)]
+    else:
+        lengths = [[rng.randint(*output_len) for _ in range(n)] for _ in range(num_prompts)]
     return Workload(prompts, lengths, output_len[1])
 
 
