@@ -67,6 +67,10 @@ class GenerateConfig:
     prefill: Prefill
     static: bool = False
 
+    def __post_init__(self) -> None:
+        if self.static and self.prefill is not Prefill.REPEAT:
+            raise ValueError("GenerateConfig: a static cache goes with Prefill.REPEAT (not expanded from a prefill)")
+
     @property
     def key(self) -> str:
         return f"hf-generate {self.prefill.value} x{self.prompts_per_call}{' static+compile' if self.static else ''}"
