@@ -28,7 +28,7 @@ lint: $(STAMP)
 test stress: export OMP_NUM_THREADS ?= 1
 
 # Two pytest workers (pytest-xdist), one per core: the suite is ~1700 small tests, most of them one
-# busy thread, and one worker left a core idle for half the run (2 cores: 813 s -> 436 s, same tests).
+# busy thread, so one worker leaves the second core mostly to spare (2 cores: 813 s -> 436 s, same tests).
 # TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 
