@@ -6,10 +6,11 @@ plus attention's 4 x layers x hidden x context, context = the positions that tok
 (prompt + the tokens before it + itself). Prefill is not counted: a rollout's product is its
 sampled tokens, so re-reading a prompt is work the count does not credit.
 
-The machine's rate: one decode step's GEMMs (each layer's q/k/v/o, gate/up/down and the LM head)
-at a batch of `batch` rows, FLOPs / median time. That is the dense-matmul ceiling for the shapes
-the engine multiplies; attention's reads are not GEMMs and the count above credits them at the
-same rate, as the issue asks.
+The machine's rate: one decode step's GEMMs (each layer's q/k/v/o, gate/up/down and the LM head),
+FLOPs / median time, at the best of several batch sizes and of the GEMM forms this machine has
+(torch's `F.linear` and the engine's native kernel: `MatmulProbe`). That is the dense-matmul
+ceiling for the shapes the engine multiplies; attention's reads are not GEMMs and the count above
+credits them at the same rate, as the issue asks.
 
 The roofline beside it: the machine's memory bandwidth (`memory_bandwidth`, in the same run) and a
 decode step's least memory traffic (`DecodeStep`: every GEMM weight read once, each row's K/V over
@@ -109,54 +110,76 @@ def memory_bandwidth(mib: int = 256, repeats: int = 5) -> tuple[float, float]:
     return nbytes / sorted(reads)[repeats // 2], 2 * nbytes / sorted(copies)[repeats // 2]
 
 
-class MatmulProbe:
-    """One decode step's GEMMs at `batch` rows in `dtype`, built once (random weights of the model's
-    shapes); `rate()` times them (median of `repeats`) and returns FLOP/s.
+# the batch sizes the probe tries (and the engine's fullest decode batch, see `MatmulProbe`)
+PROBE_BATCHES = (16, 32, 64, 128, 256)
 
-    NOTE: the LM head GEMM counts at the faster of `F.linear` over the whole weight and the
-    engine's vocabulary-chunked form (`inference.models.layers.lm_head`, the same products): on CPU
-    the chunked one is faster, and a ceiling the engine beats would not be the machine's.
+
+@dataclass(frozen=True, slots=True)
+class ProbeRate:
+    """The machine's matmul rate: FLOP/s of the fastest GEMM form at its fastest batch size."""
+
+    flops_per_s: float
+    form: str
+    batch: int
+
+
+class MatmulProbe:
+    """One decode step's GEMMs (each layer's q/k/v/o, gate/up/down and the LM head; random weights
+    of the model's shapes) in `dtype`, at each of `batches` rows and in each GEMM form this machine
+    has; `rate()` returns the fastest (median of `repeats` per form and batch).
+
+    Forms: `F.linear` (torch's sgemm, MKL or oneDNN), and the engine's own dispatch
+    (`inference.models.small_gemm.linear`, the native register-tiled kernel up to its row limit,
+    and the vocabulary-chunked LM head, `inference.models.layers.lm_head`), where the tree has them.
+    NOTE: the machine's rate is the best any of them reaches: a ceiling measured on torch's
+    GEMMs alone would be one the engine's own kernel runs past (SmolLM2, one thread: 84 GFLOP/s
+    against MKL's 76 at 64 rows), and the share would then flatter the engine.
     """
 
-    def __init__(self, config, batch: int, dtype: torch.dtype) -> None:
+    def __init__(self, config, batches, dtype: torch.dtype) -> None:
         generator = torch.Generator().manual_seed(0)
         shapes = gemm_shapes(config)
+        self.batches = sorted(set(batches))
         self.weights = [torch.randn(o, i, generator=generator).to(dtype) for o, i in shapes]
-        self.inputs = {i: torch.randn(batch, i, generator=generator).to(dtype) for _, i in shapes}
-        self.flops = 2 * batch * sum(o * i for o, i in shapes)
+        widest = self.batches[-1]
+        self.inputs = {i: torch.randn(widest, i, generator=generator).to(dtype) for _, i in shapes}
+        self.step_flops = 2 * sum(o * i for o, i in shapes)  # per row
+        self.forms = _gemm_forms()
 
-    def rate(self, repeats: int = 5) -> float:
-        head = self._head_form()
-        times = []
+    def rate(self, repeats: int = 5) -> ProbeRate:
+        best = ProbeRate(0.0, "", 0)
         with torch.inference_mode():
-            for attempt in range(repeats + 1):
-                start = time.perf_counter()
-                for w in self.weights[:-1]:
-                    torch.nn.functional.linear(self.inputs[w.shape[1]], w)
-                head(self.inputs[self.weights[-1].shape[1]], self.weights[-1])
-                if attempt:  # NOTE: the first pass warms the caches and the allocator
-                    times.append(time.perf_counter() - start)
-        times.sort()
-        return self.flops / times[len(times) // 2]
+            for batch in self.batches:
+                inputs = {i: x[:batch] for i, x in self.inputs.items()}
+                for form, (linear, head) in self.forms.items():
+                    times = []
+                    for attempt in range(repeats + 1):
+                        start = time.perf_counter()
+                        for w in self.weights[:-1]:
+                            linear(inputs[w.shape[1]], w)
+                        head(inputs[self.weights[-1].shape[1]], self.weights[-1])
+                        if attempt:  # NOTE: the first pass warms the caches and the allocator
+                            times.append(time.perf_counter() - start)
+                    times.sort()
+                    flops_per_s = batch * self.step_flops / times[len(times) // 2]
+                    if flops_per_s > best.flops_per_s:
+                        best = ProbeRate(flops_per_s, form, batch)
+        return best
 
-    def _head_form(self, tries: int = 3):
-        """`F.linear` or the engine's chunked LM head, whichever is faster here (median of `tries`);
-        the timed loop then runs one head pass per attempt, as with `F.linear` alone."""
-        linear = torch.nn.functional.linear
+
+def _gemm_forms() -> dict:
+    """`{name: (linear, lm_head)}`: torch's, and the engine's own where this tree has them."""
+    linear = torch.nn.functional.linear
+    forms = {"F.linear": (linear, linear)}
+    try:
+        from inference.models.layers import lm_head
+        from inference.models.small_gemm import linear as engine_linear
+    except ImportError:  # NOTE: a tree from before the native GEMM (compare_commits runs old trees)
         try:
-            from inference.models.layers import lm_head as chunked
-        except ImportError:  # NOTE: a tree from before the chunked head
-            return linear
-        w = self.weights[-1]
-        x = self.inputs[w.shape[1]]
-
-        def median_time(fn) -> float:
-            spans = []
-            with torch.inference_mode():
-                for _ in range(tries):
-                    start = time.perf_counter()
-                    fn(x, w)
-                    spans.append(time.perf_counter() - start)
-            return sorted(spans)[tries // 2]
-
-        return chunked if median_time(chunked) < median_time(linear) else linear
+            from inference.models.layers import lm_head
+        except ImportError:
+            return forms
+        forms["engine"] = (linear, lm_head)
+        return forms
+    forms["engine"] = (engine_linear, lm_head)
+    return forms

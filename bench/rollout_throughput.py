@@ -63,7 +63,15 @@ from common import (  # noqa: E402
     median,
     print_result,
 )
-from flop_share import DecodeStep, MatmulProbe, mean_context, memory_bandwidth, useful_flops  # noqa: E402
+from flop_share import (  # noqa: E402
+    PROBE_BATCHES,
+    DecodeStep,
+    MatmulProbe,
+    ProbeRate,
+    mean_context,
+    memory_bandwidth,
+    useful_flops,
+)
 from hf_peers import GenerateConfig, Prefill, run_continuous, run_generate  # noqa: E402
 from rollout_workload import FIRST_TOKEN, Budget, RunResult, Workload, make_workload  # noqa: E402
 from transformers.utils import logging as transformers_logging  # noqa: E402
@@ -179,8 +187,8 @@ def bench_model(choice: ModelChoice, args: argparse.Namespace) -> list[RunResult
     skipped: dict[str, str] = {}
     pruned: set[str] = set()
     rate_batch = min(budget.max_requests, work.n * len(work.prompts))  # the engine's fullest decode batch
-    probe = MatmulProbe(model.config, rate_batch, DTYPES[args.dtype])
-    rates: list[float] = []
+    probe = MatmulProbe(model.config, {*PROBE_BATCHES, rate_batch}, DTYPES[args.dtype])
+    rates: list[ProbeRate] = []
     bandwidths: list[tuple[float, float]] = []
     for repeat in range(args.repeats):  # NOTE: repeats interleave the runners, so load drifts hit all alike
         rates.append(probe.rate())
@@ -213,9 +221,10 @@ def bench_model(choice: ModelChoice, args: argparse.Namespace) -> list[RunResult
     for key in skipped:  # NOTE: a configuration that failed in a later repeat has unequal runs: drop it
         runs[key] = []
     _report(choice, runs, skipped, args.repeats)
-    _report_flop_share(choice, runs, useful_flops(model.config, work), median(rates), rate_batch)
+    _report_flop_share(choice, runs, useful_flops(model.config, work), rates)
+    rate = median([r.flops_per_s for r in rates])
     step = DecodeStep.of(model.config, rate_batch, mean_context(work), DTYPES[args.dtype])
-    _report_roofline(choice, runs, step, median(rates), median([b[0] for b in bandwidths]),
+    _report_roofline(choice, runs, step, rate, median([b[0] for b in bandwidths]),
                      median([b[1] for b in bandwidths]), useful_flops(model.config, work))
     return [r for rs in runs.values() for r in rs]
 
@@ -290,12 +299,15 @@ def _report(choice: ModelChoice, runs: dict[str, list[RunResult]], skipped: dict
     print_result("rollout_throughput", figures, model=choice.name, peer_best=best)
 
 
-def _report_flop_share(choice: ModelChoice, runs: dict[str, list[RunResult]], flops: float, rate: float,
-                       batch: int) -> None:
+def _report_flop_share(choice: ModelChoice, runs: dict[str, list[RunResult]], flops: float,
+                       rates: list[ProbeRate]) -> None:
     """Useful GFLOP/s of the engine and of each family's best peer against the measured matmul rate."""
+    rate = median([r.flops_per_s for r in rates])
+    where = ", ".join(f"{r.form} at {r.batch} rows {r.flops_per_s / 1e9:.1f}" for r in rates)
     print(
         f"-- {choice.name}: share of the machine's matmul rate ({rate / 1e9:.1f} GFLOP/s on the model's GEMM "
-        f"shapes at {batch} rows, median of the per-repeat measurements); useful work {flops / 1e9:.1f} GFLOP"
+        f"shapes, the median over repeats of the fastest form and batch size: {where}); useful work "
+        f"{flops / 1e9:.1f} GFLOP"
     )
     shown = {"engine": runs["engine"]}
     for family in ("hf-generate", "hf-continuous"):
