@@ -20,6 +20,13 @@ model and workload: medians over `--repeats` rounds, ratio = not speculative / s
 speculation is faster), the acceptance rate (kept / proposed tokens) and tokens per row of the
 speculative steps, and tokens per engine step of both.
 
+The ceiling beside them (`speculative_ceiling.py`): from each batch's tokens, the tail's speed-up
+an oracle would reach if verify steps cost what plain ones do: `chain`, the engine's proposer with
+every proposal verified; `tree`, the best continuation anywhere in the corpus after a match of
+`min_match` tokens (and of one token): a bound for any proposal drawn from the corpus.
+`--history-rounds` first runs that many untimed batches (other seeds) through the speculative
+engine, so its per-prompt history is as full as in an RL loop that has seen its prompts before.
+
 Usage: `python bench/speculative_tail.py [--model tiny|smollm2|hybrid|both] [--workload arithmetic|random|both]
 [--repeats 3] [--prompts 8] [--n 8] [--threads 2]`. One `RESULT {json}` line per model and workload.
 """
@@ -36,6 +43,7 @@ import random  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from common import (  # noqa: E402
     MODELS,
@@ -48,9 +56,11 @@ from common import (  # noqa: E402
     print_result,
     set_threads,
 )
+from speculative_ceiling import tail_bound  # noqa: E402
 
 from inference import DynamicInferenceEngine, InferenceConfig, SamplingParams  # noqa: E402
 from inference.config import SpeculativeConfig  # noqa: E402
+from inference.speculation.history import PromptHistory  # noqa: E402
 
 HYBRID = ModelChoice("hybrid", "random Bamba (bench/hybrid.py): hidden 256, 3 Mamba2 + 1 attention layers, "
                               "vocab 32000")
@@ -79,6 +89,30 @@ def batch_of(workload: str, tokenizer, vocab: int, args, round_seed: int) -> tup
             params.append(SamplingParams(temperature=1.0, max_tokens=length, ignore_eos=True,
                                          seed=round_seed * 100_000 + i * 100 + j))
     return out_prompts, params
+
+
+def sample_prompts(prompts, params) -> list:
+    """Each sample's prompt, in the order `generate` returns the samples."""
+    return [prompt for prompt, p in zip(prompts, params) for _ in range(p.n)]
+
+
+def remember(history: PromptHistory, prompts, params, outputs) -> None:
+    for prompt, generated in zip(sample_prompts(prompts, params), outputs):
+        history.add(tuple(prompt), np.asarray(generated, dtype=np.int64))
+
+
+# the ceilings printed: (oracle, shortest match it continues); see speculative_ceiling.py
+CEILINGS = {"chain": ("chain", None), "tree": ("tree", None), "tree_match1": ("tree", 1)}
+
+
+def ceiling(history: PromptHistory, prompts, params, outputs, spec: SpeculativeConfig) -> dict[str, float]:
+    """The tail's speed-up bound of each oracle in `CEILINGS` for one batch (before it joins `history`)."""
+    per_sample = sample_prompts(prompts, params)
+    earlier = {tuple(p): history.of(tuple(p)) for p in per_sample}
+    return {name: tail_bound(per_sample, outputs, earlier, kind=kind, num_tokens=spec.num_tokens,
+                             min_match=match or spec.min_match, max_match=spec.max_match,
+                             tail_fraction=TAIL_FRACTION)["tail_bound"]
+            for name, (kind, match) in CEILINGS.items()}
 
 
 def timed_batch(engine: DynamicInferenceEngine, prompts, params) -> dict:
@@ -123,14 +157,26 @@ def run(model_name: str, workload: str, args) -> bool:
     vocab = hf.config.vocab_size
     warm_prompts, warm_params = batch_of(workload, tokenizer, vocab, argparse.Namespace(**{**vars(args), "prompts": 2,
                                                                                           "n": 2}), 10_000)
-    for engine in engines.values():  # untimed: first-call costs; the speculative one learns nothing from it
-        engine.generate(warm_prompts, warm_params)
+    # NOTE: what the speculative engine's history holds, mirrored for the ceiling (same tokens either way)
+    history = PromptHistory(spec_config.history_samples, spec_config.history_prompts)
+    for engine in engines.values():  # untimed: first-call costs
+        outs = engine.generate(warm_prompts, warm_params)
+    remember(history, warm_prompts, warm_params, [o.generated_token_ids for o in outs])
+    for h in range(args.history_rounds):  # untimed: earlier epochs of the same prompts, drafted from later
+        prompts, params = batch_of(workload, tokenizer, vocab, args, 20_000 + h)
+        outs = engines["spec"].generate(prompts, params)
+        remember(history, prompts, params, [o.generated_token_ids for o in outs])
     results: dict[str, list[dict]] = {"plain": [], "spec": []}
+    ceilings: dict[str, list[float]] = {kind: [] for kind in CEILINGS}
     same = True
     for r in range(args.repeats):
         prompts, params = batch_of(workload, tokenizer, vocab, args, r)
         order = ("spec", "plain") if r % 2 == 0 else ("plain", "spec")
         got = {name: timed_batch(engines[name], prompts, params) for name in order}
+        bounds = ceiling(history, prompts, params, got["plain"]["outputs"], spec_config)
+        remember(history, prompts, params, got["plain"]["outputs"])
+        for kind, bound in bounds.items():
+            ceilings[kind].append(bound)
         if got["spec"]["outputs"] != got["plain"]["outputs"]:
             diff = sum(a != b for a, b in zip(got["spec"]["outputs"], got["plain"]["outputs"]))
             print(f"  round {r}: {diff} of {len(prompts) * (args.n if workload == 'arithmetic' else 1)} samples differ")
@@ -139,7 +185,8 @@ def run(model_name: str, workload: str, args) -> bool:
             results[name].append(got[name])
         s, p = got["spec"], got["plain"]
         print(f"  round {r}: batch {p['wall']:.2f}s -> {s['wall']:.2f}s, tail {p['tail']:.2f}s -> {s['tail']:.2f}s, "
-              f"{p['tokens']} tokens, steps {p['steps']} -> {s['steps']}", flush=True)
+              f"{p['tokens']} tokens, steps {p['steps']} -> {s['steps']}; tail ceiling "
+              + ", ".join(f"{kind} {bound:.2f}x" for kind, bound in bounds.items()), flush=True)
     figures = {}
     for key in ("wall", "tail"):
         figures[f"plain_{key}_s"] = median([x[key] for x in results["plain"]])
@@ -153,6 +200,8 @@ def run(model_name: str, workload: str, args) -> bool:
     expected = sum(x["spec_expected_tokens"] for x in results["spec"])
     figures["kept_over_expected"] = accepted / expected if expected else 0.0
     figures["spec_tokens_per_row"] = (rows + accepted) / rows if rows else 1.0
+    for kind, bounds in ceilings.items():
+        figures[f"tail_ceiling_{kind}"] = median(bounds)
     for name in ("plain", "spec"):
         figures[f"{name}_tokens_per_step"] = (sum(x["tokens"] for x in results[name])
                                               / sum(x["steps"] for x in results[name]))
@@ -162,7 +211,8 @@ def run(model_name: str, workload: str, args) -> bool:
           f"(kept / expected {figures['kept_over_expected']:.2f}), "
           f"{figures['spec_tokens_per_row']:.2f} tokens per speculative row; tokens per step "
           f"{figures['plain_tokens_per_step']:.2f} -> {figures['spec_tokens_per_step']:.2f}; "
-          f"outputs {'identical' if same else 'DIFFER'}", flush=True)
+          f"outputs {'identical' if same else 'DIFFER'}; the tail's ceiling at free verify steps "
+          + ", ".join(f"{kind} {figures[f'tail_ceiling_{kind}']:.2f}x" for kind in CEILINGS), flush=True)
     print_result("speculative_tail", figures, model=model_name, workload=workload, identical=same)
     return same
 
@@ -179,6 +229,8 @@ def main() -> int:
     parser.add_argument("--spec-tokens", type=int, default=8)
     parser.add_argument("--max-rows", type=int, default=16)
     parser.add_argument("--max-step-tokens", type=int, default=48)
+    parser.add_argument("--history-rounds", type=int, default=0,
+                        help="untimed batches through the speculative engine first (its prompt history)")
     parser.add_argument("--temperature", type=float, default=0.7, help="arithmetic: the GRPO demo's (0.7)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
