@@ -1,21 +1,20 @@
 /* Paged decode attention on the CPU: one query token per request, straight from the KV pages.
  *
  * No gather of K/V into a padded batch and no padding: each request reads its own blocks, K and V
- * once each, in one pass with an online softmax. Tokens go by in chunks of eight; per query head a
- * chunk's eight dot products run as eight independent register chains whose lanes one
- * transpose-and-add tree sums, their exponentials are one vector polynomial, and the running sums
- * are rescaled when the running max grows. Nothing per request is allocated and no score is
- * written out and read back. The rows PREFETCH_AHEAD tokens on are prefetched into L2 a piece per
- * KV head: a request's blocks lie anywhere in the pool, which the hardware prefetchers do not
- * follow. Measured against the two-pass kernel this replaced (30 layers x 64 requests x context
- * 220, SmolLM2's heads, one thread, AVX2 EPYC): data in cache 138 -> 75 ms, blocks in random order
- * ~1.1-1.2x, blocks in order about even (both ~2x the time of summing the same bytes: 69 ms).
- * The running sums in vector lanes and the tree max then took 30 layers x 48 requests x context
- * ~236 from 45 to 39 ms (each request's own blocks) and 32 to 27 ms (groups of four sharing a
- * 144-token prompt, as GRPO's samples do). Attending such a group together, block by block so that
- * a shared block is read from memory once, gained nothing more: neighbours in the batch already
- * find the blocks they share in L2.
- * Work is split over requests, so each request's output is the same bits whatever else is in the
+ * once each, in one pass with an online softmax taken STEP tokens at a time (a block of 16 in one
+ * step). A step first scores its tokens for every query head (per head a chunk of eight tokens as
+ * eight independent register chains whose lanes one transpose-and-add tree sums), then moves each
+ * head's running max and sums once (exponentials as one vector polynomial), then adds the weighted
+ * values. Phases over all heads rather than a chunk's whole chain per head: the heads' chains are
+ * independent, so the core overlaps them instead of waiting on one score -> max -> exp -> value
+ * chain at a time. While a step computes, the rows of the next step are prefetched, a share per
+ * head (K while scoring, V while weighting): a request's blocks lie anywhere in the pool, where the
+ * hardware prefetchers do not follow, and a burst of a whole block's prefetches stalls the loads
+ * behind it. Measured against the kernel before (one pass, eight tokens a step, rows 32 tokens
+ * ahead prefetched a KV head's share at a time), 30 layers x 32 requests x context 205, SmolLM2's
+ * heads, one thread, Zen 3 EPYC: blocks in random order in a 750 MB pool 46-53 -> 30-33 ms, data in
+ * cache 22-25 -> 22 ms (17 ms without the prefetches, which cost what they save there).
+  * Work is split over requests, so each request's output is the same bits whatever else is in the
  * batch, and a query token's output depends only on its own q, its seq_len and its blocks.
  *
  * Layout (see inference/cache/kv_buffer.py): a layer's K and V are [num_blocks, block_size,
@@ -35,9 +34,6 @@
 #define MAX_HEADS 64
 #define MAX_GROUP MAX_HEADS /* query heads per KV head */
 #define MAX_DIM 256
-#ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD 32
-#endif
 
 typedef int32_t ilanes_t __attribute__((vector_size(LANES * sizeof(int32_t))));
 typedef uint32_t ulanes_t __attribute__((vector_size(LANES * sizeof(uint32_t))));
@@ -102,16 +98,13 @@ static inline __attribute__((always_inline)) float max_lanes(lanes_t v) {
     return v[0];
 }
 
-/* into L2 (locality 2), leaving L1 to the chunk in use */
-static inline __attribute__((always_inline)) void prefetch_bytes(const char *p, int64_t bytes) {
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
-}
-
 /* One request: its `num_heads` query heads at `qf` (scaled, float, [num_heads, head_dim]) over its
  * first `len` tokens; writes [num_heads, head_dim] to `out`. A chunk's rows are contiguous (all
  * KV heads of a token side by side, the tokens of a block in a row), so K and V stream in order.
  * Inlined with `head_dim` a constant (see DEFINE_DECODE), so a head's accumulators and a chunk's
  * eight dot products sit in registers and run as independent chains. */
+/* tokens per step of the online softmax: two chunks of eight (a block of 16 in one step) */
+#define STEP 16
 #define DEFINE_REQUEST(NAME, T, LANES_OF)                                                               \
     static inline __attribute__((always_inline)) void NAME(                                             \
         const float *qf, const T *k_cache, const T *v_cache, const int32_t *table, int64_t len,         \
@@ -119,10 +112,9 @@ static inline __attribute__((always_inline)) void prefetch_bytes(const char *p, 
         const int64_t group = num_heads / num_kv_heads;                                                 \
         const int64_t row_stride = num_kv_heads * head_dim;                                            \
         float acc[MAX_HEADS * MAX_DIM];                                                                 \
-        /* NOTE: a head's running sum is eight lanes, added to lane by lane and summed once at the   \
-         * end: a scalar sum of each chunk's eight weights was a chain of eight dependent adds */   \
         float run_max[MAX_HEADS];                                                                       \
         lanes_t run_sum[MAX_HEADS];                                                                     \
+        float s[MAX_HEADS * STEP] __attribute__((aligned(32)));                                        \
         for (int64_t h = 0; h < num_heads; ++h) {                                                       \
             run_max[h] = -FLT_MAX;                                                                      \
             run_sum[h] = splat(0.0f);                                                                   \
@@ -131,69 +123,89 @@ static inline __attribute__((always_inline)) void prefetch_bytes(const char *p, 
         for (int64_t start = 0; start < len; start += block_size) {                                     \
             const int64_t in_block = len - start < block_size ? len - start : block_size;               \
             const int64_t block = table[start / block_size];                                           \
-            for (int64_t c = 0; c < in_block; c += LANES) {                                             \
-                const int64_t n = in_block - c < LANES ? in_block - c : LANES;                          \
-                const ilanes_t valid = (ilanes_t){0, 1, 2, 3, 4, 5, 6, 7} < (ilanes_t){n, n, n, n, n, n, n, n}; \
-                /* a short chunk repeats its last row in the missing lanes (masked out below) */         \
-                int64_t row_of[LANES];                                                                  \
-                for (int64_t t = 0; t < LANES; ++t) row_of[t] = (block * block_size + c + (t < n ? t : n - 1)) * row_stride; \
-                /* the rows PREFETCH_AHEAD tokens on, into L2, a KV head's share at a time (a burst of \
-                 * prefetches fills the miss queue and stalls the loads behind it) */                   \
-                const int64_t ahead = start + c + PREFETCH_AHEAD;                                       \
-                const char *k_ahead = NULL, *v_ahead = NULL;                                            \
-                int64_t ahead_bytes = 0, ahead_share = 0;                                               \
-                if (ahead < len) {                                                                      \
-                    const int64_t row = ahead % block_size;                                             \
-                    int64_t rows = block_size - row < LANES ? block_size - row : LANES;                 \
-                    rows = len - ahead < rows ? len - ahead : rows;                                     \
-                    const int64_t at = ((int64_t)table[ahead / block_size] * block_size + row) * row_stride; \
-                    k_ahead = (const char *)(k_cache + at);                                             \
-                    v_ahead = (const char *)(v_cache + at);                                             \
-                    ahead_bytes = rows * row_stride * (int64_t)sizeof(T);                               \
-                    ahead_share = (ahead_bytes + num_kv_heads * 64 - 1) / (num_kv_heads * 64) * 64;    \
-                }                                                                                       \
-                for (int64_t g = 0; g < num_kv_heads; ++g) {                                            \
-                    if (g * ahead_share < ahead_bytes) { /* this head's share, never past the rows ahead */ \
-                        const int64_t left = ahead_bytes - g * ahead_share;                             \
-                        const int64_t share = left < ahead_share ? left : ahead_share;                  \
-                        prefetch_bytes(k_ahead + g * ahead_share, share);                               \
-                        prefetch_bytes(v_ahead + g * ahead_share, share);                               \
+            for (int64_t c0 = 0; c0 < in_block; c0 += STEP) {                                           \
+                const int64_t n_step = in_block - c0 < STEP ? in_block - c0 : STEP;                     \
+                const int64_t chunks = (n_step + LANES - 1) / LANES;                                    \
+                int64_t row_of[STEP];                                                                   \
+                for (int64_t t = 0; t < STEP; ++t)                                                      \
+                    row_of[t] = (block * block_size + c0 + (t < n_step ? t : n_step - 1)) * row_stride;  \
+                /* the next step's rows (this block's next tokens, or the next block's first), prefetched \
+                 * while this step computes: K a share per head of the scores, V per head of the values */ \
+                const char *k_next = NULL, *v_next = NULL;                                              \
+                int64_t next_lines = 0;                                                                 \
+                {                                                                                       \
+                    const int64_t at = start + c0 + n_step;                                            \
+                    if (at < len) {                                                                     \
+                        const int64_t row = at % block_size;                                            \
+                        int64_t rows_n = block_size - row < STEP ? block_size - row : STEP;            \
+                        rows_n = len - at < rows_n ? len - at : rows_n;                                 \
+                        const int64_t off = ((int64_t)table[at / block_size] * block_size + row) * row_stride; \
+                        k_next = (const char *)(k_cache + off);                                         \
+                        v_next = (const char *)(v_cache + off);                                         \
+                        next_lines = (rows_n * row_stride * (int64_t)sizeof(T) + 63) / 64;             \
                     }                                                                                   \
-                    const T *kg = k_cache + g * head_dim;                                               \
-                    const T *vg = v_cache + g * head_dim;                                               \
-                    float p[MAX_GROUP][LANES];                                                          \
-                    for (int64_t j = 0; j < group; ++j) {                                               \
-                        const int64_t h = g * group + j;                                                \
+                }                                                                                       \
+                const int64_t k_share = (next_lines + chunks * num_heads - 1) / (chunks * num_heads);  \
+                const int64_t v_share = (next_lines + num_heads - 1) / num_heads;                       \
+                int64_t k_done = 0, v_done = 0;                                                         \
+                /* scores of every head for the step's tokens */                                        \
+                for (int64_t c = 0; c < chunks; ++c) {                                                  \
+                    const int64_t n = n_step - c * LANES < LANES ? n_step - c * LANES : LANES;          \
+                    const ilanes_t valid = (ilanes_t){0, 1, 2, 3, 4, 5, 6, 7} < (ilanes_t){n, n, n, n, n, n, n, n}; \
+                    const int64_t *rows = row_of + c * LANES;                                           \
+                    for (int64_t h = 0; h < num_heads; ++h) {                                           \
+                        for (int64_t i = 0; i < k_share && k_done < next_lines; ++i, ++k_done)          \
+                            __builtin_prefetch(k_next + 64 * k_done, 0, 3);                        \
+                        const T *kg = k_cache + (h / group) * head_dim;                                 \
                         const float *qh = qf + h * head_dim;                                            \
                         lanes_t part[LANES];                                                            \
                         for (int64_t t = 0; t < LANES; ++t) part[t] = splat(0.0f);                      \
                         for (int64_t d = 0; d < head_dim; d += LANES) {                                 \
                             const lanes_t qv = f32_lanes(qh + d);                                       \
-                            for (int64_t t = 0; t < LANES; ++t) part[t] += qv * LANES_OF(kg + row_of[t] + d); \
+                            for (int64_t t = 0; t < LANES; ++t) part[t] += qv * LANES_OF(kg + rows[t] + d); \
                         }                                                                               \
                         const lanes_t scores = select(valid, lane_sums(part), splat(-FLT_MAX));         \
-                        const float chunk_max = max_lanes(scores);                                      \
-                        if (chunk_max > run_max[h]) {                                                   \
-                            const float factor = expf(run_max[h] - chunk_max);                          \
-                            run_sum[h] *= splat(factor);                                                \
-                            for (int64_t d = 0; d < head_dim; ++d) acc[h * head_dim + d] *= factor;     \
-                            run_max[h] = chunk_max;                                                     \
+                        memcpy(s + h * STEP + c * LANES, &scores, sizeof scores);                       \
+                    }                                                                                   \
+                }                                                                                       \
+                /* the online softmax, a step at a time: weights in place of the scores */              \
+                for (int64_t h = 0; h < num_heads; ++h) {                                               \
+                    float *sh = s + h * STEP;                                                           \
+                    lanes_t m = f32_lanes(sh);                                                          \
+                    for (int64_t c = 1; c < chunks; ++c) m = vmax(m, f32_lanes(sh + c * LANES));        \
+                    const float step_max = max_lanes(m);                                                \
+                    if (step_max > run_max[h]) {                                                        \
+                        const float factor = expf(run_max[h] - step_max);                               \
+                        run_sum[h] *= splat(factor);                                                    \
+                        float *ah = acc + h * head_dim;                                                 \
+                        for (int64_t d = 0; d < head_dim; d += LANES) {                                 \
+                            const lanes_t a = f32_lanes(ah + d) * splat(factor);                        \
+                            memcpy(ah + d, &a, sizeof a);                                               \
                         }                                                                               \
-                        const lanes_t e = select(valid, exp_lanes(scores - splat(run_max[h])), splat(0.0f)); \
-                        memcpy(p[j], &e, sizeof e);                                                     \
+                        run_max[h] = step_max;                                                          \
+                    }                                                                                   \
+                    for (int64_t c = 0; c < chunks; ++c) {                                              \
+                        const lanes_t x = f32_lanes(sh + c * LANES);                                    \
+                        const lanes_t e = select(x > splat(-FLT_MAX), exp_lanes(x - splat(run_max[h])), splat(0.0f)); \
                         run_sum[h] += e;                                                                \
+                        memcpy(sh + c * LANES, &e, sizeof e);                                           \
                     }                                                                                   \
-                    for (int64_t j = 0; j < group; ++j) {                                               \
-                        float *ah = acc + (g * group + j) * head_dim;                                   \
-                        lanes_t a[MAX_DIM / LANES];                                                     \
-                        for (int64_t d = 0; d < head_dim; d += LANES) a[d / LANES] = f32_lanes(ah + d); \
-                        for (int64_t t = 0; t < n; ++t) {                                               \
-                            const lanes_t w = splat(p[j][t]);                                           \
-                            for (int64_t d = 0; d < head_dim; d += LANES)                               \
-                                a[d / LANES] += w * LANES_OF(vg + row_of[t] + d);                       \
-                        }                                                                               \
-                        for (int64_t d = 0; d < head_dim; d += LANES) memcpy(ah + d, &a[d / LANES], sizeof(lanes_t)); \
+                }                                                                                       \
+                /* the weighted values */                                                               \
+                for (int64_t h = 0; h < num_heads; ++h) {                                               \
+                    for (int64_t i = 0; i < v_share && v_done < next_lines; ++i, ++v_done)              \
+                        __builtin_prefetch(v_next + 64 * v_done, 0, 3);                            \
+                    const T *vg = v_cache + (h / group) * head_dim;                                     \
+                    const float *ph = s + h * STEP;                                                     \
+                    float *ah = acc + h * head_dim;                                                     \
+                    lanes_t a[MAX_DIM / LANES];                                                         \
+                    for (int64_t d = 0; d < head_dim; d += LANES) a[d / LANES] = f32_lanes(ah + d);     \
+                    for (int64_t t = 0; t < n_step; ++t) {                                              \
+                        const lanes_t w = splat(ph[t]);                                                 \
+                        for (int64_t d = 0; d < head_dim; d += LANES)                                   \
+                            a[d / LANES] += w * LANES_OF(vg + row_of[t] + d);                           \
                     }                                                                                   \
+                    for (int64_t d = 0; d < head_dim; d += LANES) memcpy(ah + d, &a[d / LANES], sizeof(lanes_t)); \
                 }                                                                                       \
             }                                                                                           \
         }                                                                                               \
