@@ -12,7 +12,7 @@ A level this CPU lacks is refused (its instructions would fault), like a failed 
 
 Kernels are called through ctypes, which releases the GIL. Users: decode attention
 (`attention/cpu_kernels.py`), the decode step's few-row GEMMs (`models/small_gemm.py`), the
-sampler (`sampling/native.py`), the layers' rotary and fused residual add + RMSNorm
+sampler (`sampling/native.py`), the layers' rotary, RMSNorm and fused residual add + RMSNorm
 (`models/layers.py`) and weight sync's byte moves (`weight_sync/memcopy.py`).
 
 Where no compiler is found or the build fails, `library()` is None (logged once) and every user
@@ -58,6 +58,8 @@ SIGNATURES = {
     "rotary_f32": [PTR, I64, I64, I64, I64, PTR, PTR, ctypes.c_int],
     "small_gemm_f32": [PTR, I64, I64, I64, PTR, I64, PTR, PTR, I64, ctypes.c_int],
     "add_rms_norm_f32": [PTR, PTR, PTR, PTR, I64, I64, ctypes.c_float, ctypes.c_int, ctypes.c_int],
+    "rms_norm_f32": [PTR, PTR, PTR, I64, I64, ctypes.c_float, ctypes.c_int, ctypes.c_int],
+    "store_rows": [PTR, PTR, PTR, PTR, I64, PTR, I64, I64],
     "copy_sum_u64": [PTR, PTR, I64, PTR],
     "publish_piece": [PTR, ctypes.c_uint64, ctypes.c_uint64],
     "wait_piece": [PTR, ctypes.c_uint64, I64, PTR],

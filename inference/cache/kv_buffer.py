@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from inference import native
 from inference.cache.memory import returnable_zeros
 
 IdList = Sequence[int] | torch.Tensor
@@ -116,10 +117,30 @@ class KVCacheBuffer:
         """Write K/V rows `[T, H, D]` of `layer` into the slots `slot_mapping` (int64 `[T]`).
 
         Slots must be distinct and in `[0, num_slots)`; this is not checked (hot path).
+        NOTE: on the CPU, rows already in the buffer's dtype go through the native kernel (a memcpy
+        a row, `csrc/store_rows.c`); torch's `index_copy_` copies them an element at a time.
         """
         flat = self.data[layer].view(2, self.num_slots, self.num_kv_heads, self.head_dim)
+        if self._native_rows(flat, slot_mapping, k, v):
+            item = k.element_size()
+            status = native.library().store_rows(flat[0].data_ptr(), flat[1].data_ptr(), k.data_ptr(), v.data_ptr(),
+                                                 k.stride(0) * item, slot_mapping.data_ptr(), k.shape[0],
+                                                 k.shape[1] * k.shape[2] * item)
+            if status:
+                raise RuntimeError(f"store_rows failed with status {status}")
+            return
         flat[0].index_copy_(0, slot_mapping, k.to(self.dtype))
         flat[1].index_copy_(0, slot_mapping, v.to(self.dtype))
+
+    def _native_rows(self, flat: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether `store` can hand its rows to the native kernel: CPU, the buffer's dtype, each
+        token's `[H, D]` contiguous and K and V alike, int64 slots one per row."""
+        row = k.shape[1] * k.shape[2] if k.dim() == 3 else 0
+        return (flat.device.type == "cpu" and k.dtype == v.dtype == self.dtype and k.shape == v.shape
+                and k.dim() == 3 and k.shape[1:] == flat.shape[2:] and k.stride() == v.stride()
+                and k.stride(2) == 1 and k.stride(1) == k.shape[2] and k.stride(0) >= row
+                and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+                and slot_mapping.numel() == k.shape[0] and native.available())
 
     def copy_blocks(self, src_ids: IdList, dst_ids: IdList) -> None:
         """Copy whole blocks `src_ids[i] -> dst_ids[i]` in every layer (fork of a partial block).

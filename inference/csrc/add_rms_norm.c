@@ -1,6 +1,7 @@
 /* A residual add and the RMSNorm after it, in one pass over each row of x `[rows, n]`:
  *   x[r] <- x[r] + residual[r]
  *   out[r] <- (x[r] * rstd) * weight,   rstd = 1 / sqrt(sum(x[r]^2) / n + eps)
+ * and the RMSNorm alone (`rms_norm_f32`: no residual, x left as it is).
  *
  * Bit for bit what torch's CPU ops give for `x.add_(residual)` then `F.rms_norm(x, (n,), weight,
  * eps)` in fp32. F.rms_norm there is a composite (pow(x, 2); mean = sum / n; add_(eps); rsqrt;
@@ -73,7 +74,8 @@ static inline __attribute__((always_inline)) float sum_of_squares(const float *x
 
 static inline __attribute__((always_inline)) void add_rms_norm_row(float *x, const float *residual, const float *weight,
                                                                    float *out, int64_t n, float eps, const int lanes) {
-    for (int64_t e = 0; e < n; e++) x[e] = x[e] + residual[e];
+    if (residual)
+        for (int64_t e = 0; e < n; e++) x[e] = x[e] + residual[e];
     const float mean = sum_of_squares(x, n, lanes) / (float)n;
     const float rstd = 1.0f / sqrtf(mean + eps);
     for (int64_t e = 0; e < n; e++) out[e] = (x[e] * rstd) * weight[e];
@@ -85,10 +87,17 @@ int add_rms_norm_f32(float *x, const float *residual, const float *weight, float
     /* NOTE: one specialisation per width, so the lane loops have constant trip counts */
     #pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= 65536)
     for (int64_t r = 0; r < rows; r++) {
+        const float *res = residual ? residual + r * n : NULL;
         if (lanes == 16)
-            add_rms_norm_row(x + r * n, residual + r * n, weight, out + r * n, n, eps, 16);
+            add_rms_norm_row(x + r * n, res, weight, out + r * n, n, eps, 16);
         else
-            add_rms_norm_row(x + r * n, residual + r * n, weight, out + r * n, n, eps, 8);
+            add_rms_norm_row(x + r * n, res, weight, out + r * n, n, eps, 8);
     }
     return 0;
+}
+
+/* out <- rms_norm(x) * weight, row by row, as torch's F.rms_norm rounds it (x is not written) */
+int rms_norm_f32(const float *x, const float *weight, float *out, int64_t rows, int64_t n, float eps, int lanes,
+                 int threads) {
+    return add_rms_norm_f32((float *)x, NULL, weight, out, rows, n, eps, lanes, threads);
 }

@@ -20,12 +20,38 @@ from inference.models.spec import RopeKind, RopeSpec
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`weight * normalize(x)` over the last dim; statistics in fp32 like HF's `LlamaRMSNorm`."""
+    """`weight * normalize(x)` over the last dim; statistics in fp32 like HF's `LlamaRMSNorm`.
+
+    NOTE: float32 on the CPU runs the native kernel (`csrc/add_rms_norm.c`, with no residual): one
+    pass per row, the same bits as `F.rms_norm`, whose seven ops cost ~190 us on a decode step's
+    32 x 576 (the kernel: a few us); elsewhere `F.rms_norm`.
+    """
     dtype = x.dtype
     if dtype == torch.float32 and weight.dtype == torch.float32:
-        # one fused kernel; in fp32 there is no intermediate cast for HF's op order to differ on
+        lanes = _native_norm_lanes(x, weight)
+        if lanes is not None:
+            out = torch.empty_like(x)
+            status = native.library().rms_norm_f32(x.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                                                   x.numel() // x.shape[-1], x.shape[-1], eps, lanes,
+                                                   torch.get_num_threads())
+            if status:
+                raise RuntimeError(f"rms_norm_f32 failed with status {status} (hidden {x.shape[-1]}, lanes {lanes})")
+            return out
+        # in fp32 there is no intermediate cast for HF's op order to differ on
         return F.rms_norm(x, (x.shape[-1],), weight=weight, eps=eps)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(dtype)
+
+
+def _native_norm_lanes(x: torch.Tensor, weight: torch.Tensor) -> int | None:
+    """The lanes of torch's float sum (see `torch_sum_lanes`) where the native norm kernels take `x`
+    (fp32, CPU, contiguous, rows of at least that many floats) and `weight`; else None."""
+    n = x.shape[-1]
+    lanes = torch_sum_lanes()
+    if (lanes is None or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
+            or n < lanes or weight.shape != (n,) or not x.is_contiguous() or not weight.is_contiguous()
+            or not native.available()):
+        return None
+    return lanes
 
 
 @lru_cache(maxsize=1)
@@ -50,11 +76,9 @@ def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     the same bit for bit. Elsewhere (and under ROLLOUT_ENGINE_NO_KERNELS) it is those torch ops.
     """
     n = x.shape[-1]
-    lanes = torch_sum_lanes()
-    if (x.device.type == "cpu" and x.dtype == torch.float32 and residual.dtype == torch.float32
-            and weight.dtype == torch.float32 and x.dim() == 2 and residual.shape == x.shape and lanes is not None
-            and n >= lanes and weight.shape == (n,) and x.is_contiguous() and residual.is_contiguous()
-            and weight.is_contiguous() and native.available()):
+    lanes = _native_norm_lanes(x, weight)
+    if (lanes is not None and residual.dtype == torch.float32 and x.dim() == 2 and residual.shape == x.shape
+            and residual.is_contiguous()):
         out = torch.empty_like(x)
         status = native.library().add_rms_norm_f32(x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
                                                     out.data_ptr(), x.shape[0], n, eps, lanes,

@@ -9,7 +9,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from inference import native
 from inference.cache.kv_buffer import KVCacheBuffer
+from tests.inference.native_util import SWITCH, kernels_on, needs_compiler
 
 L, NB, BS, H, D = 2, 6, 4, 2, 3
 
@@ -45,6 +47,39 @@ def test_store_follows_slot_formula():
         assert torch.equal(buf.data[1, 0, table[p // BS], p % BS], k[p])
         assert torch.equal(buf.data[1, 1, table[p // BS], p % BS], 2 * k[p])
     assert torch.count_nonzero(buf.data[0]) == 0
+
+
+@needs_compiler
+@pytest.mark.parametrize("source", ["contiguous", "strided", "empty", "other dtype"])
+def test_store_native_rows_equal_index_copy(source, monkeypatch):
+    """The native row copy (csrc/store_rows.c) writes what index_copy_ writes, slots in any order,
+    from rows of a wider projection output (strided) too; another dtype is converted by torch."""
+    g = torch.Generator().manual_seed(3)
+    rows = 0 if source == "empty" else 7
+    slots = torch.randperm(NB * BS, generator=g)[:rows]
+    kv = torch.randn(rows, 3 * H * D, generator=g)
+    if source == "strided":  # NOTE: K and V as a fused projection's columns: rows 3 * H * D apart
+        k, v = kv[:, : H * D], kv[:, H * D : 2 * H * D]
+    else:
+        k, v = kv[:, : H * D].clone(), 2 * kv[:, : H * D]
+    k, v = k.view(rows, H, D), v.view(rows, H, D)
+    if source == "other dtype":
+        k, v = k.double(), v.double()
+    with kernels_on():
+        native_buf = KVCacheBuffer(L, NB, BS, H, D)
+        flat = native_buf.layer(1).view(2, NB * BS, H, D)
+        assert native_buf._native_rows(flat, slots, k, v) == (source != "other dtype")
+        native_buf.store(1, slots, k, v)
+    monkeypatch.setenv(SWITCH, "1")
+    native.library.cache_clear()
+    try:
+        torch_buf = KVCacheBuffer(L, NB, BS, H, D)
+        torch_buf.store(1, slots, k, v)
+    finally:
+        monkeypatch.delenv(SWITCH)
+        native.library.cache_clear()
+    assert torch.equal(native_buf.data, torch_buf.data)
+    assert torch.count_nonzero(native_buf.data) == (0 if rows == 0 else 2 * rows * H * D)
 
 
 @pytest.mark.parametrize("bad", [dict(num_blocks=0), dict(block_size=-1), dict(dtype=torch.int32)])

@@ -1,6 +1,7 @@
 """The CPU fast paths of the layers give the reference ops' results bit for bit: the chunked LM head
 (`F.linear`), the in-place rotary (`apply_rotary`; native kernel unless ROLLOUT_ENGINE_NO_KERNELS) and
-the fused residual add + RMSNorm (`add_` then `F.rms_norm`; native kernel and torch path both)."""
+the RMSNorm and the fused residual add + RMSNorm (`F.rms_norm`, `add_` then `F.rms_norm`; native kernel
+and torch path both)."""
 
 import pytest
 import torch
@@ -8,7 +9,15 @@ import torch.nn.functional as F
 
 from inference import native
 from inference.models import small_gemm
-from inference.models.layers import LM_HEAD_CHUNK, RotaryEmbedding, add_rms_norm_, apply_rotary, apply_rotary_, lm_head
+from inference.models.layers import (
+    LM_HEAD_CHUNK,
+    RotaryEmbedding,
+    add_rms_norm_,
+    apply_rotary,
+    apply_rotary_,
+    lm_head,
+    rms_norm,
+)
 from inference.models.spec import RopeSpec
 from tests.inference.native_util import SWITCH, kernels_on
 
@@ -83,3 +92,20 @@ def test_add_rms_norm_other_dtypes_fall_back() -> None:
     summed = x.clone().add_(residual)
     want = weight * F.rms_norm(summed.float(), (64,), eps=1e-6).bfloat16()
     assert torch.equal(add_rms_norm_(x, residual, weight, 1e-6), want) and torch.equal(x, summed)
+
+
+@pytest.mark.parametrize("shape", [(0, 576), (1, 576), (32, 576), (129, 960), (7, 100), (5, 17), (3, 4), (6, 9, 64)])
+@pytest.mark.parametrize("scale", [1.0, 1e-3, 40.0])
+def test_rms_norm_equals_torch(kernel_setting: str, shape: tuple, scale: float) -> None:
+    """Bit for bit F.rms_norm, rows of any width and a [tokens, heads, head_dim] input (q/k norms);
+    the input is left as it was."""
+    gen = torch.Generator().manual_seed(sum(shape) + int(scale * 10))
+    x, weight = torch.randn(*shape, generator=gen) * scale, torch.randn(shape[-1], generator=gen)
+    before = x.clone()
+    got = rms_norm(x, weight, 1e-6)
+    assert torch.equal(got, F.rms_norm(before, (shape[-1],), weight=weight, eps=1e-6)) and torch.equal(x, before)
+
+
+def test_rms_norm_of_a_strided_view_falls_back(kernel_setting: str) -> None:
+    x, weight = torch.randn(8, 64)[:, :32], torch.randn(32)
+    assert torch.equal(rms_norm(x, weight, 1e-5), F.rms_norm(x, (32,), weight=weight, eps=1e-5))
