@@ -1,42 +1,56 @@
 /* y = x . w^T (+ bias) for the rows of a decode step: the step's GEMMs, from one row to a full batch.
  *
  * x is [m, k] (row stride x_stride), w is [n, k] contiguous, y is [m, n] (row stride y_stride).
- * Why not MKL: its sgemm at 1-64 rows runs below both the machine's memory bandwidth and its
- * matmul rate (SmolLM2-135M fp32, one thread, all of a step's GEMMs: 1 row 48 ms, 4 rows 73,
- * 8 rows 97, 16 rows 109, 64 rows 288; here 26, 27, 43, 63, 263), and its rounding of a row depends
- * on how many rows share the call. Here a tile of MR rows of x by NR rows of w is multiplied in
- * registers; weight tiles are the outer loop, so each weight is read from memory once per call
- * while every row of x passes it from cache, and the next weight tile is prefetched in order
- * while this one computes (the tile reads NR rows of w side by side, NR streams the hardware
- * prefetchers do not follow: without it 1 row took 33 ms, 16 rows 95). Past ~128 rows MKL's
- * blocking wins (measured: 128 rows 453 ms against 463, 256 rows 860 against 920); the caller stops there.
  *
- * Batch invariance: y[r, o] is computed by the same operations in the same order whatever m is
- * and wherever the row falls in a tile (eight lane sums over k by FMA in order of k, then a fixed
- * pairwise sum of the lanes, the scalar tail, the bias), so a row's logits are the same bits in a
- * step of 1 row, in a verify step of 8 and in a batch of 128. Reassociation is off in this file
- * for that reason (the library's flags allow it elsewhere).
+ * Every output is summed the same way, whatever m is and wherever its row falls: over k in blocks
+ * of KB, each block from zero by multiply-adds in order of k, the blocks' sums added in order, then
+ * the bias. So a row's outputs are the same bits in a step of 1 row, in an eight-token verify step
+ * and in a batch of 128 (speculation on and off then agree bit for bit). Two kernels compute it:
+ *
+ * - rows (full groups of eight rows): x packed k-major, eight rows to a vector; a tile of MV such
+ *   vectors by NR rows of w, each weight broadcast and multiplied into MV accumulators. Nothing is
+ *   summed across lanes, each weight is read once per tile and each row vector once per NR weights.
+ * - few rows (the rest, fewer than eight): eight rows of w to a vector of outputs, each 8 x 8 piece
+ *   of w transposed in registers, each x value broadcast. A step of one row is bound by reading
+ *   the weights, so the transposes cost nothing that shows.
+ *
+ * Why not MKL: its sgemm at 1-64 rows runs below the machine's memory bandwidth and matmul rate,
+ * and rounds a row by how many rows share the call. Past MAX_ROWS (small_gemm.py) MKL takes over.
+ * Measured against the kernel before (a tile of 3 rows by 4 weights, eight lanes along k summed by a
+ * tree at the end; SmolLM2's GEMMs, one thread, Zen 3, weights streamed from memory, median of 7
+ * interleaved): 1-2 rows even (35-38 ms), 4 rows 52 -> 45, 16 rows 97-111 -> 77-88, 32 rows
+ * 142-189 -> 128-140, 64 rows 288-332 -> 243-266, 128 rows 616 -> 486-492; 5-7 rows ~5% slower
+ * (one group of eight padded). Weights in cache, 1536 x 576: 16-128 rows 58-77 -> 80-90 GFLOP/s.
  */
-/* NOTE: both pragmas here, before every function: a function under other optimize options is not
- * inlined into these (each load would be a call) */
 #pragma GCC optimize("no-associative-math", "fp-contract=off")
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "lanes.h"
 
-/* the tile, MR rows of x by NR rows of w: its MR * NR accumulators, MR rows of x and one of w in
- * registers (AVX-512 has 32 vector registers, AVX2 16; SSE holds a lanes_t in two) */
-#if defined(__AVX512VL__)
-#define MR 4
-#define NR 6
-#elif defined(__AVX__)
-#define MR 3
-#define NR 4
-#else
-#define MR 2
-#define NR 3
+#define KB 64
+#ifndef PF_FEW
+#define PF_FEW 1
 #endif
+#ifndef PF_FEW_HINT
+#define PF_FEW_HINT 2
+#endif /* the k of a block summed from zero (a multiple of LANES) */
+
+/* the rows kernel's tile: MV vectors of eight rows by NR rows of w, MV * NR accumulators, MV row
+ * vectors and one broadcast weight in registers (AVX-512 has 32 vector registers, AVX2 16) */
+#if defined(__AVX512VL__)
+#define MV 3
+#define NR 8
+#elif defined(__AVX__)
+#define MV 2
+#define NR 6
+#else /* SSE: a vector is two registers */
+#define MV 1
+#define NR 4
+#endif
+#define FEW 4
+#define ROWS_FROM 5 /* from this many rows the rows kernel takes them all (measured: 5-7 rows a little faster) */ /* rows of the few-rows kernel's tile: its accumulators beside eight weight vectors */
 
 static inline __attribute__((always_inline)) lanes_t load(const float *p) {
     lanes_t v;
@@ -44,26 +58,24 @@ static inline __attribute__((always_inline)) lanes_t load(const float *p) {
     return v;
 }
 
+static inline __attribute__((always_inline)) lanes_t splat(float x) { return (lanes_t){x, x, x, x, x, x, x, x}; }
+
 /* c + a * b: one fused multiply-add where the CPU has one (x86-64-v3 and up; by intrinsic, since
  * GCC contracts `c + a * b` in some loops and not in others), else a product and a sum (no
- * contraction in this file): either way the same operation for every row count */
+ * contraction in this file): either way the same operation in both kernels */
 #if defined(__FMA__) && defined(__AVX__)
 #include <immintrin.h>
 static inline __attribute__((always_inline)) lanes_t madd(lanes_t a, lanes_t b, lanes_t c) {
     return (lanes_t)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
 }
-static inline __attribute__((always_inline)) float madd1(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 #else
 static inline __attribute__((always_inline)) lanes_t madd(lanes_t a, lanes_t b, lanes_t c) { return c + a * b; }
-static inline __attribute__((always_inline)) float madd1(float a, float b, float c) { return c + a * b; }
 #endif
 
-/* `v`, held in a register: the tile loads each row of x and each row of w once per step of k and
- * multiplies them in registers (MR + NR loads for MR * NR FMAs). Left to itself GCC folds the loads
- * into the FMAs' memory operands instead, reloading x for every row of w (MR * NR + NR loads: on a
- * Zen 3 core, 16 loads for 12 FMAs made the tile wait on its loads; measured at 32-64 rows, weights
- * in cache: 41-50 -> 57-73 GFLOP/s). The empty asm says "v may have changed", so it cannot be
- * re-read from memory. Where a vector is two SSE registers there is no such constraint. */
+/* `v`, held in a register: left to itself GCC folds loads into the multiply-adds' memory operands,
+ * reloading a value once per use (measured on the tile before this one: 16 loads for 12 FMAs, the
+ * tile waiting on its loads). The empty asm says "v may have changed", so it is not re-read. Where
+ * a vector is two SSE registers there is no such constraint. */
 static inline __attribute__((always_inline)) lanes_t in_register(lanes_t v) {
 #if defined(__AVX512VL__)
     __asm__("" : "+v"(v));
@@ -73,85 +85,183 @@ static inline __attribute__((always_inline)) lanes_t in_register(lanes_t v) {
     return v;
 }
 
-/* y[r, o] for the tile's rows r < mr of x and o < nr of w (mr, nr constants where inlined) */
-static inline __attribute__((always_inline)) void tile(
-    const int mr, const int nr, const float *x, int64_t xs, const float *w, int64_t k, int64_t kv,
-    const float *bias, float *y, int64_t ys, const char *pf, const char *pf_end, int64_t pf_step) {
-    lanes_t acc[MR][NR];
-    for (int r = 0; r < mr; r++)
-        for (int o = 0; o < nr; o++) acc[r][o] = (lanes_t){0};
-    for (int64_t i = 0; i < kv; i += LANES) {
-        lanes_t xv[MR];
-        if (pf < pf_end) { /* the next weight tile, in order: one stream the prefetchers would not see */
-            for (int64_t p = 0; p < pf_step; p++) __builtin_prefetch(pf + 64 * p, 0, 2);  /* into L2 */
-            pf += 64 * pf_step;
-        }
-        for (int r = 0; r < mr; r++) xv[r] = in_register(load(x + r * xs + i));
-        for (int o = 0; o < nr; o++) {
-            const lanes_t wv = in_register(load(w + o * k + i));
-            for (int r = 0; r < mr; r++) acc[r][o] = madd(wv, xv[r], acc[r][o]);
-        }
+/* r[i] <- the i-th lanes of r[0..7] (an 8 x 8 transpose in registers) */
+static inline __attribute__((always_inline)) void transpose8(lanes_t *r) {
+    lanes_t t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+        t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
     }
-    for (int r = 0; r < mr; r++) {
-        lanes_t row[LANES] = {{0}};
-        for (int o = 0; o < nr; o++) row[o] = acc[r][o];
-        const lanes_t sums = lane_sums(row);
-        for (int o = 0; o < nr; o++) {
-            float s = sums[o];
-            for (int64_t i = kv; i < k; i++) s = madd1(w[o * k + i], x[r * xs + i], s);
-            if (bias) s += bias[o];
-            y[r * ys + o] = s;
-        }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = __builtin_shufflevector(t[i], t[i + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+        u[i + 1] = __builtin_shufflevector(t[i], t[i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+        u[i + 2] = __builtin_shufflevector(t[i + 1], t[i + 3], 0, 1, 8, 9, 4, 5, 12, 13);
+        u[i + 3] = __builtin_shufflevector(t[i + 1], t[i + 3], 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = __builtin_shufflevector(u[i], u[i + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+        r[i + 4] = __builtin_shufflevector(u[i], u[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
     }
 }
 
-/* one tile of any shape up to MR x NR, dispatched to a copy compiled for that shape */
-#define TILE_CASE(A, B) case (A) * 16 + (B): tile(A, B, x, xs, w, k, kv, bias, y, ys, pf, pf_end, pf_step); break;
-#if NR == 6
-#define TILE_ROW(A) TILE_CASE(A, 1) TILE_CASE(A, 2) TILE_CASE(A, 3) TILE_CASE(A, 4) TILE_CASE(A, 5) TILE_CASE(A, 6)
-#elif NR == 4
-#define TILE_ROW(A) TILE_CASE(A, 1) TILE_CASE(A, 2) TILE_CASE(A, 3) TILE_CASE(A, 4)
+/* ---- rows: x packed eight rows to a vector -------------------------------------------------- */
+
+/* xt[g * k * 8 + kk * 8 + r] = x[(g * 8 + r) * xs + kk] for the m rows in groups of eight, the
+ * last group's missing rows zero */
+static void pack_rows(const float *x, int64_t m, int64_t k, int64_t xs, float *xt) {
+    const int64_t k8 = k / 8 * 8;
+    for (int64_t g = 0; g * 8 < m; g++) {
+        const float *src = x + g * 8 * xs;
+        float *dst = xt + g * k * 8;
+        const int rows = m - g * 8 < 8 ? (int)(m - g * 8) : 8;
+        for (int64_t kk = 0; kk < k8; kk += 8) {
+            lanes_t r[8];
+            for (int i = 0; i < 8; i++) r[i] = i < rows ? load(src + i * xs + kk) : splat(0.0f);
+            transpose8(r);
+            for (int i = 0; i < 8; i++) memcpy(dst + (kk + i) * 8, &r[i], sizeof(lanes_t));
+        }
+        for (int64_t kk = k8; kk < k; kk++)
+            for (int i = 0; i < 8; i++) dst[kk * 8 + i] = i < rows ? src[i * xs + kk] : 0.0f;
+    }
+}
+
+/* y for `mv` groups of eight rows (packed at xt, groups k * 8 apart) by rows o < nr of w */
+static inline __attribute__((always_inline)) void rows_tile(
+    const int mv, const int nr, const float *xt, const float *w, int64_t k, const float *bias, float *y, int64_t ys,
+    int64_t rows) {
+    lanes_t total[MV][NR], acc[MV][NR];
+    for (int v = 0; v < mv; v++)
+        for (int o = 0; o < nr; o++) total[v][o] = splat(0.0f);
+    for (int64_t k0 = 0; k0 < k; k0 += KB) {
+        const int64_t k1 = k0 + KB < k ? k0 + KB : k;
+        for (int v = 0; v < mv; v++)
+            for (int o = 0; o < nr; o++) acc[v][o] = splat(0.0f);
+        for (int64_t kk = k0; kk < k1; kk++) {
+            lanes_t xv[MV];
+            for (int v = 0; v < mv; v++) xv[v] = in_register(load(xt + v * k * 8 + kk * 8));
+            for (int o = 0; o < nr; o++) {
+                const lanes_t wv = in_register(splat(w[o * k + kk]));
+                for (int v = 0; v < mv; v++) acc[v][o] = madd(xv[v], wv, acc[v][o]);
+            }
+        }
+        for (int v = 0; v < mv; v++)
+            for (int o = 0; o < nr; o++) total[v][o] += acc[v][o];
+    }
+    for (int v = 0; v < mv; v++)
+        for (int o = 0; o < nr; o++)
+            for (int r = 0; r < LANES && v * 8 + r < rows; r++)
+                y[(v * 8 + r) * ys + o] = bias ? total[v][o][r] + bias[o] : total[v][o][r];
+}
+
+#define ROWS_CASE(A, B) case (A) * 16 + (B): rows_tile(A, B, xt, w, k, bias, y, ys, rows); break;
+#if NR == 8
+#define ROWS_ROW(A) ROWS_CASE(A, 1) ROWS_CASE(A, 2) ROWS_CASE(A, 3) ROWS_CASE(A, 4) ROWS_CASE(A, 5) \
+    ROWS_CASE(A, 6) ROWS_CASE(A, 7) ROWS_CASE(A, 8)
+#elif NR == 6
+#define ROWS_ROW(A) ROWS_CASE(A, 1) ROWS_CASE(A, 2) ROWS_CASE(A, 3) ROWS_CASE(A, 4) ROWS_CASE(A, 5) ROWS_CASE(A, 6)
 #else
-#define TILE_ROW(A) TILE_CASE(A, 1) TILE_CASE(A, 2) TILE_CASE(A, 3)
+#define ROWS_ROW(A) ROWS_CASE(A, 1) ROWS_CASE(A, 2) ROWS_CASE(A, 3) ROWS_CASE(A, 4)
 #endif
-static void any_tile(int mr, int nr, const float *x, int64_t xs, const float *w, int64_t k, int64_t kv,
-                     const float *bias, float *y, int64_t ys, const char *pf, const char *pf_end, int64_t pf_step) {
-    switch (mr * 16 + nr) {
-        TILE_ROW(1)
-        TILE_ROW(2)
-#if MR >= 3
-        TILE_ROW(3)
+static void rows_any(int mv, int nr, const float *xt, const float *w, int64_t k, const float *bias, float *y,
+                     int64_t ys, int64_t rows) {
+    switch (mv * 16 + nr) {
+        ROWS_ROW(1)
+#if MV >= 2
+        ROWS_ROW(2)
 #endif
-#if MR >= 4
-        TILE_ROW(4)
+#if MV >= 3
+        ROWS_ROW(3)
 #endif
         default: break;
     }
 }
 
+/* ---- few rows: eight outputs to a vector ----------------------------------------------------- */
+
+/* y for rows r < mr of x by rows o < nr (at most eight) of w */
+static inline __attribute__((always_inline)) void few_tile(
+    const int mr, const int nr, const float *x, int64_t xs, const float *w, int64_t k, const float *bias, float *y,
+    int64_t ys, const float *pf) {
+    const int64_t k8 = k / 8 * 8;
+    lanes_t total[FEW], acc[FEW];
+    for (int r = 0; r < FEW; r++) total[r] = acc[r] = splat(0.0f);
+    for (int64_t k0 = 0; k0 < k; k0 += KB) {
+        const int64_t k1 = k0 + KB < k ? k0 + KB : k;
+        for (int r = 0; r < mr; r++) acc[r] = splat(0.0f);
+        int64_t kk = k0;
+        for (; kk + 8 <= k1 && kk < k8; kk += 8) {
+            if (pf && (kk & 15) == 0) /* the next tile's rows, as far along: one line each per 16 k */
+                for (int o = 0; o < 8; o++) __builtin_prefetch(pf + o * k + kk, 0, 2);
+            lanes_t wt[8];
+            for (int o = 0; o < 8; o++) wt[o] = o < nr ? load(w + o * k + kk) : splat(0.0f);
+            transpose8(wt); /* wt[i] = w[0..7][kk + i] */
+            for (int i = 0; i < 8; i++)
+                for (int r = 0; r < mr; r++) acc[r] = madd(splat(x[r * xs + kk + i]), wt[i], acc[r]);
+        }
+        for (; kk < k1; kk++) { /* k past its last multiple of eight */
+            lanes_t wv = splat(0.0f);
+            for (int o = 0; o < nr; o++) wv[o] = w[o * k + kk];
+            for (int r = 0; r < mr; r++) acc[r] = madd(splat(x[r * xs + kk]), wv, acc[r]);
+        }
+        for (int r = 0; r < mr; r++) total[r] += acc[r];
+    }
+    for (int r = 0; r < mr; r++)
+        for (int o = 0; o < nr; o++) y[r * ys + o] = bias ? total[r][o] + bias[o] : total[r][o];
+}
+
+#define FEW_CASE(A) case A: few_tile(A, nr, x, xs, w, k, bias, y, ys, pf); break;
+static void few_any(int mr, int nr, const float *x, int64_t xs, const float *w, int64_t k, const float *bias, float *y,
+                    int64_t ys, const float *pf) {
+    switch (mr) {
+        FEW_CASE(1)
+        FEW_CASE(2)
+        FEW_CASE(3)
+        FEW_CASE(4)
+        default: break;
+    }
+}
+
+/* ---- the call ---------------------------------------------------------------------------------- */
+
+static __thread float *packed; /* the calling thread's packed rows, grown as needed, never freed */
+static __thread size_t packed_floats;
+
 int small_gemm_f32(const float *x, int64_t m, int64_t k, int64_t x_stride, const float *w, int64_t n,
                    const float *bias, float *y, int64_t y_stride, int threads) {
     if (m < 1 || k < 1 || n < 1 || x_stride < k || y_stride < n) return 1;
-    const int64_t kv = k / LANES * LANES;
-    /* weight tiles outside, row tiles inside: a tile of w is read from memory once and stays in
-     * cache while every row of x passes it */
+    /* ROWS_FROM rows or more: all of them by the rows kernel, the last group padded with zero rows
+     * (cheaper than a second pass over the weights by the few-rows kernel); fewer: the few-rows one */
+    const int64_t groups = m >= ROWS_FROM ? (m + 7) / 8 : 0;
+    if (groups) {
+        const size_t need = (size_t)(groups * k * 8);
+        if (need > packed_floats) {
+            free(packed);
+            packed = aligned_alloc(64, (need * sizeof(float) + 63) / 64 * 64);
+            packed_floats = packed ? need : 0;
+            if (!packed) return 2;
+        }
+        pack_rows(x, m, k, x_stride, packed);
+    }
+    const float *xt = packed;
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t o = 0; o < n; o += NR) {
-        const int nr = n - o < NR ? (int)(n - o) : NR;
-        const int64_t row_tiles = (m + MR - 1) / MR, steps = kv / LANES > 0 ? kv / LANES : 1;
-        /* the next weight tile's lines (none after the last), spread over this tile's row tiles
-         * and their k steps */
-        const char *next = (const char *)(w + (o + nr) * k);
-        const int64_t left = n - o - nr, next_rows = left < NR ? left : NR;
-        const int64_t lines = (next_rows * k * (int64_t)sizeof(float) + 63) / 64;
-        const int64_t per_step = (lines + row_tiles * steps - 1) / (row_tiles * steps);
-        const char *const end = next + 64 * lines;
-        const char *pf = next;
-        for (int64_t r = 0; r < m; r += MR) {
-            const int mr = m - r < MR ? (int)(m - r) : MR;
-            any_tile(mr, nr, x + r * x_stride, x_stride, w + o * k, k, kv, bias ? bias + o : NULL,
-                     y + r * y_stride + o, y_stride, pf, end, per_step);
-            pf += 64 * per_step * steps;
+    for (int64_t o = 0; o < n; o += NR * 4) { /* NOTE: 4 * NR outputs a task: both kernels' tiles fit */
+        const int64_t o_end = o + NR * 4 < n ? o + NR * 4 : n;
+        for (int64_t g = 0; g < groups; g += MV) {
+            const int mv = groups - g < MV ? (int)(groups - g) : MV;
+            for (int64_t t = o; t < o_end; t += NR) {
+                const int nr = o_end - t < NR ? (int)(o_end - t) : NR;
+                rows_any(mv, nr, xt + g * k * 8, w + t * k, k, bias ? bias + t : NULL, y + g * 8 * y_stride + t,
+                         y_stride, m - g * 8);
+            }
+        }
+        for (int64_t r = groups ? m : 0; r < m; r += FEW) {
+            const int mr = m - r < FEW ? (int)(m - r) : FEW;
+            for (int64_t t = o; t < o_end; t += 8) {
+                const int nr = o_end - t < 8 ? (int)(o_end - t) : 8;
+                const float *pf = t + 16 <= n ? w + (t + 8) * k : NULL;
+                few_any(mr, nr, x + r * x_stride, x_stride, w + t * k, k, bias ? bias + t : NULL,
+                        y + r * y_stride + t, y_stride, pf);
+            }
         }
     }
     return 0;

@@ -1,13 +1,14 @@
 """`linear` for the decode step: the native GEMM on CPU (`csrc/small_gemm.c`), else `F.linear`.
 
 A decode step carries from one row (the tail of a rollout batch) to a full batch, and MKL's
-sgemm there runs below what the machine gives: at 1-8 rows below the memory bandwidth its gemv
-reaches at one row, at 16-64 rows below its matmul rate (SmolLM2-135M fp32, one thread, all of
-a step's GEMMs: 1 row 48 ms, 4 rows 73, 8 rows 97, 16 rows 109, 64 rows 288; the native kernel
-26, 27, 43, 63, 263). The native kernel multiplies register tiles and reads each weight once
-per call. It also computes each row alike whatever the row count, so a row's outputs are the
-same bits in a one-row step, in an eight-token verify step and in a full batch (speculation on
-and off then agree bit for bit). Past `MAX_ROWS` rows (prefill) MKL is faster and takes over.
+sgemm there runs below what the machine gives: at a few rows below the memory bandwidth its gemv
+reaches at one row, at 16-128 rows below its matmul rate. The native kernel reads each weight once
+per call and multiplies eight rows to a vector (SmolLM2-135M fp32, one thread, Zen 3, all of a
+step's GEMMs, weights streamed from memory: 1-2 rows 35-37 ms, 16 rows 77-88, 32 rows 128-140,
+64 rows 243-266, 128 rows 486-509; MKL 53, 149, 193, ~380, ~700). It also sums each output alike
+whatever the row count, so a row's outputs are the same bits in a one-row step, in an eight-token
+verify step and in a full batch (speculation on and off then agree bit for bit). Past `MAX_ROWS`
+rows (prefill) MKL takes over.
 """
 
 from __future__ import annotations
