@@ -2,10 +2,10 @@
 
 A decode step carries from one row (the tail of a rollout batch) to a full batch, and MKL's
 sgemm there runs below what the machine gives: at a few rows below the memory bandwidth its gemv
-reaches at one row, at 16-128 rows below its matmul rate. The native kernel reads each weight once
-per call and multiplies eight rows to a vector (SmolLM2-135M fp32, one thread, Zen 3, all of a
-step's GEMMs, weights streamed from memory: 1-2 rows 35-37 ms, 16 rows 77-88, 32 rows 128-140,
-64 rows 243-266, 128 rows 486-509; MKL 53, 149, 193, ~380, ~700). It also sums each output alike
+reaches at one row, at 16-32 rows below its matmul rate. The native kernel reads each weight once
+per call and multiplies eight rows to a vector (SmolLM2-135M fp32, one thread, Zen 3: a decode
+step of 16 / 32 / 64 rows 119-134 / 185-195 / 351-387 ms, with MKL's GEMMs 171 / 249-252 /
+370-413; a step's GEMMs alone at one row 39 ms, MKL's 43-53). It also sums each output alike
 whatever the row count, so a row's outputs are the same bits in a one-row step, in an eight-token
 verify step and in a full batch (speculation on and off then agree bit for bit). Past `MAX_ROWS`
 rows (prefill) MKL takes over.
