@@ -16,7 +16,9 @@ from before `RESULT` existed (fef436a) compare too:
   column of the "engine (n=1 per sample)" row of the table after "== MODEL:": `ENGINE_ROW`.
 
 Usage: `python bench/compare_commits.py --before REV --after REV --bench step_overhead
---bench rollout_throughput [--repeats 5] [--quick] [--bench-args NAME="ARGS"] [-- ARGS for every bench]`.
+--bench rollout_throughput [--repeats 5] [--quick] [--bench-args NAME="ARGS"] [--after-args NAME="ARGS"]
+[-- ARGS for every bench]`. `--after-args` go to the after side only: for a flag its bench added
+that changes nothing compared (e.g. `--no-hf-static`, which skips a peer the before tree lacks).
 rollout_throughput runs with `--model tiny --repeats 1 --hf-batch 8 --no-hf-continuous` first
 (its peers are not compared here; a later argument wins). Exits 1 if a run fails.
 """
@@ -183,6 +185,16 @@ def report(before: Side, after: Side, benches: list[str]) -> None:
     print("(ms figures: lower is better; tok/s: higher is better)")
 
 
+def _per_bench(parser: argparse.ArgumentParser, flag: str, items: list[str]) -> dict[str, list[str]]:
+    per_bench: dict[str, list[str]] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep:
+            parser.error(f"{flag} takes NAME=ARGS, got {item!r}")
+        per_bench.setdefault(name, []).extend(shlex.split(text))
+    return per_bench
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     extra: list[str] = []
     if "--" in argv:
@@ -195,19 +207,17 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--repeats", type=int, default=5, help="runs per side and bench, interleaved (>= 5 advised)")
     parser.add_argument("--bench-args", action="append", default=[], metavar='NAME="ARGS"',
                         help="extra arguments for one bench, after the shared ones")  # fmt: skip
+    parser.add_argument("--after-args", action="append", default=[], metavar='NAME="ARGS"',
+                        help="arguments for one bench on the after side only: a flag the before tree's bench "
+                             "lacks that leaves the compared figures alone (e.g. skipping a peer it added)")
     parser.add_argument("--repo", type=Path, default=Path(__file__).resolve().parent, help="a path in the git repo")
     parser.add_argument("--timeout", type=float, default=None, help="seconds allowed per bench run")
     parser.add_argument("--quick", action="store_true", help="pass --quick to every bench (smoke run)")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
-    per_bench: dict[str, list[str]] = {}
-    for item in args.bench_args:
-        name, sep, text = item.partition("=")
-        if not sep:
-            parser.error(f"--bench-args takes NAME=ARGS, got {item!r}")
-        per_bench.setdefault(name, []).extend(shlex.split(text))
-    args.per_bench = per_bench
+    args.per_bench = _per_bench(parser, "--bench-args", args.bench_args)
+    args.after_only = _per_bench(parser, "--after-args", args.after_args)
     return args, (["--quick"] if args.quick else []) + extra
 
 
@@ -238,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             for bench in args.bench:
                 bench_args = [*DEFAULT_ARGS.get(bench, []), *extra, *args.per_bench.get(bench, [])]
                 for side in (before, after):
-                    wall = run_bench(side, bench, bench_args, args.timeout)
+                    own = args.after_only.get(bench, []) if side is after else []
+                    wall = run_bench(side, bench, [*bench_args, *own], args.timeout)
                     shown = ", ".join(f"{k} {v:.4g}" for k, v in side.runs[bench][-1].items())
                     print(f"[{repeat + 1}/{args.repeats}] {bench} {side.label}: {wall:.0f} s; {shown}", flush=True)
         report(before, after, args.bench)
