@@ -77,7 +77,9 @@ class GRPOConfig:
     entropy_coef: float = 0.05  # entropy bonus of a sample, times its group's reward deficit (0 at the max)
     curriculum_pool: int = 4  # > 1: prompts drawn from that many candidates, weighted by reward deficit
     curriculum_floor: float = 0.2  # a mastered prompt's weight (a failing one's is floor + 1)
-    lr_final: Optional[float] = 5e-4  # cosine decay of the learning rate to this at the last step (None: constant)
+    # cosine decay of the learning rate to this at the last step (None: constant). NOTE: 5e-4 collapsed
+    # late on seed 0 once the decode GEMM's rounding changed; 2.5e-4 met the bar on seeds 0-19 x 2 CPU settings
+    lr_final: Optional[float] = 2.5e-4
     scale_advantages: bool = True  # divide each group's centred rewards by their std
     micro_batch_size: Optional[int] = None  # rows per forward/backward (None: the whole batch)
     seed: int = 0
