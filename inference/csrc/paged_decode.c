@@ -14,7 +14,7 @@
  * ahead prefetched a KV head's share at a time), 30 layers x 32 requests x context 205, SmolLM2's
  * heads, one thread, Zen 3 EPYC: blocks in random order in a 750 MB pool 46-53 -> 30-33 ms, data in
  * cache 22-25 -> 22 ms (17 ms without the prefetches, which cost what they save there).
-  * Work is split over requests, so each request's output is the same bits whatever else is in the
+ * Work is split over requests, so each request's output is the same bits whatever else is in the
  * batch, and a query token's output depends only on its own q, its seq_len and its blocks.
  *
  * Layout (see inference/cache/kv_buffer.py): a layer's K and V are [num_blocks, block_size,
