@@ -42,6 +42,20 @@ class KVPoolStats:
         return self.hit_blocks / looked_up if looked_up else 0.0
 
 
+@dataclass(slots=True)
+class BlockRun:
+    """One request's freshly computed consecutive full blocks, to register: `block_ids[i]` under
+    `hashes[i]` (each block the parent of the next), `parent_block_id` the block before the run (-1
+    at a sequence's start), `key` the chain's key, `prompt_logprobs[i]` (if given) cached with
+    block i."""
+
+    block_ids: list[int]
+    hashes: list[int]
+    parent_block_id: int = -1
+    key: BlockKey = UNSALTED_V0
+    prompt_logprobs: Sequence[PromptLogprobsBlock | None] | None = None
+
+
 class KVBlockAllocator:
     """Owns the free pool, the per-block state and the prefix-cache registry of one KV buffer.
 
@@ -245,37 +259,52 @@ class KVBlockAllocator:
         `hashes` were computed under) and `computed_by` the version of the weights that ran it:
         both are recorded per block and announced with the stored event.
         """
-        ids = _as_list(block_ids)
-        if len(ids) != len(hashes):
-            raise ValueError(f"{len(ids)} block ids but {len(hashes)} hashes")
-        if any(h <= 0 for h in hashes):
-            raise ValueError(f"register: hashes must be positive (0 = no parent, -1 = unset), got {hashes}")
-        if not self.enable_prefix_caching or not ids:
-            return 0
-        state = self.state
-        parent_hash = NO_PARENT
-        if parent_block_id >= 0:
-            parent_hash = state.hash_of(parent_block_id)
-            if parent_hash == UNSET_HASH or state.ref_count(parent_block_id) <= 0:
-                return 0
-        table = self.registry.kv_hash_to_block_id
-        count = 0
-        for block_id, h in zip(ids, hashes):
-            if h in table or state.hash_of(block_id) != UNSET_HASH or state.ref_count(block_id) <= 0:
+        run = BlockRun(_as_list(block_ids), list(hashes), parent_block_id, key, prompt_logprobs)
+        return self.register_runs([run], computed_by=computed_by)[0]
+
+    def register_runs(self, runs: Sequence[BlockRun], *, computed_by: int = 0) -> list[int]:
+        """`register` for several requests' runs at once (an engine step's), in order: a run sees
+        the hashes of the runs before it. Stops after the first run registered short (its count is
+        the last returned), so that the caller can act on it before the runs after it go; returns
+        one count per run handled. ValueError, nothing changed, if any run is malformed.
+        """
+        for run in runs:
+            if len(run.block_ids) != len(run.hashes):
+                raise ValueError(f"{len(run.block_ids)} block ids but {len(run.hashes)} hashes")
+            if any(h <= 0 for h in run.hashes):
+                raise ValueError(f"register: hashes must be positive (0 = no parent, -1 = unset), got {run.hashes}")
+        if not self.enable_prefix_caching:
+            return [0] * len(runs)
+        state, registry, events = self.state, self.registry, self.events
+        counts: list[int] = []
+        new_ids: list[int] = []
+        parents: list[int] = []
+        keys: list[BlockKey] = []
+        scores: list[PromptLogprobsBlock | None] = []
+        for run in runs:
+            count = state.stamp_registrable(run.block_ids, run.hashes, run.parent_block_id,
+                                            registry.kv_hash_to_block_id)
+            counts.append(count)
+            if count:
+                ids, hashes = run.block_ids[:count], run.hashes[:count]
+                registry.register_kv(ids, hashes)
+                new_ids += ids
+                parents.append(run.parent_block_id)
+                parents += ids[:-1]
+                keys += [run.key] * count
+                scores += [None] * count if run.prompt_logprobs is None else list(run.prompt_logprobs[:count])
+                if events.enabled:  # NOTE: the event is built only for someone to hear it (a per-step cost)
+                    parent = run.parent_block_id
+                    parent_hash = state.hash_of(parent) if parent >= 0 else NO_PARENT
+                    events.queue_stored(BlockStored(tuple(hashes), parent_hash, tuple(ids), self.block_size,
+                                                    run.key.salt, run.key.version, computed_by))
+            if count < len(run.block_ids):
                 break
-            count += 1
-        if count == 0:
-            return 0
-        new_ids, new_hashes = ids[:count], hashes[:count]
-        self.state.stamp_block_hashes(new_ids, new_hashes)
-        self.state.record_parent_chain(new_ids, [parent_block_id] + new_ids[:-1])
-        self.state.attach_prompt_logprobs(new_ids, None if prompt_logprobs is None else list(prompt_logprobs[:count]))
-        self.state.record_keys(new_ids, key, computed_by)
-        self.registry.register_kv(new_ids, new_hashes)
-        if self.events.enabled:  # NOTE: the event is built only for someone to hear it (a per-step cost)
-            self.events.queue_stored(BlockStored(tuple(new_hashes), parent_hash, tuple(new_ids), self.block_size,
-                                                 key.salt, key.version, computed_by))
-        return count
+        if new_ids:
+            state.record_parent_chain(new_ids, parents)
+            state.attach_prompt_logprobs(new_ids, scores if any(b is not None for b in scores) else None)
+            state.record_keys(new_ids, keys, computed_by)
+        return counts
 
     def adopt(self, block_hash: int, own_block: int) -> int | None:
         """The caller computed `own_block` (unregistered) for a hash another block serves: it holds

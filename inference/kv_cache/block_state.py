@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from typing import Optional, Union
 
 import numpy as np
@@ -115,11 +115,11 @@ class PrefixCacheBlockState:
         """The policy version whose weights computed a registered block's K/V (-1: not registered)."""
         return int(self._computed_by[block_id])
 
-    def record_keys(self, block_ids: list[int], key: BlockKey, computed_by: int) -> None:
-        """Freshly registered blocks: the key of their chain and the version that computed them."""
-        for block_id in block_ids:
+    def record_keys(self, block_ids: list[int], keys: list[BlockKey], computed_by: int) -> None:
+        """Freshly registered blocks: each one's chain key and the version that computed them."""
+        for block_id, key in zip(block_ids, keys):
             self._keys[block_id] = key
-        self._key_versions[block_ids] = key.version
+        self._key_versions[block_ids] = [key.version for key in keys]
         self._computed_by[block_ids] = computed_by
 
     def registered_ids(self, key_versions: Optional[Iterable[int]] = None) -> list[int]:
@@ -184,10 +184,28 @@ class PrefixCacheBlockState:
         """Remember each new block's parent (-1 for a root) so eviction peels leaves first."""
         if not self.is_lru:
             return
-        for block_id, parent in zip(_as_list(block_ids), _as_list(parent_ids)):
-            self._parents[block_id] = parent
-            if parent >= 0:
-                self._child_counts[parent] += 1
+        ids = np.asarray(_as_list(block_ids), dtype=np.int64)
+        parents = np.asarray(_as_list(parent_ids), dtype=np.int64)
+        self._parents[ids] = parents
+        np.add.at(self._child_counts, parents[parents >= 0], 1)  # NOTE: a parent may be listed twice
+
+    def stamp_registrable(self, block_ids: list[int], block_hashes: list[int], parent_block_id: int,
+                          taken: Container[int]) -> int:
+        """Stamp the leading blocks of a run that may join the cache; return how many.
+
+        None may if the run's parent (-1: none) has no hash or no reference; the run stops at a
+        block already hashed or unheld, or whose hash is `taken` (served by another block).
+        """
+        stored, refs = self._hashes, self._refs
+        if parent_block_id >= 0 and (stored[parent_block_id] == UNSET_HASH or refs[parent_block_id] <= 0):
+            return 0
+        count = 0
+        for block_id, h in zip(block_ids, block_hashes):
+            if h in taken or stored[block_id] != UNSET_HASH or refs[block_id] <= 0:
+                break
+            stored[block_id] = h
+            count += 1
+        return count
 
     def attach_prompt_logprobs(self, block_ids: list[int],
                                blocks: Optional[list[Optional[PromptLogprobsBlock]]]) -> None:

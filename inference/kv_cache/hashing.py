@@ -23,7 +23,8 @@ _MASK_63 = (1 << 63) - 1
 ExtraKey = Union[None, int, str, bytes, tuple, list]
 
 
-def _encode_extra_key(extra_key: ExtraKey) -> bytes:
+def encode_extra_key(extra_key: ExtraKey) -> bytes:
+    """The bytes `block_hashes` mixes into every block for `extra_key` (b"" for None)."""
     if extra_key is None:
         return b""
     # NOTE: msgpack's encoding of ints/str/bytes/sequences is canonical, so the digest is stable.
@@ -49,17 +50,21 @@ def block_hashes(
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if parent_hash < 0:
         raise ValueError(f"parent_hash must be >= 0 (0 = no parent), got {parent_hash}")
-    salt = _encode_extra_key(extra_key)
-    tokens = array("q", token_ids)
-    raw = tokens.tobytes()
-    stride = block_size * tokens.itemsize
+    return packed_block_hashes(array("q", token_ids).tobytes(), block_size, parent_hash, encode_extra_key(extra_key))
+
+
+def packed_block_hashes(packed: bytes, block_size: int, parent_hash: int, salt: bytes) -> list[int]:
+    """`block_hashes` of token ids packed as native int64 (`array("q")` or an int64 numpy row's
+    bytes) under the key `encode_extra_key` gave `salt`; arguments are not checked (the engine's
+    per-step path)."""
+    stride = block_size * 8
     hashes: list[int] = []
     parent = parent_hash
-    for start in range(0, (len(tokens) // block_size) * stride, stride):
+    for start in range(0, len(packed) // stride * stride, stride):
         digest = hashlib.blake2b(digest_size=8)
         digest.update(parent.to_bytes(8, "little"))
         digest.update(salt)
-        digest.update(raw[start : start + stride])
+        digest.update(packed[start : start + stride])
         value = int.from_bytes(digest.digest(), "little") & _MASK_63
         parent = value or 1  # 0 is reserved for "no parent"
         hashes.append(parent)

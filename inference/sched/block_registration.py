@@ -7,10 +7,13 @@ the blocks succeeded (KV events are announced only then).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
+from inference.kv_cache.allocator import BlockRun
 from inference.kv_cache.block_key import BlockKey
-from inference.kv_cache.hashing import block_hashes
+from inference.kv_cache.hashing import packed_block_hashes
 from inference.sched.context import DynamicInferenceContext
 
 
@@ -20,42 +23,81 @@ def register_full_blocks(ctx: DynamicInferenceContext, slots: np.ndarray) -> Non
     A slot's hash chain is extended lazily from its tokens (a forked sample computes the
     shared prompt part once, when its first own block fills). Once the allocator refuses a
     block (parent unregistered after a reset, or the hash already served by another block),
-    the rest of that request's blocks stay private.
+    the rest of that request's blocks stay private. The step's runs go to the allocator in one
+    call, in slot order, as if registered one by one (a refused run is dealt with before the
+    runs after it).
     """
     if not ctx.allocator.enable_prefix_caching:
         return
     bs = ctx.block_size
     crossed = slots[ctx.kv_len[slots] // bs > ctx.num_registered[slots]]  # few: ~1 in bs per step
-    for slot in crossed.tolist():
-        full = int(ctx.kv_len[slot]) // bs
-        done = int(ctx.num_registered[slot])
-        ctx.num_registered[slot] = full
-        if ctx.cache_broken[slot] and not ctx.offers_scores[slot]:
+    if not crossed.size:
+        return
+    fulls = ctx.kv_len[crossed] // bs
+    dones = ctx.num_registered[crossed]
+    ctx.num_registered[crossed] = fulls
+    skipped = (ctx.cache_broken[crossed] & ~ctx.offers_scores[crossed]).tolist()
+    # NOTE: each slot's first new block, gathered at once: a decode step's only one
+    first_ids = ctx.block_table[crossed, dones].tolist()
+    parents = np.where(dones > 0, ctx.block_table[crossed, np.maximum(dones - 1, 0)], -1).tolist()
+    packed = ctx.tokens[crossed[:, None], dones[:, None] * bs + np.arange(bs)].tobytes()
+    stride = bs * ctx.tokens.itemsize  # NOTE: int64, as packed_block_hashes reads them
+    pending: list[_Pending] = []
+    for i, (slot, full, done) in enumerate(zip(crossed.tolist(), fulls.tolist(), dones.tolist())):
+        if skipped[i]:
             continue
         chain = ctx.hashes[slot]
-        parent_hash = chain[-1] if chain else 0
-        new_tokens = ctx.tokens[slot, len(chain) * bs : full * bs].tolist()
         req = ctx.requests[slot]
-        key = ctx.block_key(req)  # NOTE: matchable_hashes keys it alike
-        chain.extend(block_hashes(new_tokens, bs, parent_hash, key.hash_key()))
+        key, salt = ctx.chain_key(req)  # NOTE: matchable_hashes keys it alike
+        if len(chain) == done and full == done + 1:
+            chain += packed_block_hashes(packed[i * stride : (i + 1) * stride], bs, chain[-1] if chain else 0, salt)
+            ids = [first_ids[i]]
+        else:  # NOTE: a prefill's blocks, or a forked sample's first own one (its chain is extended lazily)
+            new_tokens = ctx.tokens[slot, len(chain) * bs : full * bs]
+            chain += packed_block_hashes(new_tokens.tobytes(), bs, chain[-1] if chain else 0, salt)
+            ids = ctx.block_table[slot, done:full].tolist()
         scores = req.prompt_scores
         # NOTE: the scores of these blocks were recorded from the same forward pass, just before
         cached_scores = None if scores is None else [
             scores.to_block(index, bs, req.prompt_token_ids) for index in range(done, full)]
         if ctx.offers_scores[slot]:
+            _register_pending(ctx, pending)  # NOTE: what it offers to may be registered this step
             _offer_scores(ctx, slot, chain[done:full], cached_scores)
             continue
-        parent = int(ctx.block_table[slot, done - 1]) if done else -1
-        ids = ctx.block_table[slot, done:full].tolist()
-        registered = ctx.allocator.register(ids, chain[done:full], parent, prompt_logprobs=cached_scores,
-                                            key=key, computed_by=ctx.policy_version)
-        if registered < full - done and scores is None and ctx.state_prefix is not None:
-            registered = _adopt_served_blocks(ctx, slot, chain, done + registered, full, key) - done
+        pending.append(_Pending(slot, done, full, BlockRun(ids, chain[done:full], parents[i], key, cached_scores)))
+    _register_pending(ctx, pending)
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A slot's run of blocks `done..full-1`, waiting for the step's one call to the allocator."""
+
+    slot: int
+    done: int
+    full: int
+    run: BlockRun
+
+
+def _register_pending(ctx: DynamicInferenceContext, pending: list[_Pending]) -> None:
+    """Register the runs of `pending` in order (emptying it); a slot whose run is refused in part
+    holds the blocks serving its hashes if it can, else its chain stays private from there."""
+    start = 0
+    while start < len(pending):
+        counts = ctx.allocator.register_runs([p.run for p in pending[start:]], computed_by=ctx.policy_version)
+        start += len(counts)
+        last = pending[start - 1]
+        registered, slot, done, full = counts[-1], last.slot, last.done, last.full
+        if registered == full - done:
+            continue
+        scores = ctx.requests[slot].prompt_scores
+        if scores is None and ctx.state_prefix is not None:
+            registered = _adopt_served_blocks(ctx, slot, ctx.hashes[slot], done + registered, full, last.run.key) - done
         if registered < full - done:
             ctx.cache_broken[slot] = True
             if scores is not None:  # NOTE: typically its hash is served by a block cached without scores
                 ctx.offers_scores[slot] = True
-                _offer_scores(ctx, slot, chain[done + registered : full], cached_scores[registered:])
+                _offer_scores(ctx, slot, last.run.hashes[registered:], last.run.prompt_logprobs[registered:])
+    pending.clear()
 
 
 def _adopt_served_blocks(ctx: DynamicInferenceContext, slot: int, chain: list[int], pos: int, full: int,

@@ -25,13 +25,16 @@ from inference.config import InferenceConfig
 from inference.errors import BlockOverflowError
 from inference.kv_cache.allocator import KVBlockAllocator
 from inference.kv_cache.block_key import BlockKey
-from inference.kv_cache.hashing import block_hashes
+from inference.kv_cache.hashing import NO_PARENT, encode_extra_key, packed_block_hashes
 from inference.request import FinishReason, Request, RequestStatus
 from inference.sampling.grammar import GrammarSlots
 from inference.sampling.params import LogprobsMode
 from inference.sampling.processor_state import ProcessorState
 from inference.sched.prompt_logprobs import PromptScores, servable_prefix
 from inference.sched.state_prefix import StatePrefixCache
+
+
+MAX_MEMOISED_KEYS = 1024  # chain keys kept by `chain_key` (one per version, salt and adapter in use)
 
 
 class DynamicInferenceContext:
@@ -82,6 +85,7 @@ class DynamicInferenceContext:
         self.state_prefix = (StatePrefixCache(snapshots, states, allocator, config.block_size)
                              if snapshots is not None and states is not None else None)
         self.hashes: list[list[int]] = [[] for _ in range(n)]
+        self._chain_keys: dict[tuple, tuple[BlockKey, bytes]] = {}
         self.requests: list[Request | None] = [None] * n
         # per-slot sampling parameters, gathered into the sampler's row tensors each step
         self.temperature = torch.zeros(n, dtype=torch.float32)
@@ -323,6 +327,20 @@ class DynamicInferenceContext:
         self.num_blocks[slot] = start + needed
         return True
 
+    def grow_each_by_one(self, slots: np.ndarray) -> bool:
+        """Give each of `slots` (decodes whose next token starts a block) one more block, in one
+        allocation; False, nothing changed, if the pool cannot supply them all at once."""
+        ends = self.num_blocks[slots]
+        if (ends != self.kv_len[slots] // self.block_size).any():
+            return False  # NOTE: not one block each; the caller grows them one by one
+        try:
+            fresh = self.allocator.allocate(slots.size)
+        except BlockOverflowError:
+            return False
+        self.block_table[slots, ends] = fresh
+        self.num_blocks[slots] = ends + 1
+        return True
+
     # ---- after a step ------------------------------------------------------------------------
 
     def update_requests(
@@ -459,10 +477,21 @@ class DynamicInferenceContext:
         """The key `req`'s chain is hashed and matched under: its salt version (SALTED) or the
         current one (RESET), its cache salt, and its LoRA adapter's name and version (blocks
         computed under another adapter, or another version of it, never match)."""
-        version = req.start_version if req.salted else self.policy_version
+        return self.chain_key(req)[0]
+
+    def chain_key(self, req: Request) -> tuple[BlockKey, bytes]:
+        """`block_key(req)` and the bytes it mixes into each hash (`encode_extra_key`), memoised:
+        registration asks for them per request each step."""
         lora = req.lora
-        return BlockKey(version, req.params.cache_salt, None if lora is None else lora.name,
-                        None if lora is None else lora.version)
+        fields = (req.start_version if req.salted else self.policy_version, req.params.cache_salt,
+                  None if lora is None else lora.name, None if lora is None else lora.version)
+        found = self._chain_keys.get(fields)
+        if found is None:
+            if len(self._chain_keys) >= MAX_MEMOISED_KEYS:  # NOTE: salts may be per request
+                self._chain_keys.clear()
+            key = BlockKey(*fields)
+            found = self._chain_keys[fields] = (key, encode_extra_key(key.hash_key()))
+        return found
 
     def rule_version(self, req: Request) -> int | None:
         """The version a block `req` reads must have been computed by: the current one, unless the
@@ -506,11 +535,12 @@ class DynamicInferenceContext:
 
     def matchable_hashes(self, req: Request) -> list[int]:
         """Hashes of the full blocks before the last token (at least one token is computed)."""
-        block_key = self.block_key(req)
+        block_key, salt = self.chain_key(req)
         key = (block_key.version, req.num_tokens)
         if req.hash_cache_key != key:  # NOTE: scheduling asks again each step while it waits
             tokens = req.all_token_ids
             usable = (len(tokens) - 1) // self.block_size * self.block_size
-            req.hash_cache = block_hashes(tokens[:usable], self.block_size, extra_key=block_key.hash_key())
+            packed = np.asarray(tokens[:usable], dtype=np.int64).tobytes()
+            req.hash_cache = packed_block_hashes(packed, self.block_size, NO_PARENT, salt)
             req.hash_cache_key = key
         return req.hash_cache

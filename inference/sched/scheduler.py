@@ -302,7 +302,7 @@ class Scheduler:
         active = np.array(ctx.active, dtype=np.int64)
         ready = active[ctx.kv_len[active] == ctx.seq_len[active] - 1]
         needs_block = ready[ctx.kv_len[ready] // ctx.block_size >= ctx.num_blocks[ready]]
-        if needs_block.size == 0:
+        if needs_block.size == 0 or ctx.grow_each_by_one(needs_block):
             return ready.tolist()
         paused = set()
         for slot in needs_block.tolist():

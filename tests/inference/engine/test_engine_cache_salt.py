@@ -44,3 +44,25 @@ def test_different_salts_never_hit_equal_salts_do():
     assert cached_after("tenant-a") == 16  # the same salt: its 4 blocks
     assert cached_after(None) == 16  # both unsalted: as today
     assert cached_after("tenant-b") == 16
+
+
+@pytest.mark.parametrize("salt", [None, "tenant-a"])
+def test_blocks_filled_while_decoding_are_registered_under_the_chain_and_serve_the_next_turn(salt):
+    """A step's newly full blocks (decodes crossing a boundary at different steps, forked samples
+    extending their chain past the shared prompt) are registered under the hashes a fresh
+    computation gives, so an agent's next turn (prompt + completion + more) is served all of them."""
+    model = tiny_llama(layers=1, hidden=32, seed=4)
+    engine = DynamicInferenceEngine.from_pretrained(model, InferenceConfig(
+        block_size=4, num_blocks=256, max_requests=8, max_batch_tokens=64, max_sequence_length=64))
+    prompts = random_prompts(3, 5, 11, seed=3)
+    outs = engine.generate(prompts, SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=13, ignore_eos=True,
+                                                   cache_salt=salt))
+    registered = set(engine.allocator.registry.kv_hash_to_block_id)
+    key = BlockKey(0, salt).hash_key()
+    for out in outs:
+        tokens = out.prompt_token_ids + out.generated_token_ids
+        computed = len(tokens) - 1  # NOTE: the last sampled token's K/V is never written
+        assert set(block_hashes(tokens[:computed], 4, extra_key=key)) <= registered
+        before = engine.stats()["prefix_cached_tokens"]
+        engine.generate([tokens + [7]], SamplingParams(temperature=0, max_tokens=1, cache_salt=salt))
+        assert engine.stats()["prefix_cached_tokens"] - before == computed // 4 * 4

@@ -190,12 +190,12 @@ def planted_stale_scores(monkeypatch):
     import inference.sched.context as context
 
     monkeypatch.setattr("inference.core.engine_core.EngineCore.reset_prefix_cache", lambda self: None)
-    hashes = context.block_hashes
+    chain_key = context.DynamicInferenceContext.chain_key
 
-    def versionless(tokens, block_size, parent=0, extra_key=None):
-        return hashes(tokens, block_size, parent)
+    def versionless(self, req):
+        return chain_key(self, req)[0], b""  # NOTE: the bytes every hash of the chain mixes in
 
-    monkeypatch.setattr(context, "block_hashes", versionless)
+    monkeypatch.setattr(context.DynamicInferenceContext, "chain_key", versionless)
 
 
 def test_the_update_check_catches_stale_scores(prompt, planted_stale_scores):

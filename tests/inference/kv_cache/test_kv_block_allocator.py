@@ -245,6 +245,63 @@ def test_register_with_an_invalid_hash_changes_nothing(policy):
     assert _snapshot(alloc) == before
 
 
+@BOTH
+def test_register_runs_registers_each_run_in_turn_and_stops_after_a_short_one(policy):
+    """One call for a step's runs leaves what registering them one by one leaves (hashes, keys,
+    versions, scores, LRU chains, events), a run seeing the runs before it; it stops after the
+    first run registered short so the caller can act before the rest go."""
+    from inference.kv_cache.allocator import BlockRun
+    from inference.kv_cache.block_key import BlockKey
+    from inference.kv_cache.block_state import PromptLogprobsBlock
+
+    scores = PromptLogprobsBlock(BS, 0)
+    salted = BlockKey(3, "tenant")
+    a, b = block_hashes([1, 2, 3, 4], BS), block_hashes([5, 6], BS, extra_key=salted.hash_key())
+
+    def runs(blocks):
+        return [BlockRun(blocks[0:2], a, -1), BlockRun(blocks[2:3], b, -1, salted, [scores]),
+                BlockRun(blocks[3:5], [a[1], 77], blocks[2]),  # its first hash: served by run 0's
+                BlockRun(blocks[5:6], [88], -1)]
+
+    one_by_one = KVBlockAllocator(16, BS, policy, events=KVEventHub(record=True))
+    batched = KVBlockAllocator(16, BS, policy, events=KVEventHub(record=True))
+    counts = [one_by_one.register(r.block_ids, r.hashes, r.parent_block_id, prompt_logprobs=r.prompt_logprobs,
+                                  key=r.key, computed_by=5) for r in runs(one_by_one.allocate(8))[:3]]
+    assert batched.register_runs(runs(batched.allocate(8)), computed_by=5) == counts == [2, 1, 0]
+    assert _snapshot(batched) == _snapshot(one_by_one)
+    for alloc in (one_by_one, batched):
+        alloc.events.publish_pending()
+    assert batched.events.take_events() == one_by_one.events.take_events()
+    for block in range(8):
+        for look in ("key_of", "computed_by"):
+            assert getattr(batched.state, look)(block) == getattr(one_by_one.state, look)(block)
+        assert batched.prompt_logprobs_of(block) is one_by_one.prompt_logprobs_of(block)
+    assert batched.prompt_logprobs_of(2) is scores and batched.state.key_of(2) == salted
+    evicted = {}
+    for alloc in (one_by_one, batched):  # NOTE: under LRU the parent chains decide the order (leaves first)
+        alloc.release(list(range(8)))
+        alloc.allocate(alloc.free)
+        evicted[alloc] = []
+        while alloc.registry.kv_hash_to_block_id:
+            alloc.allocate(1)
+            evicted[alloc].append(dict(alloc.registry.kv_hash_to_block_id))
+    assert evicted[batched] == evicted[one_by_one]
+
+
+@BOTH
+def test_register_runs_with_a_malformed_run_changes_nothing(policy):
+    from inference.kv_cache.allocator import BlockRun
+
+    alloc = KVBlockAllocator(8, BS, policy)
+    blocks = alloc.allocate(3)
+    before = _snapshot(alloc)
+    with pytest.raises(ValueError):
+        alloc.register_runs([BlockRun(blocks[:1], [11]), BlockRun(blocks[1:3], [12])])
+    with pytest.raises(ValueError):
+        alloc.register_runs([BlockRun(blocks[:1], [11]), BlockRun(blocks[1:2], [-1])])
+    assert _snapshot(alloc) == before
+
+
 # ---- reset_prefix_cache / reset -------------------------------------------------------------
 
 

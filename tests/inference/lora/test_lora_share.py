@@ -114,12 +114,14 @@ def test_a_planted_key_without_the_adapter_version_is_served_stale_and_counted(m
     """Planted bug: blocks keyed by the adapter's name only. The next version's request is then
     served the old version's blocks, and `cross_version_prefix_hits` counts them (the loop's check)."""
     from inference.kv_cache.block_key import BlockKey
+    from inference.kv_cache.hashing import encode_extra_key
     from inference.sched.context import DynamicInferenceContext
 
     def name_only(self, req):
-        return BlockKey(self.policy_version, req.params.cache_salt, req.lora.name, 1)
+        key = BlockKey(self.policy_version, req.params.cache_salt, req.lora.name, 1)
+        return key, encode_extra_key(key.hash_key())
 
-    monkeypatch.setattr(DynamicInferenceContext, "block_key", name_only)
+    monkeypatch.setattr(DynamicInferenceContext, "chain_key", name_only)  # NOTE: block_key reads it
     base = tiny_hf("llama")
     peft = peft_of(base)
     engine = make_engine(base)

@@ -114,7 +114,6 @@ def planted_version_not_bumped(monkeypatch):
 def planted_cache_outlives_versions(monkeypatch):
     """Planted bug: suspend keeps the prefix cache, updates forget to reset it, hashes ignore the
     version and the match rule is off: blocks of the last step's weights are served to the next."""
-    import inference.sched.block_registration as block_registration
     import inference.sched.context as context
     from inference.cache.manager import CacheManager
 
@@ -123,18 +122,17 @@ def planted_cache_outlives_versions(monkeypatch):
         self.kv.deallocate()
         return freed
 
-    hashes = context.block_hashes
+    chain_key = context.DynamicInferenceContext.chain_key
 
-    def versionless(tokens, block_size, parent=0, extra_key=None):
-        return hashes(tokens, block_size, parent)
+    def versionless(self, req):
+        return chain_key(self, req)[0], b""  # NOTE: the bytes every hash of the chain mixes in
 
     monkeypatch.setattr(CacheManager, "release", release_keeping_cache)
     monkeypatch.setattr("inference.core.engine_core.EngineCore.reset_prefix_cache", lambda self: None)
     monkeypatch.setattr("inference.kv_cache.allocator.KVBlockAllocator.matchable",
                         lambda self, block_ids, key, current_version: len(block_ids))
-    # NOTE: both users of the hash: the lookup (context) and the registration of filled blocks
-    monkeypatch.setattr(context, "block_hashes", versionless)
-    monkeypatch.setattr(block_registration, "block_hashes", versionless)
+    # NOTE: the one source of both users' salt: the lookup and the registration of filled blocks
+    monkeypatch.setattr(context.DynamicInferenceContext, "chain_key", versionless)
 
 
 @pytest.mark.usefixtures("one_torch_thread", "no_plot")
