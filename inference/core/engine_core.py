@@ -333,7 +333,7 @@ class EngineCore:
         if out.top_logprobs is not None:
             out_ops.record_top_logprobs(ctx, slots, out)
         events = out_ops.token_events(ctx, slots, tokens, logprobs)  # NOTE: before slots are released
-        finished = ctx.update_requests(slots, tokens, logprobs, self.eos_token_ids)
+        finished = ctx.update_requests(slots, tokens, logprobs)
         if events:
             self._on_tokens(events)
         for req, reason in finished:

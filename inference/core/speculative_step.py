@@ -211,8 +211,7 @@ class SpeculativeSteps:
                   if ctx.generators[s] is not None}
         out = core.runner.sample(logits[: row_slots.size], out_ops.sampling_batch(ctx, row_slots))
         sampled = out.token_ids.numpy()
-        is_stop = np.isin(sampled, core.eos_token_ids) & ~ctx.ignore_eos[row_slots]
-        is_stop |= (ctx.stop_ids[row_slots] == sampled[:, None]).any(axis=1)
+        is_stop = ctx.finishes(row_slots, sampled)
         accepted = accepted_counts(sampled, drafts, starts)
         kept = cut_at_stops(accepted + 1, is_stop, starts)
         if batch.verify is not None:  # NOTE: before commit_tokens may finish a request and free its row

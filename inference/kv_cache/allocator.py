@@ -271,40 +271,64 @@ class KVBlockAllocator:
         for run in runs:
             if len(run.block_ids) != len(run.hashes):
                 raise ValueError(f"{len(run.block_ids)} block ids but {len(run.hashes)} hashes")
-            if any(h <= 0 for h in run.hashes):
-                raise ValueError(f"register: hashes must be positive (0 = no parent, -1 = unset), got {run.hashes}")
+        ids = [b for run in runs for b in run.block_ids]
+        hashes = [h for run in runs for h in run.hashes]
+        if hashes and min(hashes) <= 0:
+            raise ValueError(f"register: hashes must be positive (0 = no parent, -1 = unset), got {hashes}")
         if not self.enable_prefix_caching:
             return [0] * len(runs)
-        state, registry, events = self.state, self.registry, self.events
-        counts: list[int] = []
+        state, registry = self.state, self.registry
+        run_parents = [run.parent_block_id for run in runs]
+        if state.all_registrable(ids, hashes, run_parents, registry.kv_hash_to_block_id):
+            state.stamp_all(ids, hashes)  # NOTE: the common case (a step's decodes), checked at once
+            registry.register_kv(ids, hashes)
+            counts = [len(run.block_ids) for run in runs]
+            if len(ids) == len(runs):  # NOTE: one block each: each block's parent is its run's
+                self._record_new_blocks(runs, counts, ids, run_parents, [run.key for run in runs], computed_by)
+                return counts
+        else:
+            counts = []
+            for run in runs:
+                count = state.stamp_registrable(run.block_ids, run.hashes, run.parent_block_id,
+                                                registry.kv_hash_to_block_id)
+                registry.register_kv(run.block_ids[:count], run.hashes[:count])
+                counts.append(count)
+                if count < len(run.block_ids):
+                    break
         new_ids: list[int] = []
         parents: list[int] = []
         keys: list[BlockKey] = []
-        scores: list[PromptLogprobsBlock | None] = []
-        for run in runs:
-            count = state.stamp_registrable(run.block_ids, run.hashes, run.parent_block_id,
-                                            registry.kv_hash_to_block_id)
-            counts.append(count)
-            if count:
-                ids, hashes = run.block_ids[:count], run.hashes[:count]
-                registry.register_kv(ids, hashes)
-                new_ids += ids
-                parents.append(run.parent_block_id)
-                parents += ids[:-1]
-                keys += [run.key] * count
-                scores += [None] * count if run.prompt_logprobs is None else list(run.prompt_logprobs[:count])
-                if events.enabled:  # NOTE: the event is built only for someone to hear it (a per-step cost)
+        for run, count in zip(runs, counts):
+            run_ids = run.block_ids[:count]
+            new_ids += run_ids
+            parents += [run.parent_block_id, *run_ids[:-1]][:count]
+            keys += [run.key] * count
+        self._record_new_blocks(runs, counts, new_ids, parents, keys, computed_by)
+        return counts
+
+    def _record_new_blocks(self, runs: Sequence[BlockRun], counts: list[int], new_ids: list[int],
+                           parents: list[int], keys: list[BlockKey], computed_by: int) -> None:
+        """What blocks just registered (the first `counts[i]` of `runs[i]`) carry besides their hash:
+        parent, key, version, prompt scores; and their stored events."""
+        state = self.state
+        if not new_ids:
+            return
+        state.record_parent_chain(new_ids, parents)
+        if any(run.prompt_logprobs is not None for run in runs):
+            scores = [s for run, count in zip(runs, counts)
+                      for s in ([None] * count if run.prompt_logprobs is None else run.prompt_logprobs[:count])]
+            state.attach_prompt_logprobs(new_ids, scores)
+        else:
+            state.attach_prompt_logprobs(new_ids, None)
+        state.record_keys(new_ids, keys, computed_by)
+        if self.events.enabled:  # NOTE: the event is built only for someone to hear it (a per-step cost)
+            for run, count in zip(runs, counts):
+                if count:
                     parent = run.parent_block_id
                     parent_hash = state.hash_of(parent) if parent >= 0 else NO_PARENT
-                    events.queue_stored(BlockStored(tuple(hashes), parent_hash, tuple(ids), self.block_size,
-                                                    run.key.salt, run.key.version, computed_by))
-            if count < len(run.block_ids):
-                break
-        if new_ids:
-            state.record_parent_chain(new_ids, parents)
-            state.attach_prompt_logprobs(new_ids, scores if any(b is not None for b in scores) else None)
-            state.record_keys(new_ids, keys, computed_by)
-        return counts
+                    self.events.queue_stored(BlockStored(tuple(run.hashes[:count]), parent_hash,
+                                                         tuple(run.block_ids[:count]), self.block_size,
+                                                         run.key.salt, run.key.version, computed_by))
 
     def adopt(self, block_hash: int, own_block: int) -> int | None:
         """The caller computed `own_block` (unregistered) for a hash another block serves: it holds

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Container, Iterable
+from collections.abc import Iterable, Mapping
 from typing import Optional, Union
 
 import numpy as np
@@ -189,8 +189,27 @@ class PrefixCacheBlockState:
         self._parents[ids] = parents
         np.add.at(self._child_counts, parents[parents >= 0], 1)  # NOTE: a parent may be listed twice
 
+    def all_registrable(self, block_ids: list[int], block_hashes: list[int], run_parents: list[int],
+                        taken: Mapping[int, int]) -> bool:
+        """Whether the blocks of several runs (`run_parents[i]`: the block before run i, -1: none)
+        may all join the cache, checked at once: distinct blocks, held and unhashed, under distinct
+        hashes none of which is `taken`, each run after a hashed, held parent outside the runs.
+        False leaves the caller to check run by run."""
+        if len(set(block_hashes)) != len(block_hashes) or not taken.keys().isdisjoint(block_hashes):
+            return False
+        ids = np.asarray(block_ids, dtype=np.int64)
+        if len(set(block_ids)) != len(block_ids) or (self._hashes[ids] != UNSET_HASH).any() or (self._refs[ids] <= 0).any():
+            return False
+        parents = np.asarray(run_parents, dtype=np.int64)
+        parents = parents[parents >= 0]
+        return not ((self._hashes[parents] == UNSET_HASH).any() or (self._refs[parents] <= 0).any())
+
+    def stamp_all(self, block_ids: list[int], block_hashes: list[int]) -> None:
+        """Write the hashes of blocks `all_registrable` accepted."""
+        self._hashes[block_ids] = block_hashes
+
     def stamp_registrable(self, block_ids: list[int], block_hashes: list[int], parent_block_id: int,
-                          taken: Container[int]) -> int:
+                          taken: Mapping[int, int]) -> int:
         """Stamp the leading blocks of a run that may join the cache; return how many.
 
         None may if the run's parent (-1: none) has no hash or no reference; the run stops at a

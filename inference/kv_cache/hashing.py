@@ -61,11 +61,12 @@ def packed_block_hashes(packed: bytes, block_size: int, parent_hash: int, salt: 
     hashes: list[int] = []
     parent = parent_hash
     for start in range(0, len(packed) // stride * stride, stride):
-        digest = hashlib.blake2b(digest_size=8)
-        digest.update(parent.to_bytes(8, "little"))
-        digest.update(salt)
-        digest.update(packed[start : start + stride])
-        value = int.from_bytes(digest.digest(), "little") & _MASK_63
-        parent = value or 1  # 0 is reserved for "no parent"
+        parent = chained_hash(parent, salt, packed[start : start + stride])
         hashes.append(parent)
     return hashes
+
+
+def chained_hash(parent_hash: int, salt: bytes, packed_block: bytes) -> int:
+    """The hash of one block (its token ids packed as in `packed_block_hashes`) after `parent_hash`."""
+    digest = hashlib.blake2b(parent_hash.to_bytes(8, "little") + salt + packed_block, digest_size=8).digest()
+    return (int.from_bytes(digest, "little") & _MASK_63) or 1  # NOTE: 0 is reserved for "no parent"

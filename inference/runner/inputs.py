@@ -32,6 +32,8 @@ from inference.runner.buckets import pick_bucket
 from inference.sched.context import DynamicInferenceContext
 from inference.sched.scheduler import StepPlan
 
+MAX_CACHED_SHAPES = 256  # step shapes whose tensor views InputBuffers keeps
+
 __all__ = ["InputBuffers", "PromptLogprobRows", "StepInputs", "fill_dummy_inputs", "fill_inputs", "pick_bucket"]
 
 
@@ -110,6 +112,25 @@ class InputBuffers:
         self.t = {name: self.dev[o:o + n * d.itemsize].view(torch_dtype[d]) for name, (o, n, d) in layout.items()}
         self.t_host = {name: self.host[o:o + n * d.itemsize].view(torch_dtype[d])
                        for name, (o, n, d) in layout.items()}
+        self.arange = np.arange(max_tokens + 1, dtype=np.int64)  # NOTE: a decode step's query starts and rows
+        self._views: dict[tuple[int, int, int, int], tuple[torch.Tensor, ...]] = {}
+
+    def views(self, padded: int, total_reqs: int, width: int, num_rows: int) -> tuple[torch.Tensor, ...]:
+        """The step's tensors over the buffers (input ids, positions, query starts, seq lens, block
+        tables, slot mapping, logits rows; then host query starts and seq lens), made once per
+        shape: a run at a steady batch asks for the same few shapes every step."""
+        shape = (padded, total_reqs, width, num_rows)
+        found = self._views.get(shape)
+        if found is None:
+            if len(self._views) >= MAX_CACHED_SHAPES:
+                self._views.clear()
+            t, th = self.t, self.t_host
+            found = self._views[shape] = (
+                t["input_ids"][:padded], t["positions"][:padded], t["query_start_loc"][: total_reqs + 1],
+                t["seq_lens"][:total_reqs], t["block_tables"][: total_reqs * width].view(total_reqs, width),
+                t["slot_mapping"][:padded], t["logits_indices"][:num_rows],
+                th["query_start_loc"][: total_reqs + 1], th["seq_lens"][:total_reqs])
+        return found
 
     def upload(self, table_entries: int) -> None:
         """One host-to-device copy of everything this step wrote (a no-op on CPU)."""
@@ -134,10 +155,12 @@ def fill_inputs(buf: InputBuffers, ctx: DynamicInferenceContext, plan: StepPlan,
         offsets = np.arange(int(q.sum())) - np.repeat(np.cumsum(q) - q, q)
         slots, kv0, q = np.repeat(slots, q), np.repeat(kv0, q) + offsets, np.ones(int(q.sum()), dtype=np.int64)
     kv1 = kv0 + q
-    ends = np.cumsum(q)
-    starts = ends - q
-    num_tokens = int(ends[-1])
     num_reqs = slots.size
+    # NOTE: decodes only (no verify): one row each, every one samples, none scores its prompt
+    decodes = plan.num_decode == num_reqs and not plan.verify
+    ends = buf.arange[1 : num_reqs + 1] if decodes else np.cumsum(q)
+    starts = ends - 1 if decodes else ends - q
+    num_tokens = int(ends[-1])
     padded = num_tokens if padded is None or scratch_block is None else padded
     if padded < num_tokens:
         raise ValueError(f"fill_inputs: {num_tokens} tokens do not fit a bucket of {padded}")
@@ -152,7 +175,8 @@ def fill_inputs(buf: InputBuffers, ctx: DynamicInferenceContext, plan: StepPlan,
     n["input_ids"][:num_tokens] = ctx.tokens[token_slots, positions]
     n["positions"][:num_tokens] = positions
     n["slot_mapping"][:num_tokens] = ctx.block_table[token_slots, positions // bs] * bs + positions % bs
-    width = int(-(-kv1.max() // bs))
+    max_seq_len = int(kv1.max())
+    width = -(-max_seq_len // bs)
     tables = n["block_tables"][: total_reqs * width].reshape(total_reqs, width)
     tables[:num_reqs] = ctx.block_table[slots, :width]
     qsl, seq_lens = n["query_start_loc"], n["seq_lens"]
@@ -167,15 +191,19 @@ def fill_inputs(buf: InputBuffers, ctx: DynamicInferenceContext, plan: StepPlan,
         qsl[num_reqs + 1 : total_reqs + 1] = num_tokens + np.arange(1, pad + 1)
         seq_lens[num_reqs:total_reqs] = 1
 
-    if plan.verify:  # NOTE: a speculative step samples at every position of its requests
+    prompt_rows: list[PromptLogprobRows] = []
+    prompt_len = ctx.prompt_len[slots]
+    if decodes:  # NOTE: a decode's token is at most its prompt's last (run as a decode after a cache hit)
+        sample_slots, rows, next_row = slots, [buf.arange[:num_tokens]], num_tokens
+        prompt_tokens = int(np.count_nonzero(kv0 < prompt_len))
+    elif plan.verify:  # NOTE: a speculative step samples at every position of its requests
         sample_slots, rows, next_row = slots, [np.arange(num_tokens)], num_tokens
     else:
         samples = kv1 == ctx.seq_len[slots]
         sample_slots, rows, next_row = slots[samples], [ends[samples] - 1], int(samples.sum())
-    prompt_rows: list[PromptLogprobRows] = []
-    prompt_len = ctx.prompt_len[slots]
-    wants = ctx.wants_prompt_logprobs[slots] & (kv0 < prompt_len - 1)
-    for b in np.flatnonzero(wants).tolist():
+    wants = np.empty(0, dtype=np.int64) if decodes else \
+        np.flatnonzero(ctx.wants_prompt_logprobs[slots] & (kv0 < prompt_len - 1))
+    for b in wants.tolist():
         # row at position p scores token p + 1; only prompt tokens are scored here
         first, last = int(kv0[b]), min(int(kv1[b]), int(prompt_len[b]) - 1)
         if last > first:
@@ -189,7 +217,8 @@ def fill_inputs(buf: InputBuffers, ctx: DynamicInferenceContext, plan: StepPlan,
         n["logits_indices"][:num_rows] = rows[0]
     else:
         np.concatenate(rows, out=n["logits_indices"][:num_rows])
-    prompt_tokens = int(np.clip(np.minimum(kv1, prompt_len) - kv0, 0, None).sum())
+    if not decodes:
+        prompt_tokens = int(np.maximum(np.minimum(kv1, prompt_len) - kv0, 0).sum())
 
     state_slots = state_fresh = verify = None
     if ctx.states is not None and plan.verify:
@@ -214,22 +243,23 @@ def fill_inputs(buf: InputBuffers, ctx: DynamicInferenceContext, plan: StepPlan,
         lora_ids[:num_tokens] = req_loras if plan.num_decode == num_reqs else np.repeat(req_loras, q)
 
     buf.upload(total_reqs * width)
-    t, th = buf.t, buf.t_host
+    input_ids, positions_t, qsl_t, seq_lens_t, tables_t, slot_mapping, logits_indices, qsl_cpu, seq_lens_cpu = \
+        buf.views(padded, total_reqs, width, num_rows)
     meta = AttentionMetadata(
-        query_start_loc=t["query_start_loc"][: total_reqs + 1],
-        seq_lens=t["seq_lens"][:total_reqs],
-        block_tables=t["block_tables"][: total_reqs * width].view(total_reqs, width),
-        slot_mapping=t["slot_mapping"][:padded],
-        max_query_len=int(q.max()),
-        max_seq_len=int(kv1.max()),
-        query_start_loc_cpu=th["query_start_loc"][: total_reqs + 1],
-        seq_lens_cpu=th["seq_lens"][:total_reqs],
+        query_start_loc=qsl_t,
+        seq_lens=seq_lens_t,
+        block_tables=tables_t,
+        slot_mapping=slot_mapping,
+        max_query_len=1 if decodes else int(q.max()),
+        max_seq_len=max_seq_len,
+        query_start_loc_cpu=qsl_cpu,
+        seq_lens_cpu=seq_lens_cpu,
     )
     return StepInputs(
-        input_ids=t["input_ids"][:padded],
-        positions=t["positions"][:padded],
+        input_ids=input_ids,
+        positions=positions_t,
         meta=meta,
-        logits_indices=t["logits_indices"][:num_rows],
+        logits_indices=logits_indices,
         state_slots=state_slots,
         state_fresh=state_fresh,
         sample_slots=sample_slots,

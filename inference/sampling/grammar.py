@@ -220,9 +220,12 @@ class GrammarSlots:
         llg_torch.fill_next_token_bitmask_par(self._executor, work, bitmask)
         return rows, bitmask
 
-    def accept(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    def accept(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray | None:
         """Advance each grammar slot of `slots` by its token; returns per row whether its request is
-        done (grammar stopped, or the token refused: see module docstring)."""
+        done (grammar stopped, or the token refused: see module docstring), None if no slot has a
+        grammar."""
+        if not self.uses.any():  # NOTE: one pass over a few hundred flags; the usual step has no grammar
+            return None
         done = np.zeros(slots.size, dtype=bool)
         rows = np.flatnonzero(self.uses[slots])
         for r in rows.tolist():

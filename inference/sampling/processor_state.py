@@ -142,6 +142,8 @@ class ProcessorState:
 
     def append(self, slots: np.ndarray, tokens: np.ndarray) -> None:
         """Each of `slots` sampled the matching token of `tokens` (one step's, slots distinct)."""
+        if not self.uses.any():  # NOTE: one pass over a few hundred flags; the usual step has no processor
+            return
         rows = self.pen_row[slots]
         mine = np.flatnonzero(rows != _NONE)
         if mine.size == 0:

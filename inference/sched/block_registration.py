@@ -7,13 +7,13 @@ the blocks succeeded (KV events are announced only then).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from inference.kv_cache.allocator import BlockRun
 from inference.kv_cache.block_key import BlockKey
-from inference.kv_cache.hashing import packed_block_hashes
+from inference.kv_cache.hashing import chained_hash, packed_block_hashes
 from inference.sched.context import DynamicInferenceContext
 
 
@@ -42,15 +42,16 @@ def register_full_blocks(ctx: DynamicInferenceContext, slots: np.ndarray) -> Non
     parents = np.where(dones > 0, ctx.block_table[crossed, np.maximum(dones - 1, 0)], -1).tolist()
     packed = ctx.tokens[crossed[:, None], dones[:, None] * bs + np.arange(bs)].tobytes()
     stride = bs * ctx.tokens.itemsize  # NOTE: int64, as packed_block_hashes reads them
-    pending: list[_Pending] = []
+    pending = _Pending()
+    version = ctx.policy_version
     for i, (slot, full, done) in enumerate(zip(crossed.tolist(), fulls.tolist(), dones.tolist())):
         if skipped[i]:
             continue
         chain = ctx.hashes[slot]
         req = ctx.requests[slot]
-        key, salt = ctx.chain_key(req)  # NOTE: matchable_hashes keys it alike
+        key, salt = ctx.chain_key(req, version)  # NOTE: matchable_hashes keys it alike
         if len(chain) == done and full == done + 1:
-            chain += packed_block_hashes(packed[i * stride : (i + 1) * stride], bs, chain[-1] if chain else 0, salt)
+            chain.append(chained_hash(chain[-1] if chain else 0, salt, packed[i * stride : (i + 1) * stride]))
             ids = [first_ids[i]]
         else:  # NOTE: a prefill's blocks, or a forked sample's first own one (its chain is extended lazily)
             new_tokens = ctx.tokens[slot, len(chain) * bs : full * bs]
@@ -64,40 +65,41 @@ def register_full_blocks(ctx: DynamicInferenceContext, slots: np.ndarray) -> Non
             _register_pending(ctx, pending)  # NOTE: what it offers to may be registered this step
             _offer_scores(ctx, slot, chain[done:full], cached_scores)
             continue
-        pending.append(_Pending(slot, done, full, BlockRun(ids, chain[done:full], parents[i], key, cached_scores)))
+        pending.runs.append(BlockRun(ids, chain[done:full], parents[i], key, cached_scores))
+        pending.spans.append((slot, done, full))
     _register_pending(ctx, pending)
 
 
 @dataclass(slots=True)
 class _Pending:
-    """A slot's run of blocks `done..full-1`, waiting for the step's one call to the allocator."""
+    """Slots' runs of blocks (`spans[i]` = slot, done, full: its blocks `done..full-1`), waiting for
+    the step's one call to the allocator."""
 
-    slot: int
-    done: int
-    full: int
-    run: BlockRun
+    runs: list[BlockRun] = field(default_factory=list)
+    spans: list[tuple[int, int, int]] = field(default_factory=list)
 
 
-def _register_pending(ctx: DynamicInferenceContext, pending: list[_Pending]) -> None:
+def _register_pending(ctx: DynamicInferenceContext, pending: _Pending) -> None:
     """Register the runs of `pending` in order (emptying it); a slot whose run is refused in part
     holds the blocks serving its hashes if it can, else its chain stays private from there."""
     start = 0
-    while start < len(pending):
-        counts = ctx.allocator.register_runs([p.run for p in pending[start:]], computed_by=ctx.policy_version)
+    while start < len(pending.runs):
+        counts = ctx.allocator.register_runs(pending.runs[start:], computed_by=ctx.policy_version)
         start += len(counts)
-        last = pending[start - 1]
-        registered, slot, done, full = counts[-1], last.slot, last.done, last.full
+        run, (slot, done, full) = pending.runs[start - 1], pending.spans[start - 1]
+        registered = counts[-1]
         if registered == full - done:
             continue
         scores = ctx.requests[slot].prompt_scores
         if scores is None and ctx.state_prefix is not None:
-            registered = _adopt_served_blocks(ctx, slot, ctx.hashes[slot], done + registered, full, last.run.key) - done
+            registered = _adopt_served_blocks(ctx, slot, ctx.hashes[slot], done + registered, full, run.key) - done
         if registered < full - done:
             ctx.cache_broken[slot] = True
             if scores is not None:  # NOTE: typically its hash is served by a block cached without scores
                 ctx.offers_scores[slot] = True
-                _offer_scores(ctx, slot, last.run.hashes[registered:], last.run.prompt_logprobs[registered:])
-    pending.clear()
+                _offer_scores(ctx, slot, run.hashes[registered:], run.prompt_logprobs[registered:])
+    pending.runs.clear()
+    pending.spans.clear()
 
 
 def _adopt_served_blocks(ctx: DynamicInferenceContext, slot: int, chain: list[int], pos: int, full: int,

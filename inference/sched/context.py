@@ -96,11 +96,13 @@ class DynamicInferenceContext:
         self.generators: list[torch.Generator | None] = [None] * n
         self.num_top_logprobs = np.zeros(n, dtype=np.int64)
         self.wants_prompt_logprobs = np.zeros(n, dtype=bool)
-        self.ignore_eos = np.zeros(n, dtype=bool)
         self.streams_tokens = np.zeros(n, dtype=bool)  # the request's caller wants every token as sampled
         self.returns_routes = np.zeros(n, dtype=bool)  # MoE: the request records its routing per token
         self.lora_id = np.full(n, -1, dtype=np.int64)  # the resident id of the slot's LoRA adapter (-1: none)
-        self.stop_ids = np.full((n, 4), -1, dtype=np.int64)  # widened when a request has more
+        self.eos_token_ids = list(eos_token_ids)
+        # the tokens that end the slot's request: its stop ids and, unless it ignores EOS, the
+        # model's EOS ids (-1 pads; widened when a request has more)
+        self.finish_ids = np.full((n, 4), -1, dtype=np.int64)
         # logit processors' per-slot state (penalty counts kept as tokens are appended)
         self.processors = ProcessorState(n, vocab_size, eos_token_ids)
         self.grammars = GrammarSlots(n, vocab_size)  # structured outputs: a matcher per constrained slot
@@ -298,17 +300,16 @@ class DynamicInferenceContext:
         self.generators[slot] = req.generator
         self.num_top_logprobs[slot] = p.logprobs or 0
         self.wants_prompt_logprobs[slot] = p.prompt_logprobs is not None
-        self.ignore_eos[slot] = p.ignore_eos
         self.streams_tokens[slot] = req.stream_tokens
         self.returns_routes[slot] = p.return_routed_experts
         self.lora_id[slot] = -1 if req.lora is None else req.lora.id
-        stops = p.stop_token_ids
-        if len(stops) > self.stop_ids.shape[1]:
-            wider = np.full((self.stop_ids.shape[0], len(stops)), -1, dtype=np.int64)
-            wider[:, : self.stop_ids.shape[1]] = self.stop_ids
-            self.stop_ids = wider
-        self.stop_ids[slot] = -1
-        self.stop_ids[slot, : len(stops)] = stops
+        stops = [*p.stop_token_ids, *([] if p.ignore_eos else self.eos_token_ids)]
+        if len(stops) > self.finish_ids.shape[1]:
+            wider = np.full((self.finish_ids.shape[0], len(stops)), -1, dtype=np.int64)
+            wider[:, : self.finish_ids.shape[1]] = self.finish_ids
+            self.finish_ids = wider
+        self.finish_ids[slot] = -1
+        self.finish_ids[slot, : len(stops)] = stops
         prompt_len, seq_len = int(self.prompt_len[slot]), int(self.seq_len[slot])
         self.processors.bind(slot, p, self.tokens[slot, :prompt_len], self.tokens[slot, prompt_len:seq_len])
         self.grammars.bind(slot, req.grammar, self.tokens[slot, prompt_len:seq_len])
@@ -343,8 +344,12 @@ class DynamicInferenceContext:
 
     # ---- after a step ------------------------------------------------------------------------
 
+    def finishes(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """Per row whether `tokens[i]` ends the request of `slots[i]` (a stop id, or EOS unless ignored)."""
+        return (self.finish_ids[slots] == tokens[:, None]).any(axis=1)
+
     def update_requests(
-        self, slots: np.ndarray, new_tokens: np.ndarray, new_logprobs: np.ndarray, eos_token_ids: np.ndarray
+        self, slots: np.ndarray, new_tokens: np.ndarray, new_logprobs: np.ndarray
     ) -> list[tuple[Request, FinishReason]]:
         """Append each slot's sampled token; release the slots that hit a stop or their length.
 
@@ -363,10 +368,9 @@ class DynamicInferenceContext:
             now = time.perf_counter()
             for slot in first.tolist():
                 self.requests[slot].first_token_time = now
-        # NOTE: a broadcast compare against the few EOS ids (np.isin costs ~15 us a call here)
-        is_stop = (new_tokens[:, None] == eos_token_ids).any(axis=1) & ~self.ignore_eos[slots]
-        is_stop |= (self.stop_ids[slots] == new_tokens[:, None]).any(axis=1)
-        is_stop |= grammar_done
+        is_stop = self.finishes(slots, new_tokens)
+        if grammar_done is not None:
+            is_stop |= grammar_done
         done = is_stop | (pos + 1 >= self.max_len[slots])
         if not done.any():
             return []
@@ -479,11 +483,14 @@ class DynamicInferenceContext:
         computed under another adapter, or another version of it, never match)."""
         return self.chain_key(req)[0]
 
-    def chain_key(self, req: Request) -> tuple[BlockKey, bytes]:
+    def chain_key(self, req: Request, policy_version: int | None = None) -> tuple[BlockKey, bytes]:
         """`block_key(req)` and the bytes it mixes into each hash (`encode_extra_key`), memoised:
-        registration asks for them per request each step."""
+        registration asks for them per request each step (passing the current `policy_version`,
+        read once for all)."""
         lora = req.lora
-        fields = (req.start_version if req.salted else self.policy_version, req.params.cache_salt,
+        if not req.salted:
+            policy_version = self.policy_version if policy_version is None else policy_version
+        fields = (req.start_version if req.salted else policy_version, req.params.cache_salt,
                   None if lora is None else lora.name, None if lora is None else lora.version)
         found = self._chain_keys.get(fields)
         if found is None:

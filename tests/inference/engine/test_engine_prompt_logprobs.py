@@ -192,8 +192,8 @@ def planted_stale_scores(monkeypatch):
     monkeypatch.setattr("inference.core.engine_core.EngineCore.reset_prefix_cache", lambda self: None)
     chain_key = context.DynamicInferenceContext.chain_key
 
-    def versionless(self, req):
-        return chain_key(self, req)[0], b""  # NOTE: the bytes every hash of the chain mixes in
+    def versionless(self, req, policy_version=None):
+        return chain_key(self, req, policy_version)[0], b""  # NOTE: the bytes every hash of the chain mixes in
 
     monkeypatch.setattr(context.DynamicInferenceContext, "chain_key", versionless)
 

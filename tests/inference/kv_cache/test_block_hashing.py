@@ -76,6 +76,15 @@ def test_hashes_are_stable_across_processes(seed):
     assert json.loads(result.stdout) == expected
 
 
+def test_hashes_are_pinned():
+    """The digests themselves: a change to how a block is hashed (byte layout, key encoding, the
+    0 remap) would orphan every hash a router or a remote cache learnt from an older engine."""
+    assert block_hashes(list(range(40)), 4, 7, (3, "s")) == [
+        1625859738102857377, 5566595697732766925, 7928502323598441253, 8687355917860815396, 5899023106580338111,
+        8022565422471038523, 669424282653390892, 2211617356922253996, 60673452152920483, 7283251156319557929]
+    assert block_hashes(list(range(9)), 4) == [2141542520064864664, 6154036696642149100]
+
+
 @settings(deadline=None)
 @given(TOKENS, BLOCK_SIZES, EXTRA_KEYS)
 def test_one_positive_63_bit_hash_per_full_block(tokens, block_size, extra_key):

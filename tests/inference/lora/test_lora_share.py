@@ -117,7 +117,7 @@ def test_a_planted_key_without_the_adapter_version_is_served_stale_and_counted(m
     from inference.kv_cache.hashing import encode_extra_key
     from inference.sched.context import DynamicInferenceContext
 
-    def name_only(self, req):
+    def name_only(self, req, policy_version=None):
         key = BlockKey(self.policy_version, req.params.cache_salt, req.lora.name, 1)
         return key, encode_extra_key(key.hash_key())
 

@@ -124,8 +124,8 @@ def planted_cache_outlives_versions(monkeypatch):
 
     chain_key = context.DynamicInferenceContext.chain_key
 
-    def versionless(self, req):
-        return chain_key(self, req)[0], b""  # NOTE: the bytes every hash of the chain mixes in
+    def versionless(self, req, policy_version=None):
+        return chain_key(self, req, policy_version)[0], b""  # NOTE: the bytes every hash of the chain mixes in
 
     monkeypatch.setattr(CacheManager, "release", release_keeping_cache)
     monkeypatch.setattr("inference.core.engine_core.EngineCore.reset_prefix_cache", lambda self: None)
