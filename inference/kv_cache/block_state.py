@@ -197,8 +197,10 @@ class PrefixCacheBlockState:
         False leaves the caller to check run by run."""
         if len(set(block_hashes)) != len(block_hashes) or not taken.keys().isdisjoint(block_hashes):
             return False
+        if len(set(block_ids)) != len(block_ids):
+            return False
         ids = np.asarray(block_ids, dtype=np.int64)
-        if len(set(block_ids)) != len(block_ids) or (self._hashes[ids] != UNSET_HASH).any() or (self._refs[ids] <= 0).any():
+        if (self._hashes[ids] != UNSET_HASH).any() or (self._refs[ids] <= 0).any():
             return False
         parents = np.asarray(run_parents, dtype=np.int64)
         parents = parents[parents >= 0]

@@ -33,7 +33,6 @@ from inference.sampling.processor_state import ProcessorState
 from inference.sched.prompt_logprobs import PromptScores, servable_prefix
 from inference.sched.state_prefix import StatePrefixCache
 
-
 MAX_MEMOISED_KEYS = 1024  # chain keys kept by `chain_key` (one per version, salt and adapter in use)
 
 
@@ -439,6 +438,8 @@ class DynamicInferenceContext:
         Evicted requests lose their blocks and must be recomputed from their tokens; the
         scheduler queues them again (and counts the preemption).
         """
+        if not self.paused:
+            return []
         budget = self.config.resolve_paused_block_budget(self.allocator.total)
         evicted = []
         while self.paused and (self.paused_block_count() > budget or (force_one and not evicted)):

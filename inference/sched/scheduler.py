@@ -274,37 +274,41 @@ class Scheduler:
         ctx = self.ctx
         evicted: list[Request] = []
         ctx.resume_paused_requests()
-        decode = self._schedule_decodes(evicted)
+        active = np.array(ctx.active, dtype=np.int64)
+        decode, changed = self._schedule_decodes(evicted, active)
         overflow = ctx.evict_overflow_paused_requests()
         if overflow:  # NOTE: the blocks they freed resumed older paused ones: those decode now, else this
             evicted += overflow  # step would run nothing and evict them too (two requests could livelock)
-            decode = self._schedule_decodes(evicted)
-        budget = self.config.max_batch_tokens - len(decode)
-        prefill_slots, prefill_lens = self._schedule_prefills(budget, admit_new)
-        if not decode and not prefill_slots and ctx.has_unfinished_requests():
+            decode, changed = self._schedule_decodes(evicted, np.array(ctx.active, dtype=np.int64))
+        if changed or overflow:  # NOTE: requests paused or evicted: the active ones are others
+            active = np.array(ctx.active, dtype=np.int64)
+        budget = self.config.max_batch_tokens - decode.size
+        prefill_slots, prefill_lens = self._schedule_prefills(budget, admit_new, active)
+        if not decode.size and not prefill_slots and ctx.has_unfinished_requests():
             evicted += self._evict_newest()
         for req in reversed(evicted):
             req.num_preemptions += 1
             self.num_preemptions += 1
             self._reserved_slots -= len(req.fork_children)  # re-reserved when it is admitted again
             self._queue(req, front=True)
-        slots = np.array(decode + prefill_slots, dtype=np.int64)
+        if not prefill_slots:
+            return StepPlan(decode, np.ones(decode.size, dtype=np.int64), decode.size, evicted)
+        slots = np.concatenate((decode, np.array(prefill_slots, dtype=np.int64)))
         lens = np.ones(slots.size, dtype=np.int64)
-        lens[len(decode) :] = prefill_lens
-        return StepPlan(slots, lens, len(decode), evicted)
+        lens[decode.size :] = prefill_lens
+        return StepPlan(slots, lens, decode.size, evicted)
 
-    def _schedule_decodes(self, evicted: list[Request]) -> list[int]:
-        """Decode-ready slots that have the block of their next token; the others are paused.
-        Prefills evicted to make room for an older decode are appended to `evicted`."""
+    def _schedule_decodes(self, evicted: list[Request], active: np.ndarray) -> tuple[np.ndarray, bool]:
+        """Decode-ready slots of `active` that have the block of their next token, and whether any
+        request was paused (the others) or evicted on the way. Prefills evicted to make room for an
+        older decode are appended to `evicted`."""
         ctx = self.ctx
-        if not ctx.active:
-            return []
-        active = np.array(ctx.active, dtype=np.int64)
         ready = active[ctx.kv_len[active] == ctx.seq_len[active] - 1]
         needs_block = ready[ctx.kv_len[ready] // ctx.block_size >= ctx.num_blocks[ready]]
         if needs_block.size == 0 or ctx.grow_each_by_one(needs_block):
-            return ready.tolist()
+            return ready, False
         paused = set()
+        evicted_before = len(evicted)
         for slot in needs_block.tolist():
             while not ctx.grow(slot, int(ctx.kv_len[slot]) + 1):
                 # NOTE: a newer request's prefill yields to an older one's next token (else they can livelock)
@@ -314,14 +318,14 @@ class Scheduler:
                     paused.add(slot)
                     break
                 evicted += ctx.release_memory_blocks_from_request_indexes([newer[-1]])
-        return [s for s in ready.tolist() if s not in paused]
+        kept = np.array([s for s in ready.tolist() if s not in paused], dtype=np.int64)
+        return kept, bool(paused) or len(evicted) > evicted_before
 
-    def _schedule_prefills(self, budget: int, admit_new: bool) -> tuple[list[int], list[int]]:
+    def _schedule_prefills(self, budget: int, admit_new: bool, active: np.ndarray) -> tuple[list[int], list[int]]:
         ctx, chunk_cap = self.ctx, self.config.chunked_prefill_size
         slots: list[int] = []
         lens: list[int] = []
-        active = np.array(ctx.active, dtype=np.int64)
-        prefilling = active[ctx.seq_len[active] - ctx.kv_len[active] > 1] if active.size else active
+        prefilling = active[ctx.seq_len[active] - ctx.kv_len[active] > 1]
         for slot in prefilling.tolist():  # NOTE: decode-ready slots (one token left) run as decodes
             if budget <= 0:
                 break
@@ -331,7 +335,8 @@ class Scheduler:
                 slots.append(slot)
                 lens.append(chunk)
                 budget -= chunk
-        self._admit_waiting(budget, admit_new, self._first_blocks_being_prefilled(prefilling), slots, lens)
+        if len(ctx.free_slots) > self.reserved_slots:  # NOTE: else no request can start (the steady state under load)
+            self._admit_waiting(budget, admit_new, self._first_blocks_being_prefilled(prefilling), slots, lens)
         return slots, lens
 
     def _admit_waiting(self, budget: int, admit_new: bool, being_prefilled: dict[int, int], slots: list[int],
