@@ -44,10 +44,18 @@ def register_full_blocks(ctx: DynamicInferenceContext, slots: np.ndarray) -> Non
     stride = bs * ctx.tokens.itemsize  # NOTE: int64, as packed_block_hashes reads them
     pending = _Pending()
     version = ctx.policy_version
+    # NOTE: a slot keyed by the version alone, without prompt scores: its request need not be read
+    plain = (ctx.plain_key[crossed] & ~ctx.wants_prompt_logprobs[crossed] & ~ctx.offers_scores[crossed]).tolist()
+    plain_key, plain_salt = ctx.plain_chain_key(version)
     for i, (slot, full, done) in enumerate(zip(crossed.tolist(), fulls.tolist(), dones.tolist())):
         if skipped[i]:
             continue
         chain = ctx.hashes[slot]
+        if plain[i] and len(chain) == done and full == done + 1:  # NOTE: a decode's block, the usual case
+            chain.append(chained_hash(chain[-1] if chain else 0, plain_salt, packed[i * stride : (i + 1) * stride]))
+            pending.runs.append(BlockRun([first_ids[i]], chain[done:], parents[i], plain_key))
+            pending.spans.append((slot, done, full))
+            continue
         req = ctx.requests[slot]
         key, salt = ctx.chain_key(req, version)  # NOTE: matchable_hashes keys it alike
         if len(chain) == done and full == done + 1:

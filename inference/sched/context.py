@@ -95,6 +95,8 @@ class DynamicInferenceContext:
         self.generators: list[torch.Generator | None] = [None] * n
         self.num_top_logprobs = np.zeros(n, dtype=np.int64)
         self.wants_prompt_logprobs = np.zeros(n, dtype=bool)
+        # the slot's chain is keyed by the current policy version alone (no cache salt, version salt or adapter)
+        self.plain_key = np.zeros(n, dtype=bool)
         self.streams_tokens = np.zeros(n, dtype=bool)  # the request's caller wants every token as sampled
         self.returns_routes = np.zeros(n, dtype=bool)  # MoE: the request records its routing per token
         self.lora_id = np.full(n, -1, dtype=np.int64)  # the resident id of the slot's LoRA adapter (-1: none)
@@ -299,6 +301,7 @@ class DynamicInferenceContext:
         self.generators[slot] = req.generator
         self.num_top_logprobs[slot] = p.logprobs or 0
         self.wants_prompt_logprobs[slot] = p.prompt_logprobs is not None
+        self.plain_key[slot] = not req.salted and p.cache_salt is None and req.lora is None
         self.streams_tokens[slot] = req.stream_tokens
         self.returns_routes[slot] = p.return_routed_experts
         self.lora_id[slot] = -1 if req.lora is None else req.lora.id
@@ -491,8 +494,16 @@ class DynamicInferenceContext:
         lora = req.lora
         if not req.salted:
             policy_version = self.policy_version if policy_version is None else policy_version
-        fields = (req.start_version if req.salted else policy_version, req.params.cache_salt,
-                  None if lora is None else lora.name, None if lora is None else lora.version)
+        return self.chain_key_of((req.start_version if req.salted else policy_version, req.params.cache_salt,
+                                  None if lora is None else lora.name, None if lora is None else lora.version))
+
+    def plain_chain_key(self, policy_version: int) -> tuple[BlockKey, bytes]:
+        """`chain_key` of any request of a `plain_key` slot under `policy_version`."""
+        return self.chain_key_of((policy_version, None, None, None))
+
+    def chain_key_of(self, fields: tuple) -> tuple[BlockKey, bytes]:
+        """The key of `fields` (version, cache salt, adapter name, adapter version) and its bytes,
+        memoised: the one place every chain key is made (lookup and registration alike)."""
         found = self._chain_keys.get(fields)
         if found is None:
             if len(self._chain_keys) >= MAX_MEMOISED_KEYS:  # NOTE: salts may be per request

@@ -190,12 +190,12 @@ def planted_stale_scores(monkeypatch):
     import inference.sched.context as context
 
     monkeypatch.setattr("inference.core.engine_core.EngineCore.reset_prefix_cache", lambda self: None)
-    chain_key = context.DynamicInferenceContext.chain_key
+    chain_key_of = context.DynamicInferenceContext.chain_key_of
 
-    def versionless(self, req, policy_version=None):
-        return chain_key(self, req, policy_version)[0], b""  # NOTE: the bytes every hash of the chain mixes in
+    def versionless(self, fields):
+        return chain_key_of(self, fields)[0], b""  # NOTE: the bytes every hash of the chain mixes in
 
-    monkeypatch.setattr(context.DynamicInferenceContext, "chain_key", versionless)
+    monkeypatch.setattr(context.DynamicInferenceContext, "chain_key_of", versionless)
 
 
 def test_the_update_check_catches_stale_scores(prompt, planted_stale_scores):

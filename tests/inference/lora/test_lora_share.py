@@ -113,15 +113,15 @@ def test_a_new_version_never_hits_the_last_versions_prefix_blocks():
 def test_a_planted_key_without_the_adapter_version_is_served_stale_and_counted(monkeypatch):
     """Planted bug: blocks keyed by the adapter's name only. The next version's request is then
     served the old version's blocks, and `cross_version_prefix_hits` counts them (the loop's check)."""
-    from inference.kv_cache.block_key import BlockKey
-    from inference.kv_cache.hashing import encode_extra_key
     from inference.sched.context import DynamicInferenceContext
 
-    def name_only(self, req, policy_version=None):
-        key = BlockKey(self.policy_version, req.params.cache_salt, req.lora.name, 1)
-        return key, encode_extra_key(key.hash_key())
+    chain_key_of = DynamicInferenceContext.chain_key_of
 
-    monkeypatch.setattr(DynamicInferenceContext, "chain_key", name_only)  # NOTE: block_key reads it
+    def name_only(self, fields):
+        version, salt, adapter, _ = fields
+        return chain_key_of(self, (version, salt, adapter, None if adapter is None else 1))
+
+    monkeypatch.setattr(DynamicInferenceContext, "chain_key_of", name_only)  # NOTE: every chain key is made there
     base = tiny_hf("llama")
     peft = peft_of(base)
     engine = make_engine(base)

@@ -122,17 +122,17 @@ def planted_cache_outlives_versions(monkeypatch):
         self.kv.deallocate()
         return freed
 
-    chain_key = context.DynamicInferenceContext.chain_key
+    chain_key_of = context.DynamicInferenceContext.chain_key_of
 
-    def versionless(self, req, policy_version=None):
-        return chain_key(self, req, policy_version)[0], b""  # NOTE: the bytes every hash of the chain mixes in
+    def versionless(self, fields):
+        return chain_key_of(self, fields)[0], b""  # NOTE: the bytes every hash of the chain mixes in
 
     monkeypatch.setattr(CacheManager, "release", release_keeping_cache)
     monkeypatch.setattr("inference.core.engine_core.EngineCore.reset_prefix_cache", lambda self: None)
     monkeypatch.setattr("inference.kv_cache.allocator.KVBlockAllocator.matchable",
                         lambda self, block_ids, key, current_version: len(block_ids))
     # NOTE: the one source of both users' salt: the lookup and the registration of filled blocks
-    monkeypatch.setattr(context.DynamicInferenceContext, "chain_key", versionless)
+    monkeypatch.setattr(context.DynamicInferenceContext, "chain_key_of", versionless)
 
 
 @pytest.mark.usefixtures("one_torch_thread", "no_plot")
