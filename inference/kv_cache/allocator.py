@@ -283,7 +283,7 @@ class KVBlockAllocator:
             state.stamp_all(ids, hashes)  # NOTE: the common case (a step's decodes), checked at once
             registry.register_kv(ids, hashes)
             counts = [len(run.block_ids) for run in runs]
-            if len(ids) == len(runs):  # NOTE: one block each: each block's parent is its run's
+            if counts and min(counts) == 1 and len(ids) == len(runs):  # NOTE: one block each: its parent is its run's
                 self._record_new_blocks(runs, counts, ids, run_parents, [run.key for run in runs], computed_by)
                 return counts
         else:

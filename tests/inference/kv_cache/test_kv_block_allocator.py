@@ -289,6 +289,32 @@ def test_register_runs_registers_each_run_in_turn_and_stops_after_a_short_one(po
 
 
 @BOTH
+def test_register_runs_of_uneven_lengths_chain_each_block_to_its_own_parent(policy):
+    """An empty run beside a two-block one (as many blocks as runs): each block keeps its own
+    parent and key, as registering the runs one by one gives."""
+    from inference.kv_cache.allocator import BlockRun
+    from inference.kv_cache.block_key import BlockKey
+
+    one_by_one, batched = KVBlockAllocator(8, BS, policy), KVBlockAllocator(8, BS, policy)
+    keyed = BlockKey(2)
+
+    def runs(blocks):
+        return [BlockRun([], [], -1), BlockRun(blocks[:2], block_hashes([1, 2, 3, 4], BS, extra_key=2), -1, keyed)]
+
+    for r in runs(one_by_one.allocate(2)):
+        one_by_one.register(r.block_ids, r.hashes, r.parent_block_id, key=r.key)
+    assert batched.register_runs(runs(batched.allocate(2))) == [0, 2]
+    assert _snapshot(batched) == _snapshot(one_by_one)
+    assert [batched.state.key_of(b) for b in (0, 1)] == [keyed, keyed]
+    for alloc in (one_by_one, batched):
+        alloc.release([0, 1])
+    if policy is LRU:  # NOTE: block 1's parent is block 0: the leaf goes first
+        assert batched.allocate(7)[-1] == one_by_one.allocate(7)[-1]
+        assert dict(batched.registry.kv_hash_to_block_id) == dict(one_by_one.registry.kv_hash_to_block_id)
+        assert list(batched.registry.kv_hash_to_block_id.values()) == [0]
+
+
+@BOTH
 def test_register_runs_with_a_malformed_run_changes_nothing(policy):
     from inference.kv_cache.allocator import BlockRun
 
