@@ -44,32 +44,27 @@ def register_full_blocks(ctx: DynamicInferenceContext, slots: np.ndarray) -> Non
     stride = bs * ctx.tokens.itemsize  # NOTE: int64, as packed_block_hashes reads them
     pending = _Pending()
     version = ctx.policy_version
-    # NOTE: a slot keyed by the version alone, without prompt scores: its request need not be read
+    # NOTE: a slot keyed by the version alone, without prompt scores or offers: its request is not read
     plain = (ctx.plain_key[crossed] & ~ctx.wants_prompt_logprobs[crossed] & ~ctx.offers_scores[crossed]).tolist()
     plain_key, plain_salt = ctx.plain_chain_key(version)
     for i, (slot, full, done) in enumerate(zip(crossed.tolist(), fulls.tolist(), dones.tolist())):
         if skipped[i]:
             continue
         chain = ctx.hashes[slot]
-        if plain[i] and len(chain) == done and full == done + 1:  # NOTE: a decode's block, the usual case
-            chain.append(chained_hash(chain[-1] if chain else 0, plain_salt, packed[i * stride : (i + 1) * stride]))
-            pending.runs.append(BlockRun([first_ids[i]], chain[done:], parents[i], plain_key))
-            pending.spans.append((slot, done, full))
-            continue
-        req = ctx.requests[slot]
-        key, salt = ctx.chain_key(req, version)  # NOTE: matchable_hashes keys it alike
-        if len(chain) == done and full == done + 1:
+        req = None if plain[i] else ctx.requests[slot]
+        key, salt = (plain_key, plain_salt) if req is None else ctx.chain_key(req, version)  # NOTE: as matchable_hashes
+        if len(chain) == done and full == done + 1:  # NOTE: a decode's block, the usual case
             chain.append(chained_hash(chain[-1] if chain else 0, salt, packed[i * stride : (i + 1) * stride]))
             ids = [first_ids[i]]
         else:  # NOTE: a prefill's blocks, or a forked sample's first own one (its chain is extended lazily)
             new_tokens = ctx.tokens[slot, len(chain) * bs : full * bs]
             chain += packed_block_hashes(new_tokens.tobytes(), bs, chain[-1] if chain else 0, salt)
             ids = ctx.block_table[slot, done:full].tolist()
-        scores = req.prompt_scores
+        scores = None if req is None else req.prompt_scores
         # NOTE: the scores of these blocks were recorded from the same forward pass, just before
         cached_scores = None if scores is None else [
             scores.to_block(index, bs, req.prompt_token_ids) for index in range(done, full)]
-        if ctx.offers_scores[slot]:
+        if req is not None and ctx.offers_scores[slot]:
             _register_pending(ctx, pending)  # NOTE: what it offers to may be registered this step
             _offer_scores(ctx, slot, chain[done:full], cached_scores)
             continue

@@ -335,11 +335,10 @@ class Scheduler:
                 slots.append(slot)
                 lens.append(chunk)
                 budget -= chunk
-        if len(ctx.free_slots) > self.reserved_slots:  # NOTE: else no request can start (the steady state under load)
-            self._admit_waiting(budget, admit_new, self._first_blocks_being_prefilled(prefilling), slots, lens)
+        self._admit_waiting(budget, admit_new, prefilling, slots, lens)
         return slots, lens
 
-    def _admit_waiting(self, budget: int, admit_new: bool, being_prefilled: dict[int, int], slots: list[int],
+    def _admit_waiting(self, budget: int, admit_new: bool, prefilling: np.ndarray, slots: list[int],
                        lens: list[int]) -> None:
         """Admit waiting requests into free slots, appending their first chunks to `slots` and
         `lens`: the returning lane first, in order, then the clients in turns (each turn admits the
@@ -349,6 +348,7 @@ class Scheduler:
         ctx, waiting = self.ctx, self.waiting
         if len(ctx.free_slots) <= self.reserved_slots:  # NOTE: the steady state under load: no request can start
             return
+        being_prefilled = self._first_blocks_being_prefilled(prefilling)
         passed = 0  # requests looked at and left waiting (bounds the scan)
         returning, index = waiting.returning, 0
         while index < len(returning) and passed < ADMISSION_SCAN and budget > 0 and not ctx.paused:

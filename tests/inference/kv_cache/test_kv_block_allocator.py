@@ -12,6 +12,9 @@ from inference.kv_cache import (
     KVEventHub,
     block_hashes,
 )
+from inference.kv_cache.allocator import BlockRun
+from inference.kv_cache.block_key import BlockKey
+from inference.kv_cache.block_state import PromptLogprobsBlock
 from inference.kv_cache.hashing import UNSET_HASH
 
 LRU, REF_ZERO = EvictionPolicy.LRU, EvictionPolicy.REF_ZERO
@@ -250,9 +253,6 @@ def test_register_runs_registers_each_run_in_turn_and_stops_after_a_short_one(po
     """One call for a step's runs leaves what registering them one by one leaves (hashes, keys,
     versions, scores, LRU chains, events), a run seeing the runs before it; it stops after the
     first run registered short so the caller can act before the rest go."""
-    from inference.kv_cache.allocator import BlockRun
-    from inference.kv_cache.block_key import BlockKey
-    from inference.kv_cache.block_state import PromptLogprobsBlock
 
     scores = PromptLogprobsBlock(BS, 0)
     salted = BlockKey(3, "tenant")
@@ -292,8 +292,6 @@ def test_register_runs_registers_each_run_in_turn_and_stops_after_a_short_one(po
 def test_register_runs_of_uneven_lengths_chain_each_block_to_its_own_parent(policy):
     """An empty run beside a two-block one (as many blocks as runs): each block keeps its own
     parent and key, as registering the runs one by one gives."""
-    from inference.kv_cache.allocator import BlockRun
-    from inference.kv_cache.block_key import BlockKey
 
     one_by_one, batched = KVBlockAllocator(8, BS, policy), KVBlockAllocator(8, BS, policy)
     keyed = BlockKey(2)
@@ -316,7 +314,6 @@ def test_register_runs_of_uneven_lengths_chain_each_block_to_its_own_parent(poli
 
 @BOTH
 def test_register_runs_with_a_malformed_run_changes_nothing(policy):
-    from inference.kv_cache.allocator import BlockRun
 
     alloc = KVBlockAllocator(8, BS, policy)
     blocks = alloc.allocate(3)
