@@ -62,6 +62,8 @@ class Request:
     admitted: bool = False  # has held a slot (a pause in WAIT mode lets only these run on)
     # sibling requests that wait for this one's prompt prefill to fork from it (sample 0 only)
     fork_children: list[Request] = field(default_factory=list)
+    # while it leads a queued group: what a later request must match to join it (`Scheduler.new_group`)
+    prefill_key: Optional[tuple] = None
     num_preemptions: int = 0
     cached_tokens: Optional[int] = None  # prompt tokens the prefix cache served at its first admission
     # the version it (its group, its session) started under; what max_staleness measures, and under

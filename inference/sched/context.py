@@ -259,8 +259,9 @@ class DynamicInferenceContext:
         self._take_state_slot(slot)
         n = int(self.seq_len[parent_slot])
         self.tokens[slot, :n] = self.tokens[parent_slot, :n]
-        for name in ("seq_len", "kv_len", "prompt_len", "max_len"):
+        for name in ("seq_len", "kv_len", "prompt_len"):
             getattr(self, name)[slot] = getattr(self, name)[parent_slot]
+        self.max_len[slot] = min(child.max_total_tokens, self.config.max_sequence_length)  # its own max_tokens
         self.block_table[slot, :full] = shared
         self.block_table[slot, full:total] = fresh
         self.state_cacheable[slot] = self.state_cacheable[parent_slot]

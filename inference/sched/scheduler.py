@@ -66,6 +66,20 @@ class ForkResult:
     state_copies: list[tuple[int, int]]
 
 
+# the largest group (a share of the engine's slots) that later requests may join: a group is
+# admitted only when its whole size of slots is free, so a big one waits while the slots turn over
+MAX_JOINED_SHARE = 0.5
+
+
+def _prefill_key(req: Request) -> tuple:
+    """What two requests must share for one to fork from the other's prefill: the client (turns
+    between clients stay fair), the prompt, and everything the prompt's KV, its log-probs or its
+    routes depend on (adapter and its pinned version, salts, session, start version)."""
+    p = req.params
+    return (req.client, tuple(req.prompt_token_ids), None if req.lora is None else req.lora.id, req.start_version,
+            req.salted, p.cache_salt, p.session_id, p.prompt_logprobs, p.return_routed_experts)
+
+
 def _scores_wanted(req: Request) -> int:
     """The top-n of prompt scores a request needs from cached blocks (-1: none)."""
     return -1 if req.params.prompt_logprobs is None else req.params.prompt_logprobs
@@ -99,6 +113,7 @@ class Scheduler:
         self.watermark_blocks = max(1, context.allocator.total // 100)
         self._ids = itertools.count()
         self._groups = itertools.count()
+        self._open_prefills: dict[tuple, Request] = {}  # queued leaders by `_prefill_key` (see new_group)
 
     @property
     def reserved_slots(self) -> int:
@@ -125,14 +140,39 @@ class Scheduler:
     # ---- a request's life --------------------------------------------------------------------
 
     def new_group(self, samples: list[Request]) -> None:
-        """Queue the n samples of one prompt: the first prefills it, the others fork from it."""
+        """Queue the n samples of one prompt: the first prefills it, the others fork from it.
+
+        A group whose prompt a queued leader already has (same client, same tokens, same KV keys:
+        `_prefill_key`) joins that leader's group instead: RL callers that send a prompt's n samples
+        as n requests get one prefill, as `n` would give them, not n prefills of its partial last block.
+        """
         head = samples[0]
-        head.fork_children = samples[1:]
         self._salt(samples)
         for req in samples:
             self.live[req.request_id] = req
         self._count_waiting(head.client, len(samples))
+        key = _prefill_key(head)
+        leader = self._open_prefills.get(key)
+        if leader is not None and self._may_join(leader, len(samples)):
+            leader.fork_children.extend(samples)
+            return
+        head.fork_children = samples[1:]
+        head.prefill_key = key
+        self._open_prefills[key] = head
         self._queue(head)
+
+    def _may_join(self, leader: Request, samples: int) -> bool:
+        """Whether `samples` more may fork from `leader`: it still waits for its first slot, and the
+        group stays small enough (`MAX_JOINED_SHARE` of the slots) not to wait long for free ones."""
+        limit = max(1, int(self.config.max_requests * MAX_JOINED_SHARE))
+        return (leader.status is RequestStatus.WAITING and not leader.admitted and leader.request_id in self.live
+                and 1 + len(leader.fork_children) + samples <= limit)
+
+    def _close_prefill(self, req: Request) -> None:
+        """`req` leaves the queue (admitted, finished, restarted): no later request joins it."""
+        key, req.prefill_key = req.prefill_key, None
+        if key is not None and self._open_prefills.get(key) is req:
+            del self._open_prefills[key]
 
     def _salt(self, samples: list[Request]) -> None:
         """The group's start version (its session's if the session is known) and whether its blocks
@@ -155,6 +195,7 @@ class Scheduler:
 
     def set_start_version(self, req: Request, version: int) -> None:
         """`req` starts again under `version` (a stale one restarted): its salt moves with it."""
+        self._close_prefill(req)
         if req.salted:
             self._release_salt(req)
             self.salts.acquire(version)
@@ -186,6 +227,7 @@ class Scheduler:
         (self.waiting.push_returning if front else self.waiting.push)(req)
 
     def finish(self, req: Request, reason: FinishReason) -> None:
+        self._close_prefill(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.finish_time = time.perf_counter()
@@ -245,6 +287,7 @@ class Scheduler:
         self._waiting_samples.clear()
         self._num_waiting_samples = 0
         self._reserved_slots = 0
+        self._open_prefills.clear()
         aborted = sorted(self.live.values(), key=lambda r: r.request_id)
         for req in aborted:
             req.fork_children = []
@@ -414,6 +457,7 @@ class Scheduler:
         except BlockOverflowError:
             return None  # NOTE: nothing changed; it stays in line
         req.admitted = True
+        self._close_prefill(req)
         self._count_waiting(req.client, -1)
         self._reserved_slots += group - 1
         slot = ctx.active[-1]

@@ -152,9 +152,28 @@ def test_scores_are_cached_only_by_a_forward_pass_that_succeeded(model, prompt, 
 def test_identical_scored_prompts_added_together_compute_the_prompt_once(model, prompt):
     engine = engine_for(model)
     outs = engine.generate([prompt] * 4, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2))
-    # the first scores the prompt; the others wait for its blocks and their scores, then run the
-    # last 2 tokens (the scheduler holds a request back only for a prefill that records its top-n)
-    assert engine.stats()["prefill_tokens"] == 18 + 3 * 2 and engine.stats()["prompt_logprobs_cached"] == 3 * 16
+    # the others join the first's group while it waits: they fork from its prefill, scores and all
+    assert engine.stats()["prefill_tokens"] == 18 and engine.stats()["prompt_logprobs_cached"] == 0
+    assert all(o.prompt_logprobs == outs[0].prompt_logprobs for o in outs)
+    assert_same_scores(outs[0].prompt_logprobs, float64_scores(model, prompt, 2))
+
+
+def test_identical_scored_prompts_added_mid_prefill_wait_for_its_scores(model, prompt):
+    engine = engine_for(model)
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    engine.add_request(prompt, params)
+    engine.step()  # the first holds a slot: later ones cannot join its group
+    for _ in range(3):
+        engine.add_request(prompt, params)
+    outs = []
+    for _ in range(50):
+        outs += engine.step()
+        if len(outs) == 4:
+            break
+    # the second waits for its blocks and their scores, then runs the last 2 tokens (the scheduler
+    # holds a request back only for a prefill that records its top-n); the last two join its group
+    assert len(outs) == 4
+    assert engine.stats()["prefill_tokens"] == 18 + 2 and engine.stats()["prompt_logprobs_cached"] == 16
     assert all(o.prompt_logprobs[:17] == outs[0].prompt_logprobs[:17] for o in outs)
 
 

@@ -137,7 +137,61 @@ def test_identical_prompts_added_together_are_prefilled_once(llama):
     engine = small_engine(llama)
     prompt = random_prompts(1, 16, 16, seed=12)[0]
     outputs = engine.generate([prompt] * 8, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    # the first computes the prompt; the others wait a step and match its 3 full blocks (the last
-    # block is recomputed: at least one token must be run to get logits)
-    assert engine.context.prefill_tokens == 16 + 7 * 4
+    # the first computes the prompt; the others join its group while it waits for a slot and fork
+    # from its prefill (as the samples of one request with n = 8 do)
+    assert engine.context.prefill_tokens == 16
     assert len({tuple(o.generated_token_ids) for o in outputs}) == 1
+
+
+def test_requests_that_join_a_group_keep_their_own_limits_and_tokens(llama):
+    engine = small_engine(llama)
+    prompt = random_prompts(1, 13, 13, seed=14)[0]  # a partial last block: copied to each fork
+    lengths = [3, 7, 1, 5]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in lengths]
+    outputs = engine.generate([prompt] * 4, params)
+    assert engine.context.prefill_tokens == 13
+    assert [len(o.generated_token_ids) for o in outputs] == lengths  # each its own max_tokens
+    want = hf_greedy(llama, prompt, max(lengths))
+    assert all(o.generated_token_ids == want[: len(o.generated_token_ids)] for o in outputs)
+    assert engine.scheduler.reserved_slots == 0 and engine.allocator.active == 0
+
+
+def test_only_requests_that_may_share_a_prefill_join_one(llama):
+    engine = small_engine(llama, max_requests=8)
+    core = engine.core
+    prompt = random_prompts(1, 13, 13, seed=15)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    core.add_checked(prompt, greedy)
+    core.add_checked(prompt, greedy, client="other")  # another client's turn: never a fork of this one
+    core.add_checked(prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, cache_salt="s"))
+    core.add_checked(prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=1))
+    core.add_checked(prompt, SamplingParams(temperature=0.5, max_tokens=2, ignore_eos=True, seed=3))  # joins
+    waiting = list(core.scheduler.waiting)
+    assert len(waiting) == 4 and [len(r.fork_children) for r in waiting] == [1, 0, 0, 0]
+    for _ in range(5):  # groups of at most max_requests / 2 = 4: the third leads a group of its own
+        core.add_checked(prompt, greedy)
+    # the shared lane (4 leaders), then the other client's
+    assert [len(r.fork_children) for r in core.scheduler.waiting] == [3, 0, 0, 2, 0]
+    engine.step()
+    (rid,) = core.add_checked(prompt, greedy)
+    slotted = [r for r in engine.context.requests if r is not None]
+    assert slotted and all(rid not in {c.request_id for c in r.fork_children} for r in slotted)  # none joins them
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.context.prefill_tokens < 13 * 5  # five groups prefilled (what the cache matched aside)
+    assert engine.scheduler.reserved_slots == 0 and engine.allocator.active == 0
+
+
+def test_a_joined_group_outlives_its_aborted_leader(llama):
+    engine = small_engine(llama)
+    prompt = random_prompts(1, 13, 13, seed=16)[0]
+    ids = [engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)) for _ in range(3)]
+    engine.abort(ids[0])
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    by_id = {o.request_id: o for o in outputs}
+    assert by_id[ids[0]].finish_reason.value == "abort"
+    assert by_id[ids[1]].generated_token_ids == by_id[ids[2]].generated_token_ids == hf_greedy(llama, prompt, 4)
+    assert engine.context.prefill_tokens == 13  # the second took the group and prefilled for both
+    assert engine.scheduler.reserved_slots == 0 and engine.allocator.active == 0

@@ -128,6 +128,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         # per client: (its first waiting request that could start, the new groups of each other
         # client admitted while it waited through whole steps)
         self.overtaken: dict[str, tuple[int, Counter]] = {}
+        self.joined_groups: set[int] = set()  # groups that joined another's (see add)
 
     # ---- rules -------------------------------------------------------------------------------
 
@@ -143,6 +144,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             for rid in self.core.add_checked(prompt, params, stream_tokens=stream, client=client):
                 self.expected[rid] = (prompt, params, stream)
                 self.client_of[rid] = client
+            # a group that joined a queued leader's (same prompt) is admitted in that leader's turn
+            self.joined_groups |= {child.group_id for head in self.core.scheduler.waiting
+                                   for child in head.fork_children if child.group_id != head.group_id}
 
     @rule(times=st.integers(1, 12))
     def step(self, times: int) -> None:
@@ -169,7 +173,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         ctx = self.core.context
         now = {(r.group_id, r.client) for r in (ctx.requests[s] for s in ctx.active + ctx.paused)}
         now |= {(o.group_id, self.client_of[o.request_id]) for o in outputs}
-        new = {(g, c) for g, c in now if g not in self.slotted_groups}
+        new = {(g, c) for g, c in now if g not in self.slotted_groups and g not in self.joined_groups}
         self.slotted_groups |= {g for g, _ in new}
         return Counter(c for _, c in new)
 
