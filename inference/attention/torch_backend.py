@@ -1,6 +1,6 @@
 """Reference attention backend in plain torch (CPU and GPU).
 
-Two groups per step, each one SDPA call per layer, no per-request python loop:
+Two groups per step, each one SDPA call per layer (CPU prefill aside, below):
 
 * decode (requests with one query row): on CPU, the native kernel (`cpu_kernels.paged_decode`)
   attends straight from the pages, with no gather and no padding to the longest request.
@@ -186,9 +186,12 @@ class TorchAttentionBackend(AttentionBackend):
             return self._attend_prefill(q, kv, pf) if pf.chunks is None else self._attend_each(q, k, v, kv, pf)
         out = q.new_empty(self._num_tokens, self.num_heads * self.head_dim)
         out.index_copy_(0, dec.tokens, self._attend_decode(q.index_select(0, dec.tokens), kv, dec))
-        q, k, v = (t.index_select(0, pf.tokens) for t in (q, k, v))
-        out.index_copy_(0, pf.tokens, self._attend_prefill(q, kv, pf) if pf.chunks is None
-                        else self._attend_each(q, k, v, kv, pf))
+        q = q.index_select(0, pf.tokens)
+        if pf.chunks is None:
+            out.index_copy_(0, pf.tokens, self._attend_prefill(q, kv, pf))
+        else:
+            k, v = k.index_select(0, pf.tokens), v.index_select(0, pf.tokens)
+            out.index_copy_(0, pf.tokens, self._attend_each(q, k, v, kv, pf))
         return out
 
     def _native_out(self, batch: int) -> torch.Tensor:
