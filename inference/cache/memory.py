@@ -8,13 +8,6 @@ import mmap
 import torch
 
 
-# NOTE: the pool's pages as transparent huge pages where the kernel allows them (`madvise` mode):
-# a decode step writes each request's K/V into a block anywhere in the pool, so with 4 KiB pages a
-# fresh block costs page faults (SmolLM2, 64 requests: ~770 a step, each 3-40 us in this VM) and its
-# reads miss the TLB; a 2 MiB page takes one fault for ~170 blocks of a layer.
-HUGE_PAGES = True
-
-
 def returnable_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero-filled tensor whose memory is returned to the system once the last view is gone.
 
@@ -29,9 +22,4 @@ def returnable_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
         return torch.zeros(shape, dtype=dtype, device=device)
     count = math.prod(shape)
     region = mmap.mmap(-1, max(count * dtype.itemsize, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if HUGE_PAGES and hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            region.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # NOTE: a kernel built without transparent huge pages: 4 KiB pages then
-            pass
     return torch.frombuffer(region, dtype=dtype, count=count).view(shape)
