@@ -34,7 +34,6 @@ from inference.attention.base import AttentionBackend, AttentionBackendKind
 from inference.attention.metadata import AttentionMetadata, BatchSplit, split_decode_prefill
 from inference.cache.kv_buffer import KVCacheBuffer
 
-
 # prefill requests in a step up to which each takes its own SDPA call on CPU (module docstring);
 # past it the per-call cost of the python loop outgrows what the padded grid wastes
 EACH_PREFILL_MAX = 32
