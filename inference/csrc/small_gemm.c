@@ -38,17 +38,31 @@
 #endif /* the k of a block summed from zero (a multiple of LANES) */
 
 /* the rows kernel's tile: MV vectors of eight rows by NR rows of w, MV * NR accumulators, MV row
- * vectors and one broadcast weight in registers (AVX-512 has 32 vector registers, AVX2 16) */
+ * vectors and one broadcast weight in registers (AVX-512 has 32 vector registers, AVX2 16).
+ * A call's groups go MV at a time; on AVX2 (MV 2) what is left at the end takes a tile of its
+ * own: one group NR1 = 12 rows of w, three groups NR3 = 4. A lone group under the 1 x 6 tile had
+ * only six chains of multiply-adds, fewer than Zen 3 keeps in flight (two a cycle, four cycles
+ * each). SmolLM2's GEMMs, one thread, weights streamed from memory, every row count from 5 to 72,
+ * interleaved medians: 5-8 rows (one group) 4-19% faster, 17-24 (three) 4-11%, 33-40 (five)
+ * 2-13%, 49-56 and 65-72 a few %; even counts of groups unchanged (the same tiles, 0.91-1.05).
+ * AVX-512's lone group already has eight chains (1 x 8), and it has no odd leftover of three. */
 #if defined(__AVX512VL__)
 #define MV 3
 #define NR 8
+#define NR1 NR
+#define NR3 NR
 #elif defined(__AVX__)
 #define MV 2
 #define NR 6
+#define NR1 12
+#define NR3 4
 #else /* SSE: a vector is two registers */
 #define MV 1
 #define NR 4
+#define NR1 NR
+#define NR3 NR
 #endif
+#define NR_MAX (NR1 > NR ? NR1 : NR) /* the widest tile */
 #define FEW 4
 #define ROWS_FROM 5 /* from this many rows the rows kernel takes them all (measured: 5-7 rows a little faster) */ /* rows of the few-rows kernel's tile: its accumulators beside eight weight vectors */
 
@@ -129,7 +143,7 @@ static void pack_rows(const float *x, int64_t m, int64_t k, int64_t xs, float *x
 static inline __attribute__((always_inline)) void rows_tile(
     const int mv, const int nr, const float *xt, const float *w, int64_t k, const float *bias, float *y, int64_t ys,
     int64_t rows) {
-    lanes_t total[MV][NR], acc[MV][NR];
+    lanes_t total[3][NR_MAX], acc[3][NR_MAX];
     for (int v = 0; v < mv; v++)
         for (int o = 0; o < nr; o++) total[v][o] = splat(0.0f);
     for (int64_t k0 = 0; k0 < k; k0 += KB) {
@@ -137,7 +151,7 @@ static inline __attribute__((always_inline)) void rows_tile(
         for (int v = 0; v < mv; v++)
             for (int o = 0; o < nr; o++) acc[v][o] = splat(0.0f);
         for (int64_t kk = k0; kk < k1; kk++) {
-            lanes_t xv[MV];
+            lanes_t xv[3];
             for (int v = 0; v < mv; v++) xv[v] = in_register(load(xt + v * k * 8 + kk * 8));
             for (int o = 0; o < nr; o++) {
                 const lanes_t wv = in_register(splat(w[o * k + kk]));
@@ -153,28 +167,37 @@ static inline __attribute__((always_inline)) void rows_tile(
                 y[(v * 8 + r) * ys + o] = bias ? total[v][o][r] + bias[o] : total[v][o][r];
 }
 
-#define ROWS_CASE(A, B) case (A) * 16 + (B): rows_tile(A, B, xt, w, k, bias, y, ys, rows); break;
-#if NR == 8
-#define ROWS_ROW(A) ROWS_CASE(A, 1) ROWS_CASE(A, 2) ROWS_CASE(A, 3) ROWS_CASE(A, 4) ROWS_CASE(A, 5) \
-    ROWS_CASE(A, 6) ROWS_CASE(A, 7) ROWS_CASE(A, 8)
-#elif NR == 6
-#define ROWS_ROW(A) ROWS_CASE(A, 1) ROWS_CASE(A, 2) ROWS_CASE(A, 3) ROWS_CASE(A, 4) ROWS_CASE(A, 5) ROWS_CASE(A, 6)
-#else
-#define ROWS_ROW(A) ROWS_CASE(A, 1) ROWS_CASE(A, 2) ROWS_CASE(A, 3) ROWS_CASE(A, 4)
-#endif
+#define ROWS_CASE(A, B) case (A) * 32 + (B): rows_tile(A, B, xt, w, k, bias, y, ys, rows); break;
+#define ROWS_4(A) ROWS_CASE(A, 1) ROWS_CASE(A, 2) ROWS_CASE(A, 3) ROWS_CASE(A, 4)
+#define ROWS_6(A) ROWS_4(A) ROWS_CASE(A, 5) ROWS_CASE(A, 6)
+#define ROWS_8(A) ROWS_6(A) ROWS_CASE(A, 7) ROWS_CASE(A, 8)
+#define ROWS_12(A) ROWS_8(A) ROWS_CASE(A, 9) ROWS_CASE(A, 10) ROWS_CASE(A, 11) ROWS_CASE(A, 12)
+#define ROWS_UPTO(N, A) ROWS_UPTO_(N, A)
+#define ROWS_UPTO_(N, A) ROWS_##N(A)
+/* one tile of `mv` groups by `nr` rows of w (nr up to that mv's width: the last tile of a call may be narrower) */
 static void rows_any(int mv, int nr, const float *xt, const float *w, int64_t k, const float *bias, float *y,
                      int64_t ys, int64_t rows) {
-    switch (mv * 16 + nr) {
-        ROWS_ROW(1)
+    switch (mv * 32 + nr) {
+        ROWS_UPTO(NR1, 1)
 #if MV >= 2
-        ROWS_ROW(2)
+        ROWS_UPTO(NR, 2)
 #endif
 #if MV >= 3
-        ROWS_ROW(3)
+        ROWS_UPTO(NR, 3)
+#elif MV == 2
+        ROWS_UPTO(NR3, 3)
 #endif
         default: break;
     }
 }
+
+/* groups a tile takes from `left` groups still to do: MV, or at the end three (when MV is 2) or one */
+static inline int tile_groups(int64_t left) {
+    if (left >= MV) return MV == 2 && left == 3 ? 3 : MV;
+    return (int)left;
+}
+
+static inline int tile_width(int mv) { return mv == 1 ? NR1 : mv == 3 ? NR3 : NR; }
 
 /* ---- few rows: eight outputs to a vector ----------------------------------------------------- */
 
@@ -246,11 +269,12 @@ int small_gemm_f32(const float *x, int64_t m, int64_t k, int64_t x_stride, const
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t o = 0; o < n; o += NR * 4) { /* NOTE: 4 * NR outputs a task: both kernels' tiles fit */
         const int64_t o_end = o + NR * 4 < n ? o + NR * 4 : n;
-        for (int64_t g = 0; g < groups; g += MV) {
-            const int mv = groups - g < MV ? (int)(groups - g) : MV;
-            for (int64_t t = o; t < o_end; t += NR) {
-                const int nr = o_end - t < NR ? (int)(o_end - t) : NR;
-                rows_any(mv, nr, xt + g * k * 8, w + t * k, k, bias ? bias + t : NULL, y + g * 8 * y_stride + t,
+        for (int64_t g = 0, mv; g < groups; g += mv) {
+            mv = tile_groups(groups - g);
+            const int width = tile_width((int)mv);
+            for (int64_t t = o; t < o_end; t += width) {
+                const int nr = o_end - t < width ? (int)(o_end - t) : width;
+                rows_any((int)mv, nr, xt + g * k * 8, w + t * k, k, bias ? bias + t : NULL, y + g * 8 * y_stride + t,
                          y_stride, m - g * 8);
             }
         }

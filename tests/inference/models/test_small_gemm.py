@@ -27,7 +27,7 @@ def test_close_to_float64_and_with_kernels_each_row_alike_at_every_row_count(sha
     assert ((full.double() - exact).abs() <= bound).all()
     if native.available():  # NOTE: MKL's sgemm (the fallback) rounds a row by the batch's shape
         # the same bits in any batch, wherever a row falls in the kernel's tiles of rows
-        for rows in [*range(1, 10), 12, 16, 17, 31, 64, 100, MAX_ROWS - 1, MAX_ROWS]:
+        for rows in [*range(1, 10), 12, 16, 17, 24, 31, 40, 56, 64, 100, MAX_ROWS - 1, MAX_ROWS]:
             for offset in (0, 1, 2, 3, 5):
                 end = offset + rows
                 if end <= MAX_ROWS:
