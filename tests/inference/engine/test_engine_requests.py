@@ -178,7 +178,6 @@ def test_only_requests_that_may_share_a_prefill_join_one(llama):
     assert slotted and all(rid not in {c.request_id for c in r.fork_children} for r in slotted)  # none joins them
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.context.prefill_tokens < 13 * 5  # five groups prefilled (what the cache matched aside)
     assert engine.scheduler.reserved_slots == 0 and engine.allocator.active == 0
 
 
