@@ -30,7 +30,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 import llguidance as llg
-import llguidance.torch as llg_torch
+import llguidance.numpy as llg_numpy  # NOTE: not llguidance.torch: its import loads torch.compile (~2 s)
 import numpy as np
 import torch
 from torch import Tensor
@@ -217,7 +217,7 @@ class GrammarSlots:
             self._executor = self._executor or llg.LLExecutor(_GRAMMAR_THREADS)
         bitmask = self._bitmask[: rows.size]
         work = [(self.matchers[int(slots[r])], i) for i, r in enumerate(rows.tolist())]
-        llg_torch.fill_next_token_bitmask_par(self._executor, work, bitmask)
+        llg_numpy.fill_next_token_bitmask_par(self._executor, work, bitmask.numpy())
         return rows, bitmask
 
     def accept(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray | None:
