@@ -9,6 +9,8 @@ level (`x86-64-v2`, `-v3`, `-v4`, or just `v2` / `v3` / `v4`): the kernels reass
 to vectorise them, so their rounding follows the vector width the compiler chose. Built for one
 named level, they round alike on every CPU that has it, which is how CI simulates other machines.
 A level this CPU lacks is refused (its instructions would fault), like a failed build.
+`library_at(level)` loads a level's build beside the engine's, so that the tests check the code
+paths of a CPU below this one (the GEMM's AVX2 and SSE tiles on an AVX-512 machine) in every run.
 
 Kernels are called through ctypes, which releases the GIL. Users: decode attention
 (`attention/cpu_kernels.py`), the decode step's few-row GEMMs (`models/small_gemm.py`), the
@@ -30,7 +32,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -89,8 +91,13 @@ def target_arch() -> str:
 
     Raises ValueError for a name that is no level, or a level this CPU does not have."""
     name = os.environ.get("ROLLOUT_ENGINE_KERNEL_ARCH", "").strip().lower() or "native"
-    if name == "native":
-        return name
+    return name if name == "native" else checked_level(name)
+
+
+def checked_level(name: str) -> str:
+    """`name` (`v2`, `x86-64-v3`, ...) as the x86-64 level it names; ValueError for a name that is
+    no level, or a level this CPU does not have."""
+    name = name.strip().lower()
     level = f"x86-64-{name}" if name in ("v2", "v3", "v4") else name
     if level not in LEVEL_FLAGS:
         raise ValueError(f"ROLLOUT_ENGINE_KERNEL_ARCH={name!r}: expected native, v2, v3 or v4 (x86-64 levels)")
@@ -111,10 +118,10 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _build(cc: str) -> Path:
+def _build(cc: str, arch: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     texts = [source.read_text() for source in (*_SOURCES, *_HEADERS)]
-    flags = [f"-march={target_arch()}", *_FLAGS]
+    flags = [f"-march={arch}", *_FLAGS]
     key = hashlib.sha256("\0".join([*texts, " ".join(flags), version, _cpu_key()]).encode())
     target = _cache_dir() / key.hexdigest()[:16] / "kernels.so"
     if target.exists():
@@ -140,7 +147,7 @@ def library():
         logger.warning("no C compiler found: CPU attention and sampling use the pure-torch paths (slower)")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(cc)))
+        lib = _load(_build(cc, target_arch()))
     except ValueError as exc:
         logger.error("native CPU kernels not built: %s; using the pure-torch paths", exc)
         return None
@@ -148,6 +155,22 @@ def library():
         detail = getattr(exc, "stderr", "") or exc
         logger.warning("building the native CPU kernels failed (%s); using the pure-torch paths", detail)
         return None
+    return lib
+
+
+@cache
+def library_at(level: str) -> ctypes.CDLL:
+    """The kernels built for x86-64 `level` (`v2`, `v3`, `v4`), beside `library()`: how a test checks
+    another CPU's code paths (each level has its own GEMM tiles) on this one. Raises ValueError for
+    a level this CPU lacks, RuntimeError without a compiler, and the compiler's error if it fails."""
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found")
+    return _load(_build(cc, checked_level(level)))
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, ctypes.c_int
