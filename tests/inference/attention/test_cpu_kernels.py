@@ -124,9 +124,10 @@ def test_without_kernels_the_torch_path_serves(monkeypatch):
 @needs_compiler
 def test_the_kernel_is_cached_per_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("ROLLOUT_ENGINE_CACHE", str(tmp_path))
-    built = native_kernels._build(native_kernels.compiler())
+    cc, arch = native_kernels.compiler(), native_kernels.target_arch()
+    built = native_kernels._build(cc, arch)
     assert built.exists() and tmp_path in built.parents
-    assert native_kernels._build(native_kernels.compiler()) == built  # the second call reuses it
+    assert native_kernels._build(cc, arch) == built  # the second call reuses it
 
 
 @needs_compiler
