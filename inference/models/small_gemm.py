@@ -34,10 +34,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return native_linear(x, weight, bias) if few_rows(x, weight, bias) else F.linear(x, weight, bias)
 
 
-def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The native kernel's `x @ weight.T (+ bias)`, for inputs `few_rows` accepts."""
+def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, lib=None) -> torch.Tensor:
+    """The native kernel's `x @ weight.T (+ bias)`, for inputs `few_rows` accepts; `lib`: another build
+    of the kernels than the engine's (`native.library_at`), for tests."""
     out = x.new_empty(x.shape[0], weight.shape[0])
-    status = native.library().small_gemm_f32(
+    status = (lib or native.library()).small_gemm_f32(
         x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), weight.data_ptr(), weight.shape[0],
         None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), torch.get_num_threads())
     if status:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
 from inference import native
 from inference.models import small_gemm
-from inference.models.small_gemm import MAX_ROWS, few_rows, linear
+from inference.models.small_gemm import MAX_ROWS, few_rows, linear, native_linear
 
 needs_kernels = pytest.mark.skipif(not native.available(), reason="native kernels not built")
 
@@ -39,15 +41,7 @@ def test_each_x86_level_s_tiles_are_checked_on_this_cpu(level, shape, bias):
     """Each level compiles its own tiles (SSE 1 x 4; AVX2 2 x 6 with 1 x 12 and 3 x 4 leftovers;
     AVX-512 3 x 8): the ones this CPU does not pick natively are checked here too."""
     lib = native.library_at(level)
-
-    def gemm(x, w, b):
-        y = x.new_empty(x.shape[0], w.shape[0])
-        status = lib.small_gemm_f32(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), w.data_ptr(), w.shape[0],
-                                    None if b is None else b.data_ptr(), y.data_ptr(), y.stride(0), 1)
-        assert status == 0
-        return y
-
-    _check_close_and_alike(gemm, shape, bias, alike=True)
+    _check_close_and_alike(partial(native_linear, lib=lib), shape, bias, alike=True)
 
 
 def _check_close_and_alike(gemm, shape, bias, alike):
