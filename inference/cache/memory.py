@@ -17,9 +17,20 @@ def returnable_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
     as zeros and only count once touched. MAP_PRIVATE: Python's default MAP_SHARED is
     shmem-backed, with page faults ~1.8x slower. On GPU the caching allocator's memory is
     returned by `torch.cuda.empty_cache()`, which the suspend path calls.
+
+    The mapping is advised for transparent huge pages: a rollout touches its KV pages for the first
+    time while it decodes (after every resume, too), and a 2 MiB page costs one fault where 4 KiB
+    pages cost 512 (zero-filling 512 MiB: ~125-150 ms in 4 KiB faults, ~25-40 ms in huge ones, on a
+    Zen 4 VM). Whole SmolLM2 rollouts (16 x 4, engine alone, interleaved pairs): 1.04-1.09x. Unmapping
+    still returns every page. Where THP is off the advice does nothing.
     """
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     count = math.prod(shape)
     region = mmap.mmap(-1, max(count * dtype.itemsize, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel built without THP: 4 KiB pages, as before
+            pass
     return torch.frombuffer(region, dtype=dtype, count=count).view(shape)

@@ -3,6 +3,9 @@ offload/restore, (de)allocation."""
 
 from __future__ import annotations
 
+import gc
+import os
+
 import pytest
 import torch
 from hypothesis import settings
@@ -149,3 +152,28 @@ class BufferMachine(RuleBasedStateMachine):
 
 BufferMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=12, deadline=None)
 TestBufferMachine = BufferMachine.TestCase
+
+
+def _mapping_flags(address: int) -> list[str] | None:
+    """VmFlags of this process's mapping that holds `address`, from /proc/self/smaps."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    return None
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux's /proc/self/smaps")
+def test_the_buffer_is_advised_for_huge_pages_and_still_returned():
+    buf = KVCacheBuffer(L, 64, 16, 8, 64)  # 2 MiB and more: room for a huge page
+    address = buf.data.data_ptr()
+    flags = _mapping_flags(address)
+    assert flags is not None and "hg" in flags  # MADV_HUGEPAGE: first touches fault 2 MiB at a time
+    buf.deallocate()
+    gc.collect()
+    assert _mapping_flags(address) is None  # unmapped: the memory went back
