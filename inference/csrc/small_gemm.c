@@ -152,7 +152,8 @@ static inline __attribute__((always_inline)) void rows_tile(
             for (int o = 0; o < nr; o++) acc[v][o] = splat(0.0f);
         for (int64_t kk = k0; kk < k1; kk++) {
             /* the next tile's weights (the nr * k floats after this tile's, as rows_any's callers
-             * walk w), a line every 16 / nr steps of k, into L2: without it a tile's eight weight
+             * walk w), nr floats further each step of k, so they are covered when k is, into L2
+             * (a line twice at nr = 8; the second is nearly free): without it a tile's eight weight
              * streams wait on memory whenever few row groups share each weight. A prefetch past
              * the weights' end is dropped by the CPU, not a fault. Zen 4, a whole SmolLM2 step's
              * GEMMs from memory, interleaved medians: 8 rows 1.63x, 16 1.21x, 24 1.18x, 32 1.14x,

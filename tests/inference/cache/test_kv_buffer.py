@@ -168,7 +168,8 @@ def _mapping_flags(address: int) -> list[str] | None:
     return None
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux's /proc/self/smaps")
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps") or not os.path.exists("/sys/kernel/mm/transparent_hugepage"),
+                    reason="needs Linux's /proc/self/smaps and a kernel with transparent huge pages")
 def test_the_buffer_is_advised_for_huge_pages_and_still_returned():
     buf = KVCacheBuffer(L, 64, 16, 8, 64)  # 2 MiB and more: room for a huge page
     address = buf.data.data_ptr()
