@@ -21,8 +21,9 @@ def returnable_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
     The mapping is advised for transparent huge pages: a rollout touches its KV pages for the first
     time while it decodes (after every resume, too), and a 2 MiB page costs one fault where 4 KiB
     pages cost 512 (zero-filling 512 MiB: ~125-150 ms in 4 KiB faults, ~25-40 ms in huge ones, on a
-    Zen 4 VM; 3 of 11 huge-page trials took 220-780 ms, the host backing fresh memory). Whole SmolLM2 rollouts (16 x 4, engine alone, interleaved pairs): 1.04-1.09x. Unmapping
-    still returns every page. Where THP is off the advice does nothing.
+    Zen 4 VM; 3 of 11 huge-page trials took 220-780 ms, the host backing fresh memory). Whole
+    SmolLM2 rollouts (16 x 4, engine alone, interleaved pairs): 1.04-1.09x. Unmapping still returns
+    every page. Where THP is off the advice does nothing.
     """
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
