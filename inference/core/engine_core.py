@@ -65,7 +65,8 @@ class EngineCore:
     """One model replica's parts and its state machine (see module docstring).
 
     States: RUNNING steps; PAUSED (by `pause(mode)`) steps only in WAIT mode and only what was
-    admitted; SUSPENDED holds no KV buffer. `resume()` returns to the state `suspend()` left.
+    admitted; SUSPENDED holds no KV buffer. `resume()` returns to the state `suspend()` left, or to
+    the one a `pause()` / `continue_()` while suspended asked for.
     """
 
     def __init__(self, model: Any, config: InferenceConfig, on_finished: OnFinished, on_tokens: OnTokens) -> None:
@@ -347,19 +348,22 @@ class EngineCore:
     def pause(self, mode: PauseMode) -> None:
         """Stop generating (see `PauseMode`); new requests queue until `continue_()`."""
         mode = PauseMode(mode)
-        if self.state is EngineState.SUSPENDED:
-            raise EngineStateError("cannot pause a suspended engine; resume() first")
         if mode is PauseMode.ABORT:
             self.abort_all()
-        elif mode is PauseMode.RETRACT:
+        elif mode is PauseMode.RETRACT and self.state is not EngineState.SUSPENDED:
             self.scheduler.requeue_in_slot_requests()
-        self.state, self.pause_mode = EngineState.PAUSED, mode
+        if self.state is EngineState.SUSPENDED:  # NOTE: as vLLM, accepted asleep; it holds after the wake-up
+            self._before_suspend = (EngineState.PAUSED, mode)
+        else:
+            self.state, self.pause_mode = EngineState.PAUSED, mode
 
     def continue_(self) -> None:
-        """Generate again after `pause()`; a no-op while running."""
+        """Generate again after `pause()`; a no-op while running. Asleep, the engine generates again
+        once it wakes up (vLLM's `/resume` of a sleeping engine answers 200 too)."""
         if self.state is EngineState.SUSPENDED:
-            raise EngineStateError("cannot continue a suspended engine; resume() first")
-        self.state, self.pause_mode = EngineState.RUNNING, None
+            self._before_suspend = (EngineState.RUNNING, None)
+        else:
+            self.state, self.pause_mode = EngineState.RUNNING, None
 
     def drained(self) -> bool:
         """Nothing admitted is still in flight (what a WAIT pause waits for)."""

@@ -248,11 +248,11 @@ async def sleep(request: Request, level: int = Query(1)) -> Response:
 @router.post("/wake_up")
 async def wake_up(request: Request) -> Response:
     """`tags`: only those parts (the weights first, to load new ones, then the KV cache); a part
-    awake already is left as it is."""
+    awake already is left as it is, so a wake-up of an awake engine answers 200, as vLLM's."""
     tags = _tags(request)
-    front = front_of(request)
-    if tags is not None or await _state(front) == "suspended":  # NOTE: awake already: nothing to do
-        await engine_call(front.client.resume(tags=tags))
+    # NOTE: every part named, never "resume if asleep": the engine's loop decides what sleeps, so
+    # wake-ups sent together (SkyRL sends one to each of a server's URLs) wake it once, all 200
+    await engine_call(front_of(request).client.resume(tags=tags or list(MEMORY_TAGS)))
     return json_response({"status": "awake", "tags": tags})
 
 
