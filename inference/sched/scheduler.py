@@ -536,6 +536,7 @@ class Scheduler:
                     self._queue(child, front=True)
                     continue
                 child.admitted = True
+                child.cached_tokens = req.cached_tokens  # NOTE: its prompt is its leader's, as cached as it was
                 self._count_waiting(child.client, -1)
                 if ctx.num_blocks[slot] > full:  # the partial last prompt block is copied, not shared
                     kv_copies.append((int(ctx.block_table[slot, full]), int(ctx.block_table[child_slot, full])))

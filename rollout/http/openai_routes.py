@@ -379,10 +379,18 @@ def _continuous_usage(body: Any) -> bool:
     return options is not None and options.include_usage and options.continuous_usage_stats
 
 
-def _usage(prompts: list[list[int]], samples: list[Sample]) -> dict[str, int]:
+def _usage(prompts: list[list[int]], samples: list[Sample]) -> dict[str, Any]:
+    """vLLM's usage, with `prompt_tokens_details.cached_tokens` always (as under its
+    `--enable-prompt-tokens-details`): per prompt, the fewest its samples found cached (the one
+    that prefilled it; forks would count its blocks again), never above the prompt's length."""
     prompt_tokens = sum(len(p) for p in prompts)
     completion = sum(len(s.ids) for s in samples)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    cached: dict[int, int] = {}
+    for s in samples:
+        cached[s.group] = min(cached.get(s.group, s.cached_tokens), s.cached_tokens)
+    cached_tokens = sum(min(n, len(prompts[g])) for g, n in cached.items() if g < len(prompts))
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 __all__ = ["Delta", "router"]

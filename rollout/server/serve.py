@@ -128,6 +128,8 @@ def add_http_limit_arguments(parser) -> None:
     parser.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default="none",
                         help="parse chat replies into `tool_calls` (rollout.http.tools): hermes (Qwen2.5, Hermes), "
                         "llama3_json (Llama 3.x); none: tools reach the template, replies stay text")
+    parser.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="vLLM's flag, accepted: usage.prompt_tokens_details.cached_tokens is always reported")
     parser.add_argument("--skip-tokenizer-init", action="store_true",
                         help="token ids in and out only, as vLLM's flag (a model without a tokenizer): text "
                         "prompts, stop strings and the tokenize routes answer 400, completions' text is empty")
