@@ -23,6 +23,7 @@ from inference.errors import (
     ResumeMemoryError,
     TensorStateDeallocatedError,
     TokenOverflowError,
+    WeightsUnavailableError,
 )
 from inference.request import FinishReason, RequestOutput, TokenEvent
 from inference.sampling.params import LogprobsMode, SamplingParams
@@ -40,6 +41,7 @@ __all__ = [
     "EvictionPolicy",
     "FinishReason",
     "EngineStateError",
+    "WeightsUnavailableError",
     "OverloadedError",
     "EngineStepError",
     "InferenceConfig",

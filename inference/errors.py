@@ -106,6 +106,13 @@ class EngineStateError(RuntimeError):
     """An operation is not allowed in the engine's current state (e.g. resume while running)."""
 
 
+class WeightsUnavailableError(EngineStateError):
+    """The engine holds no weights fit to serve until a complete weight update loads them (a
+    level-2 sleep discarded them, or an in-place update was aborted half-written). Unlike other
+    state refusals, waiting does not end it: only the trainer's update does, so a client should
+    not retry on a timer (an HTTP front says so: `x-should-retry: false`)."""
+
+
 class OverloadedError(RuntimeError):
     """The engine refuses new work for now: its waiting queue is at its configured bound. Nothing
     about the request is wrong; retry after `retry_after_s` (a server answers OVERLOADED, an HTTP

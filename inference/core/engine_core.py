@@ -38,6 +38,7 @@ from inference.errors import (
     StaleSessionError,
     TensorStateDeallocatedError,
     WeightNameError,
+    WeightsUnavailableError,
 )
 from inference.kv_cache.policy import PrefixCachePolicy
 from inference.lora import AdapterInfo, AdapterRef, LoRAAdapter, LoRARegistry
@@ -118,7 +119,8 @@ class EngineCore:
         if self.state is EngineState.SUSPENDED and self.config.suspended_add_policy is SuspendedAddPolicy.RAISE:
             raise TensorStateDeallocatedError(None, "the engine is suspended; add requests after resume()")
         if self.weights.serving_error is not None:
-            raise EngineStateError(f"the engine cannot generate now: {self.weights.serving_error}")
+            error = WeightsUnavailableError if self.weights.awaits_update else EngineStateError
+            raise error(f"the engine cannot generate now: {self.weights.serving_error}")
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")

@@ -71,6 +71,12 @@ class WeightManager:
         return self._broken
 
     @property
+    def awaits_update(self) -> bool:
+        """The weights cannot serve until a complete update (discarded by a deep sleep, or an
+        aborted in-place update): a wait that does not end by itself, unlike an open in-place load."""
+        return self._broken is not None and self.serving_error is self._broken
+
+    @property
     def update_in_progress(self) -> bool:
         return self._update is not None
 

@@ -13,7 +13,8 @@ Every handler here answers and the server goes on serving.
 What cannot be served now says when to come back (`Retry-After`), as OpenAI and vLLM do: 429 when
 the engine's waiting queue is full (OVERLOADED), 503 while the engine is suspended or in a state
 that refuses the call; a context error that is transient (the engine's memory released) is such
-a state, a permanent one is the client's 400.
+a state, a permanent one is the client's 400. An engine whose weights await an update (after a
+deep sleep) answers 503 with `x-should-retry: false`: the openai SDK does not retry it.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inference import SamplingParams
-from inference.errors import ContextOverflowError, EngineStateError, OverloadedError
+from inference.errors import ContextOverflowError, EngineStateError, OverloadedError, WeightsUnavailableError
 from rollout.http.schemas import FIELD_ERROR, LONE_SURROGATE
 from rollout.text import PromptTooLongError, TokenizerUnavailableError
 from rollout.wire.codec import ProtocolError
@@ -49,16 +50,19 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
                  param: Optional[str] = None, code: Optional[str] = None,
-                 retry_after_s: Optional[float] = None) -> None:
+                 retry_after_s: Optional[float] = None, should_retry: Optional[bool] = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = int(status), message, type, param, code
-        self.retry_after_s = retry_after_s
+        self.retry_after_s, self.should_retry = retry_after_s, should_retry
 
     @property
     def headers(self) -> Optional[dict[str, str]]:
-        if self.retry_after_s is None:
-            return None
-        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+        headers = {}
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
+        if self.should_retry is not None:  # NOTE: the openai SDK obeys it before the status (its _should_retry)
+            headers["x-should-retry"] = "true" if self.should_retry else "false"
+        return headers or None
 
 
 VLLM_ROOT_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})  # vLLM's, answered in its shape
@@ -81,6 +85,12 @@ def unavailable(message: str, retry_after_s: Optional[float] = None) -> APIError
     """503: the engine cannot serve this now (suspended, paused for a weight update, ...)."""
     return APIError(503, message, type="server_error", code="engine_unavailable",
                     retry_after_s=RETRY_AFTER_S if retry_after_s is None else retry_after_s)
+
+
+def no_weights(message: str) -> APIError:
+    """503 that says not to retry: the engine holds no weights until a weight update (a deep sleep
+    discarded them); a client retrying on a timer would only spin until the trainer sends them."""
+    return APIError(503, message, type="server_error", code="weights_unavailable", should_retry=False)
 
 
 def overloaded(message: str, retry_after_s: Optional[float] = None) -> APIError:
@@ -125,6 +135,8 @@ def from_exception(exc: BaseException) -> APIError:
             return overloaded(str(exc))
         if exc.code is ErrorCode.ENGINE_STATE:
             return unavailable(str(exc))
+        if exc.code is ErrorCode.NO_WEIGHTS:
+            return no_weights(str(exc))
         if exc.code in (ErrorCode.INVALID_REQUEST, ErrorCode.BAD_SCHEMA):
             return APIError(400, str(exc), param=engine_param(str(exc)))
         if exc.code is ErrorCode.NOT_FOUND:  # e.g. a LoRA adapter not loaded
@@ -132,6 +144,8 @@ def from_exception(exc: BaseException) -> APIError:
         if exc.code is ErrorCode.TOO_LARGE:
             return APIError(413, str(exc), code="request_too_large")
         return APIError(500, str(exc), type="server_error")
+    if isinstance(exc, WeightsUnavailableError):
+        return no_weights(str(exc))
     if isinstance(exc, EngineStateError):
         return unavailable(str(exc))
     if isinstance(exc, TimeoutError):

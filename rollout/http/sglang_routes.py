@@ -447,6 +447,9 @@ async def health(request: Request) -> Response:
         info = await front_of(request).client.health(timeout=20.0)
     except Exception:  # noqa: BLE001 (no answer is unhealthy)
         return Response(status_code=503)
+    if info.serving_error is not None:  # NOTE: alive (200, as vLLM's), but say why it refuses to generate
+        return json_response({"status": "not_generating", "generating": False, "reason": info.serving_error},
+                             status=200 if info.healthy else 503)
     return Response(status_code=200 if info.healthy else 503)
 
 

@@ -199,6 +199,7 @@ async def server_info(request: Request, config_format: str = Query("text")) -> R
         raise APIError(400, f"config_format must be text or json, got {config_format!r}", param="config_format")
     front = front_of(request)
     stats = await engine_call(front.client.stats())
+    health = await engine_call(front.client.health(timeout=20.0))
     cfg = front.config
     config = {
         "model_config": {"model": cfg.model_path or cfg.model_name, "served_model_name": list(front.model_names),
@@ -214,6 +215,7 @@ async def server_info(request: Request, config_format: str = Query("text")) -> R
         "lora_config": {"max_loras": stats.get("engine/max_loras"), "max_lora_rank": stats.get("engine/max_lora_rank"),
                         "loaded": sorted(front.loras)} if stats.get("engine/max_loras") else None,
         "rollout_engine": {"policy_version": stats.get("policy_version"), "state": stats.get("engine/state"),
+                           "generating": health.serving_error is None, "serving_error": health.serving_error,
                            "vllm_api_version": VLLM_API_VERSION},
     }
     # NOTE: one handler for vLLM's and SGLang's `/server_info`: SGLang's server args beside `vllm_config`

@@ -140,6 +140,8 @@ class ReplicaLink:
         self.heard(now, info.policy_version)
         self.health = info
         self.engine_state = info.state
+        if self.state is ReplicaState.UP:  # NOTE: routed to, but say so where its engine refuses to generate
+            self.reason = "up" if info.serving_error is None else f"up, not generating: {info.serving_error}"
 
     def looks_healthy(self, now: float) -> bool:
         """Heard from lately, with a loop that goes round (whatever the state)."""

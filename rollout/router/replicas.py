@@ -151,6 +151,12 @@ class ReplicaSet:
         """A weight-update broadcast is in flight (new requests wait)."""
         return self._updating > 0
 
+    def serving_error(self) -> Optional[str]:
+        """Why the fleet cannot generate though replicas are up: every candidate's engine refuses
+        (their weights discarded by a deep sleep, say), the first one's reason; else None."""
+        errors = [link.health.serving_error if link.health else None for link in map(self.links.get, self.candidates())]
+        return errors[0] if errors and all(errors) else None
+
     def candidates(self) -> list[str]:
         """Replicas a request may start on: up, on the fleet's policy version, no update in flight."""
         if self._updating:

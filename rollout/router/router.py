@@ -122,6 +122,7 @@ class ReplicaInfo:
     in_flight: int
     routed: dict[str, int]
     takeouts: int
+    serving_error: Optional[str] = None  # why its engine refuses generations though up (a deep sleep's weights)
 
 
 class RolloutRouter:
@@ -260,7 +261,8 @@ class RolloutRouter:
         version = replicas.fleet.version or 0
         health = HealthInfo(healthy=bool(replicas.candidates()) or replicas.updating,
                             seconds_since_loop_tick=max(0.0, now - self.endpoint.last_round),
-                            state=replicas.fleet.engine_state, policy_version=version)
+                            state=replicas.fleet.engine_state, policy_version=version,
+                            serving_error=replicas.serving_error())
         self.endpoint.send(peer, Result(request_id=msg.request_id, request_kind=kind_of(type(msg)),
                                         policy_version=version, health=health if isinstance(msg, Health) else None))
 
@@ -354,6 +356,8 @@ class RolloutRouter:
                           prefix + "takeouts": info.takeouts})
             if info.policy_version is not None:
                 extra[prefix + "policy_version"] = info.policy_version
+            if info.serving_error is not None:
+                extra[prefix + "serving_error"] = info.serving_error
             extra.update({f"{prefix}routed_{reason}": n for reason, n in info.routed.items()})
         held = sum(len(indices) for _, indices in self.replica_set.held)
         stats = self.metrics.snapshot(merged, held=held, requests_in_flight=self.registry.num_live,
@@ -363,5 +367,5 @@ class RolloutRouter:
 
     def _infos(self) -> dict[str, ReplicaInfo]:
         return {name: ReplicaInfo(link.address, link.state, link.reason, link.version, load, len(link.attempts),
-                                  routed, link.takeouts)
+                                  routed, link.takeouts, link.health.serving_error if link.health else None)
                 for name, link, load, routed in self.replica_set.link_figures()}

@@ -18,6 +18,7 @@ from inference.errors import (
     EngineStateError,
     LoRANotFoundError,
     OverloadedError,
+    WeightsUnavailableError,
 )
 from inference.lora import AdapterInfo
 from inference.request import RequestOutput
@@ -51,6 +52,8 @@ def error_reply(exc: BaseException, request_id: Optional[str] = None) -> ErrorRe
                           context_error=ContextErrorFactory.serialize(exc))
     if isinstance(exc, OverloadedError):
         code = ErrorCode.OVERLOADED
+    elif isinstance(exc, WeightsUnavailableError):
+        code = ErrorCode.NO_WEIGHTS
     elif isinstance(exc, EngineStateError):
         code = ErrorCode.ENGINE_STATE
     elif isinstance(exc, LoRANotFoundError):
@@ -80,8 +83,10 @@ def health_of(engine, deadline_s: float) -> HealthInfo:
     """An engine's health from its loop's last tick (never waits for it: a wedged loop must show)."""
     since = engine.seconds_since_loop_tick()
     since = float("inf") if since is None else since
+    error = engine.weights.serving_error  # NOTE: a read of one attribute, off the loop like the tick's
     return HealthInfo(healthy=since <= deadline_s, seconds_since_loop_tick=min(since, 1e9),
-                      state=engine.state.value, policy_version=engine.policy_version)
+                      state=engine.state.value, policy_version=engine.policy_version,
+                      serving_error=None if error is None else error[:1024])
 
 
 def engine_figures(engine) -> dict:

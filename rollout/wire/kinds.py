@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 
-PROTOCOL_VERSION = 16  # 2: UpdateWeights.policy; 3: KvEvents, Result.kv_events; weight sync (group kinds,
+PROTOCOL_VERSION = 17  # 2: UpdateWeights.policy; 3: KvEvents, Result.kv_events; weight sync (group kinds,
 # distributed / shared-memory sources); 4: an update's version lives in its source alone (UpdateWeights
 # has no target_version; the disk source says the version of a plain checkpoint); IsSleeping, Result.sleeping;
 # 5: ErrorCode.OVERLOADED, Generate.client (whom a router forwards for: fair admission behind it); Sampling's
@@ -22,7 +22,8 @@ PROTOCOL_VERSION = 16  # 2: UpdateWeights.policy; 3: KvEvents, Result.kv_events;
 # versions, FinishReason.STALE;
 # 14: LoRA adapters (Sampling.lora_name; LoadLora, UnloadLora, ListLoras; Result.loras);
 # 15: SyncLora (an adapter-only weight sync: weight_sync.AdapterSource over a group or shared memory);
-# 16: SampleOutput.lora_version (the adapter version that sampled a LoRA request's every token)
+# 16: SampleOutput.lora_version (the adapter version that sampled a LoRA request's every token);
+# 17: HealthInfo.serving_error (why the engine cannot generate, e.g. after a deep sleep), ErrorCode.NO_WEIGHTS
 MAX_REQUEST_ID_LENGTH = 256
 MAX_SAMPLES = 1024  # n per Generate
 MAX_STOP_TOKENS = 1024  # also: bad-word sequences per request, and tokens per sequence
@@ -78,6 +79,7 @@ class ErrorCode(enum.IntEnum):
     DUPLICATE = 10  # a request id reused for a different request
     INTERNAL = 11  # a bug on the server
     OVERLOADED = 12  # the engine's waiting queue is full: nothing wrong with the request, retry later
+    NO_WEIGHTS = 13  # no weights fit to serve until a complete weight update (a deep sleep): do not retry on a timer
 
 
 REQUEST_KINDS = frozenset(k for k in Kind if k < 64)

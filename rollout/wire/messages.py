@@ -411,10 +411,14 @@ def _unpack_tokens(msg: Union[SampleOutput, TokenDelta], what: str) -> None:
 
 
 class HealthInfo(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """`serving_error`: why the engine refuses generations though its loop is alive (its weights
+    were discarded by a deep sleep and await an update, an in-place update is loading), or None."""
+
     healthy: bool
     seconds_since_loop_tick: Seconds
     state: Annotated[str, Meta(max_length=64)]
     policy_version: NonNegInt
+    serving_error: Optional[Annotated[str, Meta(max_length=1024)]] = None
 
 
 class KvEvent(msgspec.Struct, forbid_unknown_fields=True, array_like=True):

@@ -128,3 +128,42 @@ def test_vllm_weight_phases_through_the_router_give_each_replica_its_rank(routed
         assert out == expected
     assert web.get("/get_world_size").json() == {"world_size": 2}  # neither replica taken out
     web.close()
+
+
+def test_after_a_deep_sleep_the_router_says_its_replicas_do_not_generate(routed_front, tmp_path_factory,
+                                                                        one_torch_thread):
+    """The router's view of each replica, its health and its HTTP front's `/health` say that a
+    deep sleep left the fleet without weights, until a weight update loads them on every replica."""
+    import asyncio
+
+    import httpx
+
+    stats = lambda: asyncio.run(_stats(routed_front.front.client.connection.address))  # noqa: E731
+    model = str(routed_front.front.config.model_path)
+    with httpx.Client(base_url=routed_front.url, timeout=WAIT_S) as web:
+        assert web.post("/sleep", params={"level": 2}).status_code == 200
+        assert web.post("/wake_up").status_code == 200
+        figures = _until(stats, lambda f: sum(k.endswith("/serving_error") for k in f) == 2)
+        assert all("deep sleep" in v for k, v in figures.items() if k.endswith("/serving_error"))
+        health = web.get("/health")
+        assert health.status_code == 200 and health.json()["generating"] is False
+        refused = web.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2})
+        assert refused.status_code == 503 and refused.headers["x-should-retry"] == "false"
+        assert web.post("/update_weights_from_disk", json={"model_path": model}).status_code == 200
+        _until(stats, lambda f: not any(k.endswith("/serving_error") for k in f))
+        assert web.get("/health").content == b""
+        served = web.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2})
+        assert served.status_code == 200
+
+
+def _until(read, holds, timeout_s: float = WAIT_S):
+    """`read()` again until `holds` its value (the router hears each replica's health every tick)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = read()
+        if holds(value) or time.monotonic() > deadline:
+            assert holds(value), value
+            return value
+        time.sleep(0.1)

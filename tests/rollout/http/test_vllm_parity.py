@@ -100,3 +100,35 @@ def test_cached_tokens_per_prompt_as_vllm_reports_them(oai, front_url):
     messages = [{"role": "user", "content": " ".join(str(t) for t in prompt)}]
     chat = [oai.chat.completions.create(model=MODEL, messages=messages, n=2, max_tokens=2) for _ in range(2)]
     assert _cached(chat[0]) == 0 and 2 * BLOCK < _cached(chat[1]) <= chat[1].usage.prompt_tokens
+
+
+def test_after_a_deep_sleep_health_and_server_info_say_it_and_the_sdk_does_not_retry(web, front_url, model_dir):
+    """After a level-2 sleep and wake-up the engine refuses generations until a weight update
+    (its weights are gone); `/health` stays 200 (alive) with a body that says so, `/server_info`
+    too, and the refusal is a 503 the openai SDK does not retry (`x-should-retry: false`)."""
+    import openai
+
+    assert web.get("/health").content == b""
+    assert web.post("/sleep", params={"level": 2}).status_code == 200
+    assert web.post("/wake_up").status_code == 200
+    health = web.get("/health")
+    assert health.status_code == 200 and health.json()["generating"] is False
+    assert "deep sleep" in health.json()["reason"]
+    engine = web.get("/server_info", params={"config_format": "json"}).json()["vllm_config"]["rollout_engine"]
+    assert engine["generating"] is False and "deep sleep" in engine["serving_error"]
+
+    sent = []
+    with httpx.Client(event_hooks={"request": [sent.append]}) as http:
+        client = openai.OpenAI(base_url=f"{front_url}/v1", api_key="unused", timeout=WAIT_S, max_retries=5,
+                               http_client=http)
+        with pytest.raises(openai.InternalServerError) as refused:
+            client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=2)
+    assert refused.value.status_code == 503 and len(sent) == 1  # asked once, never retried
+    assert refused.value.response.headers["x-should-retry"] == "false"
+    assert "deep sleep" in refused.value.message
+
+    loaded = web.post("/update_weights_from_disk", json={"model_path": str(model_dir)})
+    assert loaded.status_code == 200, loaded.text
+    assert web.get("/health").content == b"" and _generate(web).status_code == 200
+    engine = web.get("/server_info", params={"config_format": "json"}).json()["vllm_config"]["rollout_engine"]
+    assert engine["generating"] is True and engine["serving_error"] is None

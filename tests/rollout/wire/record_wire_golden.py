@@ -155,6 +155,10 @@ def messages() -> dict[str, tuple[msgspec.Struct, list[str]]]:
                                   stats={"a": 1, "b": 0.5, "c": "x"}), []),
         "result_health": (p.Result(request_id="h1", request_kind=p.Kind.HEALTH, policy_version=3, health=p.HealthInfo(
             healthy=True, seconds_since_loop_tick=0.25, state="running", policy_version=3)), []),
+        "result_health_not_generating": (p.Result(request_id="h2", request_kind=p.Kind.HEALTH, policy_version=3,
+                                                  health=p.HealthInfo(healthy=True, seconds_since_loop_tick=0.25,
+                                                                      state="running", policy_version=3,
+                                                                      serving_error="weights discarded")), []),
         "result_kv_events": (p.Result(request_id="k1", request_kind=p.Kind.KV_EVENTS, policy_version=3,
                                       kv_events=p.KvEventBatch(block_size=16, start=0, next=2, reset=True, more=False,
                                                                events=[p.KvEvent(p.KvOp.STORED, [5, 6]),
