@@ -162,7 +162,7 @@ class LoRAShapeError(LoRAError):
 
 class LoRATargetError(LoRAError):
     """An adapter targets modules this model cannot adapt (e.g. embeddings, `modules_to_save`),
-    or uses a LoRA variant the engine does not compute (DoRA, alpha patterns, trained biases)."""
+    or uses a LoRA variant the engine does not compute (DoRA, trained biases)."""
 
 
 class LoRACapacityError(LoRAError):

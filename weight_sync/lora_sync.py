@@ -81,6 +81,9 @@ def peft_adapter(peft_model: Any, adapter_name: str = "default") -> tuple[list[t
     if config is None:
         raise LoRALoadError(f"{type(peft_model).__name__} has no PEFT adapter {adapter_name!r}")
     check_peft_config(config, f"{adapter_name} (live)")
+    if getattr(config, "alpha_pattern", None):  # NOTE: the source carries one alpha; a module's own would be lost
+        raise LoRATargetError(f"PEFT adapter {adapter_name!r}: alpha_pattern gives modules their own alpha, which a "
+                              "sync does not carry; load it from its directory or with load_lora_from_peft")
     # NOTE: one walk of the modules: peft's get_peft_model_state_dict walks the whole state dict
     # several times (~0.1-0.2 s for SmolLM2, as long as the shm transfer of its rank-16 adapter)
     named = []

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -79,6 +80,7 @@ LORA_PROJECTIONS = tuple(p for projs in INPUT_GROUPS.values() for p in projs)
 
 
 FusedA = tuple[torch.Tensor, float, list[tuple[int, int, int, torch.Tensor]]]
+ModuleConfig = Callable[[str], tuple[int, float]]  # an adapted module's HF path -> (rank, alpha) as configured
 
 
 def _fuse(layer: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, list[FusedA]]:
@@ -144,7 +146,6 @@ def check_peft_config(config: Any, path: str) -> Any:
     refusals = {
         "use_dora": "DoRA (use_dora) is not computed by the engine",
         "modules_to_save": "modules_to_save (fully trained copies of modules) are not served",
-        "alpha_pattern": "per-module alpha_pattern is not supported",
         "fan_in_fan_out": "fan_in_fan_out (Conv1D layouts) is not supported",
         "lora_bias": "trained LoRA biases (lora_bias) are not supported",
     }
@@ -170,7 +171,8 @@ def load_peft_adapter(path: str, name: str, model: Any, *, max_rank: int, dtype:
     except Exception as exc:
         raise LoRALoadError(f"LoRA adapter {path!r}: unreadable {ADAPTER_WEIGHTS}: {exc}") from exc
     return adapter_from_tensors(tensors, name, model, alpha=config.lora_alpha, rslora=bool(config.use_rslora),
-                                max_rank=max_rank, dtype=dtype, device=device, path=path)
+                                max_rank=max_rank, dtype=dtype, device=device, path=path,
+                                module_config=peft_module_config(config))
 
 
 def load_live_peft_adapter(peft_model: Any, name: str, model: Any, *, max_rank: int, dtype: torch.dtype,
@@ -195,7 +197,22 @@ def load_live_peft_adapter(peft_model: Any, name: str, model: Any, *, max_rank: 
                                 f"the engine computes in {dtype} on {device}; aliasing needs both equal (or load "
                                 "it with share=False, which copies)")
     return adapter_from_tensors(tensors, name, model, alpha=config.lora_alpha, rslora=bool(config.use_rslora),
-                                max_rank=max_rank, dtype=dtype, device=device, share=share)
+                                max_rank=max_rank, dtype=dtype, device=device, share=share,
+                                module_config=peft_module_config(config))
+
+
+def peft_module_config(config: Any) -> ModuleConfig:
+    """Each module's (rank, alpha) as PEFT builds its layer: `rank_pattern` / `alpha_pattern` where
+    a key names the module (PEFT's own matcher, `get_pattern_key`), else the config's `r` and
+    `lora_alpha`."""
+    from peft.utils.other import get_pattern_key
+
+    ranks, alphas = dict(config.rank_pattern or {}), dict(config.alpha_pattern or {})
+
+    def of(module: str) -> tuple[int, float]:
+        r = ranks.get(get_pattern_key(list(ranks), module), config.r)
+        return int(r), float(alphas.get(get_pattern_key(list(alphas), module), config.lora_alpha))
+    return of
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,16 +268,26 @@ def check_adapter_shapes(shapes: dict[str, tuple[int, ...]], name: str, model: A
 
 def adapter_from_tensors(tensors: dict[str, torch.Tensor], name: str, model: Any, *, alpha: float, rslora: bool,
                          max_rank: int, dtype: torch.dtype, device: torch.device,
-                         path: Optional[str] = None, share: bool = False) -> LoRAAdapter:
+                         path: Optional[str] = None, share: bool = False,
+                         module_config: Optional[ModuleConfig] = None) -> LoRAAdapter:
     """An adapter from PEFT-named tensors (`base_model.model.<module>.lora_{A,B}.weight`), checked;
-    `share`: the tensors themselves, unscaled (their caller checked dtype and device)."""
+    `share`: the tensors themselves, unscaled (their caller checked dtype and device).
+
+    `module_config` (a PEFT config's, `peft_module_config`): each module's rank as its config
+    states it, which its tensors must have (`LoRAShapeError` naming both), and its alpha; the
+    scaling is then PEFT's, `alpha / r` (rsLoRA: `alpha / sqrt(r)`). Without it (a sync, which
+    sends the tensors and one alpha), the tensors' rank and `alpha`."""
     shape = check_adapter_shapes({k: tuple(t.shape) for k, t in tensors.items()}, name, model, max_rank=max_rank,
                                  path=path)
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(shape.num_layers)]
     scales: list[dict[str, float]] = [{} for _ in range(shape.num_layers)]
     for module, (ka, kb) in shape.keys.items():
         a, b = tensors[ka], tensors[kb]
-        scaling = alpha / (math.sqrt(a.shape[0]) if rslora else a.shape[0])
+        r, module_alpha = (a.shape[0], alpha) if module_config is None else module_config(module)
+        if r != a.shape[0]:
+            raise LoRAShapeError(f"LoRA adapter {path or name!r}: {module} has rank {a.shape[0]} in its tensors "
+                                 f"but rank {r} in its {ADAPTER_CONFIG} (r, or the rank_pattern entry naming it)")
+        scaling = module_alpha / (math.sqrt(r) if rslora else r)
         m = _LAYER.match(module)
         i, proj = int(m["layer"]), m["proj"]
         if share:

@@ -78,6 +78,12 @@ def bad_adapters(base, root):
     config = json.loads((not_lora / "adapter_config.json").read_text())
     (not_lora / "adapter_config.json").write_text(json.dumps({**config, "peft_type": "IA3"}))
     cases.append((not_lora, LoRALoadError, "not LORA"))
+    for case, edit in (("r", {"r": 8}), ("rank_pattern", {"rank_pattern": {"layers.1.self_attn.q_proj": 2}})):
+        wrong = save_adapter(base, root / f"wrong_{case}", r=4, alpha=8, targets=["q_proj"], seed=6)
+        config = json.loads((wrong / "adapter_config.json").read_text())
+        (wrong / "adapter_config.json").write_text(json.dumps({**config, **edit}))
+        claimed = edit.get("r") or 2
+        cases.append((wrong, LoRAShapeError, f"rank 4 in its tensors but rank {claimed} in its adapter_config.json"))
     return cases
 
 

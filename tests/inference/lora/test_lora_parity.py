@@ -97,3 +97,23 @@ def test_reloaded_adapter_never_serves_blocks_of_its_old_version(base, adapters,
     tokens, logprobs = greedy_with_logprobs(peft_reference(base, other), prompt, STEPS)
     assert reloaded.generated_token_ids == tokens != first.generated_token_ids
     assert max(abs(a - b) for a, b in zip(reloaded.logprobs, logprobs)) < TOL
+
+
+def test_rank_and_alpha_patterns_scale_as_peft_does(base, tmp_path):
+    """PEFT's `rank_pattern` / `alpha_pattern` give some modules their own rank and alpha (its
+    scaling is each module's alpha / r): the engine follows them module by module."""
+    path = save_adapter(base, tmp_path / "patterns", r=4, alpha=8, targets=ALL_LINEAR, seed=4, std=0.3,
+                        rank_pattern={"q_proj": 8, "layers.1.mlp.down_proj": 2},
+                        alpha_pattern={"v_proj": 32, "layers.0.self_attn.o_proj": 1})
+    engine = make_engine(base)
+    engine.load_lora("p", path)
+    reference = peft_reference(base, path)
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, lora_name="p")
+    for out, prompt in zip(engine.generate(list(PROMPTS), [params] * len(PROMPTS)), PROMPTS):
+        tokens, logprobs = greedy_with_logprobs(reference, prompt, STEPS)
+        assert out.generated_token_ids == tokens
+        assert max(abs(a - b) for a, b in zip(out.logprobs, logprobs)) < TOL
+    # NOTE: the patterns must matter, or this test could not fail: without them the tokens differ
+    plain = save_adapter(base, tmp_path / "plain", r=4, alpha=8, targets=ALL_LINEAR, seed=4, std=0.3)
+    assert greedy_with_logprobs(peft_reference(base, plain), PROMPTS[0], STEPS)[1] != \
+        greedy_with_logprobs(reference, PROMPTS[0], STEPS)[1]

@@ -105,3 +105,24 @@ def test_sglang_routes_and_lora_path(web, codec, reference, adapters):
     assert missing.status_code == 400 and missing.json()["success"] is False
     r = web.post("/unload_lora_adapter", json={"lora_name": "code"})
     assert r.json() == {"success": True, "error_message": "", "loaded_adapters": {}}
+
+
+def test_a_config_rank_the_tensors_do_not_have_is_refused_naming_both(web, oai, model_dir, tmp_path):
+    """PEFT builds each module at its config's rank (`rank_pattern` where a key names it, else `r`):
+    tensors of another rank are refused with 400 naming both numbers; a valid `rank_pattern`
+    adapter loads and serves."""
+    import json
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    wrong = save_adapter(base, tmp_path / "wrong", r=4, alpha=8, targets=["q_proj", "v_proj"], seed=4)
+    config = json.loads((wrong / "adapter_config.json").read_text())
+    (wrong / "adapter_config.json").write_text(json.dumps({**config, "r": 8}))
+    r = web.post("/v1/load_lora_adapter", json={"lora_name": "wrong", "lora_path": str(wrong)})
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and "rank 4 in its tensors but rank 8 in its adapter_config.json" in message, r.text
+    patterned = save_adapter(base, tmp_path / "patterned", r=4, alpha=8, targets=["q_proj", "v_proj"], seed=4,
+                             rank_pattern={"v_proj": 2}, alpha_pattern={"q_proj": 16})
+    r = web.post("/v1/load_lora_adapter", json={"lora_name": "math", "lora_path": str(patterned)})
+    assert r.status_code == 200, r.text
+    out = oai.completions.create(model="math", prompt=PROMPT, max_tokens=2)
+    assert len(out.choices[0].token_ids) == 2
