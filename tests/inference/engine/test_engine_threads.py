@@ -333,12 +333,22 @@ def test_abort_pause_returns_partial_outputs_and_wait_pause_drains(tiny):
     check_no_leak(engine)
 
 
-def test_a_suspended_engine_cannot_pause_and_resume_returns_to_paused(tiny):
+def test_a_pause_or_continue_while_suspended_holds_once_resumed(tiny):
+    """As vLLM's `/pause` and `/resume` of a sleeping engine: accepted asleep, in effect after the
+    wake-up; with neither, resume returns to the state suspend left."""
     engine = DynamicInferenceEngine.from_pretrained(tiny, config())
     engine.pause(PauseMode.KEEP)
     engine.suspend()
-    with pytest.raises(EngineStateError):
-        engine.pause(PauseMode.KEEP)
+    engine.resume()
+    assert engine.state is EngineState.PAUSED
+    engine.suspend()
+    engine.continue_()
+    assert engine.state is EngineState.SUSPENDED
+    engine.resume()
+    assert engine.state is EngineState.RUNNING
+    engine.suspend()
+    engine.pause(PauseMode.KEEP)
+    assert engine.state is EngineState.SUSPENDED
     engine.resume()
     assert engine.state is EngineState.PAUSED
     engine.continue_()
