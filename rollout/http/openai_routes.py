@@ -36,7 +36,7 @@ from rollout.http.generation import Delta, Generation, GenSpec, Sample, version_
 from rollout.http.logprobs import chat_top, completion_top, echoed_prompt, prompt_entries
 from rollout.http.schemas import ChatCompletionRequest, CompletionRequest
 from rollout.http.sessions import Render, Reply, calls_of
-from rollout.http.tools import ToolChoiceError, ToolPlan, plan_tools
+from rollout.http.tools import ForcedCallError, ToolChoiceError, ToolPlan, plan_tools
 
 router = APIRouter()
 SESSION_HEADER = "X-Session-ID"
@@ -250,7 +250,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         if session_id:
             replies = []
             for s in gen.samples:
-                content, calls = plan.parse(s.text)
+                content, calls = _parse_reply(plan, s.text)
                 matched = calls_of([c.as_dict() for c in calls]) or ()
                 replies.append(Reply(s.text, list(s.ids), content if calls else None, matched))
             front.sessions.record(session_id, messages, body.tools, prompt, replies, render)
@@ -261,7 +261,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     remember()
     choices = []
     for i, s in enumerate(samples):
-        content, calls = plan.parse(s.text)
+        content, calls = _parse_reply(plan, s.text)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [c.as_dict() for c in calls]
@@ -363,6 +363,14 @@ def _stream(gen: Generation, chunks: AsyncIterator[bytes], headers: Optional[dic
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+
+def _parse_reply(plan: ToolPlan, text: str) -> tuple[Optional[str], list]:
+    """`plan.parse`, a forced reply that names no call refused as vLLM refuses it (400, the cause)."""
+    try:
+        return plan.parse(text)
+    except ForcedCallError as exc:
+        raise APIError(400, str(exc), param="tool_choice") from None
 
 
 def _index(gen: Generation, s: Sample) -> int:

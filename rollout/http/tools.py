@@ -26,9 +26,12 @@ syntax, and compact (no whitespace between tokens; see `_compact`). Named: the f
 arguments (its `parameters` schema), answered as one call of it, `finish_reason` "stop".
 Required: a list of `{"name", "parameters"}` objects, one of the tools each (at most one when
 `parallel_tool_calls` is false), answered as those calls, `finish_reason` "tool_calls". A function
-without `parameters` takes none (an empty object). A forced reply is parsed once it ended
-(`ForcedCallStream`): its calls are sent whole, as above; one cut short by `max_tokens` stays
-text. With `parallel_tool_calls` false, a free reply's calls past its first are dropped (OpenAI's
+without `parameters` takes none (an empty object). Arguments are constrained as vLLM's xgrammar
+constrains them: only the properties a schema lists, each once (`tool_schema.strict_arguments`).
+A forced reply is parsed once it ended (`ForcedCallStream`): its calls are sent whole, as above;
+one that does not parse (cut short by `max_tokens`) is still the named function's call with the
+text as its arguments, as vLLM's; "required" among several tools then fails with the cause. With
+`parallel_tool_calls` false, a free reply's calls past its first are dropped (OpenAI's
 promise: at most one call). Free of FastAPI imports: the CLI reads `TOOL_PARSERS`.
 """
 
@@ -41,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from inference import StructuredOutputs
+from rollout.http.tool_schema import strict_arguments
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -262,13 +266,22 @@ def tool_stream(parser: ToolParser) -> Optional[ToolStream]:
     return None
 
 
+class ForcedCallError(ValueError):
+    """A "required" reply among several tools that does not parse (cut by `max_tokens`, say): no
+    call can be named, so the request fails with the cause (vLLM answers 400 with its parse error)."""
+
+
 class ForcedCallStream(ToolStream):
     """A forced reply (see module docstring): held whole, parsed at the end. `name`: the function
-    a named choice forces; None for "required" (a JSON list of calls)."""
+    a named choice forces; None for "required" (a JSON list of calls), whose lone tool is `only`.
 
-    def __init__(self, name: Optional[str]) -> None:
+    A reply that does not parse is still a call, never `content`, as vLLM answers it: the named
+    function's (or a lone tool's) with the text as its `arguments`; among several tools,
+    `ForcedCallError`."""
+
+    def __init__(self, name: Optional[str], only: Optional[str] = None) -> None:
         super().__init__()
-        self.name = name
+        self.name, self.only = name, only
         self.buffer = ""
 
     def feed(self, text: str) -> ToolDelta:
@@ -277,24 +290,26 @@ class ForcedCallStream(ToolStream):
 
     def finish(self) -> ToolDelta:
         out, text, self.buffer, self.finished = ToolDelta(), self.buffer, "", True
-        calls = self._parse(text)
-        if calls is None:
-            out.content = text
-        for call in calls or ():
+        for call in self._parse(text):
             self._call(call, out)
         return out
 
-    def _parse(self, text: str) -> Optional[list[ToolCall]]:
+    def _parse(self, text: str) -> list[ToolCall]:
         try:
             obj = json.loads(text)
-        except ValueError:
-            return None
+        except ValueError as exc:
+            obj, cause = None, f"it is not JSON ({exc})"
+        else:
+            cause = "it is not a JSON object" if self.name is not None else "it is not a non-empty list of calls"
         if self.name is not None:
-            return [ToolCall(self.name, json.dumps(obj, ensure_ascii=False))] if isinstance(obj, dict) else None
-        if not isinstance(obj, list) or not obj:
-            return None
-        calls = [parse_call(json.dumps(item)) for item in obj]
-        return None if any(c is None for c in calls) else calls
+            return [ToolCall(self.name, json.dumps(obj, ensure_ascii=False) if isinstance(obj, dict) else text)]
+        calls = [parse_call(json.dumps(item)) for item in obj] if isinstance(obj, list) and obj else [None]
+        if all(c is not None for c in calls):
+            return calls
+        if self.only is not None:
+            return [ToolCall(self.only, text)]
+        raise ForcedCallError(f'The reply forced by tool_choice "required" names no call: {cause}; '
+                              f"raise max_tokens if it was cut short. Reply: {text[:200]!r}")
 
 
 @dataclass(slots=True)
@@ -307,10 +322,11 @@ class ToolPlan:
     forced: Optional[StructuredOutputs] = None
     named: Optional[str] = None
     max_calls: Optional[int] = None  # 1 when `parallel_tool_calls` is false
+    only: Optional[str] = None  # "required" among one tool: its name
 
     def stream(self) -> Optional[ToolStream]:
         """A fresh stream for one reply, None when replies are not parsed."""
-        stream = ForcedCallStream(self.named) if self.forced is not None else tool_stream(self.parser)
+        stream = ForcedCallStream(self.named, self.only) if self.forced is not None else tool_stream(self.parser)
         if stream is not None:
             stream.max_calls = self.max_calls
         return stream
@@ -345,7 +361,8 @@ def plan_tools(tool_choice: Any, tools: Optional[list[dict]], parser: ToolParser
         raise ToolChoiceError("When using `tool_choice`, `tools` must be set.")
     functions = _functions(tools)
     if tool_choice == "required":
-        return ToolPlan(forced=_compact(_calls_schema(functions, parallel_tool_calls)))
+        only = next(iter(functions)) if len(functions) == 1 else None
+        return ToolPlan(forced=_compact(_calls_schema(functions, parallel_tool_calls)), only=only)
     function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str) or tool_choice.get("type", "function") != "function":
@@ -367,7 +384,7 @@ _NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": Fal
 
 
 def _functions(tools: list[dict]) -> dict[str, dict]:
-    """{name: its parameters' JSON schema} of OpenAI's `tools`."""
+    """{name: its parameters' JSON schema, strict (`strict_arguments`)} of OpenAI's `tools`."""
     out = {}
     for tool in tools:
         function = tool.get("function") if isinstance(tool, dict) else None
@@ -377,7 +394,7 @@ def _functions(tools: list[dict]) -> dict[str, dict]:
         parameters = function.get("parameters") or _NO_ARGUMENTS
         if not isinstance(parameters, dict):
             raise ToolChoiceError(f"The parameters of tool `{function['name']}` must be a JSON schema object.")
-        out[function["name"]] = parameters
+        out[function["name"]] = strict_arguments(parameters)  # NOTE: as vLLM's xgrammar reads it (tool_schema)
     return out
 
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout.http.tools import ToolChoiceError, ToolParser, ToolPlan, plan_tools, tool_stream
+from rollout.http.tools import ForcedCallError, ToolChoiceError, ToolParser, ToolPlan, plan_tools, tool_stream
 
 QWEN_TWO_CALLS = ('I will look both up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
                   '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}\n</tool_call>')
@@ -154,7 +154,14 @@ def test_forced_calls_are_json_under_a_schema_and_parse_back():
     content, calls = required.parse(json.dumps(reply))
     assert content == "" and [c.name for c in calls] == ["get_weather", "get_time"]
     assert json.loads(calls[0].arguments) == {"city": "Oslo"} and required.finish_reason(True, "stop") == "tool_calls"
-    assert required.parse('[{"name": "get_weather", "param') == ('[{"name": "get_weather", "param', [])
+    with pytest.raises(ForcedCallError, match="names no call: it is not JSON"):  # several tools: no name to give
+        required.parse('[{"name": "get_weather", "param')
+    lone = plan_tools("required", TWO_TOOLS[:1], ToolParser.NONE)
+    cut = '[{"name": "get_weather", "param'
+    content, calls = lone.parse(cut)  # one tool: its call, the text as arguments
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("get_weather", cut)]
+    content, calls = named.parse('{"city": "Par')  # vLLM's: a named call's text is its arguments, parsed or not
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Par')]
     single = json.loads(plan_tools("required", TWO_TOOLS, ToolParser.NONE, parallel_tool_calls=False).forced.json)
     assert single["maxItems"] == 1
 
@@ -185,3 +192,34 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     assert content == "I will look both up.\n" and [c.name for c in calls] == ["get_weather"]
     assert [c.name for c in plan_tools("auto", WEATHER, ToolParser.HERMES).parse(QWEN_TWO_CALLS)[1]] == \
         ["get_weather", "get_time"]
+
+
+def test_arguments_are_strict_as_vllms_xgrammar_reads_them():
+    """Every object schema that lists properties and leaves `additionalProperties` unsaid admits
+    only those, at any depth; one that says it, or lists none, is left as it is; the tool's own
+    schema is not changed."""
+    from rollout.http.tool_schema import strict_arguments
+
+    schema = {"type": "object", "properties": {
+        "a": {"type": "object", "properties": {"x": {"type": "integer"}}},
+        "b": {"type": "array", "items": {"anyOf": [{"type": "object", "properties": {"y": {}}}, {"type": "null"}]}},
+        "c": {"type": "object"}, "d": {"type": "object", "properties": {"z": {}}, "additionalProperties": True},
+        "e": {"$ref": "#/$defs/e"}}, "$defs": {"e": {"type": "object", "properties": {"w": {}}}}}
+    before = json.dumps(schema)
+    strict = strict_arguments(schema)
+    assert json.dumps(schema) == before
+    props = strict["properties"]
+    assert strict["additionalProperties"] is False and props["a"]["additionalProperties"] is False
+    assert props["b"]["items"]["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in props["c"] and props["d"]["additionalProperties"] is True
+    assert strict["$defs"]["e"]["additionalProperties"] is False
+    deep = inner = {}
+    for _ in range(5000):  # deeper than Python's recursion limit: the walk is iterative
+        inner["properties"] = {"p": {}}
+        inner = inner["properties"]["p"]
+    node = strict_arguments(deep)
+    for _ in range(5000):
+        assert node["additionalProperties"] is False
+        node = node["properties"]["p"]
+    named = plan_tools({"type": "function", "function": {"name": "get_weather"}}, TWO_TOOLS, ToolParser.NONE)
+    assert json.loads(named.forced.json)["additionalProperties"] is False

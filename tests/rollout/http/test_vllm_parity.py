@@ -132,3 +132,64 @@ def test_after_a_deep_sleep_health_and_server_info_say_it_and_the_sdk_does_not_r
     assert web.get("/health").content == b"" and _generate(web).status_code == 200
     engine = web.get("/server_info", params={"config_format": "json"}).json()["vllm_config"]["rollout_engine"]
     assert engine["generating"] is True and engine["serving_error"] is None
+
+
+BOUNDED = {"type": "object", "properties": {
+    "count": {"type": "integer", "minimum": 0, "maximum": 99},
+    "unit": {"enum": ["c", "f", "k"]},
+    "city": {"type": "string", "maxLength": 6},
+    "where": {"type": "object", "properties": {"lat": {"type": "integer", "minimum": -90, "maximum": 90},
+                                                "tag": {"$ref": "#/$defs/tag"}}},
+}, "required": ["count", "unit", "city"], "$defs": {"tag": {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 4}}, "required": ["name"]}}}
+FORCED = [{"type": "function", "function": {"name": "measure", "parameters": BOUNDED}},
+          {"type": "function", "function": {"name": "noop"}}]
+
+
+def _only_listed_keys(value, schema, defs) -> None:
+    """Every object in `value` holds only the keys its schema lists (nested objects and `$ref`s too)."""
+    schema = defs[schema["$ref"].rsplit("/", 1)[-1]] if "$ref" in schema else schema
+    if "properties" in schema:
+        assert isinstance(value, dict) and set(value) <= set(schema["properties"]), (value, schema)
+        assert set(schema.get("required", ())) <= set(value)
+        for key, item in value.items():
+            _only_listed_keys(item, schema["properties"][key], defs)
+
+
+def test_forced_calls_of_a_random_model_hold_only_the_listed_keys(oai):
+    """As vLLM's default backend (xgrammar, strict) constrains them: a schema that leaves
+    `additionalProperties` unsaid still admits only its listed keys, each once, so even an
+    untrained model closes the object and the call parses, named and "required"."""
+    import json
+
+    import jsonschema
+
+    choices = [{"type": "function", "function": {"name": "measure"}}, "required"]
+    for seed, tool_choice in enumerate(choices * 2):
+        reply = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Measure it."}],
+                                            tools=FORCED, tool_choice=tool_choice, parallel_tool_calls=False,
+                                            n=3, temperature=1.0, seed=seed, max_tokens=120)
+        for choice in reply.choices:
+            [call] = choice.message.tool_calls
+            arguments = json.loads(call.function.arguments)
+            if call.function.name == "noop":
+                assert arguments == {} and tool_choice == "required"
+                continue
+            assert call.function.name == "measure" and choice.message.content == ""
+            jsonschema.validate(arguments, BOUNDED)
+            _only_listed_keys(arguments, BOUNDED, BOUNDED["$defs"])
+
+
+def test_a_named_call_that_does_not_parse_is_still_the_call(oai):
+    """Cut short by `max_tokens`, a named call's text comes back as its `arguments` (vLLM's
+    answer), never as `content`; "required" with one tool answers that tool's name too."""
+    messages = [{"role": "user", "content": "Measure it."}]
+    named = oai.chat.completions.create(model=MODEL, messages=messages, tools=FORCED[:1], max_tokens=3,
+                                        tool_choice={"type": "function", "function": {"name": "measure"}})
+    [call] = named.choices[0].message.tool_calls
+    assert call.function.name == "measure" and call.function.arguments.startswith("{")
+    assert named.choices[0].message.content == "" and named.choices[0].finish_reason == "length"
+    required = oai.chat.completions.create(model=MODEL, messages=messages, tools=FORCED[:1], max_tokens=3,
+                                           tool_choice="required")
+    [call] = required.choices[0].message.tool_calls
+    assert call.function.name == "measure" and call.function.arguments.startswith("[")
