@@ -53,6 +53,7 @@ class Request:
     token_versions: list[int] = field(default_factory=list)
     top_logprobs: Optional[list[dict[int, float]]] = None
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
+    prompt_logprob_ranks: Optional[list[Optional[int]]] = None  # see RequestOutput
     generator: Optional[torch.Generator] = None
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
@@ -120,6 +121,9 @@ class RequestOutput:
     finish_reason: FinishReason
     top_logprobs: Optional[list[dict[int, float]]] = None
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
+    # each prompt token's rank in the vocabulary where it was scored (vLLM's: the entries whose
+    # log-prob is >= its own; 1 = most likely, ties count ahead), None for the first token
+    prompt_logprob_ranks: Optional[list[Optional[int]]] = None
     group_id: int = 0
     sample_index: int = 0
     arrival_time: float = 0.0
@@ -152,6 +156,7 @@ class RequestOutput:
             finish_reason=req.finish_reason,
             top_logprobs=req.top_logprobs,
             prompt_logprobs=req.prompt_logprobs,
+            prompt_logprob_ranks=req.prompt_logprob_ranks,
             group_id=req.group_id,
             sample_index=req.sample_index,
             arrival_time=req.arrival_time,

@@ -112,6 +112,7 @@ def _rollout(out: RequestOutput, group: int) -> Rollout:
         top_logprobs=out.top_logprobs,
         routed_experts=out.routed_experts,
         prompt_logprobs=out.prompt_logprobs,
+        prompt_logprob_ranks=out.prompt_logprob_ranks,
         cached_tokens=out.cached_tokens,
         lora_version=out.lora_version,
     )

@@ -28,8 +28,9 @@ class Rollout:
     `versions[i]` the policy version that sampled it; `group` indexes the prompt in its batch.
     `top_logprobs` (when asked for) holds one {token id: log-prob} per token; `prompt_logprobs`
     (when asked for) one entry per prompt token, the first None (nothing predicts it), each
-    {prompt token: log-prob, top alternatives...}; `text` is the completion decoded from
-    `completion_ids` when the backend has a tokenizer.
+    {prompt token: log-prob, top alternatives...}, and `prompt_logprob_ranks` each prompt token's
+    rank in the vocabulary (vLLM's: entries with a log-prob >= its own; the first None); `text` is
+    the completion decoded from `completion_ids` when the backend has a tokenizer.
     `routed_experts` (MoE, `return_routed_experts`): `[positions fed, moe layers, k]` expert ids,
     for the trainer's routing replay.
     """
@@ -45,6 +46,7 @@ class Rollout:
     text: Optional[str] = None
     routed_experts: Optional[np.ndarray] = None
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
+    prompt_logprob_ranks: Optional[list[Optional[int]]] = None
     cached_tokens: int = 0  # prompt tokens the engine's prefix cache served for this sample
     # the LoRA adapter version that sampled it (PIN: one for all its tokens); None: the base model
     lora_version: Optional[int] = None

@@ -62,7 +62,7 @@ def record_prompt_logprobs(ctx: DynamicInferenceContext, batch: Any, logits: tor
         targets = torch.from_numpy(ctx.tokens[rows.slot, rows.first_token : rows.first_token + rows.count])
         scored = compute_prompt_logprobs(logits[rows.start : rows.start + rows.count],
                                          targets.to(logits.device), scores.top_n)
-        scores.write(rows.first_token, scored.logprobs, scored.top_logprobs, scored.top_token_ids)
+        scores.write(rows.first_token, scored.logprobs, scored.top_logprobs, scored.top_token_ids, scored.ranks)
 
 
 def token_events(ctx: DynamicInferenceContext, slots: np.ndarray, tokens: np.ndarray,

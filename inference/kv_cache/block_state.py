@@ -40,7 +40,7 @@ class PromptLogprobsBlock:
     cover; that token is kept in `next_token_id` so a reader can tell whether the slot applies.
     """
 
-    __slots__ = ("top_n", "log_probs", "top_n_log_probs", "top_n_token_ids", "valid", "next_token_id")
+    __slots__ = ("top_n", "log_probs", "top_n_log_probs", "top_n_token_ids", "ranks", "valid", "next_token_id")
 
     def __init__(self, block_size: int, top_n: int) -> None:
         if not 0 <= top_n <= MAX_CACHED_PROMPT_TOP_N_LOGPROBS:
@@ -49,6 +49,7 @@ class PromptLogprobsBlock:
         self.log_probs = torch.zeros(block_size, dtype=torch.float32)
         self.top_n_log_probs = torch.zeros(block_size, top_n, dtype=torch.float32)
         self.top_n_token_ids = torch.zeros(block_size, top_n, dtype=torch.int64)
+        self.ranks = torch.zeros(block_size, dtype=torch.int64)  # each scored token's vocabulary rank (vLLM's)
         self.valid = torch.zeros(block_size, dtype=torch.bool)
         self.next_token_id = -1
 

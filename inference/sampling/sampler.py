@@ -57,11 +57,14 @@ class SamplerOutput:
 
 @dataclass(slots=True)
 class PromptLogprobs:
-    """Raw log-probs of each prompt position's next token: `logprobs [P]`, top-n `[P, n]` or None."""
+    """Raw log-probs of each prompt position's next token: `logprobs [P]`, top-n `[P, n]` or None,
+    and `ranks [P]` (int64), each token's rank in the vocabulary as vLLM counts it: the entries
+    whose log-prob is >= the token's (1 = most likely; a tie counts ahead)."""
 
     logprobs: Tensor
     top_logprobs: Tensor | None
     top_token_ids: Tensor | None
+    ranks: Tensor
 
 
 class Sampler:
@@ -183,19 +186,24 @@ def compute_prompt_logprobs(logits: Tensor, target_ids: Tensor, num_top: int = 0
     """Raw log-probs of `target_ids [P]` under `logits [P, V]` (row i predicts target i), plus
     the top-`num_top` alternatives. Works on `_PROMPT_ROWS` rows at a time to bound memory."""
     n = min(num_top, logits.shape[-1])
-    lps, tops, ids = [], [], []
+    lps, tops, ids, ranks = [], [], [], []
     for start in range(0, logits.shape[0], _PROMPT_ROWS):
         x = logits[start:start + _PROMPT_ROWS]
         m = x.amax(-1, keepdim=True).float()
         log_z = m + torch.sub(x, m).exp_().sum(-1, keepdim=True).log()
-        lps.append((x.gather(1, target_ids[start:start + _PROMPT_ROWS, None]).float() - log_z)[:, 0])
+        lp = x.gather(1, target_ids[start:start + _PROMPT_ROWS, None]).float() - log_z
+        lps.append(lp[:, 0])
+        # NOTE: compared as log-probs, not logits: two logits that round to one log-prob tie, as in vLLM
+        ranks.append(torch.sub(x.float(), log_z).ge(lp).sum(-1))
         if n:
             top_x, top_ids = x.topk(n, dim=-1)
             tops.append(top_x.float() - log_z)
             ids.append(top_ids)
     if not lps:  # no prompt rows: keep the shapes' trailing dims
         lps, tops, ids = [logits.new_empty(0).float()], [logits.new_empty(0, n).float()], [target_ids.new_empty(0, n)]
-    return PromptLogprobs(torch.cat(lps), torch.cat(tops) if n else None, torch.cat(ids) if n else None)
+        ranks = [target_ids.new_empty(0)]
+    return PromptLogprobs(torch.cat(lps), torch.cat(tops) if n else None, torch.cat(ids) if n else None,
+                          torch.cat(ranks))
 
 
 def _log_normaliser(x: Tensor) -> Tensor:

@@ -391,6 +391,7 @@ class DynamicInferenceContext:
         req.token_versions = self.token_versions[slot, start:end].tolist()
         if req.prompt_scores is not None:
             req.prompt_logprobs = req.prompt_scores.as_dicts(req.prompt_token_ids)
+            req.prompt_logprob_ranks = req.prompt_scores.ranks_list()
         return req
 
     def release_memory_blocks_from_request_indexes(self, slots) -> list[Request]:

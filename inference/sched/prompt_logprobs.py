@@ -1,11 +1,13 @@
 """A request's prompt log-probs by token position, and their exchange with the prefix cache.
 
 Position `t` holds the raw log-prob of prompt token `t` under the logits of position `t - 1`,
-and the top-n alternatives there; position 0 (the first prompt token) has none. A cached KV
-block carries the same scores as a `PromptLogprobsBlock` (the seed's layout): slot `i` of block
-`k` holds the logits of token `k * bs + i`, i.e. the scores of token `k * bs + i + 1`. Its last
-slot scores the first token of the next block, which the block's hash does not cover, so it
-applies only to a request whose next token is the recorded `next_token_id`.
+its rank in the vocabulary there (vLLM's: the entries whose log-prob is >= its own, so 1 = most
+likely and a tie counts ahead) and the top-n alternatives there; position 0 (the first prompt
+token) has none. A cached KV block carries the same scores as a `PromptLogprobsBlock` (the
+seed's layout): slot `i` of block `k` holds the logits of token `k * bs + i`, i.e. the scores of
+token `k * bs + i + 1`. Its last slot scores the first token of the next block, which the
+block's hash does not cover, so it applies only to a request whose next token is the recorded
+`next_token_id`.
 
 A request that asks for prompt log-probs matches a cached block only if the block carries every
 score the request needs from it, with at least its top-n: it never gets partial data.
@@ -63,13 +65,14 @@ class PromptScores:
     leaves its slot to be recomputed starts over with fresh scores.
     """
 
-    __slots__ = ("top_n", "logprobs", "top_logprobs", "top_ids", "known")
+    __slots__ = ("top_n", "logprobs", "top_logprobs", "top_ids", "ranks", "known")
 
     def __init__(self, prompt_len: int, top_n: int) -> None:
         self.top_n = top_n
         self.logprobs = np.zeros(prompt_len, dtype=np.float32)
         self.top_logprobs = np.zeros((prompt_len, top_n), dtype=np.float32)
         self.top_ids = np.zeros((prompt_len, top_n), dtype=np.int64)
+        self.ranks = np.zeros(prompt_len, dtype=np.int64)
         self.known = np.zeros(prompt_len, dtype=bool)
 
     @classmethod
@@ -87,10 +90,11 @@ class PromptScores:
         return self.known.size
 
     def write(self, first: int, logprobs: torch.Tensor, top_logprobs: Optional[torch.Tensor],
-              top_ids: Optional[torch.Tensor]) -> None:
+              top_ids: Optional[torch.Tensor], ranks: torch.Tensor) -> None:
         """Scores of positions `first ..` computed by a forward pass (overwrites what was there)."""
         end = first + logprobs.shape[0]
         self.logprobs[first:end] = logprobs.cpu().numpy()
+        self.ranks[first:end] = ranks.cpu().numpy()
         if self.top_n:
             self.top_logprobs[first:end] = top_logprobs.cpu().numpy()
             self.top_ids[first:end] = top_ids.cpu().numpy()
@@ -105,6 +109,7 @@ class PromptScores:
         if count == 0:
             return 0
         self.logprobs[lo:hi] = block.log_probs[:count].numpy()
+        self.ranks[lo:hi] = block.ranks[:count].numpy()
         if self.top_n:
             self.top_logprobs[lo:hi] = block.top_n_log_probs[:count, : self.top_n].numpy()
             self.top_ids[lo:hi] = block.top_n_token_ids[:count, : self.top_n].numpy()
@@ -120,6 +125,7 @@ class PromptScores:
         count = hi - lo
         block = PromptLogprobsBlock(block_size, self.top_n)
         block.log_probs[:count] = torch.from_numpy(self.logprobs[lo:hi])
+        block.ranks[:count] = torch.from_numpy(self.ranks[lo:hi])
         block.top_n_log_probs[:count] = torch.from_numpy(self.top_logprobs[lo:hi])
         block.top_n_token_ids[:count] = torch.from_numpy(self.top_ids[lo:hi])
         block.valid[:count] = torch.from_numpy(self.known[lo:hi])
@@ -128,6 +134,13 @@ class PromptScores:
         return block
 
     # ---- output ------------------------------------------------------------------------------
+
+    def ranks_list(self) -> Optional[list[Optional[int]]]:
+        """Each prompt token's vocabulary rank, `[None, r1, ...]`; None while a position is
+        unscored (as `as_dicts`)."""
+        if not bool(self.known[1:].all()):
+            return None
+        return [None, *self.ranks[1:].tolist()]
 
     def as_dicts(self, prompt: Sequence[int]) -> Optional[list[Optional[dict[int, float]]]]:
         """`[None, {token: lp, alternative: lp, ...}, ...]`, one entry per prompt token; None while

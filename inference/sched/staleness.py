@@ -51,7 +51,7 @@ def _restart(scheduler: Scheduler, req: Request, version: int) -> None:
         scheduler.requeue_released(req)
     req.generated_token_ids, req.logprobs, req.token_versions = [], [], []
     req.top_logprobs = None
-    req.prompt_scores, req.prompt_logprobs = None, None
+    req.prompt_scores, req.prompt_logprobs, req.prompt_logprob_ranks = None, None, None
     req.first_token_time = None
     req.hash_cache_key = None
     if req.params.seed is not None:  # NOTE: the same draws as a fresh request of that seed

@@ -88,6 +88,7 @@ def with_prompt_logprobs(rollout: Rollout, sample: wire.SampleOutput) -> Rollout
     while the wire package is being changed elsewhere; they belong there)."""
     if sample.prompt_logprobs is not None:
         rollout.prompt_logprobs = [None if d is None else dict(d) for d in sample.prompt_logprobs]
+        rollout.prompt_logprob_ranks = sample.prompt_logprob_ranks
     return rollout
 
 

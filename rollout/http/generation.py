@@ -60,7 +60,8 @@ class GenSpec:
 class Sample:
     """One choice: its ids, log-probs and versions as sampled, its text, what was sent so far."""
 
-    __slots__ = ("group", "index", "ids", "logprobs", "versions", "top_logprobs", "prompt_logprobs", "text",
+    __slots__ = ("group", "index", "ids", "logprobs", "versions", "top_logprobs", "prompt_logprobs", "prompt_ranks",
+                 "text",
                  "routed_experts", "cached_tokens", "finish_reason", "matched", "stopped", "finished", "sent_text",
                  "sent_ids", "_searched")
 
@@ -71,6 +72,7 @@ class Sample:
         self.versions: list[int] = []
         self.top_logprobs: Optional[list[dict[int, float]]] = None
         self.prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None  # the engine's, when asked
+        self.prompt_ranks: Optional[list[Optional[int]]] = None  # each prompt token's vocabulary rank, with them
         self.routed_experts: Any = None  # MoE, when asked: `[positions fed, moe layers, k]` int32 (final only)
         self.cached_tokens = 0  # prompt tokens the prefix cache served (final only)
         self.text = ""
@@ -231,6 +233,7 @@ class Generation:
     def _finish(self, sample: Sample, rollout: Rollout) -> None:
         sample.finished = True
         sample.prompt_logprobs = rollout.prompt_logprobs
+        sample.prompt_ranks = rollout.prompt_logprob_ranks
         sample.routed_experts = rollout.routed_experts
         sample.cached_tokens = rollout.cached_tokens
         if sample.stopped:  # cut earlier: keep the cut, take the top log-probs of its tokens

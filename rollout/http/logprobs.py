@@ -8,8 +8,9 @@
   (`null` log-prob and top entry: nothing predicts it).
 * vLLM's `prompt_logprobs`: one entry per prompt token, the first `null`, each
   `{token id: {"logprob", "rank", "decoded_token"}}` with the prompt's token and the `k` most
-  likely. `rank` (1 = most likely) is known for a token among the top `k`; for a prompt token
-  outside them it is `null` (the engine returns the top `k`, not the vocabulary's order).
+  likely. `rank` is vLLM's: the top `k` are ranked 1..k in order; the prompt's token by the
+  engine's count of the vocabulary entries whose log-prob is >= its own (a tie counts ahead),
+  computed where it was scored (over the wire and from the prefix cache too), never null.
 """
 
 from __future__ import annotations
@@ -39,17 +40,22 @@ def chat_top(top: TopRow, k: int, token: int, logprob: float) -> list[tuple[int,
     return best if any(t == token for t, _ in best) else [*best, (token, logprob)]
 
 
-def prompt_entries(prompt: list[int], scores: Optional[list[TopRow]], k: int, text: Any) -> Optional[list]:
-    """vLLM's `prompt_logprobs` of `prompt` from the engine's `scores` (see module docstring);
-    `text(token_id)` is a token's decoded text."""
+def prompt_entries(prompt: list[int], scores: Optional[list[TopRow]], k: int, text: Any,
+                   vocab_ranks: Optional[list[Optional[int]]] = None) -> Optional[list]:
+    """vLLM's `prompt_logprobs` of `prompt` from the engine's `scores` and each prompt token's
+    `vocab_ranks` (see module docstring); `text(token_id)` is a token's decoded text."""
     if scores is None:
         return None
     out: list[Optional[dict[str, dict]]] = [None]
-    for token, row in zip(prompt[1:], scores[1:]):
+    vocab_ranks = vocab_ranks if vocab_ranks is not None else [None] * len(prompt)
+    for token, row, vocab_rank in zip(prompt[1:], scores[1:], vocab_ranks[1:]):
         row = row or {}
         best = ranked(row, k)  # NOTE: the row is the token and the true top k: its k best are those
         ranks = {t: i + 1 for i, (t, _) in enumerate(best)}
-        entry = {str(token): {"logprob": row.get(token), "rank": ranks.get(token), "decoded_token": text(token)}}
+        # NOTE: the prompt's token always by its count over the vocabulary (a tie counts ahead), also
+        # among the top k, where a tie's place in the list would be arbitrary
+        rank = vocab_rank if vocab_rank is not None else ranks.get(token)
+        entry = {str(token): {"logprob": row.get(token), "rank": rank, "decoded_token": text(token)}}
         for t, lp in best:
             entry.setdefault(str(t), {"logprob": lp, "rank": ranks[t], "decoded_token": text(t)})
         out.append(entry)

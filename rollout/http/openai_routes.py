@@ -168,7 +168,7 @@ def _echoed(front: HttpFront, body: CompletionRequest, prompt: list[int], s: Sam
 
 def _prompt_logprobs(front: HttpFront, body: Any, prompt: list[int], s: Sample, k: int) -> Optional[list]:
     as_ids = body.return_tokens_as_token_ids
-    return prompt_entries(prompt, s.prompt_logprobs, k, lambda t: front.token_text(t, as_ids))
+    return prompt_entries(prompt, s.prompt_logprobs, k, lambda t: front.token_text(t, as_ids), s.prompt_ranks)
 
 
 async def _completion_chunks(front: HttpFront, body: CompletionRequest, gen: Generation, rid: str,

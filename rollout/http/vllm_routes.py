@@ -348,7 +348,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
            "prompt_logprobs": None}
     if prompt_top is not None:
         out["prompt_logprobs"] = prompt_entries(body.token_ids, samples[0].prompt_logprobs, prompt_top,
-                                                lambda t: front.token_text(t, True))
+                                                lambda t: front.token_text(t, True), samples[0].prompt_ranks)
     return json_response(out)
 
 

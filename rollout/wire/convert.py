@@ -150,6 +150,7 @@ def output_to_wire(out: RequestOutput, request_id: str, *, n: int) -> SampleOutp
         finish_reason=out.finish_reason,
         top_logprobs=out.top_logprobs,
         prompt_logprobs=out.prompt_logprobs,
+        prompt_logprob_ranks=out.prompt_logprob_ranks,
         ttft=out.time_to_first_token,
         latency=out.latency,
         num_preemptions=out.num_preemptions,

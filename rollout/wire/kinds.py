@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 
-PROTOCOL_VERSION = 17  # 2: UpdateWeights.policy; 3: KvEvents, Result.kv_events; weight sync (group kinds,
+PROTOCOL_VERSION = 18  # 2: UpdateWeights.policy; 3: KvEvents, Result.kv_events; weight sync (group kinds,
 # distributed / shared-memory sources); 4: an update's version lives in its source alone (UpdateWeights
 # has no target_version; the disk source says the version of a plain checkpoint); IsSleeping, Result.sleeping;
 # 5: ErrorCode.OVERLOADED, Generate.client (whom a router forwards for: fair admission behind it); Sampling's
@@ -23,7 +23,8 @@ PROTOCOL_VERSION = 17  # 2: UpdateWeights.policy; 3: KvEvents, Result.kv_events;
 # 14: LoRA adapters (Sampling.lora_name; LoadLora, UnloadLora, ListLoras; Result.loras);
 # 15: SyncLora (an adapter-only weight sync: weight_sync.AdapterSource over a group or shared memory);
 # 16: SampleOutput.lora_version (the adapter version that sampled a LoRA request's every token);
-# 17: HealthInfo.serving_error (why the engine cannot generate, e.g. after a deep sleep), ErrorCode.NO_WEIGHTS
+# 17: HealthInfo.serving_error (why the engine cannot generate, e.g. after a deep sleep), ErrorCode.NO_WEIGHTS;
+# 18: SampleOutput.prompt_logprob_ranks (each prompt token's vocabulary rank, vLLM's)
 MAX_REQUEST_ID_LENGTH = 256
 MAX_SAMPLES = 1024  # n per Generate
 MAX_STOP_TOKENS = 1024  # also: bad-word sequences per request, and tokens per sequence

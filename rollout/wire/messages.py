@@ -362,6 +362,8 @@ class SampleOutput(_Message, tag=Kind.SAMPLE_OUTPUT.value):
     finish_reason: FinishReason
     top_logprobs: Optional[list[TokenLogprobs]] = None
     prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
+    # each prompt token's vocabulary rank (vLLM's; the first None), beside `prompt_logprobs`
+    prompt_logprob_ranks: Optional[list[Optional[Annotated[int, Meta(ge=1)]]]] = None
     ttft: Optional[Seconds] = None
     latency: Optional[Seconds] = None
     num_preemptions: NonNegInt = 0
@@ -381,6 +383,9 @@ class SampleOutput(_Message, tag=Kind.SAMPLE_OUTPUT.value):
         if self.prompt_logprobs is not None and len(self.prompt_logprobs) != self.prompt_len:
             raise ValueError(f"SampleOutput: prompt_logprobs ({len(self.prompt_logprobs)}) must have one "
                              f"entry per prompt token ({self.prompt_len})")
+        if self.prompt_logprob_ranks is not None and len(self.prompt_logprob_ranks) != self.prompt_len:
+            raise ValueError(f"SampleOutput: prompt_logprob_ranks ({len(self.prompt_logprob_ranks)}) must have "
+                             f"one entry per prompt token ({self.prompt_len})")
         fed = self.prompt_len + max(len(self.token_ids) - 1, 0)
         if self.routed_experts is not None and len(self.routed_experts.array) != fed:
             raise ValueError(f"SampleOutput: routed_experts ({len(self.routed_experts.array)} positions) must have "

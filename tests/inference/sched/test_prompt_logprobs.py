@@ -31,7 +31,7 @@ def scored(prompt: list[int], top_n: int, seed: int = 0) -> PromptScores:
     rows = len(prompt) - 1
     if rows:
         scores.write(1, -torch.rand(rows, generator=gen), -torch.rand(rows, top_n, generator=gen),
-                     torch.randint(0, 50, (rows, top_n), generator=gen))
+                     torch.randint(0, 50, (rows, top_n), generator=gen), torch.randint(1, 50, (rows,), generator=gen))
     return scores
 
 
@@ -53,12 +53,14 @@ def test_scores_round_trip_through_the_blocks_of_a_prompt(length, block_size, to
     assert filled == max(0, min(length - 1, length // block_size * block_size))
     known = copy.known
     assert np.array_equal(copy.logprobs[known], source.logprobs[known])
+    assert np.array_equal(copy.ranks[known], source.ranks[known])  # vLLM's rank, whatever top-n the block keeps
     assert np.array_equal(copy.top_ids[known], source.top_ids[known][:, : copy.top_n])
     if filled == length - 1:
         assert copy.as_dicts(prompt)[1:] == [
             {prompt[t]: lp, **dict(zip(ids, tops))} for t, lp, ids, tops in zip(
                 range(1, length), source.logprobs[1:].tolist(), source.top_ids[1:, : copy.top_n].tolist(),
                 source.top_logprobs[1:, : copy.top_n].tolist())]
+        assert copy.ranks_list() == [None, *source.ranks[1:].tolist()]
 
 
 def test_the_last_slot_serves_only_the_continuation_it_scored():
