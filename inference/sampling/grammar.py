@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Optional
 
 import llguidance as llg
 import llguidance.numpy as llg_numpy  # NOTE: not llguidance.torch: its import loads torch.compile (~2 s)
@@ -35,6 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from inference.sampling.grammar_limits import COMPILE_STACK_BYTES, check_limits
 from inference.sampling.structured import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -62,6 +66,20 @@ def grammar_text(spec: StructuredOutputs) -> str:
     if kind == "grammar":
         return llg.grammar_from("grammar", spec.grammar)
     return _structural_tag(spec.structural_tag)
+
+
+def _constraint_text(spec: StructuredOutputs) -> Optional[str]:
+    """The text `grammar_limits.check_limits` measures for `spec` (None: nothing to measure)."""
+    return {"json": spec.json, "grammar": spec.grammar, "regex": spec.regex,
+            "structural_tag": spec.structural_tag}.get(spec.kind)
+
+
+def _first_line(error: str) -> str:
+    """The library's message without the backtrace a panic appends (and at most 2,000 characters)."""
+    return _BACKTRACE.split(error.strip(), 1)[0][:2000]
+
+
+_BACKTRACE = re.compile(r"\n\s*(?:stack )?backtrace|\n\s*\d+: 0x[0-9a-f]+ - ", re.IGNORECASE)
 
 
 def _closed_objects(schema):
@@ -143,20 +161,50 @@ class GrammarCompiler:
                 self._cache.move_to_end(spec)
                 return template
         tokenizer = self.tokenizer()
-        try:
-            text = grammar_text(spec)
-        except (ValueError, TypeError, AssertionError) as exc:
-            message = str(exc)
-            raise ValueError(message if message.startswith("structured_outputs")
-                             else f"structured_outputs.{spec.kind}: {message}") from None
-        template = llg.LLMatcher(tokenizer, text, log_level=0)
-        if template.is_error():
-            raise ValueError(f"structured_outputs.{spec.kind}: {template.get_error()}")
+        template = self._worker().submit(self._build, tokenizer, spec).result()
         with self._lock:
             self._cache[spec] = template
             if len(self._cache) > GRAMMAR_CACHE_SIZE:
                 self._cache.popitem(last=False)
         return template
+
+    @staticmethod
+    def _build(tokenizer: llg.LLTokenizer, spec: StructuredOutputs) -> llg.LLMatcher:
+        """On the compile thread: `spec` measured (`grammar_limits`), then built; `ValueError`s
+        that say what is wrong with it (a client's mistake, never the library's backtrace)."""
+        try:
+            text = _constraint_text(spec)
+            if text is not None:
+                check_limits(spec.kind, text)
+            grammar = grammar_text(spec)
+        except RecursionError:
+            raise ValueError(f"structured_outputs.{spec.kind}: nested too deep to compile") from None
+        except (ValueError, TypeError, AssertionError) as exc:
+            message = str(exc)
+            raise ValueError(message if message.startswith("structured_outputs")
+                             else f"structured_outputs.{spec.kind}: {message}") from None
+        template = llg.LLMatcher(tokenizer, grammar, log_level=0)
+        if template.is_error():
+            raise ValueError(f"structured_outputs.{spec.kind}: {_first_line(template.get_error())}")
+        return template
+
+    _compile_thread: Optional[ThreadPoolExecutor] = None
+    _compile_thread_lock = threading.Lock()
+
+    @classmethod
+    def _worker(cls) -> ThreadPoolExecutor:
+        """The one thread grammars are built on, with `COMPILE_STACK_BYTES` of stack (see
+        `grammar_limits`): the library's recursion never reaches the end of a caller's stack."""
+        with cls._compile_thread_lock:
+            if cls._compile_thread is None:
+                pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+                before = threading.stack_size(COMPILE_STACK_BYTES)
+                try:
+                    pool.submit(int).result()  # NOTE: the thread starts now, under this stack size
+                finally:
+                    threading.stack_size(before)
+                cls._compile_thread = pool
+            return cls._compile_thread
 
     def precompile(self, params_list) -> None:
         """Compile the constraints of `params_list` (SamplingParams or None) into the cache, on the
@@ -166,7 +214,7 @@ class GrammarCompiler:
             if spec is not None and self.available:
                 try:
                     self.compile(spec)
-                except ValueError:
+                except Exception:  # noqa: BLE001 (each request's own check raises its refusal, alone)
                     pass
 
 

@@ -242,9 +242,10 @@ def test_the_mask_unpacks_bit_t_of_word_t_over_32_for_any_rows():
             assert torch.equal(got, want), (vocab, rows.size)
 
 
-def test_grammars_compile_on_the_callers_thread_not_the_loops(model, tokenizer_dir, monkeypatch):
-    """With the step loop in its own thread, a new constraint is built (LLMatcher) by the thread
-    that submits it; the loop's own check finds it cached."""
+def test_grammars_compile_off_the_loop_on_the_compile_thread(model, tokenizer_dir, monkeypatch):
+    """With the step loop in its own thread, a new constraint is built (LLMatcher) on the compile
+    thread (its large stack: `grammar_limits`) while the submitting thread waits; the loop's own
+    check finds it cached."""
     import threading
 
     import inference.sampling.grammar as grammar
@@ -253,7 +254,7 @@ def test_grammars_compile_on_the_callers_thread_not_the_loops(model, tokenizer_d
     real = grammar.llg.LLMatcher
 
     def recording(*args, **kwargs):
-        built_on.append(threading.get_ident())
+        built_on.append(threading.current_thread().name)
         return real(*args, **kwargs)
 
     eng = engine(model, tokenizer_dir)
@@ -266,4 +267,4 @@ def test_grammars_compile_on_the_callers_thread_not_the_loops(model, tokenizer_d
     finally:
         eng.stop()
     assert out.finish_reason is FinishReason.STOP
-    assert built_on == [threading.get_ident()]
+    assert len(built_on) == 1 and built_on[0].startswith("grammar-compile")
