@@ -473,15 +473,18 @@ class DynamicInferenceEngine:
 
     # ---- LoRA adapters -----------------------------------------------------------------------
 
-    def load_lora(self, name: str, path: Union[str, Path]) -> AdapterRef:
+    def load_lora(self, name: str, path: Union[str, Path], *,
+                  where: Optional[Callable[[str], None]] = None) -> AdapterRef:
         """Load the PEFT adapter in directory `path` as `name` (again: its next version; requests
-        in flight finish on the version they started with). Read and checked on the caller's thread,
-        so a bad adapter raises its typed `LoRAError` and the engine serves on untouched."""
+        in flight finish on the version they started with). Read and checked on the caller's thread
+        (call it off the loop: a read is the disk's time), so a bad adapter raises its typed
+        `LoRAError` and the engine serves on untouched; `where(real_path)` may refuse the opened
+        directory (`inference.lora.files`)."""
         if not isinstance(name, str) or not name:
             raise LoRALoadError(f"lora_name must be a non-empty string, got {name!r}")
         model = self.core.model
         adapter = load_peft_adapter(str(path), name, model, max_rank=self.core.config.max_lora_rank,
-                                    dtype=model.spec.dtype, device=model.device)
+                                    dtype=model.spec.dtype, device=model.device, where=where)
         return self.calls.run(self.core.add_lora, adapter)
 
     def load_lora_from_peft(self, name: str, peft_model: Any, adapter_name: str = "default", *,

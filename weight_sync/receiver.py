@@ -46,13 +46,13 @@ from typing import Any, Optional
 
 import torch
 
-from inference.errors import EngineStateError
+from inference.errors import EngineStateError, LoRALoadError
 from inference.weights.staging import Staging
 from weight_sync.lora_sync import AdapterOutcome, receive_adapter
 from weight_sync.manifest import Manifest, Naming, check_against_model
 from weight_sync.megatron.model import MEGATRON_ADAPTER
 from weight_sync.sources import DEFAULT_GROUP, AdapterSource, WeightSource
-from weight_sync.transports.checkpoint_files import ANYWHERE, DiskAccess
+from weight_sync.transports.checkpoint_files import ANYWHERE, DiskAccess, DiskAccessError
 from weight_sync.transports.distributed import GroupError, ReceiveBuffer, RefusedError, WeightGroup
 from weight_sync.transports.shm import SegmentMappings
 from weight_sync.transports.table import BY_SOURCE
@@ -124,6 +124,9 @@ class WeightReceiver:
         self.host_buffer = ReceiveBuffer(torch.device("cpu"))
         self.mappings = SegmentMappings()
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weight-receiver")
+        # NOTE: adapter directories are read on a thread of their own: never the engine's loop, and
+        # never behind a weight update that waits on its trainer
+        self._lora_reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lora-reader")
 
     # ---- the asynchronous API (the receiver's worker thread) ----------------------------------------
 
@@ -137,6 +140,27 @@ class WeightReceiver:
             with self._exclusive("a LoRA adapter sync"):
                 return receive_adapter(self, source)
         return self._submit(call)
+
+    def load_lora(self, name: str, path: str) -> concurrent.futures.Future:
+        """The PEFT adapter directory `path` loaded as `name` (`engine.load_lora`), read on the
+        LoRA reader thread where `disk_access` allows (the path as named, then the directory as
+        opened: a symlink that leads out is refused too): the engine's `AdapterRef`. The one check
+        of a served adapter path, whichever front asked."""
+        access = self.disk_access
+
+        def call() -> Any:
+            try:
+                access.check(path, path)  # NOTE: as named, before the filesystem is touched
+            except DiskAccessError as exc:
+                raise LoRALoadError(f"lora_path: {exc}") from None
+
+            def where(real: str) -> None:
+                try:
+                    access.check(real, path)
+                except DiskAccessError as exc:
+                    raise LoRALoadError(f"lora_path: {exc}") from None
+            return self.engine.load_lora(name, path, where=where)
+        return self._lora_reader.submit(call)
 
     def join_group(self, master_address: str, master_port: int, rank_offset: Optional[int], world_size: int,
                    group_name: str = DEFAULT_GROUP, backend: Optional[str] = None,
@@ -221,6 +245,7 @@ class WeightReceiver:
 
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)
+        self._lora_reader.shutdown(wait=False, cancel_futures=True)
         for name in list(self._groups):
             self.close_group(name)
         self.mappings.close()

@@ -16,8 +16,8 @@ What the model can adapt comes from the model itself (`model.lora_targets()`: HF
 
 from __future__ import annotations
 
+import json
 import math
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,9 +26,8 @@ from typing import Any, Optional
 import torch
 
 from inference.errors import LoRACapacityError, LoRALoadError, LoRAShapeError, LoRATargetError
+from inference.lora.files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_adapter_files
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
 _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<proj>\w+)$")
@@ -120,17 +119,19 @@ def model_lora_targets(model: Any) -> dict[str, tuple[int, int]]:
     return targets()
 
 
-def _read_config(path: str) -> Any:
-    if not os.path.isdir(path):
-        raise LoRALoadError(f"LoRA adapter directory {path!r} does not exist")
-    if not os.path.isfile(os.path.join(path, ADAPTER_CONFIG)):
-        raise LoRALoadError(f"LoRA adapter {path!r} has no {ADAPTER_CONFIG}")
+def _parse_config(data: bytes, path: str) -> Any:
+    """`adapter_config.json`'s bytes as peft reads them (`PeftConfig.from_pretrained`'s steps, from
+    bytes already read: see `files`), checked."""
     from peft import PeftConfig  # NOTE: imported here: only loading an adapter needs peft
 
     try:
-        config = PeftConfig.from_pretrained(path)
+        loaded = json.loads(data)
+        if not isinstance(loaded, dict):
+            raise ValueError("not a JSON object")
+        loaded.pop("runtime_config", None)
+        config = PeftConfig.from_peft_type(**PeftConfig.check_kwargs(**loaded))
     except Exception as exc:  # a malformed or unknown config: peft raises several types
-        raise LoRALoadError(f"LoRA adapter {path!r}: unreadable {ADAPTER_CONFIG}: {exc}") from exc
+        raise LoRALoadError(f"LoRA adapter {path!r}: unreadable {ADAPTER_CONFIG}: {exc}") from None
     return check_peft_config(config, path)
 
 
@@ -158,18 +159,18 @@ def check_peft_config(config: Any, path: str) -> Any:
 
 
 def load_peft_adapter(path: str, name: str, model: Any, *, max_rank: int, dtype: torch.dtype,
-                      device: torch.device) -> LoRAAdapter:
-    """Read and check the PEFT adapter at `path` for `model`; typed `LoRAError`s, nothing kept on failure."""
-    config = _read_config(path)
-    weights_file = os.path.join(path, ADAPTER_WEIGHTS)
-    if not os.path.isfile(weights_file):
-        raise LoRALoadError(f"LoRA adapter {path!r} has no {ADAPTER_WEIGHTS} (only safetensors are read)")
-    from safetensors.torch import load_file
+                      device: torch.device, where: Optional[Callable[[str], None]] = None) -> LoRAAdapter:
+    """Read (`files.read_adapter_files`: regular files only, bounded; `where` checks the opened
+    directory's real path) and check the PEFT adapter at `path` for `model`; typed `LoRAError`s,
+    nothing kept on failure."""
+    config_bytes, weights = read_adapter_files(path, where)
+    config = _parse_config(config_bytes, path)
+    from safetensors.torch import load
 
     try:
-        tensors = load_file(weights_file)
+        tensors = load(weights)
     except Exception as exc:
-        raise LoRALoadError(f"LoRA adapter {path!r}: unreadable {ADAPTER_WEIGHTS}: {exc}") from exc
+        raise LoRALoadError(f"LoRA adapter {path!r}: unreadable {ADAPTER_WEIGHTS}: {exc}") from None
     return adapter_from_tensors(tensors, name, model, alpha=config.lora_alpha, rslora=bool(config.use_rslora),
                                 max_rank=max_rank, dtype=dtype, device=device, path=path,
                                 module_config=peft_module_config(config))

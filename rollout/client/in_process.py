@@ -302,9 +302,10 @@ class InProcessClient:
         await self._post(self.engine.reset_prefix_cache, "ResetPrefixCache", timeout)
 
     async def load_lora(self, name: str, path: str, *, timeout: Optional[float] = None) -> LoraInfo:
-        engine = self.engine
-        loaded = await self._post(lambda: (engine.load_lora(name, path), engine.list_loras()), "LoadLora", timeout)
-        return loras_to_wire([i for i in loaded[1] if i.name == name])[0]
+        # NOTE: the receiver reads it (its LoRA reader, where --weights-root allows), as a server does
+        await self._settle(self.receiver.load_lora(name, path), "LoadLora", timeout)
+        loaded = await self._post(self.engine.list_loras, "ListLoras", timeout)
+        return loras_to_wire([i for i in loaded if i.name == name])[0]
 
     async def unload_lora(self, name: str, *, timeout: Optional[float] = None) -> None:
         engine = self.engine

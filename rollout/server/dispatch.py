@@ -12,7 +12,6 @@ it (queued Generates are handed to the engine first, in one `submit_each`).
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -47,7 +46,6 @@ from rollout.wire.messages import (
     UpdateWeights,
     kind_of,
 )
-from weight_sync import CheckpointError
 
 # the calls that change the engine's state, counted when they succeed
 COUNTED = {Pause: "pauses", Suspend: "suspends", Resume: "resumes", UpdateWeights: "weight_updates"}
@@ -156,17 +154,20 @@ class ServerCalls:
         self._post(peer, msg, lambda: engine.state is EngineState.SUSPENDED, lambda asleep: {"sleeping": asleep})
 
     def load_lora(self, peer: bytes, msg: LoadLora, now: float) -> None:
-        # NOTE: an adapter directory is read where disk weight updates may read (--weights-root), as named
-        # and as resolved; on the loop, in order with the Generates before it (an adapter is MBs: a short read)
-        access = self.server.receiver.disk_access
-        try:
-            access.check(msg.lora_path, msg.lora_path)
-            access.check(os.path.realpath(msg.lora_path), msg.lora_path)
-        except CheckpointError as exc:
-            raise ProtocolError(ErrorCode.INVALID_REQUEST, f"lora_path: {exc}") from None
-        engine = self.engine
-        self._post(peer, msg, lambda: (engine.load_lora(msg.lora_name, msg.lora_path), engine.list_loras()),
-                   lambda loaded: {"loras": loras_to_wire([i for i in loaded[1] if i.name == msg.lora_name])})
+        # NOTE: read on the receiver's LoRA reader (never the loop: a FIFO or a slow disk stalls no step),
+        # where disk weight updates may read (--weights-root); added on the loop after the Generates before it
+        self.server.flush_generates()
+        ref = self.server.receiver.load_lora(msg.lora_name, msg.lora_path)
+        loaded: Future = Future()
+
+        def listed(done: Future) -> None:
+            if done.exception() is not None:
+                loaded.set_exception(done.exception())
+                return
+            infos = self.engine.list_loras()
+            loaded.set_result([i for i in infos if i.name == msg.lora_name])
+        ref.add_done_callback(listed)
+        self._answer(peer, msg, loaded, lambda infos: {"loras": loras_to_wire(infos)})
 
     def unload_lora(self, peer: bytes, msg: UnloadLora, now: float) -> None:
         engine = self.engine
