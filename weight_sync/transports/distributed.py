@@ -27,6 +27,7 @@ import ipaddress
 import logging
 import os
 import socket
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any, Optional
 
@@ -121,7 +122,45 @@ class WeightGroup:
     def join(cls, master_address: str, master_port: int, *, world_size: int, rank: Optional[int],
              name: str = DEFAULT_GROUP, backend: str = "gloo", timeout_s: float = 60.0,
              device: Optional[torch.device] = None) -> WeightGroup:
-        """A replica's rank (`rank` None: the next unclaimed one), connected to every other rank."""
+        """A replica's rank (`rank` None: the next unclaimed one), connected to every other rank;
+        `GroupError` if that takes more than `timeout_s` (plus a second's grace) whatever the peer does.
+
+        NOTE: a TCPStore client waits for the store's first answer with no bound of its own, so a
+        peer that accepts and stays silent (a frozen trainer, a wrong port) would hold the caller
+        forever: the join runs on a thread of its own, and a late one is closed when it returns."""
+        outcome: dict[str, Any] = {}
+        lock = threading.Lock()
+
+        def attempt() -> None:
+            try:
+                group = cls._join(master_address, master_port, world_size=world_size, rank=rank, name=name,
+                                  backend=backend, timeout_s=timeout_s, device=device)
+            except BaseException as exc:  # noqa: BLE001 (handed to the caller's thread)
+                group, error = None, exc
+            else:
+                error = None
+            with lock:
+                if outcome.get("abandoned"):
+                    if group is not None:
+                        group.close()
+                    return
+                outcome.update(group=group, error=error)
+
+        thread = threading.Thread(target=attempt, name=f"weight-group-join-{name}", daemon=True)
+        thread.start()
+        thread.join(timeout_s + 1.0)
+        with lock:
+            if "group" not in outcome:
+                outcome["abandoned"] = True
+                raise GroupError(f"weight-update group {name!r}: no answer from {master_address}:{master_port} within "
+                                 f"{timeout_s} s (a peer that accepts and stays silent, or not a weight-update group)")
+        if outcome["error"] is not None:
+            raise outcome["error"]
+        return outcome["group"]
+
+    @classmethod
+    def _join(cls, master_address: str, master_port: int, *, world_size: int, rank: Optional[int], name: str,
+              backend: str, timeout_s: float, device: Optional[torch.device]) -> WeightGroup:
         try:
             store = dist.TCPStore(master_address, master_port, world_size, False, timeout=_timeout(timeout_s))
         except (RuntimeError, OSError) as exc:
