@@ -23,6 +23,9 @@ MAX_TEMPERATURE = 1e6
 MAX_TOP_K = 2**31 - 1
 MAX_PENALTY = 2.0  # presence / frequency penalties lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range)
 MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range)
+# NOTE: each bad word is state kept and matched per slot and step: a bound against one request
+# stalling every other one (the wire and the HTTP fronts hold the same bound)
+MAX_BAD_WORDS = 1024
 MAX_CACHE_SALT_LENGTH = 256
 MAX_LORA_NAME_LENGTH = 256
 
@@ -191,6 +194,9 @@ class SamplingParams:
             if not isinstance(self.bad_words_token_ids, (list, tuple)):
                 raise ValueError(f"bad_words_token_ids must be None or a list of token-id lists, "
                                  f"got {self.bad_words_token_ids!r}")
+            if len(self.bad_words_token_ids) > MAX_BAD_WORDS:
+                raise ValueError(f"bad_words_token_ids may hold at most {MAX_BAD_WORDS} sequences, "
+                                 f"got {len(self.bad_words_token_ids)}")
             self.bad_words_token_ids = [_check_token_list("bad_words_token_ids", seq, allow_empty=False)
                                         for seq in self.bad_words_token_ids]
         if self.allowed_token_ids is not None:

@@ -43,13 +43,23 @@ from pydantic import Field
 from inference import PauseMode, SuspendPolicy, UpdatePolicy
 from inference.core.states import MEMORY_TAGS
 from rollout.http import structured
+from rollout.http.disconnects import unless_disconnected
 from rollout.http.errors import APIError, engine_call
 from rollout.http.front import HttpFront
 from rollout.http.generation import Generation, GenSpec, Sample, version_spans
 from rollout.http.logprobs import chat_top, prompt_entries
 from rollout.http.openai_routes import front_of, json_response, sse
 from rollout.http.sampling import sampling_params
-from rollout.http.schemas import MAX_N, MAX_STOP, MAX_TOP_LOGPROBS, Strict, StructuredOutputsBody, refuse
+from rollout.http.schemas import (
+    MAX_N,
+    MAX_PENALTY,
+    MAX_STOP,
+    MAX_TOP_LOGPROBS,
+    MAX_WORDS,
+    Strict,
+    StructuredOutputsBody,
+    refuse,
+)
 from rollout.http.sglang_routes import server_args
 from weight_sync import ManifestError, VersionSource, parse_weight_version
 
@@ -285,10 +295,11 @@ class VllmSamplingParams(Strict):
     prompt_logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]] = None
     presence_penalty: Optional[Annotated[float, Field(ge=-2, le=2)]] = None
     frequency_penalty: Optional[Annotated[float, Field(ge=-2, le=2)]] = None
-    repetition_penalty: Optional[Annotated[float, Field(gt=0)]] = None
+    repetition_penalty: Optional[Annotated[float, Field(gt=0, le=MAX_PENALTY)]] = None
     logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100)]]] = None
     allowed_token_ids: Optional[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]] = None
-    bad_words: Optional[list[str]] = None
+    # NOTE: the bounds of /v1/completions' fields: each word is tokenized twice before anything runs
+    bad_words: Optional[Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_WORDS)]] = None
     structured_outputs: Optional[StructuredOutputsBody] = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -343,7 +354,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     gen = front.generation(spec)
     if body.stream:
         return StreamingResponse(_chunks(front, gen, rid, top, sp.output_kind), media_type="text/event-stream")
-    samples = await gen.run()
+    samples = await unless_disconnected(request, gen.run())  # NOTE: a client that left frees its requests now
     out = {"request_id": rid, "choices": [_choice(front, s, 0, s.ids, top, s.finish_reason) for s in samples],
            "prompt_logprobs": None}
     if prompt_top is not None:

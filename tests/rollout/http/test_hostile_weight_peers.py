@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.rollout.http_util import MODEL, WAIT_S, http_server_process
+from tests.rollout.http_util import MODEL, http_server_process
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 SYNC_TIMEOUT_S = 2.0
