@@ -234,7 +234,7 @@ class WeightReceiver:
         """The weight-update group `name` this replica joined."""
         group = self._groups.get(name)
         if group is None:
-            raise EngineStateError(f"no weight-update group {name!r} here: init_weights_update_group first")
+            raise ValueError(f"no weight-update group {name!r} here: init_weights_update_group first")
         return group
 
     def close_group(self, name: str) -> bool:

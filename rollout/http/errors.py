@@ -154,6 +154,8 @@ def from_exception(exc: BaseException) -> APIError:
         return APIError(400, str(exc), param="prompt", code="context_length_exceeded")
     if isinstance(exc, (ValueError, TypeError)):
         return APIError(400, str(exc), param=engine_param(str(exc)))
+    if isinstance(exc, RecursionError):  # NOTE: a body nested too deep for a reader that recurses
+        return APIError(400, "The request body is nested too deep to read.")
     return APIError(500, f"{type(exc).__name__}: {exc}", type="server_error")
 
 
@@ -213,6 +215,12 @@ async def no_tokenizer_handler(request: Request, exc: TokenizerUnavailableError)
     return error_response(request, APIError(400, str(exc)))
 
 
+async def too_deep_handler(request: Request, exc: RecursionError) -> JSONResponse:
+    """A body nested deeper than Python reads (JSON decoding, a schema walked by recursion): the
+    client's 400, whichever route met it."""
+    return error_response(request, APIError(400, "The request body is nested too deep to read."))
+
+
 async def internal_error_handler(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("%s %s failed", request.method, request.url.path)
     return error_response(request, APIError(500, f"{type(exc).__name__}: {exc}", type="server_error"))
@@ -223,4 +231,5 @@ def install(app: Any) -> None:
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_exception_handler(TokenizerUnavailableError, no_tokenizer_handler)
+    app.add_exception_handler(RecursionError, too_deep_handler)
     app.add_exception_handler(Exception, internal_error_handler)
