@@ -28,7 +28,7 @@ from inference.errors import (
 from inference.request import FinishReason, RequestOutput, TokenEvent
 from inference.sampling.params import LogprobsMode, SamplingParams
 from inference.sampling.structured import StructuredOutputs
-from inference.streams import EngineStepError, RequestStream
+from inference.streams import EngineStepError, PendingAdmission, RequestStream
 from inference.weights.staging import Staging
 
 __all__ = [
@@ -52,6 +52,7 @@ __all__ = [
     "PauseMode",
     "RequestOutput",
     "RequestOverflowError",
+    "PendingAdmission",
     "RequestStream",
     "ResumeMemoryError",
     "SamplingParams",

@@ -36,7 +36,7 @@ from inference.lora import AdapterInfo, AdapterRef, LoRAAdapter, load_live_peft_
 from inference.lora.adapter import AdapterShape, adapter_from_tensors, check_adapter_shapes
 from inference.request import SHARED_CLIENT, RequestOutput, TokenEvent
 from inference.sampling.params import SamplingParams
-from inference.streams import Callback, RequestStream
+from inference.streams import Callback, PendingAdmission, RequestStream
 from inference.weights.adapters import WeightAdapter
 from inference.weights.manager import NamedTensors
 from inference.weights.staging import Staging
@@ -224,13 +224,20 @@ class DynamicInferenceEngine:
     def submit_each(self, prompts: Sequence[Prompt], sampling_params: ParamsArg = None, *,
                     stream_tokens: Union[bool, Sequence[bool]] = False,
                     callbacks: Optional[Sequence[Optional[Callback]]] = None,
-                    clients: Optional[Sequence[Optional[str]]] = None) -> list[Union[RequestStream, Exception]]:
+                    clients: Optional[Sequence[Optional[str]]] = None,
+                    defer_compiles: bool = False) -> list[Union[RequestStream, PendingAdmission, Exception]]:
         """`submit` for many prompts in one command, each its own request, accepted or refused on
         its own: for each prompt its stream, or the exception that refused it (nothing else is
         touched); `clients[i]` names who asks for prompt i (see `submit`).
 
         A server hands every request that arrived meanwhile to the loop at once: one loop round
         for all of them, where `submit` per request would wait a round (a step) each.
+
+        `defer_compiles` (a caller posting this to the loop, with callbacks): a prompt whose
+        grammar is not built yet is never compiled here, on the loop, where every request's step
+        would wait on it: it is built on the compile thread (`GrammarCompiler.compile_async`, at
+        most a few at once per client) and the prompt's entry is a `PendingAdmission`, admitted
+        once it is built.
         """
         params_list = self._params_per_prompt(prompts, sampling_params)
         tokens = [stream_tokens] * len(prompts) if isinstance(stream_tokens, bool) else list(stream_tokens)
@@ -240,10 +247,22 @@ class DynamicInferenceEngine:
             raise ValueError(f"submit_each: {len(prompts)} prompts, {len(tokens)} stream_tokens, "
                              f"{len(callbacks)} callbacks, {len(clients)} clients")
 
-        def add_each() -> list[Union[RequestStream, Exception]]:
-            out: list[Union[RequestStream, Exception]] = []
+        def add_each() -> list[Union[RequestStream, PendingAdmission, Exception]]:
+            out: list[Union[RequestStream, PendingAdmission, Exception]] = []
             for prompt, params, stream_tokens_, callback, client in zip(prompts, params_list, tokens, callbacks,
                                                                         clients):
+                spec = getattr(params, "structured_outputs", None)
+                if defer_compiles and spec is not None and callback is not None and not self.core.grammars.ready(spec):
+                    try:
+                        built = self.core.grammars.compile_async(spec, SHARED_CLIENT if client is None else client)
+                    except Exception as exc:  # noqa: BLE001 (this prompt's refusal: too many compiles of its client)
+                        out.append(exc)
+                        continue
+                    pending = PendingAdmission()
+                    args = (pending, prompt, params, stream_tokens_, callback, client)
+                    built.add_done_callback(lambda _, args=args: self.post(lambda: self._admit(*args)))
+                    out.append(pending)
+                    continue
                 try:
                     checked_prompt, checked_params = self.core.check_request(prompt, params)
                     self.core.check_room(checked_params.n)
@@ -253,8 +272,23 @@ class DynamicInferenceEngine:
                 out.append(self._add_stream(checked_prompt, checked_params, stream_tokens_, callback, client))
             return out
 
-        self.core.grammars.precompile(params_list)
+        if not defer_compiles:
+            self.core.grammars.precompile(params_list)
         return self.calls.run(add_each)
+
+    def _admit(self, pending: PendingAdmission, prompt: Prompt, params: Optional[SamplingParams],
+               stream_tokens: bool, callback: Callback, client: Optional[str]) -> None:
+        """On the loop, once a deferred prompt's grammar was built (or refused): checked and queued
+        as `submit_each` would have; a refusal goes to its callback."""
+        try:
+            checked_prompt, checked_params = self.core.check_request(prompt, params)
+            self.core.check_room(checked_params.n)
+        except Exception as exc:  # noqa: BLE001 (the prompt's refusal, to whoever waits on it)
+            callback(exc)
+            return
+        pending.stream = self._add_stream(checked_prompt, checked_params, stream_tokens, callback, client)
+        if pending.cancelled:  # NOTE: aborted while its grammar was built
+            self.abort_many(pending.stream.request_ids)
 
     @staticmethod
     def _params_per_prompt(prompts: Sequence[Prompt], sampling_params: ParamsArg) -> list[Optional[SamplingParams]]:

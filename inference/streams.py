@@ -133,3 +133,25 @@ class RequestStream:
                     self._cond.wait(0.1 if remaining is None else min(remaining, 0.1))
                     continue
             self._engine.step_for_waiter()
+
+
+class PendingAdmission:
+    """A prompt that `submit_each(..., defer_compiles=True)` took while its grammar compiles, in
+    place of its `RequestStream`: admitted (checked and queued, as `submit` would) on the loop once
+    the grammar is built, its items then passed to the callback it was given; a refusal found then
+    (the grammar's, or any other check's) is passed to that callback as the exception it is.
+
+    `request_ids` is empty until it is admitted. `cancel()` (on the loop, as an abort is) makes
+    the admission abort its requests at once: a caller that aborted it before its grammar was
+    built gets the usual aborted outputs."""
+
+    def __init__(self) -> None:
+        self.stream: Optional[RequestStream] = None
+        self.cancelled = False
+
+    @property
+    def request_ids(self) -> list[int]:
+        return [] if self.stream is None else self.stream.request_ids
+
+    def cancel(self) -> None:
+        self.cancelled = True

@@ -28,7 +28,7 @@ import logging
 import re
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -38,12 +38,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from inference.errors import OverloadedError
 from inference.sampling.grammar_limits import COMPILE_STACK_BYTES, check_limits
 from inference.sampling.structured import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
 GRAMMAR_CACHE_SIZE = 256
+MAX_BUILDS_PER_CLIENT = 4  # grammars one client may have compiling at once (more: OverloadedError)
 BOUNDED_WHITESPACE = r"(\r?\n)?[ \t]{0,20}"  # between two JSON tokens
 _GRAMMAR_THREADS = 2  # mask filling is a few ms for hundreds of rows; more threads only contend
 
@@ -128,6 +130,9 @@ class GrammarCompiler:
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self._tokenizer: llg.LLTokenizer | None = None
         self._cache: OrderedDict[StructuredOutputs, llg.LLMatcher] = OrderedDict()
+        self._refused: OrderedDict[StructuredOutputs, str] = OrderedDict()  # a refusal is compiled once
+        self._building: dict[StructuredOutputs, Future] = {}  # one build per spec, however many ask
+        self._per_client: dict[str, int] = {}  # builds in flight each client started
         self._lock = threading.Lock()  # NOTE: requests are checked on callers' threads, not only the loop's
 
     @property
@@ -149,24 +154,93 @@ class GrammarCompiler:
             return self._tokenizer
 
     def compile(self, spec: StructuredOutputs) -> llg.LLMatcher:
-        """The template matcher of `spec` (cached; never advance it: `GrammarSlots.bind` copies it).
+        """The template matcher of `spec` (cached; never advance it: `GrammarSlots.bind` copies it),
+        built on the compile thread while this one waits (`compile_async` does not wait); a
+        refused spec raises its `ValueError` again without a second build."""
+        return self.compile_async(spec).result()
 
-        NOTE: compiled outside the lock (llguidance releases the GIL while it builds a grammar): a
-        caller's thread compiles before the engine loop asks (`DynamicInferenceEngine` does), so the
-        loop finds it cached and never waits on a large grammar; two threads racing on one spec
-        both compile it, harmlessly."""
+    def ready(self, spec: StructuredOutputs) -> bool:
+        """Whether `compile(spec)` answers at once (built, or refused, before)."""
+        with self._lock:
+            return spec in self._cache or spec in self._refused
+
+    def compile_async(self, spec: StructuredOutputs, client: Optional[str] = None) -> Future:
+        """A `Future` of `spec`'s template (or its `ValueError`), built on the compile thread; a
+        spec asked for again while it builds shares that build. `client` (who asks) may have at
+        most `MAX_BUILDS_PER_CLIENT` builds in flight: past that `OverloadedError` (retry later), so
+        one client sending distinct grammars cannot keep the compile thread to itself."""
         with self._lock:
             template = self._cache.get(spec)
-            if template is not None:
+            refusal = self._refused.get(spec)
+            building = self._building.get(spec)
+            if template is None and refusal is None and building is None and client is not None:
+                if self._per_client.get(client, 0) >= MAX_BUILDS_PER_CLIENT:
+                    raise OverloadedError(f"structured_outputs: {MAX_BUILDS_PER_CLIENT} grammars of this client "
+                                          "are being compiled; retry once they are done")
+                self._per_client[client] = self._per_client.get(client, 0) + 1
+        done: Future = Future()
+        if template is not None:
+            with self._lock:
                 self._cache.move_to_end(spec)
-                return template
-        tokenizer = self.tokenizer()
-        template = self._worker().submit(self._build, tokenizer, spec).result()
+            done.set_result(template)
+            return done
+        if refusal is not None:
+            done.set_exception(ValueError(refusal))
+            return done
+        if building is not None:
+            return building
+        try:
+            tokenizer = self.tokenizer()
+        except ValueError as exc:
+            self._release(client)
+            done.set_exception(exc)
+            return done
+        with self._lock:
+            if spec in self._building:  # NOTE: another thread started it meanwhile
+                self._release(client, locked=True)
+                return self._building[spec]
+            self._building[spec] = done
+        self._worker().submit(self._build_into, tokenizer, spec, done, client)
+        return done
+
+    def _build_into(self, tokenizer: llg.LLTokenizer, spec: StructuredOutputs, done: Future,
+                    client: Optional[str]) -> None:
+        try:
+            template = self._build(tokenizer, spec)
+        except ValueError as exc:
+            with self._lock:
+                self._refused[spec] = str(exc)
+                if len(self._refused) > GRAMMAR_CACHE_SIZE:
+                    self._refused.popitem(last=False)
+                del self._building[spec]
+            self._release(client)
+            done.set_exception(exc)
+            return
+        except BaseException as exc:  # noqa: BLE001 (anything else reaches the waiter, not the thread)
+            with self._lock:
+                del self._building[spec]
+            self._release(client)
+            done.set_exception(exc)
+            return
         with self._lock:
             self._cache[spec] = template
             if len(self._cache) > GRAMMAR_CACHE_SIZE:
                 self._cache.popitem(last=False)
-        return template
+            del self._building[spec]
+        self._release(client)
+        done.set_result(template)
+
+    def _release(self, client: Optional[str], *, locked: bool = False) -> None:
+        if client is None:
+            return
+        if not locked:
+            with self._lock:
+                return self._release(client, locked=True)
+        left = self._per_client.get(client, 0) - 1
+        if left > 0:
+            self._per_client[client] = left
+        else:
+            self._per_client.pop(client, None)
 
     @staticmethod
     def _build(tokenizer: llg.LLTokenizer, spec: StructuredOutputs) -> llg.LLMatcher:

@@ -35,7 +35,15 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from inference import DynamicInferenceEngine, PauseMode, SamplingParams, SuspendPolicy, SuspendReport, UpdatePolicy
+from inference import (
+    DynamicInferenceEngine,
+    PauseMode,
+    PendingAdmission,
+    SamplingParams,
+    SuspendPolicy,
+    SuspendReport,
+    UpdatePolicy,
+)
 from inference.request import RequestOutput, TokenEvent
 from rollout.backend import Prompts, WeightSource, params_per_prompt, sort_rollouts
 from rollout.client.requests import weight_source
@@ -87,7 +95,7 @@ class InProcessStream:
         clients = self.request_ids[:1] * len(self._prompts)
         self._submitted = engine.post(lambda: engine.submit_each(
             self._prompts, params, stream_tokens=tokens, callbacks=[sink(g) for g in range(len(self._prompts))],
-            clients=clients))
+            clients=clients, defer_compiles=True))  # NOTE: a new grammar is built off the loop
         self._submitted.add_done_callback(lambda f: _call_in(loop, self._refusals, f))
         client.streams.add(self)
         client.metrics.count("requests_run", len(self._prompts))
@@ -99,6 +107,8 @@ class InProcessStream:
             sample = output_to_wire(item, self.request_ids[group], n=self._n[group])
             self._client.metrics.sample_sent(sample.versions)
             item = with_prompt_logprobs(output_from_wire(sample, self._prompts[group], group), sample)
+        elif isinstance(item, BaseException):  # NOTE: a deferred admission's refusal, as a server words it
+            item = self._client.as_reply_error(item)
         self._items.append((group, item))
         self._ready.set()
 
@@ -182,6 +192,9 @@ class InProcessStream:
             if not submitted.done() or submitted.exception() is not None:
                 return 0
             streams = submitted.result()
+            for g in groups:
+                if isinstance(streams[g], PendingAdmission):  # NOTE: its grammar still builds: aborted once admitted
+                    streams[g].cancel()
             return engine.abort_many([i for g in groups if not isinstance(streams[g], BaseException)
                                       for i in streams[g].request_ids])
         return call

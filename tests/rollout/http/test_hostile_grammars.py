@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -93,3 +94,27 @@ def test_over_zmq_a_schema_nested_hundreds_deep_is_refused_alone(http_server):
     assert isinstance(refused, ProtocolError) and refused.code is ErrorCode.INVALID_REQUEST, refused
     assert "structured_outputs" in str(refused)
     assert [len(b.rollouts[0].completion_ids) for b in (first, last)] == [3, 3]
+
+
+def test_a_grammar_that_compiles_for_seconds_stalls_no_other_client(http_server):
+    """A valid schema of 8,000 properties takes seconds to build; it is built off the engine's
+    loop, so a plain generation sent after it is answered first (it used to wait behind it)."""
+    import concurrent.futures
+
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(8000)}}
+    schema["properties"] = {**schema["properties"], "z": {"type": "string", "maxLength": 2}}
+    big = {"model": MODEL, "prompt": "Hi", "max_tokens": 4, "structured_outputs": {"json": schema}}
+    plain = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0}
+    order: list[str] = []
+
+    def post(name: str, body: dict) -> int:
+        with httpx.Client(base_url=http_server.http_url, timeout=WAIT_S) as web:
+            status = web.post("/v1/completions", json=body).status_code
+        order.append(name)
+        return status
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        slow = pool.submit(post, "schema", big)
+        time.sleep(0.3)  # NOTE: the schema's build has started
+        fast = pool.submit(post, "plain", plain)
+        assert fast.result(WAIT_S) == 200 and slow.result(WAIT_S) == 200
+    assert order == ["plain", "schema"]
