@@ -14,6 +14,11 @@ bound on the bytes of a request head, and a bound on open connections:
 * a head over `max_header_bytes` is refused with 431;
 * past `max_connections` open connections a new one is answered 503 and closed at once, so the
   descriptors HTTP holds stay bounded whatever clients do.
+
+A refusal is closed as nginx's lingering close does it: the answer is written, the sending side
+shut, and what the client still sends read and dropped for up to `LINGER_S`; closing a socket
+with unread bytes in it makes the kernel answer with a reset, which a client reads as "connection
+reset" instead of the status it was sent.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 logger = logging.getLogger(__name__)
 
 KEEP_ALIVE_S = 5  # uvicorn's default idle bound between requests
+LINGER_S = 1.0  # how long a refused connection's late bytes are read and dropped before it closes
 
 
 def default_max_connections() -> int:
@@ -72,6 +78,7 @@ class GuardedProtocol(HttpToolsProtocol):
         self._deadline: Optional[asyncio.TimerHandle] = None
         self._in_head = True
         self._head_bytes = 0
+        self._lingering = False  # refused: what arrives now is dropped unread
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -87,6 +94,8 @@ class GuardedProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return
         super().data_received(data)
         # NOTE: counted after parsing, so a chunk that completes the head (and carries body bytes) is not
         if self._in_head and not self.transport.is_closing():
@@ -144,7 +153,12 @@ class GuardedProtocol(HttpToolsProtocol):
             if retry_after is not None:
                 head.append(f"retry-after: {retry_after}")
             self.transport.write("\r\n".join(head).encode() + b"\r\n\r\n" + body)
-        self.transport.close()
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self._lingering = True  # NOTE: a lingering close (module docstring): the answer is read, not reset
+        self.transport.write_eof()
+        self.loop.call_later(LINGER_S, self.transport.close)
 
 
 def protocol_class(limits: ConnectionLimits) -> type[GuardedProtocol]:

@@ -73,6 +73,9 @@ class HttpFront:
         # LoRA adapters a request's `model` may name: name -> path, as the engine last listed them
         # (refreshed by the load / unload routes and by /v1/models)
         self.loras: dict[str, str] = {}
+        # NOTE: loads and unloads one at a time: "already loaded?" and the load it guards are one step,
+        # so two loads of one name sent together load it once (the second: vLLM's 400)
+        self.lora_changes = asyncio.Lock()
 
     @property
     def timeout(self) -> float:

@@ -48,6 +48,11 @@ async def _load(front: HttpFront, body: LoadLoraAdapter) -> None:
     if front.model_names.count(body.lora_name):
         raise APIError(400, f"The lora adapter '{body.lora_name}' has the name of the base model.",
                        param="lora_name")
+    async with front.lora_changes:
+        await _load_one(front, body)
+
+
+async def _load_one(front: HttpFront, body: LoadLoraAdapter) -> None:
     await front.refresh_loras()
     if body.lora_name in front.loras and not body.load_inplace:
         raise APIError(400, f"The lora adapter '{body.lora_name}' has already been loaded. If you want to "
@@ -57,10 +62,11 @@ async def _load(front: HttpFront, body: LoadLoraAdapter) -> None:
 
 
 async def _unload(front: HttpFront, body: UnloadLoraAdapter) -> None:
-    try:
-        await engine_call(front.client.unload_lora(body.lora_name, timeout=front.timeout))
-    finally:
-        await front.refresh_loras()
+    async with front.lora_changes:
+        try:
+            await engine_call(front.client.unload_lora(body.lora_name, timeout=front.timeout))
+        finally:
+            await front.refresh_loras()
 
 
 @router.post("/v1/load_lora_adapter")

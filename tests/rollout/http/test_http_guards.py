@@ -98,6 +98,35 @@ def test_trickled_heads_are_dropped_and_connections_bounded(front, web):
     assert web.get("/v1/models").status_code == 200  # still serving, its connections free again
 
 
+def test_past_the_connection_limit_every_refusal_is_a_readable_503(front, web):
+    """A refused client that sent its whole request at once still reads the 503: the server drops
+    its unread bytes instead of closing on them (which the kernel answers with a reset)."""
+    held = [connect(front) for _ in range(4)]
+    try:
+        for sock in held:
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+        time.sleep(0.3)
+        answers = []
+        for _ in range(20):
+            extra = connect(front)
+            body = b'{"model": "x", "prompt": "' + b"y" * 3000 + b'"}'
+            extra.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+            time.sleep(0.05)  # NOTE: the body arrives after the refusal was written, as a slow client's does
+            try:
+                extra.sendall(body)
+                answers.append(read_until_closed(extra, time.monotonic() + WAIT_S)[:12])
+            except ConnectionResetError:
+                answers.append(b"reset")
+            extra.close()
+        assert answers == [b"HTTP/1.1 503"] * 20
+    finally:
+        for sock in held:
+            sock.close()
+    time.sleep(2.5)  # NOTE: the held heads time out and the lingering refusals close
+    assert web.get("/v1/models").status_code == 200
+
+
 def test_a_body_or_head_that_never_ends_is_dropped(front):
     with connect(front) as sock:  # a body that stops short of its Content-Length
         sock.sendall(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"

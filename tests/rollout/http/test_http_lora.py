@@ -126,3 +126,20 @@ def test_a_config_rank_the_tensors_do_not_have_is_refused_naming_both(web, oai, 
     assert r.status_code == 200, r.text
     out = oai.completions.create(model="math", prompt=PROMPT, max_tokens=2)
     assert len(out.choices[0].token_ids) == 2
+
+
+def test_loads_of_one_name_sent_together_load_it_once(front_url, adapters):
+    """vLLM's answer to a second load of a loaded name is 400; sent at once, one load wins and the
+    others get that 400 (they all used to succeed, loading versions 1, 2, 3...)."""
+    import concurrent.futures
+
+    def load(_: int) -> httpx.Response:
+        with httpx.Client(base_url=front_url, timeout=WAIT_S) as c:
+            return c.post("/v1/load_lora_adapter", json={"lora_name": "math", "lora_path": str(adapters["math"])})
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            codes = sorted(r.status_code for r in pool.map(load, range(4)))
+        assert codes == [200, 400, 400, 400]
+    finally:
+        with httpx.Client(base_url=front_url, timeout=WAIT_S) as c:
+            c.post("/v1/unload_lora_adapter", json={"lora_name": "math"})
