@@ -150,7 +150,9 @@ class InferenceConfig:
     enable_prefix_caching: bool = True
     eviction_policy: EvictionPolicy = EvictionPolicy.LRU
     paused_block_budget: Optional[int] = None
-    dtype: torch.dtype | str = torch.float32
+    # "auto": the checkpoint's dtype (its config's `dtype` / `torch_dtype`, a module's parameters'),
+    # as vLLM's `--dtype auto`; resolved by `DynamicInferenceEngine.from_pretrained`
+    dtype: torch.dtype | str = "auto"
     device: torch.device | str = "cpu"
     suspend_policy: SuspendPolicy = SuspendPolicy.RECOMPUTE
     update_policy: UpdatePolicy = UpdatePolicy.RECOMPUTE
@@ -229,11 +231,12 @@ class InferenceConfig:
                 f"InferenceConfig.max_batch_tokens ({self.max_batch_tokens}) must be >= max_requests "
                 f"({self.max_requests}): every running request decodes one token per step"
             )
-        if isinstance(self.dtype, str):
+        if isinstance(self.dtype, str) and self.dtype != "auto":
             if self.dtype not in _DTYPES:
-                raise ValueError(f"InferenceConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+                raise ValueError(f"InferenceConfig.dtype must be auto or one of {sorted(_DTYPES)}, "
+                                 f"got {self.dtype!r}")
             self.dtype = _DTYPES[self.dtype]
-        if self.dtype not in _DTYPES.values():
+        if self.dtype != "auto" and self.dtype not in _DTYPES.values():
             raise ValueError(f"InferenceConfig.dtype must be float32, bfloat16 or float16, got {self.dtype}")
         self.device = torch.device(self.device)
         self.eviction_policy = EvictionPolicy(self.eviction_policy)

@@ -93,11 +93,14 @@ class DynamicInferenceEngine:
         config = config or InferenceConfig()
         if isinstance(model, (str, Path)) and config.tokenizer is None and (Path(model) / "tokenizer.json").is_file():
             config = dataclasses.replace(config, tokenizer=str(model))  # structured outputs compile against it
+        dtype = None if config.dtype == "auto" else config.dtype  # NOTE: None: the checkpoint's, as vLLM's auto
         if isinstance(model, (str, Path)):
-            decoder = load_from_hf_dir(model, dtype=config.dtype, device=config.device, expert_parallel=expert_parallel)
+            decoder = load_from_hf_dir(model, dtype=dtype, device=config.device, expert_parallel=expert_parallel)
         else:
-            decoder = load_from_hf_model(model, share_weights=share_weights, dtype=config.dtype, device=config.device,
+            decoder = load_from_hf_model(model, share_weights=share_weights, dtype=dtype, device=config.device,
                                          expert_parallel=expert_parallel)
+        if config.dtype == "auto":
+            config = dataclasses.replace(config, dtype=decoder.spec.dtype)
         engine = cls(decoder, config)
         report = getattr(decoder, "bind_report", None)
         if share_weights and report is not None:

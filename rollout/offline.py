@@ -218,7 +218,8 @@ def add_generate_arguments(parser: Any) -> None:
     parser.add_argument("--timeout", type=float, default=3600.0, help="bound of each call, seconds")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     local = parser.add_argument_group("local engine (--model)")
-    local.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    local.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                       help="auto (default): the checkpoint's dtype, as vLLM's; float32 on request")
     local.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     local.add_argument("--num-blocks", type=int, help="KV blocks (default: the engine's)")
     local.add_argument("--max-requests", type=int, default=256)

@@ -61,7 +61,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                      help="the `model` names HTTP clients may send, the first reported (default: --model's name)")
     add_http_limit_arguments(web)
     eng = parser.add_argument_group("engine")
-    eng.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    eng.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                     help="auto (default): the checkpoint's dtype, as vLLM's; float32 on request")
     eng.add_argument("--device", default="cpu", help="where the engine runs: cpu (default), cuda, cuda:1, ...")
     eng.add_argument("--block-size", type=int, default=16)
     eng.add_argument("--num-blocks", type=int, help="KV blocks (default: 256 MiB of KV)")
@@ -153,7 +154,7 @@ def model_path(model: str, dtype: str) -> Path:
 
         from inference.models.smollm2 import smollm2_dir
 
-        return smollm2_dir(getattr(torch, dtype))
+        return smollm2_dir() if dtype == "auto" else smollm2_dir(getattr(torch, dtype))
     path = Path(model)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"--model {model}: not an HF model directory (no config.json), nor `smollm2`")
