@@ -106,6 +106,17 @@ def test_rms_norm_equals_torch(kernel_setting: str, shape: tuple, scale: float) 
     assert torch.equal(got, F.rms_norm(before, (shape[-1],), weight=weight, eps=1e-6)) and torch.equal(x, before)
 
 
+@pytest.mark.parametrize("shape", [(1, 576), (32, 576), (129, 960), (7, 100), (3, 4), (6, 9, 64)])
+def test_bf16_rms_norm_keeps_hfs_op_order_bit_for_bit(kernel_setting: str, shape: tuple) -> None:
+    """In bf16 (HF's `LlamaRMSNorm`: normalize in fp32, cast, then times the weight) the native
+    kernel normalizes, times ones: the same bits as the torch ops, kernels or not."""
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(*shape, generator=gen) * 3).bfloat16()
+    weight = (1 + 0.2 * torch.randn(shape[-1], generator=gen)).bfloat16()
+    want = weight * F.rms_norm(x.float(), (shape[-1],), eps=1e-5).bfloat16()
+    assert torch.equal(rms_norm(x, weight, 1e-5), want)
+
+
 def test_rms_norm_of_a_strided_view_falls_back(kernel_setting: str) -> None:
     x, weight = torch.randn(8, 64)[:, :32], torch.randn(32)
     assert torch.equal(rms_norm(x, weight, 1e-5), F.rms_norm(x, (32,), weight=weight, eps=1e-5))
