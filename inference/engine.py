@@ -267,12 +267,9 @@ class DynamicInferenceEngine:
                     out.append(pending)
                     continue
                 try:
-                    checked_prompt, checked_params = self.core.check_request(prompt, params)
-                    self.core.check_room(checked_params.n)
+                    out.append(self._check_and_add(prompt, params, stream_tokens_, callback, client))
                 except Exception as exc:  # noqa: BLE001 (this prompt's refusal, returned to its caller)
                     out.append(exc)
-                    continue
-                out.append(self._add_stream(checked_prompt, checked_params, stream_tokens_, callback, client))
             return out
 
         if not defer_compiles:
@@ -284,14 +281,19 @@ class DynamicInferenceEngine:
         """On the loop, once a deferred prompt's grammar was built (or refused): checked and queued
         as `submit_each` would have; a refusal goes to its callback."""
         try:
-            checked_prompt, checked_params = self.core.check_request(prompt, params)
-            self.core.check_room(checked_params.n)
+            pending.stream = self._check_and_add(prompt, params, stream_tokens, callback, client)
         except Exception as exc:  # noqa: BLE001 (the prompt's refusal, to whoever waits on it)
             callback(exc)
             return
-        pending.stream = self._add_stream(checked_prompt, checked_params, stream_tokens, callback, client)
         if pending.cancelled:  # NOTE: aborted while its grammar was built
             self.abort_many(pending.stream.request_ids)
+
+    def _check_and_add(self, prompt: Prompt, params: Optional[SamplingParams], stream_tokens: bool,
+                       callback: Optional[Callback], client: Optional[str]) -> RequestStream:
+        """One prompt checked (`check_request`, `check_room`: its refusal raised) and queued."""
+        checked_prompt, checked_params = self.core.check_request(prompt, params)
+        self.core.check_room(checked_params.n)
+        return self._add_stream(checked_prompt, checked_params, stream_tokens, callback, client)
 
     @staticmethod
     def _params_per_prompt(prompts: Sequence[Prompt], sampling_params: ParamsArg) -> list[Optional[SamplingParams]]:

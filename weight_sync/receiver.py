@@ -148,17 +148,14 @@ class WeightReceiver:
         of a served adapter path, whichever front asked."""
         access = self.disk_access
 
-        def call() -> Any:
+        def where(real: str) -> None:
             try:
-                access.check(path, path)  # NOTE: as named, before the filesystem is touched
+                access.check(real, path)
             except DiskAccessError as exc:
                 raise LoRALoadError(f"lora_path: {exc}") from None
 
-            def where(real: str) -> None:
-                try:
-                    access.check(real, path)
-                except DiskAccessError as exc:
-                    raise LoRALoadError(f"lora_path: {exc}") from None
+        def call() -> Any:
+            where(path)  # NOTE: as named, before the filesystem is touched
             return self.engine.load_lora(name, path, where=where)
         return self._lora_reader.submit(call)
 

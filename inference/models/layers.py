@@ -24,34 +24,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
     NOTE: float32 on the CPU runs the native kernel (`csrc/add_rms_norm.c`, with no residual): one
     pass per row, the same bits as `F.rms_norm`, whose seven ops cost ~190 us on a decode step's
-    32 x 576 (the kernel: a few us); elsewhere `F.rms_norm`.
+    32 x 576 (the kernel: a few us); elsewhere `F.rms_norm`. In bf16 / fp16, HF's order (normalize
+    in fp32, cast, then times the weight) keeps its casts, and the kernel normalizes (times ones:
+    exact) in place of `F.rms_norm`'s ops.
     """
-    dtype = x.dtype
-    if dtype == torch.float32 and weight.dtype == torch.float32:
-        lanes = _native_norm_lanes(x, weight)
-        if lanes is not None:
-            out = torch.empty_like(x)
-            status = native.library().rms_norm_f32(x.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                                                   x.numel() // x.shape[-1], x.shape[-1], eps, lanes,
-                                                   torch.get_num_threads())
-            if status:
-                raise RuntimeError(f"rms_norm_f32 failed with status {status} (hidden {x.shape[-1]}, lanes {lanes})")
-            return out
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        out = _native_rms_norm(x, weight, eps)
         # in fp32 there is no intermediate cast for HF's op order to differ on
-        return F.rms_norm(x, (x.shape[-1],), weight=weight, eps=eps)
+        return out if out is not None else F.rms_norm(x, (x.shape[-1],), weight=weight, eps=eps)
     xf = x.float()
-    ones = _ones(x.shape[-1])
-    lanes = _native_norm_lanes(xf, ones) if x.device.type == "cpu" else None
-    if lanes is not None:  # NOTE: HF's order in bf16: normalize in fp32, cast, then x weight; the kernel
-        # normalizes as F.rms_norm does (times ones: exact), one pass instead of its seven ops
-        normed = torch.empty_like(xf)
-        status = native.library().rms_norm_f32(xf.data_ptr(), ones.data_ptr(), normed.data_ptr(),
-                                               xf.numel() // xf.shape[-1], xf.shape[-1], eps, lanes,
-                                               torch.get_num_threads())
-        if status:
-            raise RuntimeError(f"rms_norm_f32 failed with status {status} (hidden {xf.shape[-1]}, lanes {lanes})")
-        return weight * normed.to(dtype)
-    return weight * F.rms_norm(xf, (x.shape[-1],), eps=eps).to(dtype)
+    normed = _native_rms_norm(xf, _ones(x.shape[-1]), eps)
+    if normed is None:
+        normed = F.rms_norm(xf, (x.shape[-1],), eps=eps)
+    return weight * normed.to(x.dtype)
+
+
+def _native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """The native kernel's RMSNorm of fp32 `x` times fp32 `weight` (the same bits as `F.rms_norm`),
+    or None where the kernel does not take them (`_native_norm_lanes`)."""
+    lanes = _native_norm_lanes(x, weight)
+    if lanes is None:
+        return None
+    out = torch.empty_like(x)
+    status = native.library().rms_norm_f32(x.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                                           x.numel() // x.shape[-1], x.shape[-1], eps, lanes, torch.get_num_threads())
+    if status:
+        raise RuntimeError(f"rms_norm_f32 failed with status {status} (hidden {x.shape[-1]}, lanes {lanes})")
+    return out
 
 
 @lru_cache(maxsize=8)

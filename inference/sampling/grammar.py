@@ -169,78 +169,59 @@ class GrammarCompiler:
         spec asked for again while it builds shares that build. `client` (who asks) may have at
         most `MAX_BUILDS_PER_CLIENT` builds in flight: past that `OverloadedError` (retry later), so
         one client sending distinct grammars cannot keep the compile thread to itself."""
-        with self._lock:
-            template = self._cache.get(spec)
-            refusal = self._refused.get(spec)
-            building = self._building.get(spec)
-            if template is None and refusal is None and building is None and client is not None:
-                if self._per_client.get(client, 0) >= MAX_BUILDS_PER_CLIENT:
-                    raise OverloadedError(f"structured_outputs: {MAX_BUILDS_PER_CLIENT} grammars of this client "
-                                          "are being compiled; retry once they are done")
-                self._per_client[client] = self._per_client.get(client, 0) + 1
         done: Future = Future()
-        if template is not None:
-            with self._lock:
+        with self._lock:
+            template, refusal = self._cache.get(spec), self._refused.get(spec)
+            if template is not None:
                 self._cache.move_to_end(spec)
+        if template is not None:
             done.set_result(template)
             return done
         if refusal is not None:
             done.set_exception(ValueError(refusal))
             return done
-        if building is not None:
-            return building
         try:
             tokenizer = self.tokenizer()
         except ValueError as exc:
-            self._release(client)
             done.set_exception(exc)
             return done
         with self._lock:
-            if spec in self._building:  # NOTE: another thread started it meanwhile
-                self._release(client, locked=True)
-                return self._building[spec]
+            building = self._building.get(spec)
+            if building is not None:
+                return building
+            if client is not None:
+                if self._per_client.get(client, 0) >= MAX_BUILDS_PER_CLIENT:
+                    raise OverloadedError(f"structured_outputs: {MAX_BUILDS_PER_CLIENT} grammars of this client "
+                                          "are being compiled; retry once they are done")
+                self._per_client[client] = self._per_client.get(client, 0) + 1
             self._building[spec] = done
         self._worker().submit(self._build_into, tokenizer, spec, done, client)
         return done
 
     def _build_into(self, tokenizer: llg.LLTokenizer, spec: StructuredOutputs, done: Future,
                     client: Optional[str]) -> None:
+        """On the compile thread: build `spec`, keep the template (or a `ValueError` refusal) in
+        its cache, then settle `done` (anything else raised reaches its waiter, not the thread)."""
+        template, error = None, None
         try:
             template = self._build(tokenizer, spec)
-        except ValueError as exc:
-            with self._lock:
-                self._refused[spec] = str(exc)
-                if len(self._refused) > GRAMMAR_CACHE_SIZE:
-                    self._refused.popitem(last=False)
-                del self._building[spec]
-            self._release(client)
-            done.set_exception(exc)
-            return
-        except BaseException as exc:  # noqa: BLE001 (anything else reaches the waiter, not the thread)
-            with self._lock:
-                del self._building[spec]
-            self._release(client)
-            done.set_exception(exc)
-            return
+        except BaseException as exc:  # noqa: BLE001
+            error = exc
         with self._lock:
-            self._cache[spec] = template
-            if len(self._cache) > GRAMMAR_CACHE_SIZE:
-                self._cache.popitem(last=False)
             del self._building[spec]
-        self._release(client)
-        done.set_result(template)
-
-    def _release(self, client: Optional[str], *, locked: bool = False) -> None:
-        if client is None:
-            return
-        if not locked:
-            with self._lock:
-                return self._release(client, locked=True)
-        left = self._per_client.get(client, 0) - 1
-        if left > 0:
-            self._per_client[client] = left
+            kept = self._cache if error is None else self._refused if isinstance(error, ValueError) else None
+            if kept is not None:
+                kept[spec] = template if error is None else str(error)
+                if len(kept) > GRAMMAR_CACHE_SIZE:
+                    kept.popitem(last=False)
+            if client is not None:
+                left = self._per_client.pop(client) - 1
+                if left:
+                    self._per_client[client] = left
+        if error is None:
+            done.set_result(template)
         else:
-            self._per_client.pop(client, None)
+            done.set_exception(error)
 
     @staticmethod
     def _build(tokenizer: llg.LLTokenizer, spec: StructuredOutputs) -> llg.LLMatcher:

@@ -194,7 +194,7 @@ def compute_prompt_logprobs(logits: Tensor, target_ids: Tensor, num_top: int = 0
         lp = x.gather(1, target_ids[start:start + _PROMPT_ROWS, None]).float() - log_z
         lps.append(lp[:, 0])
         # NOTE: compared as log-probs, not logits: two logits that round to one log-prob tie, as in vLLM
-        ranks.append(torch.sub(x.float(), log_z).ge(lp).sum(-1))
+        ranks.append(x.to(torch.float32, copy=True).sub_(log_z).ge(lp).sum(-1))
         if n:
             top_x, top_ids = x.topk(n, dim=-1)
             tops.append(top_x.float() - log_z)

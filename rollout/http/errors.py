@@ -218,7 +218,7 @@ async def no_tokenizer_handler(request: Request, exc: TokenizerUnavailableError)
 async def too_deep_handler(request: Request, exc: RecursionError) -> JSONResponse:
     """A body nested deeper than Python reads (JSON decoding, a schema walked by recursion): the
     client's 400, whichever route met it."""
-    return error_response(request, APIError(400, "The request body is nested too deep to read."))
+    return error_response(request, from_exception(exc))
 
 
 async def internal_error_handler(request: Request, exc: Exception) -> JSONResponse:

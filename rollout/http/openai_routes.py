@@ -396,7 +396,7 @@ def _usage(prompts: list[list[int]], samples: list[Sample]) -> dict[str, Any]:
     cached: dict[int, int] = {}
     for s in samples:
         cached[s.group] = min(cached.get(s.group, s.cached_tokens), s.cached_tokens)
-    cached_tokens = sum(min(n, len(prompts[g])) for g, n in cached.items() if g < len(prompts))
+    cached_tokens = sum(min(n, len(prompts[g])) for g, n in cached.items())
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
