@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from inference import native
+from inference.models import packed_weights
 from inference.models.small_gemm import few_rows, linear, native_linear
 from inference.models.spec import RopeKind, RopeSpec
 
@@ -141,7 +142,7 @@ def lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if few_rows(x, weight):  # NOTE: a decode step's rows: the native kernel (small_gemm.py)
         return native_linear(x, weight)
     if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2:
-        return F.linear(x, weight)
+        return packed_weights.linear(x, weight)  # NOTE: bf16 on CPU: the weight's oneDNN pack
     vocab = weight.shape[0]
     out = x.new_empty(x.shape[0], vocab)
     for start in range(0, vocab, LM_HEAD_CHUNK):

@@ -1,4 +1,5 @@
-"""`linear` for the decode step: the native GEMM on CPU (`csrc/small_gemm.c`), else `F.linear`.
+"""`linear` for the decode step: the native GEMM on CPU (`csrc/small_gemm.c`) in fp32, packed oneDNN
+weights in bf16 (`packed_weights.py`, the same bits as `F.linear`), else `F.linear`.
 
 A decode step carries from one row (the tail of a rollout batch) to a full batch, and MKL's
 sgemm there runs below what the machine gives: at a few rows below the memory bandwidth its gemv
@@ -14,9 +15,9 @@ rows (prefill) MKL takes over.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from inference import native
+from inference.models import packed_weights
 
 MAX_ROWS = 128  # up to here the native kernel (a SmolLM2 step's GEMMs: 128 rows 542 ms vs MKL's 572, 256: 1016 / 1007)
 
@@ -30,8 +31,11 @@ def few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`; up to `MAX_ROWS` fp32 rows on CPU through the native kernel (module docstring)."""
-    return native_linear(x, weight, bias) if few_rows(x, weight, bias) else F.linear(x, weight, bias)
+    """`F.linear(x, weight, bias)`; up to `MAX_ROWS` fp32 rows on CPU through the native kernel (module
+    docstring), bf16 on CPU through the weight's oneDNN pack."""
+    if few_rows(x, weight, bias):
+        return native_linear(x, weight, bias)
+    return packed_weights.linear(x, weight, bias)
 
 
 def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, lib=None) -> torch.Tensor:

@@ -28,6 +28,7 @@ from typing import Any, Optional
 import torch
 
 from inference.errors import EngineStateError, WeightNameError, WeightShapeError
+from inference.models import packed_weights
 from inference.weights.adapters import WeightAdapter
 from inference.weights.staging import StagedUpdate, Staging
 
@@ -152,6 +153,7 @@ class WeightManager:
         if self._update is not None:
             raise EngineStateError("a staged weight update is open; commit() or abort() it first")
         self.model.bind_weights(hf, alias=False)
+        packed_weights.forget_all()
         if not self.missing_after(hf):
             self._broken = None  # a complete update makes mixed weights whole again
 
@@ -165,6 +167,7 @@ class WeightManager:
     def commit_version(self, version: Optional[int] = None) -> int:
         """New weights are in place: the version becomes `version` (which must exceed it) or +1."""
         self.check_version(version)
+        packed_weights.forget_all()  # NOTE: packs are rebuilt from the new weights on their next use
         self._version = version if version is not None else self._version + 1
         return self._version
 
@@ -348,6 +351,7 @@ class WeightManager:
         """
         if self._offloaded:
             return 0
+        packed_weights.forget_all()  # NOTE: a suspend frees the packs too
         aliased = {t.data_ptr() for t in self._bound_trainer_tensors}
         seen, moved = set(), []
         for name, tensor in self.model.named_tensors().items():
@@ -374,6 +378,7 @@ class WeightManager:
         checkpoint maps from disk (not resizable) are freed too, and tied weights stay tied."""
         if self._discarded or self._offloaded:
             return 0
+        packed_weights.forget_all()
         aliased = {t.untyped_storage().data_ptr() for t in self._bound_trainer_tensors}
         groups: dict[int, list[torch.Tensor]] = {}
         for tensor in self.model.named_tensors().values():

@@ -66,7 +66,7 @@ def _check_close_and_alike(gemm, shape, bias, alike):
 
 
 @needs_kernels
-def test_few_rows_take_the_kernel_and_others_f_linear(monkeypatch):
+def test_few_rows_take_the_kernel_and_others_the_packed_or_f_linear(monkeypatch):
     w = torch.randn(64, 32)
     assert few_rows(torch.randn(MAX_ROWS, 32), w)
     assert not few_rows(torch.randn(MAX_ROWS + 1, 32), w)
@@ -74,7 +74,7 @@ def test_few_rows_take_the_kernel_and_others_f_linear(monkeypatch):
     assert not few_rows(torch.randn(32, 4).T, w)  # columns not contiguous
     assert not few_rows(torch.randn(4, 32), torch.randn(32, 64).T)  # weight not contiguous
     calls = []
-    monkeypatch.setattr(small_gemm.F, "linear", lambda *a: calls.append(a) or torch.zeros(1))
+    monkeypatch.setattr(small_gemm.packed_weights, "linear", lambda *a: calls.append(a) or torch.zeros(1))
     linear(torch.randn(2, 32), w)
     assert not calls
     linear(torch.randn(MAX_ROWS + 1, 32), w)
