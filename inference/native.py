@@ -14,8 +14,8 @@ paths of a CPU below this one (the GEMM's AVX2 and SSE tiles on an AVX-512 machi
 
 Kernels are called through ctypes, which releases the GIL. Users: decode attention
 (`attention/cpu_kernels.py`), the decode step's few-row GEMMs (`models/small_gemm.py`), the
-sampler (`sampling/native.py`), the layers' rotary, RMSNorm and fused residual add + RMSNorm
-(`models/layers.py`) and weight sync's byte moves (`weight_sync/memcopy.py`).
+sampler (`sampling/native.py`), the layers' rotary, RMSNorm and fused residual add + RMSNorm, fp32
+and bf16 (`models/layers.py`) and weight sync's byte moves (`weight_sync/memcopy.py`).
 
 Where no compiler is found or the build fails, `library()` is None (logged once) and every user
 keeps its pure-torch path; `ROLLOUT_ENGINE_NO_KERNELS=1` forces that.
@@ -58,9 +58,11 @@ SIGNATURES = {
     "paged_decode_bf16": [PTR, PTR, PTR, PTR, I64, PTR, PTR, I64, I64, I64, I64, I64, ctypes.c_float, ctypes.c_int],
     "sample_rows_f32": [PTR, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR, ctypes.c_int],
     "rotary_f32": [PTR, I64, I64, I64, I64, PTR, PTR, ctypes.c_int],
+    "rotary_bf16": [PTR, I64, I64, I64, I64, PTR, PTR, ctypes.c_int],
     "small_gemm_f32": [PTR, I64, I64, I64, PTR, I64, PTR, PTR, I64, ctypes.c_int],
     "add_rms_norm_f32": [PTR, PTR, PTR, PTR, I64, I64, ctypes.c_float, ctypes.c_int, ctypes.c_int],
     "rms_norm_f32": [PTR, PTR, PTR, I64, I64, ctypes.c_float, ctypes.c_int, ctypes.c_int],
+    "add_rms_norm_bf16": [PTR, PTR, PTR, PTR, I64, I64, ctypes.c_float, ctypes.c_int, ctypes.c_int],
     "store_rows": [PTR, PTR, PTR, PTR, I64, PTR, I64, I64],
     "copy_sum_u64": [PTR, PTR, I64, PTR],
     "publish_piece": [PTR, ctypes.c_uint64, ctypes.c_uint64],

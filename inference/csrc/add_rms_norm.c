@@ -13,13 +13,19 @@
  * of `lanes` squares, vector v summed lane-wise into accumulator v % 4 through a 4-level cascade,
  * the leftover vectors into accumulator 0, the four folded in order, then the leftover scalars and
  * the lanes added one by one to 0.
+ *
+ * bf16 rows (`add_rms_norm_bf16`) follow HF's `LlamaRMSNorm` on bf16 tensors: the residual add
+ * rounded to bf16, the row widened to fp32 and normalized as above (times ones), rounded to bf16,
+ * then times the bf16 weight, rounded (bf16.h: as torch's bf16 ops round): bit for bit those ops.
  */
 #pragma GCC optimize("fp-contract=off", "no-associative-math", "no-reciprocal-math")
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-enum { ILP = 4, LEVELS = 4, MAX_LANES = 16 };
+#include "bf16.h"
+
+enum { ILP = 4, LEVELS = 4, MAX_LANES = 16, MAX_BF16_ROW = 32768 /* floats of a row on the stack */ };
 
 /* c10::utils::CeilLog2 */
 static int ceil_log2(int64_t x) {
@@ -100,4 +106,32 @@ int add_rms_norm_f32(float *x, const float *residual, const float *weight, float
 int rms_norm_f32(const float *x, const float *weight, float *out, int64_t rows, int64_t n, float eps, int lanes,
                  int threads) {
     return add_rms_norm_f32((float *)x, NULL, weight, out, rows, n, eps, lanes, threads);
+}
+
+static inline __attribute__((always_inline)) void add_rms_norm_bf16_row(uint16_t *x, const uint16_t *residual,
+                                                                        const uint16_t *weight, uint16_t *out,
+                                                                        int64_t n, float eps, const int lanes) {
+    float row[n];
+    if (residual)
+        for (int64_t e = 0; e < n; e++) x[e] = f32_to_bf16(bf16_to_f32(x[e]) + bf16_to_f32(residual[e]));
+    for (int64_t e = 0; e < n; e++) row[e] = bf16_to_f32(x[e]);
+    const float mean = sum_of_squares(row, n, lanes) / (float)n;
+    const float rstd = 1.0f / sqrtf(mean + eps);
+    for (int64_t e = 0; e < n; e++)
+        out[e] = f32_to_bf16(bf16_to_f32(weight[e]) * bf16_to_f32(f32_to_bf16(row[e] * rstd)));
+}
+
+/* x <- bf16(x + residual) (none when residual is NULL: x is not written), out <- rms_norm of x in bf16 */
+int add_rms_norm_bf16(uint16_t *x, const uint16_t *residual, const uint16_t *weight, uint16_t *out, int64_t rows,
+                      int64_t n, float eps, int lanes, int threads) {
+    if (rows < 0 || n <= 0 || (lanes != 8 && lanes != 16) || n < lanes || n > MAX_BF16_ROW) return 1;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *res = residual ? residual + r * n : NULL;
+        if (lanes == 16)
+            add_rms_norm_bf16_row(x + r * n, res, weight, out + r * n, n, eps, 16);
+        else
+            add_rms_norm_bf16_row(x + r * n, res, weight, out + r * n, n, eps, 8);
+    }
+    return 0;
 }

@@ -26,13 +26,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     NOTE: float32 on the CPU runs the native kernel (`csrc/add_rms_norm.c`, with no residual): one
     pass per row, the same bits as `F.rms_norm`, whose seven ops cost ~190 us on a decode step's
     32 x 576 (the kernel: a few us); elsewhere `F.rms_norm`. In bf16 / fp16, HF's order (normalize
-    in fp32, cast, then times the weight) keeps its casts, and the kernel normalizes (times ones:
+    in fp32, cast, then times the weight) keeps its casts: in bf16 the native kernel does all of it
+    in one pass, rounding as the torch ops do; elsewhere the fp32 kernel normalizes (times ones:
     exact) in place of `F.rms_norm`'s ops.
     """
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         out = _native_rms_norm(x, weight, eps)
         # in fp32 there is no intermediate cast for HF's op order to differ on
         return out if out is not None else F.rms_norm(x, (x.shape[-1],), weight=weight, eps=eps)
+    out = _native_bf16_norm(x, None, weight, eps)
+    if out is not None:
+        return out
     xf = x.float()
     normed = _native_rms_norm(xf, _ones(x.shape[-1]), eps)
     if normed is None:
@@ -59,16 +63,37 @@ def _ones(n: int) -> torch.Tensor:
     return torch.ones(n)
 
 
-def _native_norm_lanes(x: torch.Tensor, weight: torch.Tensor) -> int | None:
+def _native_norm_lanes(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> int | None:
     """The lanes of torch's float sum (see `torch_sum_lanes`) where the native norm kernels take `x`
-    (fp32, CPU, contiguous, rows of at least that many floats) and `weight`; else None."""
+    (`dtype`, CPU, contiguous, rows of at least that many elements) and `weight`; else None."""
     n = x.shape[-1]
     lanes = torch_sum_lanes()
-    if (lanes is None or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
+    if (lanes is None or x.device.type != "cpu" or x.dtype != dtype or weight.dtype != dtype
             or n < lanes or weight.shape != (n,) or not x.is_contiguous() or not weight.is_contiguous()
             or not native.available()):
         return None
     return lanes
+
+
+BF16_NORM_MAX_HIDDEN = 32768  # the kernel's row on its stack (`MAX_BF16_ROW` in csrc/add_rms_norm.c)
+
+
+def _native_bf16_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                      eps: float) -> torch.Tensor | None:
+    """bf16 `rms_norm(x, weight, eps)`, `x += residual` first unless None, in one native pass (HF's
+    op order, each op rounded as torch rounds it: the same bits); None where the kernel does not
+    take them."""
+    lanes = _native_norm_lanes(x, weight, torch.bfloat16)
+    if lanes is None or x.shape[-1] > BF16_NORM_MAX_HIDDEN or (residual is not None and (
+            residual.dtype != torch.bfloat16 or residual.shape != x.shape or not residual.is_contiguous())):
+        return None
+    out = torch.empty_like(x)
+    status = native.library().add_rms_norm_bf16(
+        x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+        x.numel() // x.shape[-1], x.shape[-1], eps, lanes, torch.get_num_threads())
+    if status:
+        raise RuntimeError(f"add_rms_norm_bf16 failed with status {status} (hidden {x.shape[-1]}, lanes {lanes})")
+    return out
 
 
 @lru_cache(maxsize=1)
@@ -90,7 +115,8 @@ def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     NOTE: float32 on the CPU runs the native kernel (`csrc/add_rms_norm.c`): one pass per row instead
     of torch's add and rms_norm's seven ops (pow, sum, fill, div, add, rsqrt, two muls), each step
     rounded as torch rounds it and the sum of squares in torch's order, so `x` and the result are
-    the same bit for bit. Elsewhere (and under ROLLOUT_ENGINE_NO_KERNELS) it is those torch ops.
+    the same bit for bit; in bf16 likewise (`_native_bf16_norm`). Elsewhere (and under
+    ROLLOUT_ENGINE_NO_KERNELS) it is those torch ops.
     """
     n = x.shape[-1]
     lanes = _native_norm_lanes(x, weight)
@@ -103,7 +129,8 @@ def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         if status:
             raise RuntimeError(f"add_rms_norm_f32 failed with status {status} (hidden {n}, lanes {lanes})")
         return out
-    return rms_norm(x.add_(residual), weight, eps)
+    out = _native_bf16_norm(x, residual, weight, eps)
+    return out if out is not None else rms_norm(x.add_(residual), weight, eps)
 
 
 def swiglu(
@@ -201,18 +228,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`apply_rotary` of `x`, which the caller owns (a projection's fresh output) and may find rotated.
 
-    NOTE: float32 on the CPU runs the native kernel (`csrc/rotary.c`): one pass instead of torch's
-    neg, cat, two products and a sum, each product and the sum rounded as torch rounds them, so the
-    result is the same bit for bit. Elsewhere (and under ROLLOUT_ENGINE_NO_KERNELS) it is
+    NOTE: float32 and bf16 on the CPU run the native kernel (`csrc/rotary.c`): one pass instead of
+    torch's neg, cat, two products and a sum, each product and the sum rounded as torch rounds them,
+    so the result is the same bit for bit. Elsewhere (and under ROLLOUT_ENGINE_NO_KERNELS) it is
     `apply_rotary`, out of place.
     """
     tokens, heads, dim = x.shape
-    if (x.device.type == "cpu" and x.dtype == torch.float32 and cos.dtype == torch.float32
+    kernel = _ROTARY_KERNELS.get(x.dtype)
+    if (kernel is not None and x.device.type == "cpu" and cos.dtype == x.dtype and sin.dtype == x.dtype
             and x.stride(2) == 1 and x.stride(1) == dim and cos.is_contiguous() and sin.is_contiguous()
             and cos.numel() == tokens * dim and native.available()):
-        status = native.library().rotary_f32(x.data_ptr(), tokens, heads, dim, x.stride(0), cos.data_ptr(),
-                                              sin.data_ptr(), torch.get_num_threads())
+        status = getattr(native.library(), kernel)(x.data_ptr(), tokens, heads, dim, x.stride(0), cos.data_ptr(),
+                                                   sin.data_ptr(), torch.get_num_threads())
         if status:
-            raise RuntimeError(f"rotary_f32 failed with status {status} (head_dim {dim})")
+            raise RuntimeError(f"{kernel} failed with status {status} (head_dim {dim})")
         return x
     return apply_rotary(x, cos, sin)
+
+
+_ROTARY_KERNELS = {torch.float32: "rotary_f32", torch.bfloat16: "rotary_bf16"}

@@ -17,6 +17,7 @@ from inference.models.layers import (
     apply_rotary_,
     lm_head,
     rms_norm,
+    torch_sum_lanes,
 )
 from inference.models.spec import RopeSpec
 from tests.inference.native_util import SWITCH, kernels_on
@@ -120,3 +121,73 @@ def test_bf16_rms_norm_keeps_hfs_op_order_bit_for_bit(kernel_setting: str, shape
 def test_rms_norm_of_a_strided_view_falls_back(kernel_setting: str) -> None:
     x, weight = torch.randn(8, 64)[:, :32], torch.randn(32)
     assert torch.equal(rms_norm(x, weight, 1e-5), F.rms_norm(x, (32,), weight=weight, eps=1e-5))
+
+
+# ---- bf16: the native kernels round as torch's bf16 ops do, at every x86-64 level ------------------
+
+
+def _bf16_rotary_inputs(tokens: int, heads: int, dim: int, width: int):
+    """q as a column slice of a wider projection output (row stride `width`), and its cos / sin."""
+    rotary = RotaryEmbedding(RopeSpec(theta=100000.0), dim)
+    gen = torch.Generator().manual_seed(tokens * heads + dim + width)
+    cos, sin = rotary.cos_sin(torch.randint(0, 8192, (tokens,), generator=gen), torch.bfloat16)
+    wide = (torch.randn(tokens, width, generator=gen) * 4).bfloat16()
+    return wide, wide[:, : heads * dim].view(tokens, heads, dim), cos, sin
+
+
+@pytest.mark.parametrize("tokens,heads,dim,width", [(1, 3, 64, 192), (64, 9, 64, 960), (200, 4, 64, 256),
+                                                    (5, 2, 128, 300), (0, 2, 64, 128)])
+def test_bf16_rotary_in_place_equals_apply_rotary(kernel_setting: str, tokens: int, heads: int, dim: int,
+                                                  width: int) -> None:
+    wide, x, cos, sin = _bf16_rotary_inputs(tokens, heads, dim, width)
+    rest = wide[:, heads * dim:].clone()
+    want = apply_rotary(x.clone(), cos, sin)
+    assert torch.equal(apply_rotary_(x, cos, sin), want)  # NOTE: in place with the kernel, out of place without
+    assert torch.equal(wide[:, heads * dim:], rest)  # the columns beside q are not written
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 64, 129])
+@pytest.mark.parametrize("hidden", [576, 960, 100, 17])
+@pytest.mark.parametrize("scale", [1.0, 1e-3, 40.0])
+def test_bf16_add_rms_norm_equals_add_then_hfs_rms_norm(kernel_setting: str, rows: int, hidden: int,
+                                                        scale: float) -> None:
+    gen = torch.Generator().manual_seed(rows * hidden + int(scale * 10))
+    x = (torch.randn(rows, hidden, generator=gen) * scale).bfloat16()
+    residual = (torch.randn(rows, hidden, generator=gen) * scale).bfloat16()
+    weight = (1 + 0.2 * torch.randn(hidden, generator=gen)).bfloat16()
+    summed = x.clone().add_(residual)
+    want = weight * F.rms_norm(summed.float(), (hidden,), eps=1e-5).bfloat16()
+    got = add_rms_norm_(x, residual, weight, 1e-5)
+    assert torch.equal(x, summed) and torch.equal(got, want)
+
+
+def _level_library(level: str):
+    if native.compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    try:
+        return native.library_at(level)
+    except ValueError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.mark.parametrize("level", ["v2", "v3", "v4"])
+def test_bf16_kernels_round_as_torch_at_every_level(level: str) -> None:
+    """Built for each x86-64 level (another CPU's vector width), the bf16 rotary and norm kernels
+    still give torch's bits: their ops are rounded one by one, the norm's sum in torch's order."""
+    lib = _level_library(level)
+    lanes = torch_sum_lanes()
+    if lanes is None:
+        pytest.skip("torch's sum order is known on x86-64 only")
+    wide, x, cos, sin = _bf16_rotary_inputs(64, 9, 64, 960)
+    want = apply_rotary(x.clone(), cos, sin)
+    assert lib.rotary_bf16(x.data_ptr(), 64, 9, 64, 960, cos.data_ptr(), sin.data_ptr(), 2) == 0
+    assert torch.equal(x, want)
+    gen = torch.Generator().manual_seed(7)
+    h, r = (torch.randn(129, 576, generator=gen) * 3).bfloat16(), (torch.randn(129, 576, generator=gen) * 3).bfloat16()
+    weight = (1 + 0.2 * torch.randn(576, generator=gen)).bfloat16()
+    summed = h.clone().add_(r)
+    want = weight * F.rms_norm(summed.float(), (576,), eps=1e-6).bfloat16()
+    out = torch.empty_like(h)
+    assert lib.add_rms_norm_bf16(h.data_ptr(), r.data_ptr(), weight.data_ptr(), out.data_ptr(), 129, 576, 1e-6,
+                                 lanes, 2) == 0
+    assert torch.equal(h, summed) and torch.equal(out, want)
