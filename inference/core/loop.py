@@ -17,6 +17,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Optional
 
+from inference.core.omp_pool import release_caller_pool
+
 logger = logging.getLogger(__name__)
 
 Command = Callable[[], Any]
@@ -51,6 +53,8 @@ class EngineLoop:
         self._accepting = True
         self._last_tick = time.monotonic()
         self.hold: Optional[threading.Event] = None  # test hook: while set-and-cleared, the loop blocks
+        # NOTE: the steps move to the loop thread: the caller's OpenMP workers would throttle its own
+        release_caller_pool()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
