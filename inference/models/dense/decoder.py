@@ -20,6 +20,7 @@ from inference.attention.selector import select_backend
 from inference.cache.kv_buffer import KVCacheBuffer
 from inference.cache.specs import KVCacheSpec
 from inference.lora.batch import MLP_PROJS, LoRABatch, LoRAGroups
+from inference.models import packed_weights
 from inference.models.layers import RotaryEmbedding, add_rms_norm_, apply_rotary_, lm_head, rms_norm, swiglu
 from inference.models.small_gemm import linear
 from inference.models.spec import ModelSpec
@@ -325,7 +326,13 @@ class DenseDecoder:
         s, w = self.spec, self._layers[i]
         n_tok, eps = x.shape[0], s.rms_norm_eps
         h = rms_norm(x, w.in_norm, eps)
-        q, k, v = linear(h, w.q_w, w.q_b), linear(h, w.k_w, w.k_b), linear(h, w.v_w, w.v_b)
+        # NOTE: bf16 on CPU, q, k and v in one call (views of one output), unless q and k are normed
+        qkv = None if lora is not None or w.q_norm is not None else packed_weights.linear_group(
+            h, (w.q_w, w.k_w, w.v_w), (w.q_b, w.k_b, w.v_b))
+        if qkv is not None:
+            q, k, v = qkv.split((w.q_w.shape[0], w.k_w.shape[0], w.v_w.shape[0]), dim=-1)
+        else:
+            q, k, v = linear(h, w.q_w, w.q_b), linear(h, w.k_w, w.k_b), linear(h, w.v_w, w.v_b)
         if lora is not None:
             lora.add(h, i, "qkv", (q, k, v))
         q = q.view(n_tok, s.num_heads, s.head_dim)

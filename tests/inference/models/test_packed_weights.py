@@ -149,3 +149,32 @@ def test_a_suspend_that_offloads_bf16_weights_frees_their_packs():
     assert packed_weights.packed_bytes() == 0
     engine.resume()
     assert outputs(engine) == before
+
+
+# ---- weights side by side (q, k, v; gate, up) ----------------------------------------------------
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("rows", [1, 8, 33, 64, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_weights_side_by_side_give_each_f_linears_bits(rows, with_bias):
+    weights = (bf16(96, 64, seed=20), bf16(32, 64, seed=21), bf16(32, 64, seed=22))
+    biases = tuple(bf16(w.shape[0], seed=23 + i) for i, w in enumerate(weights)) if with_bias else (None,) * 3
+    x = bf16(rows, 64, seed=26)
+    out = packed_weights.linear_group(x, weights, biases)
+    for part, w, b in zip(out.split([w.shape[0] for w in weights], dim=-1), weights, biases):
+        assert torch.equal(part, F.linear(x, w, b))
+
+
+@needs_onednn_bf16
+def test_a_group_is_packed_again_when_one_member_is_written():
+    weights, x = (bf16(16, 8, seed=30), bf16(24, 8, seed=31)), bf16(3, 8, seed=32)
+    packed_weights.linear_group(x, weights, (None, None))
+    weights[1].copy_(bf16(24, 8, seed=33))
+    assert torch.equal(packed_weights.linear_group(x, weights, (None, None))[:, 16:], F.linear(x, weights[1]))
+
+
+def test_a_group_with_some_biases_or_fp32_weights_is_left_to_the_caller():
+    x, w = bf16(2, 8, seed=34), bf16(4, 8, seed=35)
+    assert packed_weights.linear_group(x, (w, w.clone()), (bf16(4, seed=36), None)) is None
+    assert packed_weights.linear_group(x.float(), (w.float(), w.float()), (None, None)) is None
