@@ -87,27 +87,6 @@ static inline __attribute__((always_inline)) void add_rms_norm_row(float *x, con
     for (int64_t e = 0; e < n; e++) out[e] = (x[e] * rstd) * weight[e];
 }
 
-int add_rms_norm_f32(float *x, const float *residual, const float *weight, float *out, int64_t rows, int64_t n,
-                     float eps, int lanes, int threads) {
-    if (rows < 0 || n <= 0 || (lanes != 8 && lanes != 16) || n < lanes) return 1;
-    /* NOTE: one specialisation per width, so the lane loops have constant trip counts */
-    #pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= 65536)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *res = residual ? residual + r * n : NULL;
-        if (lanes == 16)
-            add_rms_norm_row(x + r * n, res, weight, out + r * n, n, eps, 16);
-        else
-            add_rms_norm_row(x + r * n, res, weight, out + r * n, n, eps, 8);
-    }
-    return 0;
-}
-
-/* out <- rms_norm(x) * weight, row by row, as torch's F.rms_norm rounds it (x is not written) */
-int rms_norm_f32(const float *x, const float *weight, float *out, int64_t rows, int64_t n, float eps, int lanes,
-                 int threads) {
-    return add_rms_norm_f32((float *)x, NULL, weight, out, rows, n, eps, lanes, threads);
-}
-
 static inline __attribute__((always_inline)) void add_rms_norm_bf16_row(uint16_t *x, const uint16_t *residual,
                                                                         const uint16_t *weight, uint16_t *out,
                                                                         int64_t n, float eps, const int lanes) {
@@ -121,17 +100,47 @@ static inline __attribute__((always_inline)) void add_rms_norm_bf16_row(uint16_t
         out[e] = f32_to_bf16(bf16_to_f32(weight[e]) * bf16_to_f32(f32_to_bf16(row[e] * rstd)));
 }
 
+/* one row, fp32 or bf16; `lanes` and `bf16` are constants at each call (one specialisation each) */
+static inline __attribute__((always_inline)) void norm_row(char *x, const char *residual, const void *weight,
+                                                          char *out, int64_t n, float eps, const int lanes,
+                                                          const int bf16) {
+    if (bf16)
+        add_rms_norm_bf16_row((uint16_t *)x, (const uint16_t *)residual, weight, (uint16_t *)out, n, eps, lanes);
+    else
+        add_rms_norm_row((float *)x, (const float *)residual, weight, (float *)out, n, eps, lanes);
+}
+
+static inline __attribute__((always_inline)) int norm_rows(void *x, const void *residual, const void *weight,
+                                                           void *out, int64_t rows, int64_t n, float eps, int lanes,
+                                                           int threads, const int bf16) {
+    if (rows < 0 || n <= 0 || (lanes != 8 && lanes != 16) || n < lanes) return 1;
+    const int64_t row_bytes = n * (bf16 ? 2 : 4);
+    #pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        char *xr = (char *)x + r * row_bytes, *o = (char *)out + r * row_bytes;
+        const char *res = residual ? (const char *)residual + r * row_bytes : NULL;
+        if (lanes == 16)
+            norm_row(xr, res, weight, o, n, eps, 16, bf16);
+        else
+            norm_row(xr, res, weight, o, n, eps, 8, bf16);
+    }
+    return 0;
+}
+
+int add_rms_norm_f32(float *x, const float *residual, const float *weight, float *out, int64_t rows, int64_t n,
+                     float eps, int lanes, int threads) {
+    return norm_rows(x, residual, weight, out, rows, n, eps, lanes, threads, 0);
+}
+
+/* out <- rms_norm(x) * weight, row by row, as torch's F.rms_norm rounds it (x is not written) */
+int rms_norm_f32(const float *x, const float *weight, float *out, int64_t rows, int64_t n, float eps, int lanes,
+                 int threads) {
+    return add_rms_norm_f32((float *)x, NULL, weight, out, rows, n, eps, lanes, threads);
+}
+
 /* x <- bf16(x + residual) (none when residual is NULL: x is not written), out <- rms_norm of x in bf16 */
 int add_rms_norm_bf16(uint16_t *x, const uint16_t *residual, const uint16_t *weight, uint16_t *out, int64_t rows,
                       int64_t n, float eps, int lanes, int threads) {
-    if (rows < 0 || n <= 0 || (lanes != 8 && lanes != 16) || n < lanes || n > MAX_BF16_ROW) return 1;
-    #pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= 65536)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *res = residual ? residual + r * n : NULL;
-        if (lanes == 16)
-            add_rms_norm_bf16_row(x + r * n, res, weight, out + r * n, n, eps, 16);
-        else
-            add_rms_norm_bf16_row(x + r * n, res, weight, out + r * n, n, eps, 8);
-    }
-    return 0;
+    if (n > MAX_BF16_ROW) return 1;
+    return norm_rows(x, residual, weight, out, rows, n, eps, lanes, threads, 1);
 }
