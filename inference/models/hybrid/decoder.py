@@ -26,6 +26,7 @@ from inference.models.hybrid.mamba2 import Mamba2Weights, mamba2_layer
 from inference.models.hybrid.spec import HybridSpec, MixerKind, MixerSpec
 from inference.models.hybrid.verify import advance_layer, verify_layer
 from inference.models.layers import RotaryEmbedding, apply_rotary, lm_head, rms_norm
+from inference.models.packed_weights import linear  # NOTE: F.linear, bf16 on CPU through a pack (same bits)
 from inference.models.protocol import StateBatch
 
 CONV_STATE = "conv"
@@ -182,26 +183,26 @@ class HybridDecoder:
             return self._attention(mixer.index, w, h, cos_sin, kv_cache)
         gate_w, gate_b, up_w, up_b, down_w, down_b = w
         if kind is MixerKind.RELU2:
-            return F.linear(torch.relu(F.linear(h, up_w, up_b)).square(), down_w, down_b)
+            return linear(torch.relu(linear(h, up_w, up_b)).square(), down_w, down_b)
         s = self.spec
-        gate = F.linear(h, gate_w, gate_b)
+        gate = linear(h, gate_w, gate_b)
         if s.gate_multiplier != 1.0:
             gate = gate * s.gate_multiplier
-        y = F.linear(F.linear(h, up_w, up_b) * F.silu(gate), down_w, down_b)
+        y = linear(linear(h, up_w, up_b) * F.silu(gate), down_w, down_b)
         return y * s.down_multiplier if s.down_multiplier != 1.0 else y
 
     def _attention(self, layer: int, w, h: torch.Tensor, cos_sin, kv_cache: KVCacheBuffer) -> torch.Tensor:
         s = self.spec
         q_w, q_b, k_w, k_b, v_w, v_b, o_w, o_b = w
         n = h.shape[0]
-        q = F.linear(h, q_w, q_b).view(n, s.num_heads, s.head_dim)
-        k = F.linear(h, k_w, k_b).view(n, s.num_kv_heads, s.head_dim)
-        v = F.linear(h, v_w, v_b).view(n, s.num_kv_heads, s.head_dim)
+        q = linear(h, q_w, q_b).view(n, s.num_heads, s.head_dim)
+        k = linear(h, k_w, k_b).view(n, s.num_kv_heads, s.head_dim)
+        v = linear(h, v_w, v_b).view(n, s.num_kv_heads, s.head_dim)
         if s.key_multiplier != 1.0:
             k = k * s.key_multiplier
         if cos_sin is not None:
             q, k = self._rotate(q, *cos_sin), self._rotate(k, *cos_sin)
-        return F.linear(self.backend.forward(layer, q, k, v, kv_cache), o_w, o_b)
+        return linear(self.backend.forward(layer, q, k, v, kv_cache), o_w, o_b)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rd = cos.shape[-1]

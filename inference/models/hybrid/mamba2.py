@@ -24,6 +24,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from inference.models.packed_weights import linear  # NOTE: F.linear, bf16 on CPU through a pack (same bits)
+
 
 class GateNorm(enum.Enum):
     """How `y` meets the gate `z` before `out_proj` (RMSNorm statistics per group of channels)."""
@@ -273,7 +275,7 @@ def mamba2_layer(hidden: torch.Tensor, w: Mamba2Weights, dims: Mamba2Dims, conv_
             conv_states[slot] = new_window
             ssm_states[slot] = final
     out = gate_norm(y.view(hidden.shape[0], inter), z, w.norm_w, dims, dtype)
-    return F.linear(out, w.out_w, w.out_b)
+    return linear(out, w.out_w, w.out_b)
 
 
 def in_projection(hidden: torch.Tensor, w: Mamba2Weights, dims: Mamba2Dims,
@@ -282,7 +284,7 @@ def in_projection(hidden: torch.Tensor, w: Mamba2Weights, dims: Mamba2Dims,
     the discretised step sizes `dt [T, H]` (fp32, not clamped)."""
     if dims.in_multiplier != 1.0:
         hidden = hidden * dims.in_multiplier
-    proj = F.linear(hidden, w.in_w, w.in_b)
+    proj = linear(hidden, w.in_w, w.in_b)
     if proj_scale is not None:
         proj = proj * proj_scale
     z, xbc, dt_raw = proj.split((dims.intermediate, dims.conv_dim, dims.num_heads), dim=-1)

@@ -23,7 +23,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from inference.models.hybrid.mamba2 import (
     Mamba2Dims,
@@ -36,6 +35,7 @@ from inference.models.hybrid.mamba2 import (
     ssm_constants,
     ssm_step,
 )
+from inference.models.packed_weights import linear  # NOTE: F.linear, bf16 on CPU through a pack (same bits)
 
 
 class MambaRecord:
@@ -94,7 +94,7 @@ def verify_layer(hidden: torch.Tensor, w: Mamba2Weights, dims: Mamba2Dims, layer
         y.index_copy_(0, rows, y_j)
         conv_out.index_copy_(0, rows, out_j)
     out = gate_norm(y.view(hidden.shape[0], dims.intermediate), z, w.norm_w, dims, dtype)
-    return F.linear(out, w.out_w, w.out_b), MambaRecord(layer, xbc, conv_out, dt)
+    return linear(out, w.out_w, w.out_b), MambaRecord(layer, xbc, conv_out, dt)
 
 
 def advance_layer(record: MambaRecord, w: Mamba2Weights, dims: Mamba2Dims, conv_states: torch.Tensor,

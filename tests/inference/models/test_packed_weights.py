@@ -178,3 +178,18 @@ def test_a_group_with_some_biases_or_fp32_weights_is_left_to_the_caller():
     x, w = bf16(2, 8, seed=34), bf16(4, 8, seed=35)
     assert packed_weights.linear_group(x, (w, w.clone()), (bf16(4, seed=36), None)) is None
     assert packed_weights.linear_group(x.float(), (w.float(), w.float()), (None, None)) is None
+
+
+def test_a_hybrid_model_in_bf16_gives_the_same_tokens_with_packs_and_without(monkeypatch):
+    from tests.inference.models.hybrid.tiny import tiny_hybrid
+
+    model = tiny_hybrid("bamba", seed=7).to(torch.bfloat16)
+    cfg = InferenceConfig(block_size=4, num_blocks=256, max_requests=16, max_batch_tokens=64, chunked_prefill_size=8,
+                          max_sequence_length=64)
+    prompts = random_prompts(6, 3, 26, seed=17)
+    packed_weights.forget_all()
+    packed = [o.generated_token_ids for o in DynamicInferenceEngine.from_pretrained(model, cfg).generate(prompts, GREEDY)]
+    assert bool(packed_weights._packs) == packed_weights.supported()  # NOTE: the Mamba and attention projections
+    monkeypatch.setattr(packed_weights, "supported", lambda: False)
+    plain = [o.generated_token_ids for o in DynamicInferenceEngine.from_pretrained(model, cfg).generate(prompts, GREEDY)]
+    assert packed == plain
