@@ -2,9 +2,9 @@
 
 GNU OpenMP (torch's runtime on Linux) lets its idle workers spin between parallel regions, so the
 next region starts at once, but only while it manages no more threads than the process may run
-on; past that it "throttles": a short spin, then a sleep on a futex, so every region of a step
-(a step runs about a thousand: every torch op and kernel with two threads) begins by waking its
-workers. Each thread that ran a parallel region keeps a pool of workers of its own: with the
+on; past that it "throttles": a short spin, then a sleep on a futex, so every parallel region of
+a step (each torch op and native kernel large enough to split over the threads) begins by waking
+its workers. Each thread that ran a parallel region keeps a pool of workers of its own: with the
 model loaded on the main thread (two threads on two cores), the engine loop's pool puts the count
 over, and every step on the loop thread ran slower than the same step on the main thread.
 Measured (SmolLM2 bf16, 2 cores, 128 requests shaped as the served bench's, 64 in flight): 26.0-27.8 s

@@ -14,8 +14,8 @@ q, k, v at 1 / 8 / 64 rows 58 / 77 / 223 -> 26 / 41 / 191 us; gate and up 78 / 1
 A pack is remembered per weight tensor (or group), keyed by its version counter and storage, so a
 weight written in place (a weight update's copy, a colocated trainer's optimizer step on an
 aliased tensor) is packed again on its next use. The weight manager, the one writer of the
-engine's weights, drops every pack (`forget_all`) when it swaps, offloads, discards or restores
-weights, so a pack never holds memory its weights gave back. A pack costs a second copy of its
+engine's weights, drops every pack (`forget_all`) when it commits new weights, offloads or discards
+them, so a pack never holds memory its weights gave back. A pack costs a second copy of its
 weight (bf16 on CPU only). fp32 stays on the native kernel and MKL (`small_gemm.py`): oneDNN's
 fp32 product rounds differently from `F.linear`.
 """
@@ -25,14 +25,21 @@ from __future__ import annotations
 import threading
 import weakref
 from functools import cache
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
-# ids of the weights (and biases) packed together -> (weak references to them, their versions and
-# storages when packed, the pack, their biases side by side or None, the weights' elements)
-_packs: dict[tuple[int, ...], tuple] = {}
+
+class _Pack(NamedTuple):
+    refs: tuple[weakref.ref, ...]  # the weights (and biases) packed together
+    state: tuple[tuple[int, int], ...]  # their versions and addresses when packed (`_state`)
+    packed: torch.Tensor  # the weights side by side in oneDNN's layout
+    bias: Optional[torch.Tensor]  # their biases side by side, or None
+    numel: int  # the weights' elements
+
+
+_packs: dict[tuple[int, ...], _Pack] = {}  # by the ids of the tensors packed together
 _lock = threading.Lock()
 
 
@@ -54,8 +61,10 @@ def packable(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
             and supported())
 
 
-def _state(tensor: torch.Tensor) -> tuple[int, int, int]:
-    return tensor._version, tensor.data_ptr(), tensor.untyped_storage().nbytes()
+def _state(tensor: torch.Tensor) -> tuple[int, int]:
+    # NOTE: every in-place op on the tensor (copy_, set_, resize_) bumps its version; a storage resized
+    # under it (the weight manager's offload) does not, and that path drops every pack itself
+    return tensor._version, tensor.data_ptr()
 
 
 def _packed(weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor, ...] = ()):
@@ -64,32 +73,27 @@ def _packed(weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor, ...] 
     tensors = weights + biases
     key, state = tuple(map(id, tensors)), tuple(map(_state, tensors))
     entry = _packs.get(key)
-    if entry is not None and entry[1] == state and all(ref() is t for ref, t in zip(entry[0], tensors)):
-        return entry[2], entry[3]
+    if entry is not None and entry.state == state and all(ref() is t for ref, t in zip(entry.refs, tensors)):
+        return entry.packed, entry.bias
     weight = weights[0] if len(weights) == 1 else torch.cat(weights)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)  # the batch hint changes no bits
     bias = (biases[0] if len(biases) == 1 else torch.cat(biases)).detach() if biases else None
 
     def drop(ref: weakref.ref, key: tuple[int, ...] = key) -> None:
         with _lock:
-            if key in _packs and ref in _packs[key][0]:
+            if key in _packs and ref in _packs[key].refs:
                 del _packs[key]
 
     with _lock:
-        _packs[key] = (tuple(weakref.ref(t, drop) for t in tensors), state, packed, bias, weight.numel())
+        _packs[key] = _Pack(tuple(weakref.ref(t, drop) for t in tensors), state, packed, bias, weight.numel())
     return packed, bias
-
-
-def pack_of(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` in oneDNN's layout: remembered, packed again once the weight was written."""
-    return _packed((weight,))[0]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, through the weight's pack where `packable` (the same bits)."""
     if not packable(x, weight, bias):
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, pack_of(weight), bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x, _packed((weight,))[0], bias, "none", [], "")
 
 
 def linear_group(x: torch.Tensor, weights: tuple[torch.Tensor, ...],
@@ -97,15 +101,17 @@ def linear_group(x: torch.Tensor, weights: tuple[torch.Tensor, ...],
     """`x` times the weights side by side, `[..., sum of their rows]` (q, k and v; gate and up): one
     oneDNN call on one pack instead of one per weight, each output the same bits as its own
     `F.linear` (tested). None where the weights are not `packable`, or only some have a bias."""
+    if not all(packable(x, w, b) for w, b in zip(weights, biases)):  # NOTE: first: fp32 leaves at once
+        return None
     with_bias = [b is not None for b in biases]
-    if any(with_bias) != all(with_bias) or not all(packable(x, w, b) for w, b in zip(weights, biases)):
+    if any(with_bias) != all(with_bias):
         return None
     packed, bias = _packed(tuple(weights), tuple(biases) if all(with_bias) else ())
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def forget_all() -> None:
-    """Drop every pack (the weights were swapped, offloaded, discarded or restored)."""
+    """Drop every pack (new weights were committed, or the weights offloaded or discarded)."""
     with _lock:
         _packs.clear()
 
@@ -114,4 +120,4 @@ def packed_bytes() -> int:
     """What the packs hold now (their weights' bytes)."""
     with _lock:
         entries = list(_packs.values())
-    return sum(numel * 2 for *_, numel in entries)  # NOTE: bf16
+    return sum(entry.numel * 2 for entry in entries)  # NOTE: bf16

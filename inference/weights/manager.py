@@ -152,8 +152,7 @@ class WeightManager:
         """Copy checked tensors (from `prepare_update`) into the model's own weights."""
         if self._update is not None:
             raise EngineStateError("a staged weight update is open; commit() or abort() it first")
-        self.model.bind_weights(hf, alias=False)
-        packed_weights.forget_all()
+        self.model.bind_weights(hf, alias=False)  # NOTE: packs of the old weights go at commit_version
         if not self.missing_after(hf):
             self._broken = None  # a complete update makes mixed weights whole again
 
