@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from inference import native
-from inference.models import packed_weights
-from inference.models.small_gemm import few_rows, linear, native_linear
+from inference.models.small_gemm import few_rows, linear, linear_group
 from inference.models.spec import RopeKind, RopeSpec
 
 
@@ -143,12 +142,12 @@ def swiglu(
     down_b: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`down(silu(gate(x)) * up(x))`. Separate gate/up weights: a fused copy would break aliasing
-    (bf16 on CPU multiplies one oneDNN pack of both, a copy rebuilt whenever either is written).
+    (bf16 on CPU multiplies one pack of both, `small_gemm.linear_group`, rebuilt whenever either is written).
 
     NOTE: silu and the product run in place on the gate projection's output (the same values as
     the out-of-place ops, without two `[T, intermediate]` temporaries per layer).
     """
-    both = packed_weights.linear_group(x, (gate_w, up_w), (gate_b, up_b))
+    both = linear_group(x, (gate_w, up_w), (gate_b, up_b))
     if both is not None:  # NOTE: bf16 on CPU: gate and up in one call, views of one output
         gate, up = both.split(gate_w.shape[0], dim=-1)
         return linear(F.silu(gate, inplace=True).mul_(up), down_w, down_b)
@@ -171,10 +170,10 @@ def lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows) the native GEMM runs instead (`small_gemm.linear`: faster there, its own rounding, the
     same bits at every row count).
     """
-    if few_rows(x, weight):  # NOTE: a decode step's rows: the native kernel (small_gemm.py)
-        return native_linear(x, weight)
+    if few_rows(x, weight):  # NOTE: a decode step's rows: a native kernel (small_gemm.py)
+        return linear(x, weight)
     if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2:
-        return packed_weights.linear(x, weight)  # NOTE: bf16 on CPU: the weight's oneDNN pack
+        return linear(x, weight)  # NOTE: bf16 on CPU: `F.linear`, or a oneDNN pack without the kernels
     vocab = weight.shape[0]
     out = x.new_empty(x.shape[0], vocab)
     for start in range(0, vocab, LM_HEAD_CHUNK):

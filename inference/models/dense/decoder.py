@@ -20,9 +20,8 @@ from inference.attention.selector import select_backend
 from inference.cache.kv_buffer import KVCacheBuffer
 from inference.cache.specs import KVCacheSpec
 from inference.lora.batch import MLP_PROJS, LoRABatch, LoRAGroups
-from inference.models import packed_weights
 from inference.models.layers import RotaryEmbedding, add_rms_norm_, apply_rotary_, lm_head, rms_norm, swiglu
-from inference.models.small_gemm import linear
+from inference.models.small_gemm import linear, linear_group
 from inference.models.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
@@ -327,7 +326,7 @@ class DenseDecoder:
         n_tok, eps = x.shape[0], s.rms_norm_eps
         h = rms_norm(x, w.in_norm, eps)
         # NOTE: bf16 on CPU, q, k and v in one call (views of one output), unless q and k are normed
-        qkv = None if lora is not None or w.q_norm is not None else packed_weights.linear_group(
+        qkv = None if lora is not None or w.q_norm is not None else linear_group(
             h, (w.q_w, w.k_w, w.v_w), (w.q_b, w.k_b, w.v_b))
         if qkv is not None:
             q, k, v = qkv.split((w.q_w.shape[0], w.k_w.shape[0], w.v_w.shape[0]), dim=-1)

@@ -1,4 +1,4 @@
-"""The native decode-step GEMM against a float64 reference, and its batch invariance."""
+"""The native decode-step GEMMs (fp32 and bf16) against a float64 reference, and their batch invariance."""
 
 from __future__ import annotations
 
@@ -6,10 +6,11 @@ from functools import partial
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from inference import native
-from inference.models import small_gemm
-from inference.models.small_gemm import MAX_ROWS, few_rows, linear, native_linear
+from inference.models import packed_weights, small_gemm
+from inference.models.small_gemm import MAX_ROWS, few_rows, linear, linear_group, native_linear
 
 needs_kernels = pytest.mark.skipif(not native.available(), reason="native kernels not built")
 
@@ -89,3 +90,96 @@ def test_a_bad_shape_is_refused_by_the_kernel():
     assert lib.small_gemm_f32(x.data_ptr(), 0, 8, 8, w.data_ptr(), 4, None, y.data_ptr(), 4, 1) == 1  # no rows
     assert lib.small_gemm_f32(x.data_ptr(), 2, 8, 4, w.data_ptr(), 4, None, y.data_ptr(), 4, 1) == 1  # stride < k
     assert lib.small_gemm_f32(x.data_ptr(), 2, 8, 8, w.data_ptr(), 4, None, y.data_ptr(), 3, 1) == 1  # stride < n
+
+
+# ---- bf16 ------------------------------------------------------------------------------------------
+
+BF16_SHAPES = [(576, 576), (960, 576), (576, 1536), (37, 13), (49, 3), (16, 1), (5, 8)]
+
+
+def _bf16_case(shape, bias, rows=MAX_ROWS):
+    out_f, in_f = shape
+    g = torch.Generator().manual_seed(out_f * 11 + in_f)
+    w = torch.randn(out_f, in_f, generator=g).bfloat16()
+    b = torch.randn(out_f, generator=g).bfloat16() if bias else None
+    x = torch.randn(rows, in_f + 3, generator=g).bfloat16()[:, :in_f]  # NOTE: a row stride past the width
+    return x, w, b
+
+
+def _pairs_gemm(lib):
+    """`x @ w.T + b` by `lib`'s bf16 kernel on `lib`'s own pack."""
+    def gemm(x, w, b=None):
+        packed = w.new_empty(-(-w.shape[0] // 16) * 16 * -(-w.shape[1] // 2) * 2)
+        assert lib.pack_pairs_bf16(w.data_ptr(), w.shape[0], w.shape[1], w.stride(0), packed.data_ptr()) == 0
+        return small_gemm.native_linear_bf16(x, packed, w.shape[0], b, lib=lib)
+    return gemm
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", BF16_SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_within_its_rounding_of_float64_and_each_row_alike_at_every_row_count(shape, bias):
+    x, w, b = _bf16_case(shape, bias)
+    full = linear(x, w, b)
+    exact = x.double() @ w.double().T + (0 if b is None else b.double())
+    # fp32 sums of exact products (a few ulps of the sum of magnitudes), then one rounding to bf16
+    sums = 8 * torch.finfo(torch.float32).eps * (x.double().abs() @ w.double().abs().T + 1)
+    bound = exact.abs() * 2.0 ** -8 + sums * (1 + 2.0 ** -8)
+    assert full.dtype == torch.bfloat16 and ((full.double() - exact).abs() <= bound).all()
+    for rows in [*range(1, 10), 16, 17, 23, 24, 25, 31, 40, 64, 100, MAX_ROWS - 1, MAX_ROWS]:
+        for offset in (0, 1, 3, 7):
+            if offset + rows <= MAX_ROWS:
+                assert torch.equal(linear(x[offset:offset + rows], w, b), full[offset:offset + rows]), (offset, rows)
+
+
+@needs_kernels
+@pytest.mark.parametrize("level", [*_x86_levels(), "v4"])
+@pytest.mark.parametrize("shape", [(960, 576), (37, 13), (49, 3)])
+def test_bf16_every_build_gives_the_engine_s_bits(level, shape):
+    """VDPBF16PS (AVX-512 BF16) where the CPU has it, fp32 multiply-adds in its order elsewhere: every
+    build of the kernels gives the same bits (on a CPU without it this checks the other tiles)."""
+    try:
+        lib = native.library_at(level)
+    except ValueError:
+        pytest.skip(f"this CPU lacks x86-64-{level}")
+    x, w, b = _bf16_case(shape, True, rows=40)
+    assert torch.equal(_pairs_gemm(lib)(x, w, b), linear(x, w, b))
+    assert torch.equal(_pairs_gemm(lib)(x[:3], w), linear(x[:3], w))
+
+
+@needs_kernels
+def test_bf16_rows_up_to_max_take_the_kernel_on_one_pack_and_more_rows_f_linear():
+    x, w, b = _bf16_case((64, 32), True, rows=MAX_ROWS + 1)
+    packed_weights.forget_all()
+    assert torch.equal(linear(x, w, b), F.linear(x, w, b))  # NOTE: past MAX_ROWS: oneDNN's own bits
+    assert not packed_weights._packs  # NOTE: and no oneDNN pack beside the kernel's
+    linear(x[:MAX_ROWS], w, b)
+    linear(x[:1], w, b)
+    assert len(packed_weights._packs) == 1
+    with torch.no_grad():
+        w.mul_(2)  # NOTE: a weight written in place is packed again
+    assert torch.equal(linear(x[:2], w, b), _pairs_gemm(native.library())(x[:2], w, b))
+    packed_weights.forget_all()
+
+
+@needs_kernels
+def test_bf16_group_is_each_weight_s_own_bits_side_by_side():
+    x, q, _ = _bf16_case((48, 40), False, rows=9)
+    _, k, kb = _bf16_case((20, 40), True)
+    _, v, vb = _bf16_case((20, 40), True)
+    qb = torch.randn(48).bfloat16()
+    both = linear_group(x, (q, k, v), (qb, kb, vb))
+    assert torch.equal(both, torch.cat([linear(x, q, qb), linear(x, k, kb), linear(x, v, vb)], dim=1))
+    assert linear_group(x, (q, k), (None, kb)) is None  # NOTE: some with a bias: each on its own
+    assert linear_group(torch.randn(MAX_ROWS + 1, 40).bfloat16(), (q, k), (None, None)) is None
+    assert torch.equal(linear_group(x, (k, v), (None, None)), torch.cat([linear(x, k), linear(x, v)], dim=1))
+
+
+@needs_kernels
+def test_bf16_a_bad_shape_is_refused_by_the_kernel():
+    x, w = torch.randn(2, 8).bfloat16(), torch.randn(4, 8).bfloat16()
+    y = torch.empty(2, 4).bfloat16()
+    lib = native.library()
+    assert lib.small_gemm_bf16(x.data_ptr(), 0, 8, 8, w.data_ptr(), 4, None, y.data_ptr(), 4, 1) == 1
+    assert lib.small_gemm_bf16(x.data_ptr(), 2, 8, 4, w.data_ptr(), 4, None, y.data_ptr(), 4, 1) == 1
+    assert lib.pack_pairs_bf16(w.data_ptr(), 4, 8, 7, y.data_ptr()) == 1  # NOTE: stride < k
