@@ -113,10 +113,18 @@ static inline __attribute__((always_inline)) void tile(
             for (int v = 0; v < NV; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], wv[v], xb);
         }
     }
-    for (int r = 0; r < R; r++) {
-        float sums[NVT * 16];
-        for (int v = 0; v < NV; v++) _mm512_storeu_ps(sums + v * 16, acc[r][v]);
-        store(sums, valid, bias, y + r * ys);
+    /* plus the bias, rounded by VCVTNEPS2BF16 (nearest, ties to even, as `round_bf16`), the outputs
+     * past `valid` masked off */
+    for (int v = 0; v < NV; v++) {
+        const int left = valid - v * 16;
+        const __mmask16 keep = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+        const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                    _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + v * 16)), 16))
+                              : _mm512_setzero_ps();
+        for (int r = 0; r < R; r++) {
+            const __m512 sum = bias ? _mm512_add_ps(acc[r][v], b) : acc[r][v];
+            _mm256_mask_storeu_epi16(y + r * ys + v * 16, keep, (__m256i)_mm512_cvtneps_pbh(sum));
+        }
     }
 }
 #else

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from inference import native
-from inference.models.small_gemm import few_rows, linear, linear_group
+from inference.models.small_gemm import linear, linear_group, takes_native
 from inference.models.spec import RopeKind, RopeSpec
 
 
@@ -170,10 +170,9 @@ def lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows) the native GEMM runs instead (`small_gemm.linear`: faster there, its own rounding, the
     same bits at every row count).
     """
-    if few_rows(x, weight):  # NOTE: a decode step's rows: a native kernel (small_gemm.py)
+    if (takes_native(x, weight)  # NOTE: fp32 at a decode step's rows, bf16 always: a native kernel (small_gemm.py)
+            or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2):
         return linear(x, weight)
-    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2:
-        return linear(x, weight)  # NOTE: bf16 on CPU: `F.linear`, or a oneDNN pack without the kernels
     vocab = weight.shape[0]
     out = x.new_empty(x.shape[0], vocab)
     for start in range(0, vocab, LM_HEAD_CHUNK):

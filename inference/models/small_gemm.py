@@ -1,7 +1,6 @@
-"""`linear` for the decode step: native GEMMs on CPU up to `MAX_ROWS` rows, fp32 (`csrc/small_gemm.c`)
-and bf16 (`csrc/small_gemm_bf16.c`, on a pack of the weight made once); past that, or without the
-kernels, MKL in fp32 and `F.linear` in bf16 (oneDNN, through a oneDNN pack without the kernels:
-`packed_weights.py`).
+"""`linear` on CPU through native GEMMs: fp32 up to `MAX_ROWS` rows (`csrc/small_gemm.c`, MKL past
+that), bf16 at every row count (`csrc/small_gemm_bf16.c`, on a pack of the weight made once); without
+the kernels MKL in fp32 and oneDNN packs in bf16 (`packed_weights.py`).
 
 A decode step carries from one row (the tail of a rollout batch) to a full batch, and MKL's
 sgemm there runs below what the machine gives: at a few rows below the memory bandwidth its gemv
@@ -9,45 +8,45 @@ reaches at one row, at 16-32 rows below its matmul rate. The native kernel reads
 per call and multiplies eight rows to a vector (SmolLM2-135M fp32, one thread, Zen 3: a decode
 step of 16 / 32 / 64 rows 119-134 / 185-195 / 351-387 ms, with MKL's GEMMs 171 / 249-252 /
 370-413; a step's GEMMs alone at one row 39 ms, MKL's 43-53). oneDNN's bf16 product likewise reads
-weights at about half the bandwidth at a few rows (the bf16 kernel's header has the figures).
+weights at about half the bandwidth at a few rows; in a prefill's hundreds of rows both run at the
+machine's bf16 matmul rate (the bf16 kernel's header has the figures), so bf16 keeps one kernel and
+one pack per weight throughout.
 
 Both kernels sum each output alike whatever the row count, so a row's outputs are the same bits
 in a one-row step, in an eight-token verify step and in a full batch (speculation on and off then
-agree bit for bit). Past `MAX_ROWS` rows (prefill) MKL or oneDNN take over, with their own rounding.
+agree bit for bit); in bf16 in a prefill too. Past `MAX_ROWS` fp32 rows MKL takes over, with its own
+rounding.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from inference import native
 from inference.models import packed_weights
 
-MAX_ROWS = 128  # up to here the native kernel (a SmolLM2 step's GEMMs: 128 rows 542 ms vs MKL's 572, 256: 1016 / 1007)
+MAX_ROWS = 128  # fp32 up to here by the kernel (SmolLM2 step GEMMs: 128 rows 542 ms vs MKL 572, 256: 1016 / 1007)
 
 
-def few_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether `linear(x, weight, bias)` takes a native kernel (fp32 or bf16)."""
-    if not (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.device.type == "cpu" and x.stride(1) == 1
+def takes_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether `linear(x, weight, bias)` takes a native kernel: fp32 up to `MAX_ROWS` rows, bf16 any."""
+    if not (x.dim() == 2 and x.shape[0] >= 1 and x.device.type == "cpu" and x.stride(1) == 1
             and weight.device.type == "cpu" and weight.dim() == 2 and native.available()):
         return False
     if x.dtype == torch.bfloat16:  # NOTE: the kernel reads a pack, made from any layout of the weight
         return (weight.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16)
                 and not (weight.requires_grad and torch.is_grad_enabled()))  # NOTE: no backward
-    return (x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.is_contiguous()
-            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())))
+    return (x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and weight.is_contiguous() and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`; up to `MAX_ROWS` fp32 or bf16 rows on CPU through a native kernel
-    (module docstring), else `packed_weights.linear`."""
-    if few_rows(x, weight, bias):
+    """`F.linear(x, weight, bias)`, through a native kernel where `takes_native` (module docstring), else
+    `packed_weights.linear`."""
+    if takes_native(x, weight, bias):
         if x.dtype == torch.bfloat16:
             return _bf16_product(x, (weight,), () if bias is None else (bias,))
         return native_linear(x, weight, bias)
-    if x.dtype == torch.bfloat16 and native.available():
-        return F.linear(x, weight, bias)  # NOTE: past MAX_ROWS not through a oneDNN pack: one pack per weight
     return packed_weights.linear(x, weight, bias)
 
 
@@ -55,15 +54,13 @@ def linear_group(x: torch.Tensor, weights: tuple[torch.Tensor, ...],
                  biases: tuple[torch.Tensor | None, ...]) -> torch.Tensor | None:
     """`x` times the weights side by side, `[rows, sum of their rows]` (q, k and v; gate and up), in one
     call on one pack (each output the same bits as its own `linear`): bf16 only, through the native
-    kernel up to `MAX_ROWS` rows, else `packed_weights.linear_group`; None where neither takes them
-    (the caller multiplies each weight on its own)."""
-    if all(few_rows(x, w, b) and x.dtype == torch.bfloat16 for w, b in zip(weights, biases)):
+    kernel, else `packed_weights.linear_group`; None where neither takes them (the caller multiplies
+    each weight on its own)."""
+    if x.dtype == torch.bfloat16 and all(takes_native(x, w, b) for w, b in zip(weights, biases)):
         with_bias = [b is not None for b in biases]
         if any(with_bias) != all(with_bias):
             return None
         return _bf16_product(x, tuple(weights), tuple(biases) if all(with_bias) else ())
-    if x.dtype == torch.bfloat16 and native.available():
-        return None  # NOTE: as in `linear`: past MAX_ROWS each by `F.linear`
     return packed_weights.linear_group(x, weights, biases)
 
 
@@ -98,7 +95,7 @@ def native_linear_bf16(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torc
 
 
 def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, lib=None) -> torch.Tensor:
-    """The native kernel's `x @ weight.T (+ bias)`, for inputs `few_rows` accepts; `lib`: another build
+    """The native kernel's `x @ weight.T (+ bias)`, for fp32 inputs `takes_native` accepts; `lib`: another build
     of the kernels than the engine's (`native.library_at`), for tests."""
     out = x.new_empty(x.shape[0], weight.shape[0])
     status = (lib or native.library()).small_gemm_f32(

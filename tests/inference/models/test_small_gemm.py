@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from inference import native
 from inference.models import packed_weights, small_gemm
-from inference.models.small_gemm import MAX_ROWS, few_rows, linear, linear_group, native_linear
+from inference.models.small_gemm import MAX_ROWS, linear, linear_group, native_linear, takes_native
 
 needs_kernels = pytest.mark.skipif(not native.available(), reason="native kernels not built")
 
@@ -67,13 +67,13 @@ def _check_close_and_alike(gemm, shape, bias, alike):
 
 
 @needs_kernels
-def test_few_rows_take_the_kernel_and_others_the_packed_or_f_linear(monkeypatch):
+def test_fp32_up_to_max_rows_takes_the_kernel_and_more_rows_the_packed_or_f_linear(monkeypatch):
     w = torch.randn(64, 32)
-    assert few_rows(torch.randn(MAX_ROWS, 32), w)
-    assert not few_rows(torch.randn(MAX_ROWS + 1, 32), w)
-    assert not few_rows(torch.randn(4, 32, dtype=torch.float64), w.double())
-    assert not few_rows(torch.randn(32, 4).T, w)  # columns not contiguous
-    assert not few_rows(torch.randn(4, 32), torch.randn(32, 64).T)  # weight not contiguous
+    assert takes_native(torch.randn(MAX_ROWS, 32), w)
+    assert not takes_native(torch.randn(MAX_ROWS + 1, 32), w)
+    assert not takes_native(torch.randn(4, 32, dtype=torch.float64), w.double())
+    assert not takes_native(torch.randn(32, 4).T, w)  # columns not contiguous
+    assert not takes_native(torch.randn(4, 32), torch.randn(32, 64).T)  # weight not contiguous
     calls = []
     monkeypatch.setattr(small_gemm.packed_weights, "linear", lambda *a: calls.append(a) or torch.zeros(1))
     linear(torch.randn(2, 32), w)
@@ -148,14 +148,16 @@ def test_bf16_every_build_gives_the_engine_s_bits(level, shape):
 
 
 @needs_kernels
-def test_bf16_rows_up_to_max_take_the_kernel_on_one_pack_and_more_rows_f_linear():
-    x, w, b = _bf16_case((64, 32), True, rows=MAX_ROWS + 1)
+def test_bf16_takes_the_kernel_at_every_row_count_on_one_pack_repacked_when_written():
+    x, w, b = _bf16_case((64, 32), True, rows=700)  # NOTE: a prefill's rows, past fp32's MAX_ROWS
     packed_weights.forget_all()
-    assert torch.equal(linear(x, w, b), F.linear(x, w, b))  # NOTE: past MAX_ROWS: oneDNN's own bits
-    assert not packed_weights._packs  # NOTE: and no oneDNN pack beside the kernel's
-    linear(x[:MAX_ROWS], w, b)
-    linear(x[:1], w, b)
+    full = linear(x, w, b)
+    assert takes_native(x, w, b) and len(packed_weights._packs) == 1  # NOTE: no oneDNN pack beside it
+    for rows, offset in ((1, 0), (9, 3), (MAX_ROWS + 5, 17), (300, 400)):
+        assert torch.equal(linear(x[offset:offset + rows], w, b), full[offset:offset + rows]), (offset, rows)
     assert len(packed_weights._packs) == 1
+    exact = x.double() @ w.double().T + b.double()
+    assert (full.double() - exact).abs().max() <= (F.linear(x, w, b).double() - exact).abs().max() * 1.5
     with torch.no_grad():
         w.mul_(2)  # NOTE: a weight written in place is packed again
     assert torch.equal(linear(x[:2], w, b), _pairs_gemm(native.library())(x[:2], w, b))
@@ -171,7 +173,7 @@ def test_bf16_group_is_each_weight_s_own_bits_side_by_side():
     both = linear_group(x, (q, k, v), (qb, kb, vb))
     assert torch.equal(both, torch.cat([linear(x, q, qb), linear(x, k, kb), linear(x, v, vb)], dim=1))
     assert linear_group(x, (q, k), (None, kb)) is None  # NOTE: some with a bias: each on its own
-    assert linear_group(torch.randn(MAX_ROWS + 1, 40).bfloat16(), (q, k), (None, None)) is None
+    assert linear_group(x.float(), (q.float(), k.float()), (None, None)) is None  # NOTE: fp32: each on its own
     assert torch.equal(linear_group(x, (k, v), (None, None)), torch.cat([linear(x, k), linear(x, v)], dim=1))
 
 
