@@ -122,3 +122,33 @@ def test_forward_before_plan_raises():
     backend = TorchAttentionBackend(2, 1, 4)
     with pytest.raises(RuntimeError, match="before plan"):
         backend.forward(0, torch.zeros(1, 2, 4), torch.zeros(1, 1, 4), torch.zeros(1, 1, 4), None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_with_the_kernel_a_prefill_row_is_the_same_bits_as_that_token_decoded_alone(dtype):
+    """Each row of a prefill (or a later chunk) attends as a decode row of its own through the native
+    kernel: the same bits as a step that decodes that token alone, whatever else the step holds."""
+    if native_kernels.compiler() is None:
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, bs = 4, 2, 16, 4
+    cache = KVCacheBuffer(1, 24, bs, kv_heads, dim, dtype)
+    tables = [[5, 1, 9, 2, 14], [3, 7, 11, 0, 20]]
+    context, new = [6, 0], [9, 13]
+    q = torch.randn(sum(new), heads, dim, generator=g).to(dtype)
+    k, v = (torch.randn(sum(new), kv_heads, dim, generator=g).to(dtype) for _ in range(2))
+    history = torch.randn(context[0], kv_heads, dim, generator=g).to(dtype)
+    cache.store(0, torch.tensor([tables[0][p // bs] * bs + p % bs for p in range(context[0])]), history, history)
+    with kernels_on():
+        backend = TorchAttentionBackend(heads, kv_heads, dim, dtype=dtype)
+        assert backend.native_decode
+        backend.plan(AttentionMetadata.build(new, [c + n for c, n in zip(context, new)], tables, bs), cache)
+        both = backend.forward(0, q, k, v, cache)
+        start = 0
+        for r in range(2):
+            for i in range(new[r]):
+                row = start + i
+                backend.plan(AttentionMetadata.build([1], [context[r] + i + 1], [tables[r]], bs), cache)
+                alone = backend.forward(0, q[row:row + 1], k[row:row + 1], v[row:row + 1], cache)
+                assert torch.equal(alone[0], both[row]), (r, i)
+            start += new[r]
