@@ -147,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve one engine over ZMQ (see rollout.server.serve)")
     add_serve_arguments(serve)
     serve.set_defaults(func=serve_main)
+    sub.add_parser("vllm-serve", add_help=False, help="serve one engine from a `vllm serve MODEL [flags]` line: "
+                   "`rollout vllm-serve MODEL [flags]` (rollout.server.vllm_serve)")
     http = sub.add_parser("http", help="OpenAI / SGLang HTTP routes in front of a server or router (rollout.http)")
     add_http_arguments(http)
     http.set_defaults(func=http_main)
@@ -172,6 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["vllm-serve"]:  # NOTE: vLLM's own syntax, parsed by its own parser (rollout.server.vllm_serve)
+        from rollout.server.vllm_serve import main as vllm_serve
+
+        return vllm_serve(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -69,6 +69,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--max-requests", type=int, default=256)
     eng.add_argument("--max-batch-tokens", type=int, default=2048)
     eng.add_argument("--max-seq-len", type=int, default=4096)
+    eng.add_argument("--kv-memory-bytes", type=int, help="the KV pool's size in bytes (instead of --num-blocks)")
+    eng.add_argument("--chunked-prefill-size", type=int, default=512, help="the longest prefill chunk of one request")
+    eng.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                     help="no prefix cache: every prompt is computed whole")
+    eng.add_argument("--seed", type=int, help="seed torch's generator, which requests without a seed sample from")
     eng.add_argument("--threads", type=int, help="torch threads (default: torch's; 1 for tiny models)")
     eng.add_argument("--max-loras", type=int, default=4, help="LoRA adapters loaded at once (0: none)")
     eng.add_argument("--max-lora-rank", type=int, default=64, help="the largest rank of an adapter")
@@ -170,8 +175,12 @@ def build_server(args: argparse.Namespace):
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
     config = InferenceConfig(block_size=args.block_size, num_blocks=args.num_blocks, max_requests=args.max_requests,
                              max_batch_tokens=args.max_batch_tokens, max_sequence_length=args.max_seq_len,
+                             kv_memory_bytes=args.kv_memory_bytes, chunked_prefill_size=args.chunked_prefill_size,
+                             enable_prefix_caching=args.enable_prefix_caching,
                              dtype=args.dtype, device=args.device, max_waiting_samples=args.max_waiting_samples,
                              max_samples_per_request=args.max_samples_per_request, max_loras=args.max_loras,
                              max_lora_rank=args.max_lora_rank, lora_max_staleness=args.lora_max_staleness,
