@@ -149,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=serve_main)
     sub.add_parser("vllm-serve", add_help=False, help="serve one engine from a `vllm serve MODEL [flags]` line: "
                    "`rollout vllm-serve MODEL [flags]` (rollout.server.vllm_serve)")
+    sub.add_parser("sglang-serve", add_help=False, help="serve one engine from a `python -m sglang.launch_server` "
+                   "line: `rollout sglang-serve [flags]` (rollout.server.sglang_serve)")
     http = sub.add_parser("http", help="OpenAI / SGLang HTTP routes in front of a server or router (rollout.http)")
     add_http_arguments(http)
     http.set_defaults(func=http_main)
@@ -179,6 +181,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         from rollout.server.vllm_serve import main as vllm_serve
 
         return vllm_serve(argv[1:])
+    if argv[:1] == ["sglang-serve"]:  # NOTE: SGLang's launch_server syntax (rollout.server.sglang_serve)
+        from rollout.server.sglang_serve import main as sglang_serve
+
+        return sglang_serve(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

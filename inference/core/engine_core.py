@@ -605,6 +605,7 @@ class EngineCore:
             "pause_mode": None if self.pause_mode is None else self.pause_mode.value,
             "dtype": str(self.model.spec.dtype).removeprefix("torch."),
             "block_size": self.config.block_size,
+            "max_requests": self.config.max_requests,
             "max_sequence_length": self.config.max_sequence_length,
             "max_loras": self.config.max_loras,
             "max_lora_rank": self.config.max_lora_rank,

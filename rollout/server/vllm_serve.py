@@ -17,8 +17,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 from typing import Optional
+
+from rollout.server.launch_lines import (
+    LaunchLineError,
+    check_host,
+    check_model,
+    check_one,
+    kv_bytes,
+    normalized,
+    serve_namespace,
+)
 
 # vLLM flags this entry does not take yet, each refused with this reason (issue 62 goes on)
 NOT_YET = "not taken by `rollout vllm-serve` yet"
@@ -41,21 +50,6 @@ REFUSED = {
 SWITCHES = {"--trust-remote-code", "--return-tokens-as-token-ids"}  # the refused flags that take no value
 DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32",
           "float": "float32"}
-
-
-class LaunchLineError(ValueError):
-    """A flag of the launch line this server cannot honour, with the reason."""
-
-
-def normalized(argv: list[str]) -> list[str]:
-    """Flags in vLLM's dashed spelling: `--max-num_batched_tokens=8` -> `--max-num-batched-tokens=8`."""
-    out = []
-    for arg in argv:
-        if arg.startswith("--"):
-            name, eq, value = arg.partition("=")
-            arg = name.replace("_", "-") + eq + value
-        out.append(arg)
-    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,57 +111,24 @@ def serve_args(argv: list[str], free_bytes: Optional[int] = None) -> argparse.Na
     for flag in REFUSED:
         if getattr(v, flag[2:].replace("-", "_")) is not None:
             raise LaunchLineError(f"{flag}: {REFUSED[flag]}")
-    if v.tensor_parallel_size != 1:
-        raise LaunchLineError(f"--tensor-parallel-size {v.tensor_parallel_size}: one engine process serves here "
-                              "(start one server per replica; `rollout route` spreads requests over them)")
-    from rollout.wire.security import is_loopback
-
-    if not is_loopback(v.host) and not v.api_key:
-        raise LaunchLineError(f"--host {v.host} without --api-key: beyond loopback every client must present a key "
-                              "here; add --api-key KEY (or set $VLLM_API_KEY)")
-    model = v.model
-    if model != "smollm2" and not (Path(model) / "config.json").is_file():
-        raise LaunchLineError(f"{model}: not a local HF model directory (no config.json), nor `smollm2`; there is "
-                              "no model hub here: download it first (e.g. `huggingface-cli download ID "
-                              "--local-dir DIR`) and pass DIR")
-    from rollout.server.serve import add_serve_arguments
-
-    base = argparse.ArgumentParser()
-    add_serve_arguments(base)
-    line = ["--model", model, "--host", "127.0.0.1", "--port", str(v.rollout_zmq_port), "--http", str(v.port),
-            "--http-host", v.host, "--dtype", DTYPES[v.dtype], "--device", v.device,
-            "--max-loras", str(v.max_loras if v.enable_lora else 0), "--max-lora-rank", str(v.max_lora_rank),
-            "--tool-call-parser", v.tool_call_parser]
-    flags = {"--served-model-name": v.served_model_name, "--api-key": v.api_key, "--seed": v.seed,
-             "--max-seq-len": v.max_model_len, "--max-requests": v.max_num_seqs,
-             "--max-batch-tokens": v.max_num_batched_tokens, "--threads": v.threads}
-    for flag, value in flags.items():
-        if value is not None:
-            line += [flag, *map(str, value)] if isinstance(value, list) else [flag, str(value)]
+    check_one("--tensor-parallel-size", v.tensor_parallel_size,
+              "start one server per replica; `rollout route` spreads requests over them")
+    check_host(v.host, v.api_key, "VLLM_API_KEY")
+    check_model(v.model, "")
     max_len = v.max_model_len or 4096
     chunk = min(v.max_num_batched_tokens or 2048, max_len) if v.enable_chunked_prefill else max_len
-    line += ["--chunked-prefill-size", str(chunk)]
-    if not v.enable_prefix_caching:
-        line.append("--no-prefix-caching")
-    if v.gpu_memory_utilization is not None:
-        if not 0.0 < v.gpu_memory_utilization <= 1.0:
-            raise LaunchLineError(f"--gpu-memory-utilization {v.gpu_memory_utilization}: a fraction in (0, 1]")
-        free = free_bytes if free_bytes is not None else _free_memory_bytes()
-        line += ["--kv-memory-bytes", str(max(1, int(free * v.gpu_memory_utilization)))]
-    if v.skip_tokenizer_init:
-        line.append("--skip-tokenizer-init")
-    if v.enable_prompt_tokens_details:
-        line.append("--enable-prompt-tokens-details")
-    return base.parse_args(line)
-
-
-def _free_memory_bytes() -> int:
-    """The memory the machine has free now (Linux's MemAvailable), for --gpu-memory-utilization."""
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise LaunchLineError("--gpu-memory-utilization: this machine does not say how much memory is free")
+    kv = None if v.gpu_memory_utilization is None else kv_bytes(v.gpu_memory_utilization, "--gpu-memory-utilization",
+                                                                free_bytes)
+    line = ["--model", v.model, "--host", "127.0.0.1", "--port", str(v.rollout_zmq_port), "--http", str(v.port),
+            "--http-host", v.host, "--dtype", DTYPES[v.dtype], "--device", v.device,
+            "--max-loras", str(v.max_loras if v.enable_lora else 0), "--max-lora-rank", str(v.max_lora_rank),
+            "--tool-call-parser", v.tool_call_parser, "--chunked-prefill-size", str(chunk)]
+    return serve_namespace(line, {
+        "--served-model-name": v.served_model_name, "--api-key": v.api_key, "--seed": v.seed,
+        "--max-seq-len": v.max_model_len, "--max-requests": v.max_num_seqs,
+        "--max-batch-tokens": v.max_num_batched_tokens, "--threads": v.threads, "--kv-memory-bytes": kv,
+        "--no-prefix-caching": not v.enable_prefix_caching, "--skip-tokenizer-init": v.skip_tokenizer_init,
+        "--enable-prompt-tokens-details": v.enable_prompt_tokens_details})
 
 
 def main(argv: list[str]) -> int:

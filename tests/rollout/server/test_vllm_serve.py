@@ -6,7 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from rollout.server.vllm_serve import REFUSED, LaunchLineError, normalized, serve_args
+from rollout.server.launch_lines import LaunchLineError, normalized
+from rollout.server.vllm_serve import REFUSED, serve_args
 from tests.rollout.http_util import WAIT_S, save_tiny_chat_model
 
 

@@ -1,0 +1,77 @@
+"""What the peers' launch lines share (`vllm_serve.py`, `sglang_serve.py`): their flags' spellings,
+the refusals every line gets, and the `rollout serve` arguments a translated line becomes."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+class LaunchLineError(ValueError):
+    """A flag of the launch line this server cannot honour, with the reason."""
+
+
+def normalized(argv: list[str]) -> list[str]:
+    """Flags in their dashed spelling: `--max-num_batched_tokens=8` -> `--max-num-batched-tokens=8`."""
+    out = []
+    for arg in argv:
+        if arg.startswith("--"):
+            name, eq, value = arg.partition("=")
+            arg = name.replace("_", "-") + eq + value
+        out.append(arg)
+    return out
+
+
+def check_model(model: str, flag: str) -> None:
+    """A local HF directory or `smollm2`: there is no model hub to fetch an id from."""
+    if model != "smollm2" and not (Path(model) / "config.json").is_file():
+        raise LaunchLineError(f"{flag}{model}: not a local HF model directory (no config.json), nor `smollm2`; there "
+                              "is no model hub here: download it first (e.g. `huggingface-cli download ID "
+                              "--local-dir DIR`) and pass DIR")
+
+
+def check_host(host: str, api_key: str | None, key_env: str) -> None:
+    from rollout.wire.security import is_loopback
+
+    if not is_loopback(host) and not api_key:
+        raise LaunchLineError(f"--host {host} without --api-key: beyond loopback every client must present a key "
+                              f"here; add --api-key KEY (or set ${key_env})")
+
+
+def check_one(flag: str, value: int, instead: str) -> None:
+    """A parallel size this one engine process can honour: 1."""
+    if value != 1:
+        raise LaunchLineError(f"{flag} {value}: one engine process serves here ({instead})")
+
+
+def kv_bytes(fraction: float, flag: str, free_bytes: int | None) -> int:
+    """The KV pool for a memory fraction flag: that fraction of the memory free at start."""
+    if not 0.0 < fraction <= 1.0:
+        raise LaunchLineError(f"{flag} {fraction}: a fraction in (0, 1]")
+    return max(1, int((free_bytes if free_bytes is not None else free_memory_bytes()) * fraction))
+
+
+def free_memory_bytes() -> int:
+    """The memory the machine has free now (Linux's MemAvailable)."""
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise LaunchLineError("this machine does not say how much memory is free: give the KV pool's size instead")
+
+
+def serve_namespace(line: list[str], flags: dict[str, object]) -> argparse.Namespace:
+    """`rollout serve`'s arguments: `line`, then each flag of `flags` whose value is not None (a list:
+    several values; True: a switch)."""
+    from rollout.server.serve import add_serve_arguments
+
+    for flag, value in flags.items():
+        if value is True:
+            line.append(flag)
+        elif isinstance(value, list):
+            line += [flag, *map(str, value)]
+        elif value is not None and value is not False:
+            line += [flag, str(value)]
+    base = argparse.ArgumentParser()
+    add_serve_arguments(base)
+    return base.parse_args(line)
