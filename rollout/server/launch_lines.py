@@ -4,7 +4,13 @@ the refusals every line gets, and the `rollout serve` arguments a translated lin
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable
 from pathlib import Path
+
+# the peers' dtype names -> `rollout serve`'s
+DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32",
+          "float": "float32"}
 
 
 class LaunchLineError(ValueError):
@@ -75,3 +81,24 @@ def serve_namespace(line: list[str], flags: dict[str, object]) -> argparse.Names
     base = argparse.ArgumentParser()
     add_serve_arguments(base)
     return base.parse_args(line)
+
+
+def add_own_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of this server's own beside a peer's (`--device` as both peers spell it)."""
+    parser.add_argument("--device", default="cpu", help="where the engine runs: cpu (default), cuda, ...")
+    ours = parser.add_argument_group("this server's own")
+    ours.add_argument("--rollout-zmq-port", type=int, default=0,
+                      help="the engine's ZMQ port on loopback (default 0: one the OS chooses, printed)")
+    ours.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+
+
+def run(command: str, to_serve_args: Callable[[list[str]], argparse.Namespace], argv: list[str]) -> int:
+    """Serve the line `argv` translated by `to_serve_args`; a refused flag exits 2 with its reason."""
+    try:
+        args = to_serve_args(argv)
+    except LaunchLineError as exc:
+        print(f"rollout {command}: {exc}", file=sys.stderr, flush=True)
+        return 2
+    from rollout.server.serve import serve_main
+
+    return serve_main(args)

@@ -14,21 +14,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import Optional
 
 from rollout.server.launch_lines import (
+    DTYPES,
     LaunchLineError,
+    add_own_arguments,
     check_host,
     check_model,
     check_one,
     kv_bytes,
     normalized,
+    run,
     serve_namespace,
 )
-
-DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32",
-          "float": "float32"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,11 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="1 only: one engine process, no shards")
     gpu.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=1,
                      help="1 only: start one server per replica")
-    gpu.add_argument("--device", default="cpu", help="where the engine runs: cpu (default), cuda, ...")
-    ours = p.add_argument_group("this server's own")
-    ours.add_argument("--rollout-zmq-port", type=int, default=0,
-                      help="the engine's ZMQ port on loopback (default 0: one the OS chooses, printed)")
-    ours.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    add_own_arguments(p)
     p.add_argument("--trust-remote-code", action="store_const", const=True, default=None, help=argparse.SUPPRESS)
     return p
 
@@ -94,11 +89,4 @@ def serve_args(argv: list[str], free_bytes: Optional[int] = None) -> argparse.Na
 
 
 def main(argv: list[str]) -> int:
-    try:
-        args = serve_args(argv)
-    except LaunchLineError as exc:
-        print(f"rollout sglang-serve: {exc}", file=sys.stderr, flush=True)
-        return 2
-    from rollout.server.serve import serve_main
-
-    return serve_main(args)
+    return run("sglang-serve", serve_args, argv)

@@ -16,16 +16,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import Optional
 
 from rollout.server.launch_lines import (
+    DTYPES,
     LaunchLineError,
+    add_own_arguments,
     check_host,
     check_model,
     check_one,
     kv_bytes,
     normalized,
+    run,
     serve_namespace,
 )
 
@@ -48,9 +50,6 @@ REFUSED = {
     "--data-parallel-size": "start one server per replica (and `rollout route` over them)",
 }
 SWITCHES = {"--trust-remote-code", "--return-tokens-as-token-ids"}  # the refused flags that take no value
-DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "float16": "float16", "half": "float16", "float32": "float32",
-          "float": "float32"}
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rollout vllm-serve", allow_abbrev=False,
@@ -91,11 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     gpu.add_argument("--tensor-parallel-size", type=int, default=1, help="1 only: one engine process, no shards")
     gpu.add_argument("--enforce-eager", action="store_true", help="accepted: no CUDA graphs on CPU")
     gpu.add_argument("--distributed-executor-backend", help="accepted: the engine runs in this one process")
-    gpu.add_argument("--device", default="cpu", help="where the engine runs: cpu (default), cuda, ...")
-    ours = p.add_argument_group("this server's own")
-    ours.add_argument("--rollout-zmq-port", type=int, default=0,
-                      help="the engine's ZMQ port on loopback (default 0: one the OS chooses, printed)")
-    ours.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    add_own_arguments(p)
     for flag in REFUSED:  # NOTE: parsed (so the refusal can name them), then refused in `serve_args`
         if flag in SWITCHES:
             p.add_argument(flag, action="store_const", const=True, default=None, help=argparse.SUPPRESS)
@@ -132,11 +127,4 @@ def serve_args(argv: list[str], free_bytes: Optional[int] = None) -> argparse.Na
 
 
 def main(argv: list[str]) -> int:
-    try:
-        args = serve_args(argv)
-    except LaunchLineError as exc:
-        print(f"rollout vllm-serve: {exc}", file=sys.stderr, flush=True)
-        return 2
-    from rollout.server.serve import serve_main
-
-    return serve_main(args)
+    return run("vllm-serve", serve_args, argv)
