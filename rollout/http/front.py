@@ -44,6 +44,7 @@ class FrontConfig:
     session_ttl_s: float = 3600.0
     api_key: Optional[str] = None
     tool_parser: ToolParser = ToolParser.NONE
+    sampling_defaults: tuple[tuple[str, float], ...] = ()  # (field, value): `rollout.http.sampling.generation_defaults`
 
     def __post_init__(self) -> None:
         if not isinstance(self.tool_parser, ToolParser):
@@ -132,7 +133,8 @@ class HttpFront:
         """The engine's `SamplingParams` of a completions or chat body (`rollout.http.sampling`);
         `structured`: its constraint (`rollout.http.structured`)."""
         params = sampling_params(self.codec, body, n=n, max_tokens=max_tokens, logprobs=logprobs,
-                                 prompt_logprobs=prompt_logprobs, structured=structured)
+                                 prompt_logprobs=prompt_logprobs, structured=structured,
+                                 defaults=dict(self.config.sampling_defaults))
         return self.with_adapter(params, getattr(body, "model", None))
 
     def generation(self, spec: GenSpec) -> Generation:

@@ -26,17 +26,41 @@ EXTRAS = {"repetition_penalty": ("repetition_penalty", 1.0), "presence_penalty":
           "cache_salt": ("cache_salt", None), "prefix_cache_policy": ("prefix_cache_policy", None)}
 
 
+# the fields a model's generation_config.json gives defaults for (vLLM's `--generation-config auto`)
+DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(model_dir: Any) -> dict[str, float]:
+    """`DEFAULTABLE`'s values in `model_dir`'s generation_config.json (none without the file): the
+    sampling defaults of requests that leave those fields unset, as vLLM applies them."""
+    import json
+    from pathlib import Path
+
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    config = json.loads(path.read_text())
+    return {name: config[name] for name in DEFAULTABLE if isinstance(config.get(name), (int, float))}
+
+
 def sampling_params(codec: TextCodec, body: Any, *, n: int, max_tokens: int, logprobs: Optional[int],
-                    prompt_logprobs: Optional[int] = None, structured: Optional[StructuredOutputs] = None
-                    ) -> SamplingParams:
+                    prompt_logprobs: Optional[int] = None, structured: Optional[StructuredOutputs] = None,
+                    defaults: Optional[dict[str, float]] = None) -> SamplingParams:
+    """`defaults`: values for `DEFAULTABLE` fields the body leaves unset (`generation_defaults`)."""
+    unset = defaults or {}
+
+    def field(name: str, neutral: Any) -> Any:
+        value = getattr(body, name, None)
+        return value if value is not None else unset.get(name, neutral)
+
     fields: dict[str, Any] = dict(
-        n=n, max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
-        min_p=0.0 if body.min_p is None else body.min_p, seed=body.seed,
+        n=n, max_tokens=max_tokens, temperature=field("temperature", 1.0), top_p=field("top_p", 1.0),
+        top_k=field("top_k", 0) or 0, min_p=field("min_p", 0.0), seed=body.seed,
         stop_token_ids=list(body.stop_token_ids or []), ignore_eos=body.ignore_eos, logprobs=logprobs or None,
         prompt_logprobs=prompt_logprobs)
     for name, (engine_name, neutral) in EXTRAS.items():
         value = getattr(body, name, None)  # NOTE: a body without the field (SGLang's, vLLM's) leaves it neutral
+        value = unset.get(name) if value is None else value
         if value is not None and value != neutral:
             fields[engine_name] = value
     if body.logprobs_mode is not None and body.logprobs_mode.startswith("processed"):

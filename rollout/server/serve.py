@@ -59,6 +59,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                      help="HTTP clients must send `Authorization: Bearer KEY` (default $ROLLOUT_API_KEY)")
     web.add_argument("--served-model-name", nargs="+", metavar="NAME",
                      help="the `model` names HTTP clients may send, the first reported (default: --model's name)")
+    web.add_argument("--generation-config", default="vllm", metavar="auto|vllm|DIR",
+                     help="sampling defaults for OpenAI requests that leave them unset: auto, the model's "
+                     "generation_config.json; DIR, that directory's; vllm (default): none, vLLM's own")
     add_http_limit_arguments(web)
     eng = parser.add_argument_group("engine")
     eng.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
@@ -196,6 +199,18 @@ def build_server(args: argparse.Namespace):
     return RolloutServer(engine, server_config)
 
 
+def sampling_defaults_of(args: argparse.Namespace) -> dict[str, float]:
+    """`--generation-config`'s sampling defaults (`rollout.http.sampling.generation_defaults`)."""
+    from rollout.http.sampling import generation_defaults
+
+    if args.generation_config == "vllm":
+        return {}
+    source = model_path(args.model, args.dtype) if args.generation_config == "auto" else Path(args.generation_config)
+    if not source.is_dir():
+        raise ValueError(f"--generation-config {args.generation_config}: not a directory, nor auto or vllm")
+    return generation_defaults(source)
+
+
 def disk_access_of(args: argparse.Namespace):
     """`--weights-root`'s directories; with none, any directory unless ZMQ or HTTP listens beyond loopback."""
     from rollout.wire.security import is_loopback
@@ -230,7 +245,8 @@ def serve_main(args: argparse.Namespace, on_ready=None) -> int:
                                 max_model_len=args.max_seq_len, api_key=args.api_key, timeout=600.0,
                                 limits=http_limits_from_args(args), allowed_hosts=args.allowed_host,
                                 on_stop=client.shutdown, tool_call_parser=args.tool_call_parser,
-                                skip_tokenizer_init=args.skip_tokenizer_init)
+                                skip_tokenizer_init=args.skip_tokenizer_init,
+                                sampling_defaults=sampling_defaults_of(args))
         except (OSError, ValueError) as exc:
             print(f"rollout serve: HTTP front: {exc}", file=sys.stderr, flush=True)
             server.close()

@@ -41,7 +41,6 @@ REFUSED = {
     "--return-tokens-as-token-ids": NOT_YET,
     "--logprobs-mode": NOT_YET + " (per request: the `logprobs_mode` field)",
     "--chat-template": NOT_YET + " (the model directory's template serves)",
-    "--generation-config": NOT_YET,
     "--tokenizer": NOT_YET + " (the model directory's tokenizer serves)",
     "--load-format": NOT_YET,
     "--worker-extension-cls": NOT_YET,
@@ -80,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted: `tool_choice: auto` is served wherever a --tool-call-parser is")
     p.add_argument("--skip-tokenizer-init", action="store_true", help="token ids in and out only")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="sampling defaults for requests that leave them unset: auto (default), the model's "
+                   "generation_config.json; DIR, that directory's; vllm: none")
     p.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
                    help="accepted: requests are not logged either way")
     p.add_argument("--disable-log-stats", action="store_true", help="accepted: stats are served at /metrics")
@@ -117,7 +119,8 @@ def serve_args(argv: list[str], free_bytes: Optional[int] = None) -> argparse.Na
     line = ["--model", v.model, "--host", "127.0.0.1", "--port", str(v.rollout_zmq_port), "--http", str(v.port),
             "--http-host", v.host, "--dtype", DTYPES[v.dtype], "--device", v.device,
             "--max-loras", str(v.max_loras if v.enable_lora else 0), "--max-lora-rank", str(v.max_lora_rank),
-            "--tool-call-parser", v.tool_call_parser, "--chunked-prefill-size", str(chunk)]
+            "--tool-call-parser", v.tool_call_parser, "--chunked-prefill-size", str(chunk),
+            "--generation-config", v.generation_config]
     return serve_namespace(line, {
         "--served-model-name": v.served_model_name, "--api-key": v.api_key, "--seed": v.seed,
         "--max-seq-len": v.max_model_len, "--max-requests": v.max_num_seqs,

@@ -37,7 +37,8 @@ def test_defaults_are_vllm_s():
     assert (a.http, a.http_host, a.dtype, a.max_seq_len, a.max_requests, a.max_batch_tokens) == (
         8000, "127.0.0.1", "auto", 4096, 256, 2048)
     assert a.enable_prefix_caching and a.max_loras == 0  # NOTE: no --enable-lora: the LoRA routes refuse
-    assert a.kv_memory_bytes is None and a.seed is None
+    assert a.kv_memory_bytes is None and a.seed is None and a.generation_config == "auto"
+    assert serve_args(["smollm2", "--generation-config", "vllm"]).generation_config == "vllm"
 
 
 def test_chunked_prefill_off_prefills_a_prompt_whole():
@@ -82,6 +83,7 @@ def test_a_server_from_a_skyrl_shaped_line(tmp_path):
     from tests.inference.lora.peft_adapters import save_adapter
 
     model = save_tiny_chat_model(tmp_path / "tiny")
+    (model / "generation_config.json").write_text('{"temperature": 0.0, "top_p": 0.9, "bos_token_id": 1}')
     adapter = save_adapter(AutoModelForCausalLM.from_pretrained(model), tmp_path / "lora", r=4, alpha=8,
                            targets=["q_proj"], seed=1)
     line = [str(model), "--served-model-name", "policy", "--api-key", "secret", "--dtype", "float32", "--seed", "42",
@@ -100,6 +102,10 @@ def test_a_server_from_a_skyrl_shaped_line(tmp_path):
             done = web.post("/v1/completions", headers=key,
                             json={"model": "policy", "prompt": [1, 5, 9], "max_tokens": 4, "ignore_eos": True})
             assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 4
+            # NOTE: --generation-config auto (vLLM's default): the model's temperature 0 for requests without one
+            again = web.post("/v1/completions", headers=key, json={"model": "policy", "prompt": [1, 5, 9],
+                                                                   "max_tokens": 4, "ignore_eos": True})
+            assert again.json()["choices"][0]["text"] == done.json()["choices"][0]["text"]
             too_long = web.post("/v1/completions", headers=key,
                                 json={"model": "policy", "prompt": list(range(3, 95)), "max_tokens": 8})
             assert too_long.status_code == 400  # NOTE: --max-model-len 96
@@ -108,3 +114,25 @@ def test_a_server_from_a_skyrl_shaped_line(tmp_path):
             assert refused.status_code >= 400 and "max_loras=0" in refused.text  # NOTE: no --enable-lora, as vLLM
     finally:
         proc.stop(grace_s=5.0)
+
+
+def test_generation_config_defaults_fill_only_what_a_request_leaves_unset(tmp_path):
+    from types import SimpleNamespace
+
+    from rollout.http.sampling import generation_defaults, sampling_params
+
+    (tmp_path / "generation_config.json").write_text(
+        '{"temperature": 0.6, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.05, "do_sample": true}')
+    defaults = generation_defaults(tmp_path)
+    assert defaults == {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.05}
+    assert generation_defaults(tmp_path / "absent") == {}
+    codec = SimpleNamespace(vocab_size=100)
+    fields = dict(temperature=None, top_p=None, top_k=None, min_p=None, seed=None, stop_token_ids=None,
+                  ignore_eos=False, logprobs_mode=None, logit_bias=None, bad_words=None, allowed_token_ids=None)
+    unset = sampling_params(codec, SimpleNamespace(**fields), n=1, max_tokens=4, logprobs=None, defaults=defaults)
+    assert (unset.temperature, unset.top_k, unset.top_p, unset.repetition_penalty) == (0.6, 20, 0.95, 1.05)
+    given = sampling_params(codec, SimpleNamespace(**{**fields, "temperature": 1.0, "top_k": -1}), n=1, max_tokens=4,
+                            logprobs=None, defaults=defaults)
+    assert (given.temperature, given.top_k, given.top_p) == (1.0, -1, 0.95)  # NOTE: -1 as sent: off
+    plain = sampling_params(codec, SimpleNamespace(**fields), n=1, max_tokens=4, logprobs=None)
+    assert (plain.temperature, plain.top_k, plain.top_p) == (1.0, 0, 1.0)
