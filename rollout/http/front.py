@@ -45,6 +45,7 @@ class FrontConfig:
     api_key: Optional[str] = None
     tool_parser: ToolParser = ToolParser.NONE
     sampling_defaults: tuple[tuple[str, float], ...] = ()  # (field, value): `rollout.http.sampling.generation_defaults`
+    return_tokens_as_token_ids: bool = False  # logprobs' tokens as `token_id:N` where a request does not say
 
     def __post_init__(self) -> None:
         if not isinstance(self.tool_parser, ToolParser):
@@ -127,6 +128,11 @@ class HttpFront:
         return max_tokens
 
     # ---- building blocks -----------------------------------------------------------------------
+
+    def tokens_as_ids(self, body: Any) -> bool:
+        """Whether `body`'s logprobs name tokens as `token_id:N` (its field, else the server's default)."""
+        asked = getattr(body, "return_tokens_as_token_ids", None)
+        return self.config.return_tokens_as_token_ids if asked is None else asked
 
     def sampling(self, body: Any, *, n: int, max_tokens: int, logprobs: Optional[int],
                  prompt_logprobs: Optional[int] = None, structured: Any = None) -> SamplingParams:

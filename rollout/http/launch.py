@@ -46,15 +46,16 @@ def serve_front(client: FrontClient, model_dir: Path, *, host: str = "127.0.0.1"
                 api_key: Optional[str] = None, timeout: float = 600.0, tokenizer: Any = None,
                 limits: Optional[ConnectionLimits] = None, allowed_hosts: Iterable[str] = (),
                 on_stop: Optional[Callable[[], None]] = None, tool_call_parser: str = "none",
-                skip_tokenizer_init: bool = False, sampling_defaults: Optional[dict[str, float]] = None
-                ) -> RunningFront:
+                skip_tokenizer_init: bool = False, sampling_defaults: Optional[dict[str, float]] = None,
+                return_tokens_as_token_ids: bool = False) -> RunningFront:
     """Serve HTTP on `host:port` over `client`; `on_stop` runs after the server stops (and if it
     fails to start). `served_model_name`: one name or several (the first reported; default the
     directory's name). `limits`, `allowed_hosts`: see `rollout.http.app.HttpServer`;
     `tool_call_parser`: see `rollout.http.tools`; `skip_tokenizer_init`: token ids in and out only
     (`rollout.text.TokenOnlyCodec`), for a model directory without a tokenizer, as vLLM's flag;
     `sampling_defaults`: values for sampling fields an OpenAI request leaves unset
-    (`rollout.http.sampling.generation_defaults`)."""
+    (`rollout.http.sampling.generation_defaults`); `return_tokens_as_token_ids`: the default of that
+    request field (vLLM's flag)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     try:
         if skip_tokenizer_init and tokenizer is not None:
@@ -64,7 +65,8 @@ def serve_front(client: FrontClient, model_dir: Path, *, host: str = "127.0.0.1"
         config = FrontConfig(model_name=names[0] if names else Path(model_dir).name, aliases=tuple(names[1:]),
                              max_model_len=max_model_len or model_context(model_dir), model_path=str(model_dir),
                              timeout=timeout, api_key=api_key, tool_parser=tool_call_parser,
-                             sampling_defaults=tuple(sorted((sampling_defaults or {}).items())))
+                             sampling_defaults=tuple(sorted((sampling_defaults or {}).items())),
+                             return_tokens_as_token_ids=return_tokens_as_token_ids)
         front = HttpFront(client, codec, config)
         server = HttpServer(build_app(front), host, port, api_key=api_key, limits=limits,
                             allowed_hosts=allowed_hosts).start()

@@ -154,7 +154,7 @@ def _prompt_text(front: HttpFront, body: CompletionRequest, prompts: list[list[i
 
 
 def _echoed(front: HttpFront, body: CompletionRequest, prompt: list[int], s: Sample, completion: dict) -> dict:
-    as_ids = body.return_tokens_as_token_ids
+    as_ids = front.tokens_as_ids(body)
     tokens, lps, tops = echoed_prompt(prompt, s.prompt_logprobs, body.logprobs or 0,
                                       lambda t: front.token_text(t, as_ids))
     offsets, at = [], 0
@@ -167,7 +167,7 @@ def _echoed(front: HttpFront, body: CompletionRequest, prompt: list[int], s: Sam
 
 
 def _prompt_logprobs(front: HttpFront, body: Any, prompt: list[int], s: Sample, k: int) -> Optional[list]:
-    as_ids = body.return_tokens_as_token_ids
+    as_ids = front.tokens_as_ids(body)
     return prompt_entries(prompt, s.prompt_logprobs, k, lambda t: front.token_text(t, as_ids), s.prompt_ranks)
 
 
@@ -209,7 +209,7 @@ def _completion_logprobs(front: HttpFront, body: CompletionRequest, s: Sample, s
                          ) -> Optional[dict]:
     if body.logprobs is None:
         return None
-    as_ids = body.return_tokens_as_token_ids
+    as_ids = front.tokens_as_ids(body)
     tokens = [front.token_text(t, as_ids) for t in ids]
     lps = s.logprobs[start:start + len(ids)]
     rows = s.top_logprobs[start:start + len(ids)] if s.top_logprobs is not None else [None] * len(ids)
@@ -324,7 +324,7 @@ def _chat_logprobs(front: HttpFront, body: ChatCompletionRequest, s: Sample, sta
                    ) -> Optional[dict]:
     if not body.logprobs:
         return None
-    as_ids = body.return_tokens_as_token_ids
+    as_ids = front.tokens_as_ids(body)
     content = []
     for j, t in enumerate(ids):
         token, lp = front.token_text(t, as_ids), s.logprobs[start + j]

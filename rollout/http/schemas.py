@@ -163,7 +163,7 @@ class _Sampling(Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: Optional[bool] = None  # None: returned (RL clients need them); False: left out
-    return_tokens_as_token_ids: bool = False
+    return_tokens_as_token_ids: Optional[bool] = None  # NOTE: None: the server's default (vLLM's flag)
     session_id: Optional[Annotated[str, Field(min_length=1, max_length=256)]] = None
     # structured outputs (rollout.http.structured): vLLM's field or OpenAI's, not both
     structured_outputs: Optional[StructuredOutputsBody] = None

@@ -62,6 +62,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     web.add_argument("--generation-config", default="vllm", metavar="auto|vllm|DIR",
                      help="sampling defaults for OpenAI requests that leave them unset: auto, the model's "
                      "generation_config.json; DIR, that directory's; vllm (default): none, vLLM's own")
+    web.add_argument("--return-tokens-as-token-ids", action="store_true",
+                     help="logprobs name tokens as `token_id:N` unless a request says otherwise (vLLM's flag)")
     add_http_limit_arguments(web)
     eng = parser.add_argument_group("engine")
     eng.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
@@ -246,7 +248,8 @@ def serve_main(args: argparse.Namespace, on_ready=None) -> int:
                                 limits=http_limits_from_args(args), allowed_hosts=args.allowed_host,
                                 on_stop=client.shutdown, tool_call_parser=args.tool_call_parser,
                                 skip_tokenizer_init=args.skip_tokenizer_init,
-                                sampling_defaults=sampling_defaults_of(args))
+                                sampling_defaults=sampling_defaults_of(args),
+                                return_tokens_as_token_ids=args.return_tokens_as_token_ids)
         except (OSError, ValueError) as exc:
             print(f"rollout serve: HTTP front: {exc}", file=sys.stderr, flush=True)
             server.close()

@@ -38,7 +38,6 @@ REFUSED = {
     "--lora-modules": NOT_YET + " (load adapters over HTTP: /v1/load_lora_adapter)",
     "--max-logprobs": NOT_YET,
     "--weight-transfer-config": NOT_YET + " (the weight routes take their transport per call)",
-    "--return-tokens-as-token-ids": NOT_YET,
     "--logprobs-mode": NOT_YET + " (per request: the `logprobs_mode` field)",
     "--chat-template": NOT_YET + " (the model directory's template serves)",
     "--tokenizer": NOT_YET + " (the model directory's tokenizer serves)",
@@ -48,7 +47,7 @@ REFUSED = {
     "--pipeline-parallel-size": "one process serves one engine: use 1, or leave it out",
     "--data-parallel-size": "start one server per replica (and `rollout route` over them)",
 }
-SWITCHES = {"--trust-remote-code", "--return-tokens-as-token-ids"}  # the refused flags that take no value
+SWITCHES = {"--trust-remote-code"}  # the refused flags that take no value
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rollout vllm-serve", allow_abbrev=False,
@@ -79,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted: `tool_choice: auto` is served wherever a --tool-call-parser is")
     p.add_argument("--skip-tokenizer-init", action="store_true", help="token ids in and out only")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name tokens as `token_id:N` unless a request says otherwise")
     p.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                    help="sampling defaults for requests that leave them unset: auto (default), the model's "
                    "generation_config.json; DIR, that directory's; vllm: none")
@@ -126,7 +127,8 @@ def serve_args(argv: list[str], free_bytes: Optional[int] = None) -> argparse.Na
         "--max-seq-len": v.max_model_len, "--max-requests": v.max_num_seqs,
         "--max-batch-tokens": v.max_num_batched_tokens, "--threads": v.threads, "--kv-memory-bytes": kv,
         "--no-prefix-caching": not v.enable_prefix_caching, "--skip-tokenizer-init": v.skip_tokenizer_init,
-        "--enable-prompt-tokens-details": v.enable_prompt_tokens_details})
+        "--enable-prompt-tokens-details": v.enable_prompt_tokens_details,
+        "--return-tokens-as-token-ids": v.return_tokens_as_token_ids})
 
 
 def main(argv: list[str]) -> int:

@@ -23,13 +23,15 @@ def test_every_accepted_flag_takes_effect():
                     "--enable-chunked-prefill", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "16",
                     "--tool-call-parser", "hermes", "--enable-auto-tool-choice", "--skip-tokenizer-init",
                     "--enable-prompt-tokens-details", "--enable-sleep-mode", "--no-enable-log-requests",
-                    "--disable-log-stats", "--uvicorn-log-level", "warning", "--threads", "1"])
+                    "--disable-log-stats", "--uvicorn-log-level", "warning", "--threads", "1",
+                    "--return_tokens_as_token_ids"])
     assert (a.model, a.http, a.http_host, a.host, a.port) == ("smollm2", 8011, "127.0.0.1", "127.0.0.1", 0)
     assert a.served_model_name == ["policy", "alias"] and a.api_key == "k" and a.dtype == "float16"
     assert (a.seed, a.max_seq_len, a.max_requests, a.max_batch_tokens) == (7, 1024, 32, 512)
     assert a.enable_prefix_caching is False and a.chunked_prefill_size == 512  # NOTE: a chunk fits one step
     assert (a.max_loras, a.max_lora_rank, a.tool_call_parser) == (2, 16, "hermes")
     assert a.skip_tokenizer_init and a.enable_prompt_tokens_details and a.threads == 1
+    assert a.return_tokens_as_token_ids and not serve_args(["smollm2"]).return_tokens_as_token_ids
 
 
 def test_defaults_are_vllm_s():
@@ -58,7 +60,7 @@ def test_gpu_flags_map_to_this_machine():
 
 @pytest.mark.parametrize("flag", sorted(REFUSED))
 def test_a_refused_flag_says_which_and_why(flag):
-    line = ["smollm2", flag] + ([] if flag in ("--trust-remote-code", "--return-tokens-as-token-ids") else ["x"])
+    line = ["smollm2", flag] + ([] if flag == "--trust-remote-code" else ["x"])
     with pytest.raises(LaunchLineError) as info:
         serve_args(line)
     assert str(info.value) == f"{flag}: {REFUSED[flag]}"
@@ -90,7 +92,7 @@ def test_a_server_from_a_skyrl_shaped_line(tmp_path):
             "--max-model-len", "96", "--max-num-seqs", "8", "--max_num_batched_tokens", "256",
             "--enable-prefix-caching", "--no-enable-chunked-prefill", "--enable-sleep-mode",
             "--gpu-memory-utilization", "0.01", "--tensor-parallel-size", "1", "--enforce-eager",
-            "--distributed-executor-backend", "mp", "--threads", "1"]
+            "--distributed-executor-backend", "mp", "--threads", "1", "--return-tokens-as-token-ids"]
     proc = ServerProcess(None, *line, entry=("-m", "rollout.cli", "vllm-serve"), ready_prefix=READY_PREFIX,
                          ready_timeout=WAIT_S)
     try:
@@ -106,6 +108,12 @@ def test_a_server_from_a_skyrl_shaped_line(tmp_path):
             again = web.post("/v1/completions", headers=key, json={"model": "policy", "prompt": [1, 5, 9],
                                                                    "max_tokens": 4, "ignore_eos": True})
             assert again.json()["choices"][0]["text"] == done.json()["choices"][0]["text"]
+            body = {"model": "policy", "prompt": [1, 5], "max_tokens": 2, "logprobs": 1}
+            tokens = web.post("/v1/completions", headers=key, json=body).json()["choices"][0]["logprobs"]["tokens"]
+            assert all(t.startswith("token_id:") for t in tokens)  # NOTE: --return-tokens-as-token-ids
+            body["return_tokens_as_token_ids"] = False  # NOTE: a request may say otherwise
+            tokens = web.post("/v1/completions", headers=key, json=body).json()["choices"][0]["logprobs"]["tokens"]
+            assert not any(t.startswith("token_id:") for t in tokens)
             too_long = web.post("/v1/completions", headers=key,
                                 json={"model": "policy", "prompt": list(range(3, 95)), "max_tokens": 8})
             assert too_long.status_code == 400  # NOTE: --max-model-len 96
