@@ -103,15 +103,15 @@ class TorchAttentionBackend(AttentionBackend):
 
     def plan(self, meta: AttentionMetadata, kv_cache: KVCacheBuffer) -> None:
         split = split_decode_prefill(meta)
-        bs = kv_cache.block_size
-        # NOTE: padded block-table entries may hold any value; clamping makes them valid block ids
-        # whose (finite, see KVCacheBuffer) contents the masks then hide.
-        tables = meta.block_tables.clamp(0, kv_cache.num_blocks - 1)
         self._slot_mapping = meta.slot_mapping
         self._num_tokens = meta.num_tokens
         if self.native_decode and split.prefill_reqs is not None and self._rows_are_tokens(meta):
             self._decode, self._prefill = self._plan_rows(meta), None
             return
+        bs = kv_cache.block_size
+        # NOTE: padded block-table entries may hold any value; clamping makes them valid block ids
+        # whose (finite, see KVCacheBuffer) contents the masks then hide.
+        tables = meta.block_tables.clamp(0, kv_cache.num_blocks - 1)
         self._decode = self._plan_decode(split, meta, tables, bs) if split.decode_reqs is not None else None
         self._prefill = self._plan_prefill(split, meta, tables, bs) if split.prefill_reqs is not None else None
 

@@ -28,6 +28,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "lanes.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -64,22 +65,6 @@ int pack_pairs_bf16(const uint16_t *w, int64_t n, int64_t k, int64_t w_stride, u
     return 0;
 }
 
-/* ---- one value's rounding ----------------------------------------------------------------------- */
-
-static inline uint16_t round_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN, quiet */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-static inline float widen(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 /* the pair (x[2j], x[2j + 1]) as one 32-bit value, the partner past an odd k zero */
 static inline __attribute__((always_inline)) uint32_t x_pair(const uint16_t *x, int64_t j, int64_t k) {
     if (2 * j + 1 < k) {
@@ -88,12 +73,6 @@ static inline __attribute__((always_inline)) uint32_t x_pair(const uint16_t *x, 
         return v;
     }
     return x[2 * j];
-}
-
-/* a tile's results: outputs o < valid of each row, plus the bias, rounded */
-static inline __attribute__((always_inline)) void store(const float *sums, int valid, const uint16_t *bias,
-                                                        uint16_t *y) {
-    for (int o = 0; o < valid; o++) y[o] = round_bf16(bias ? sums[o] + widen(bias[o]) : sums[o]);
 }
 
 #if DPBF16
@@ -128,6 +107,21 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 #else
+/* one value's rounding, as VCVTNEPS2BF16's: nearest, ties to even, as bf16.h's `f32_to_bf16`, but a
+ * NaN keeps its payload (quietened) as the instruction keeps it, where bf16.h gives torch's one NaN */
+static inline uint16_t round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN, quiet */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* a tile's results: outputs o < valid of each row, plus the bias, rounded */
+static inline __attribute__((always_inline)) void store(const float *sums, int valid, const uint16_t *bias,
+                                                        uint16_t *y) {
+    for (int o = 0; o < valid; o++) y[o] = round_bf16(bias ? sums[o] + bf16_to_f32(bias[o]) : sums[o]);
+}
+
 static inline __attribute__((always_inline)) lanes_t splat(float v) { return (lanes_t){v, v, v, v, v, v, v, v}; }
 
 /* c + a * b: one fused multiply-add where the CPU has one, else a product and a sum; a product of

@@ -64,19 +64,20 @@ def linear_group(x: torch.Tensor, weights: tuple[torch.Tensor, ...],
     return packed_weights.linear_group(x, weights, biases)
 
 
-def _pairs_layout(weight: torch.Tensor) -> torch.Tensor:
-    """`weight [n, k]` in the bf16 kernel's layout (`pack_pairs_bf16`): outputs in blocks of 16, k in pairs."""
+def pairs_pack(weight: torch.Tensor, lib=None) -> torch.Tensor:
+    """`weight [n, k]` in the bf16 kernel's layout (`pack_pairs_bf16`): outputs in blocks of 16, k in
+    pairs; `lib`: another build of the kernels (whose layout it is), for tests, else the engine's."""
     n, k = weight.shape
     weight = weight.contiguous()
     packed = weight.new_empty(-(-n // 16) * 16 * -(-k // 2) * 2)
-    status = native.library().pack_pairs_bf16(weight.data_ptr(), n, k, weight.stride(0), packed.data_ptr())
+    status = (lib or native.library()).pack_pairs_bf16(weight.data_ptr(), n, k, weight.stride(0), packed.data_ptr())
     if status:
         raise RuntimeError(f"pack_pairs_bf16 failed with status {status} (weight {tuple(weight.shape)})")
     return packed
 
 
 def _bf16_product(x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor, ...]):
-    packed, bias = packed_weights.cached_pack(weights, biases, _pairs_layout)
+    packed, bias = packed_weights.cached_pack(weights, biases, pairs_pack)
     return native_linear_bf16(x, packed, sum(w.shape[0] for w in weights), bias)
 
 

@@ -14,6 +14,8 @@ OpenAI's and vLLM's names map one to one onto the engine's, with these translati
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, Optional
 
 from inference import LogprobsMode, SamplingParams, StructuredOutputs
@@ -33,9 +35,6 @@ DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 def generation_defaults(model_dir: Any) -> dict[str, float]:
     """`DEFAULTABLE`'s values in `model_dir`'s generation_config.json (none without the file): the
     sampling defaults of requests that leave those fields unset, as vLLM applies them."""
-    import json
-    from pathlib import Path
-
     path = Path(model_dir) / "generation_config.json"
     if not path.is_file():
         return {}

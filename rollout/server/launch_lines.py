@@ -71,6 +71,7 @@ def serve_namespace(line: list[str], flags: dict[str, object]) -> argparse.Names
     several values; True: a switch)."""
     from rollout.server.serve import add_serve_arguments
 
+    line = list(line)
     for flag, value in flags.items():
         if value is True:
             line.append(flag)

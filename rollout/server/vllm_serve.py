@@ -44,7 +44,7 @@ REFUSED = {
     "--load-format": NOT_YET,
     "--worker-extension-cls": NOT_YET,
     "--config": NOT_YET,
-    "--pipeline-parallel-size": "one process serves one engine: use 1, or leave it out",
+    "--pipeline-parallel-size": "one process serves the whole model, without pipeline stages: leave it out",
     "--data-parallel-size": "start one server per replica (and `rollout route` over them)",
 }
 SWITCHES = {"--trust-remote-code"}  # the refused flags that take no value

@@ -109,9 +109,7 @@ def _bf16_case(shape, bias, rows=MAX_ROWS):
 def _pairs_gemm(lib):
     """`x @ w.T + b` by `lib`'s bf16 kernel on `lib`'s own pack."""
     def gemm(x, w, b=None):
-        packed = w.new_empty(-(-w.shape[0] // 16) * 16 * -(-w.shape[1] // 2) * 2)
-        assert lib.pack_pairs_bf16(w.data_ptr(), w.shape[0], w.shape[1], w.stride(0), packed.data_ptr()) == 0
-        return small_gemm.native_linear_bf16(x, packed, w.shape[0], b, lib=lib)
+        return small_gemm.native_linear_bf16(x, small_gemm.pairs_pack(w, lib), w.shape[0], b, lib=lib)
     return gemm
 
 

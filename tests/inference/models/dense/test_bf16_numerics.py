@@ -8,8 +8,7 @@ their errors differ token by token, either way: "no larger" is then a statistica
 16 prompts of three seeds, ours against HF's mean error 0.979-1.017x, and each max no larger than
 HF's; 4 prompts alone gave 0.87-1.04x (the old bound, 1% of HF's mean on the 4 texts, held while the
 engine ran HF's own oneDNN and SDPA calls, whose errors agreed with HF's to 4 digits). The bound on
-the mean is HF's plus three standard errors of the per-token differences (1084 tokens: ~6% of it);
-engine bugs tried in bf16 raise the mean error 30x or more (see test_smollm2_engine_parity.py)."""
+the mean is HF's plus three standard errors of the per-token differences (1084 tokens: ~6% of it)."""
 
 from __future__ import annotations
 
