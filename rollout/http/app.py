@@ -27,7 +27,7 @@ from fastapi import FastAPI
 from rollout.http import errors
 from rollout.http.connections import KEEP_ALIVE_S, ConnectionLimits, protocol_class
 from rollout.http.front import HttpFront
-from rollout.http.guards import ANY_HOST, BearerKey, RequestGuard, allowed_host_names
+from rollout.http.guards import ANY_HOST, BearerKey, ClosedRoutes, RequestGuard, allowed_host_names
 from rollout.http.lora_routes import router as lora_router
 from rollout.http.metrics_routes import router as metrics_router
 from rollout.http.openai_routes import router as openai_router
@@ -54,6 +54,8 @@ def build_app(front: HttpFront) -> FastAPI:
     app.include_router(metrics_router)
     app.include_router(vllm_weight_router)
     app.include_router(lora_router)
+    if front.config.closed_routes:
+        app.add_middleware(ClosedRoutes, paths=front.config.closed_routes)
     return app
 
 

@@ -18,10 +18,12 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from inference import SamplingParams
+from inference.sampling.params import MAX_LOGPROBS
 from rollout.http.clients import FrontClient
 from rollout.http.errors import APIError, from_exception
 from rollout.http.generation import Generation, GenSpec
 from rollout.http.sampling import sampling_params
+from rollout.http.schemas import MAX_TOP_LOGPROBS
 from rollout.http.sessions import Render, SessionStore
 from rollout.http.tools import TOOL_PARSERS, ToolParser
 from rollout.http.weights import WeightCalls
@@ -33,7 +35,10 @@ class FrontConfig:
     """`model_name`: the served name reported (and the `model` of a request that names none);
     `aliases`: other names a request's `model` may be; `max_model_len`: the longest prompt +
     completion the engine takes; `timeout`: the bound of every engine call, in seconds;
-    `tool_parser`: how chat replies are parsed for tool calls (`rollout.http.tools`)."""
+    `tool_parser`: how chat replies are parsed for tool calls (`rollout.http.tools`); `max_logprobs`:
+    the largest top-n log-prob count a request may ask (vLLM's `--max-logprobs`); `logprobs_mode`:
+    raw or processed, for requests that name none (`--logprobs-mode`); `closed_routes`: paths
+    answered 404, as a server without them (vLLM's dev routes outside its dev mode)."""
 
     model_name: str
     max_model_len: int
@@ -46,6 +51,9 @@ class FrontConfig:
     tool_parser: ToolParser = ToolParser.NONE
     sampling_defaults: tuple[tuple[str, float], ...] = ()  # (field, value): `rollout.http.sampling.generation_defaults`
     return_tokens_as_token_ids: bool = False  # logprobs' tokens as `token_id:N` where a request does not say
+    max_logprobs: int = MAX_TOP_LOGPROBS
+    logprobs_mode: str = "raw"
+    closed_routes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.tool_parser, ToolParser):
@@ -59,12 +67,17 @@ class FrontConfig:
             raise ValueError(f"FrontConfig.max_model_len must be >= 2, got {self.max_model_len}")
         if self.timeout <= 0:
             raise ValueError(f"FrontConfig.timeout must be > 0, got {self.timeout}")
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"FrontConfig.max_logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs}")
+        if self.logprobs_mode not in ("raw", "processed"):
+            raise ValueError(f"FrontConfig.logprobs_mode must be raw or processed, got {self.logprobs_mode!r}")
 
 
 class HttpFront:
     """State of the HTTP front (see module docstring). `inflight`: rid -> running `Generation`."""
 
-    def __init__(self, client: FrontClient, codec: TextCodec, config: FrontConfig) -> None:
+    def __init__(self, client: FrontClient, codec: TextCodec, config: FrontConfig,
+                 loras: Optional[dict[str, str]] = None) -> None:
         self.client, self.codec, self.config = client, codec, config
         if codec.max_tokens is None:  # NOTE: text past the context is refused before tokenizing (rollout.text)
             codec.max_tokens = config.max_model_len
@@ -73,8 +86,8 @@ class HttpFront:
         self.inflight: dict[str, Generation] = {}
         self.created = int(time.time())
         # LoRA adapters a request's `model` may name: name -> path, as the engine last listed them
-        # (refreshed by the load / unload routes and by /v1/models)
-        self.loras: dict[str, str] = {}
+        # (refreshed by the load / unload routes and by /v1/models; `loras`: those loaded before it started)
+        self.loras: dict[str, str] = dict(loras or {})
         # NOTE: loads and unloads one at a time: "already loaded?" and the load it guards are one step,
         # so two loads of one name sent together load it once (the second: vLLM's 400)
         self.lora_changes = asyncio.Lock()
@@ -114,8 +127,10 @@ class HttpFront:
             if bad is not None:
                 raise APIError(400, f"Token id {bad} is out of vocabulary (size {vocab}).", param=param)
 
-    def completion_budget(self, prompts: list[list[int]], max_tokens: Optional[int], param: str) -> int:
-        """`max_tokens`, or all the context left; refused (OpenAI's 400) past the context."""
+    def completion_budget(self, prompts: list[list[int]], max_tokens: Optional[int], param: str,
+                          defaulted: bool = False) -> int:
+        """`max_tokens`, or all the context left; refused (OpenAI's 400) past the context. `defaulted`
+        (the OpenAI routes): also at most the generation config's `max_new_tokens`, as vLLM caps it."""
         longest = max(len(p) for p in prompts)
         limit = self.config.max_model_len
         if max_tokens is None:
@@ -125,7 +140,8 @@ class HttpFront:
                                 f"{longest + max_tokens} tokens ({longest} in the {param}, {max_tokens} in the "
                                 "completion). Please reduce the length of the prompt or completion.",
                            param=param, code="context_length_exceeded")
-        return max_tokens
+        cap = dict(self.config.sampling_defaults).get("max_tokens") if defaulted else None
+        return max_tokens if cap is None else min(max_tokens, int(cap))
 
     # ---- building blocks -----------------------------------------------------------------------
 
@@ -140,8 +156,12 @@ class HttpFront:
         `structured`: its constraint (`rollout.http.structured`)."""
         params = sampling_params(self.codec, body, n=n, max_tokens=max_tokens, logprobs=logprobs,
                                  prompt_logprobs=prompt_logprobs, structured=structured,
-                                 defaults=dict(self.config.sampling_defaults))
+                                 defaults=dict(self.config.sampling_defaults), **self.logprob_rules())
         return self.with_adapter(params, getattr(body, "model", None))
+
+    def logprob_rules(self) -> dict[str, Any]:
+        """`sampling_params`' server-wide log-prob arguments."""
+        return {"max_logprobs": self.config.max_logprobs, "logprobs_mode": self.config.logprobs_mode}
 
     def generation(self, spec: GenSpec) -> Generation:
         if spec.stops and not self.codec.has_text:  # NOTE: stop strings are matched on the decoded text

@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from typing import Any, Optional
 
 from fastapi import Request
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from rollout.http.errors import APIError, error_response
@@ -169,6 +170,20 @@ class BearerKey:
                 refusal = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
                 await error_response(request, refusal)(scope, receive, send)
                 return
+        await self.app(scope, receive, send)
+
+
+class ClosedRoutes:
+    """ASGI middleware: `paths` answer 404 as routes this server lacks (FastAPI's own body), whatever
+    the method, before any other check (a closed route reads no body)."""
+
+    def __init__(self, app: Any, paths: Iterable[str]) -> None:
+        self.app, self._closed = app, frozenset(paths)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope.get("path") in self._closed:
+            await JSONResponse({"detail": "Not Found"}, status_code=404)(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 

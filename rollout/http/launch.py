@@ -12,6 +12,7 @@ from rollout.http.app import HttpServer, build_app
 from rollout.http.clients import FrontClient, ServiceClient
 from rollout.http.connections import ConnectionLimits
 from rollout.http.front import FrontConfig, HttpFront
+from rollout.http.schemas import MAX_TOP_LOGPROBS
 from rollout.text import TextCodec, TokenOnlyCodec
 from rollout.wire.security import ClientSecurity
 
@@ -41,13 +42,28 @@ def model_context(model_dir: Path) -> int:
         return 4096
 
 
+def chat_template_text(value: str) -> str:
+    """vLLM's `--chat-template` value: a file's path (its text), or the template itself."""
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError:  # NOTE: a template too long to be a file name
+        pass
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"chat template {value!r}: no such file, and not a Jinja template either")
+
+
 def serve_front(client: FrontClient, model_dir: Path, *, host: str = "127.0.0.1", port: int = 0,
                 served_model_name: Union[str, Sequence[str], None] = None, max_model_len: Optional[int] = None,
                 api_key: Optional[str] = None, timeout: float = 600.0, tokenizer: Any = None,
                 limits: Optional[ConnectionLimits] = None, allowed_hosts: Iterable[str] = (),
                 on_stop: Optional[Callable[[], None]] = None, tool_call_parser: str = "none",
                 skip_tokenizer_init: bool = False, sampling_defaults: Optional[dict[str, float]] = None,
-                return_tokens_as_token_ids: bool = False) -> RunningFront:
+                return_tokens_as_token_ids: bool = False, chat_template: Optional[str] = None,
+                max_logprobs: int = MAX_TOP_LOGPROBS, logprobs_mode: str = "raw",
+                closed_routes: Iterable[str] = (), loras: Optional[dict[str, str]] = None) -> RunningFront:
     """Serve HTTP on `host:port` over `client`; `on_stop` runs after the server stops (and if it
     fails to start). `served_model_name`: one name or several (the first reported; default the
     directory's name). `limits`, `allowed_hosts`: see `rollout.http.app.HttpServer`;
@@ -55,19 +71,26 @@ def serve_front(client: FrontClient, model_dir: Path, *, host: str = "127.0.0.1"
     (`rollout.text.TokenOnlyCodec`), for a model directory without a tokenizer, as vLLM's flag;
     `sampling_defaults`: values for sampling fields an OpenAI request leaves unset
     (`rollout.http.sampling.generation_defaults`); `return_tokens_as_token_ids`: the default of that
-    request field (vLLM's flag)."""
+    request field (vLLM's flag); `chat_template`: the template that replaces the tokenizer's (its text,
+    or a file holding it: `chat_template_text`); `max_logprobs`, `logprobs_mode`, `closed_routes`:
+    see `FrontConfig`; `loras`: the adapters the engine already holds (name -> path), servable at once."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     try:
         if skip_tokenizer_init and tokenizer is not None:
             raise ValueError("skip_tokenizer_init and a tokenizer cannot both be given")
         codec = TokenOnlyCodec.from_config(model_dir) if skip_tokenizer_init \
             else TextCodec.load(tokenizer if tokenizer is not None else model_dir)
+        if chat_template is not None:
+            if not codec.has_text:
+                raise ValueError("a chat template needs a tokenizer (not with skip_tokenizer_init)")
+            codec.tokenizer.chat_template = chat_template_text(chat_template)
         config = FrontConfig(model_name=names[0] if names else Path(model_dir).name, aliases=tuple(names[1:]),
                              max_model_len=max_model_len or model_context(model_dir), model_path=str(model_dir),
                              timeout=timeout, api_key=api_key, tool_parser=tool_call_parser,
                              sampling_defaults=tuple(sorted((sampling_defaults or {}).items())),
-                             return_tokens_as_token_ids=return_tokens_as_token_ids)
-        front = HttpFront(client, codec, config)
+                             return_tokens_as_token_ids=return_tokens_as_token_ids, max_logprobs=max_logprobs,
+                             logprobs_mode=logprobs_mode, closed_routes=tuple(closed_routes))
+        front = HttpFront(client, codec, config, loras=loras)
         server = HttpServer(build_app(front), host, port, api_key=api_key, limits=limits,
                             allowed_hosts=allowed_hosts).start()
     except BaseException:

@@ -103,7 +103,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         raise APIError(400, "The prompt must not be empty (it tokenized to no tokens).", param="prompt")
     front.check_ids(prompts)
     score_only = body.echo and body.max_tokens == 0
-    max_tokens = front.completion_budget(prompts, 1 if score_only else body.max_tokens, "prompt")
+    max_tokens = front.completion_budget(prompts, 1 if score_only else body.max_tokens, "prompt",
+                                         defaulted=not score_only)
     echo_top = body.logprobs if body.echo and body.logprobs is not None else None
     scored = max((k for k in (body.prompt_logprobs, echo_top) if k is not None), default=None)
     spec = _spec(front, body, prompts, max_tokens, body.logprobs, n=body.best_of or body.n, prompt_logprobs=scored)
@@ -238,7 +239,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     render = Render(body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs)
     prompt, _ = await front.chat_prompt(session_id, messages, body.tools, render)
     front.check_ids([prompt], "messages")
-    max_tokens = front.completion_budget([prompt], body.completion_limit(), "messages")
+    max_tokens = front.completion_budget([prompt], body.completion_limit(), "messages", defaulted=True)
     top = (body.top_logprobs or 0) if body.logprobs else None
     spec = _spec(front, body, [prompt], max_tokens, top, session_id=session_id,
                  prompt_logprobs=body.prompt_logprobs, forced=plan.forced)

@@ -8,6 +8,8 @@ OpenAI's and vLLM's names map one to one onto the engine's, with these translati
   same number of tokens (a word inside text, not at its start); each becomes one banned sequence
   of `bad_words_token_ids`.
 * `structured`: the body's output constraint, built by `rollout.http.structured`.
+* `logprobs` / `prompt_logprobs` above the server's `max_logprobs` are refused in vLLM's words;
+  `logprobs_mode` unset takes the server's (`--logprobs-mode`).
 * A field at its neutral value is not passed on, so an engine without that field still serves
   a request that does not use it; a non-neutral one the engine does not know is a 400 naming it.
 """
@@ -20,6 +22,7 @@ from typing import Any, Optional
 
 from inference import LogprobsMode, SamplingParams, StructuredOutputs
 from rollout.http.errors import APIError, engine_param
+from rollout.http.schemas import MAX_TOP_LOGPROBS
 from rollout.text import TextCodec
 
 # body field -> (the engine's field, its neutral value)
@@ -30,22 +33,41 @@ EXTRAS = {"repetition_penalty": ("repetition_penalty", 1.0), "presence_penalty":
 
 # the fields a model's generation_config.json gives defaults for (vLLM's `--generation-config auto`)
 DEFAULTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# generation_config.json's name -> the request field it is the default of
+RENAMED = {"max_new_tokens": "max_tokens"}
 
 
 def generation_defaults(model_dir: Any) -> dict[str, float]:
-    """`DEFAULTABLE`'s values in `model_dir`'s generation_config.json (none without the file): the
-    sampling defaults of requests that leave those fields unset, as vLLM applies them."""
+    """`DEFAULTABLE`'s values in `model_dir`'s generation_config.json (none without the file), and its
+    `max_new_tokens` as `max_tokens`: the defaults of requests that leave those fields unset, as vLLM
+    applies them (`max_tokens`: `HttpFront.completion_budget`)."""
     path = Path(model_dir) / "generation_config.json"
     if not path.is_file():
         return {}
     config = json.loads(path.read_text())
-    return {name: config[name] for name in DEFAULTABLE if isinstance(config.get(name), (int, float))}
+    out = {name: config[name] for name in DEFAULTABLE if isinstance(config.get(name), (int, float))}
+    for name, field in RENAMED.items():
+        if isinstance(config.get(name), int) and config[name] > 0:
+            out[field] = config[name]
+    return out
+
+
+def check_logprobs(logprobs: Optional[int], prompt_logprobs: Optional[int], max_logprobs: int) -> None:
+    """vLLM's refusal of a top-n count above the server's `--max-logprobs`."""
+    for what, count, param in (("sample", logprobs, "logprobs"), ("prompt", prompt_logprobs, "prompt_logprobs")):
+        if count is not None and count > max_logprobs:
+            raise APIError(400, f"Requested {what} logprobs of {count}, which is greater than max allowed: "
+                                f"{max_logprobs}", param=param)
 
 
 def sampling_params(codec: TextCodec, body: Any, *, n: int, max_tokens: int, logprobs: Optional[int],
                     prompt_logprobs: Optional[int] = None, structured: Optional[StructuredOutputs] = None,
-                    defaults: Optional[dict[str, float]] = None) -> SamplingParams:
-    """`defaults`: values for `DEFAULTABLE` fields the body leaves unset (`generation_defaults`)."""
+                    defaults: Optional[dict[str, float]] = None, max_logprobs: int = MAX_TOP_LOGPROBS,
+                    logprobs_mode: str = "raw") -> SamplingParams:
+    """`defaults`: values for `DEFAULTABLE` fields the body leaves unset (`generation_defaults`);
+    `max_logprobs`: the largest top-n count served; `logprobs_mode`: the mode of a body that names
+    none (raw or processed)."""
+    check_logprobs(logprobs, prompt_logprobs, max_logprobs)
     unset = defaults or {}
 
     def field(name: str, neutral: Any) -> Any:
@@ -62,7 +84,7 @@ def sampling_params(codec: TextCodec, body: Any, *, n: int, max_tokens: int, log
         value = unset.get(name) if value is None else value
         if value is not None and value != neutral:
             fields[engine_name] = value
-    if body.logprobs_mode is not None and body.logprobs_mode.startswith("processed"):
+    if (body.logprobs_mode or logprobs_mode).startswith("processed"):
         fields["logprobs_mode"] = LogprobsMode.PROCESSED
     if body.logit_bias:
         fields["logit_bias"] = logit_bias(codec, body.logit_bias)

@@ -27,7 +27,7 @@ from inference.sampling.params import MAX_CACHE_SALT_LENGTH
 
 MAX_N = 128
 MAX_STOP = 1024  # vLLM has no limit (OpenAI's is 4): a bound against abuse only
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit (chat); vLLM's default max_logprobs
+MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs (OpenAI's for chat); a server's: FrontConfig.max_logprobs
 MAX_PENALTY = 100.0  # a repetition penalty past this only makes the model unreadable
 MAX_WORDS = 1024  # bad_words: a bound against abuse only
 Prob = Annotated[float, Field(ge=0, le=1)]
@@ -154,7 +154,7 @@ class _Sampling(Strict):
     # this engine's: "reset" (match only K/V of the current weights) or "salted" (a session's turns
     # keep matching the blocks of the version it started with); None: the engine's own policy
     prefix_cache_policy: Optional[Literal["reset", "salted"]] = None
-    prompt_logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]] = None
+    prompt_logprobs: Optional[Annotated[int, Field(ge=0)]] = None  # NOTE: at most the server's max_logprobs
     # which distribution the log-probs come from: raw (the model's, what a trainer recomputes; the
     # default) or processed (the one sampled from); vLLM's server-wide names are taken too
     logprobs_mode: Optional[Literal["raw", "processed", "raw_logprobs", "processed_logprobs"]] = None
@@ -186,7 +186,7 @@ class CompletionRequest(_Sampling):
     prompt: Union[str, Annotated[list[str], Field(min_length=1)], Annotated[list[int], Field(min_length=1)],
                   Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)]]
     max_tokens: Optional[Annotated[int, Field(ge=0)]] = 16  # 0 only with echo: the prompt scored, nothing sampled
-    logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]] = None
+    logprobs: Optional[Annotated[int, Field(ge=0)]] = None  # NOTE: at most the server's max_logprobs
     echo: bool = False
     best_of: Optional[Annotated[int, Field(ge=1, le=MAX_N)]] = None
     suffix: Optional[Literal[""]] = None
@@ -227,7 +227,7 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: Optional[Annotated[int, Field(ge=1)]] = None
     max_completion_tokens: Optional[Annotated[int, Field(ge=1)]] = None
     logprobs: bool = False
-    top_logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]] = None
+    top_logprobs: Optional[Annotated[int, Field(ge=0)]] = None  # NOTE: at most the server's max_logprobs
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], dict[str, Any]]] = None  # rollout.http.tools
     parallel_tool_calls: Optional[bool] = None
@@ -304,7 +304,7 @@ class GenerateReqInput(Strict):
     rid: Optional[Union[str, list[str]]] = None
     return_logprob: Optional[Union[bool, list[bool]]] = None
     logprob_start_len: Optional[Union[int, list[int]]] = None
-    top_logprobs_num: Optional[Union[Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)], list[int]]] = None
+    top_logprobs_num: Optional[Union[Annotated[int, Field(ge=0)], list[int]]] = None  # NOTE: <= max_logprobs
     return_text_in_logprobs: bool = False
     stream: bool = False
     return_routed_experts: bool = False

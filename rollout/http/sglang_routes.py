@@ -222,7 +222,8 @@ def _sampling(front: HttpFront, sp: SGLangSampling, max_tokens: int, top: int, p
                            frequency_penalty=sp.frequency_penalty, min_tokens=sp.min_new_tokens, cache_salt=salt,
                            logit_bias=sp.logit_bias, bad_words=None, allowed_token_ids=None, logprobs_mode=None)
     params = sampling_params(front.codec, body, n=sp.n, max_tokens=max_tokens, logprobs=top,
-                             prompt_logprobs=prompt_top, structured=structured.from_sglang(sp))
+                             prompt_logprobs=prompt_top, structured=structured.from_sglang(sp),
+                             **front.logprob_rules())
     return dataclasses.replace(params, return_routed_experts=True) if routes else params
 
 

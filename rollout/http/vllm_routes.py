@@ -54,7 +54,6 @@ from rollout.http.schemas import (
     MAX_N,
     MAX_PENALTY,
     MAX_STOP,
-    MAX_TOP_LOGPROBS,
     MAX_WORDS,
     Strict,
     StructuredOutputsBody,
@@ -291,8 +290,8 @@ class VllmSamplingParams(Strict):
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[Annotated[int, Field(ge=0)]]] = None
     ignore_eos: bool = False
-    logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]] = None
-    prompt_logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]] = None
+    logprobs: Optional[Annotated[int, Field(ge=0)]] = None  # NOTE: at most the server's max_logprobs
+    prompt_logprobs: Optional[Annotated[int, Field(ge=0)]] = None
     presence_penalty: Optional[Annotated[float, Field(ge=-2, le=2)]] = None
     frequency_penalty: Optional[Annotated[float, Field(ge=-2, le=2)]] = None
     repetition_penalty: Optional[Annotated[float, Field(gt=0, le=MAX_PENALTY)]] = None
@@ -346,7 +345,8 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     fields = SimpleNamespace(**{name: getattr(sp, name) for name in VllmSamplingParams.model_fields},
                              cache_salt=body.cache_salt, response_format=None)
     sampling = sampling_params(front.codec, fields, n=sp.n, max_tokens=max_tokens, logprobs=top,
-                               prompt_logprobs=prompt_top, structured=structured.from_openai(fields))
+                               prompt_logprobs=prompt_top, structured=structured.from_openai(fields),
+                               **front.logprob_rules())
     sampling = front.with_adapter(sampling, body.model)
     spec = GenSpec([body.token_ids], sp.n, sampling, stops=sp.stop_strings(),
                    include_stop=sp.include_stop_str_in_output, skip_special_tokens=sp.skip_special_tokens,

@@ -28,10 +28,10 @@ def normalized(argv: list[str]) -> list[str]:
     return out
 
 
-def check_model(model: str, flag: str) -> None:
-    """A local HF directory or `smollm2`: there is no model hub to fetch an id from."""
-    if model != "smollm2" and not (Path(model) / "config.json").is_file():
-        raise LaunchLineError(f"{flag}{model}: not a local HF model directory (no config.json), nor `smollm2`; there "
+def check_model(model: str, flag: str, holds: str = "config.json") -> None:
+    """A local HF directory (holding `holds`) or `smollm2`: there is no model hub to fetch an id from."""
+    if model != "smollm2" and not (Path(model) / holds).is_file():
+        raise LaunchLineError(f"{flag}{model}: not a local HF model directory (no {holds}), nor `smollm2`; there "
                               "is no model hub here: download it first (e.g. `huggingface-cli download ID "
                               "--local-dir DIR`) and pass DIR")
 
@@ -66,9 +66,10 @@ def free_memory_bytes() -> int:
     raise LaunchLineError("this machine does not say how much memory is free: give the KV pool's size instead")
 
 
-def serve_namespace(line: list[str], flags: dict[str, object]) -> argparse.Namespace:
+def serve_namespace(line: list[str], flags: dict[str, object],
+                    repeated: dict[str, list[str]] | None = None) -> argparse.Namespace:
     """`rollout serve`'s arguments: `line`, then each flag of `flags` whose value is not None (a list:
-    several values; True: a switch)."""
+    several values; True: a switch), then each flag of `repeated` once per value."""
     from rollout.server.serve import add_serve_arguments
 
     line = list(line)
@@ -79,6 +80,9 @@ def serve_namespace(line: list[str], flags: dict[str, object]) -> argparse.Names
             line += [flag, *map(str, value)]
         elif value is not None and value is not False:
             line += [flag, str(value)]
+    for flag, values in (repeated or {}).items():
+        for value in values:
+            line += [flag, value]
     base = argparse.ArgumentParser()
     add_serve_arguments(base)
     return base.parse_args(line)
@@ -88,8 +92,9 @@ def add_own_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of this server's own beside a peer's (`--device` as both peers spell it)."""
     parser.add_argument("--device", default="cpu", help="where the engine runs: cpu (default), cuda, ...")
     ours = parser.add_argument_group("this server's own")
-    ours.add_argument("--rollout-zmq-port", type=int, default=0,
-                      help="the engine's ZMQ port on loopback (default 0: one the OS chooses, printed)")
+    ours.add_argument("--rollout-zmq-port", type=int,
+                      help="also serve the engine's ZMQ protocol on this loopback port (0: one the OS chooses, "
+                      "printed); without it only the HTTP port is bound")
     ours.add_argument("--threads", type=int, help="torch threads (default: torch's)")
 
 

@@ -11,7 +11,8 @@ serves until SIGTERM or SIGINT. With `--http PORT` it first prints
 `rollout http: listening on http://HOST:PORT ...`: the HTTP front (`rollout.http`) runs in the same
 process on `rollout.client.in_process.InProcessClient`, posting to the engine's loop and the
 server's weight receiver with no socket between; the ZMQ server serves its own clients on the same
-engine meanwhile.
+engine meanwhile. `--no-zmq` (with `--http`): the HTTP front only, no ZMQ socket bound (what
+`rollout vllm-serve` starts unless asked for one).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import sys
 import threading
 from pathlib import Path
 
+from inference.sampling.params import MAX_LOGPROBS
 from rollout.wire.security import InsecureBindError, ServerSecurity, check_bind
 
 logger = logging.getLogger(__name__)
@@ -64,11 +66,28 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                      "generation_config.json; DIR, that directory's; vllm (default): none, vLLM's own")
     web.add_argument("--return-tokens-as-token-ids", action="store_true",
                      help="logprobs name tokens as `token_id:N` unless a request says otherwise (vLLM's flag)")
+    web.add_argument("--no-zmq", dest="zmq", action="store_false",
+                     help="serve HTTP only (needs --http): no ZMQ socket is bound")
+    web.add_argument("--max-logprobs", type=int, default=20,
+                     help=f"the largest top-n log-probs a request may ask (default 20, vLLM's; at most {MAX_LOGPROBS})")
+    web.add_argument("--logprobs-mode", choices=["raw", "processed"], default="raw",
+                     help="which distribution log-probs come from for requests that do not say: raw (the "
+                     "model's, default) or processed (the one sampled from)")
+    web.add_argument("--chat-template", metavar="FILE|TEMPLATE",
+                     help="the chat template that replaces the tokenizer's: a file, or the Jinja text")
+    web.add_argument("--tokenizer", metavar="DIR", help="the tokenizer's directory (default: --model's)")
+    web.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                     help="PEFT adapters loaded at start, each servable by its name as a request's `model`")
+    web.add_argument("--close-route", action="append", default=[], metavar="PATH",
+                     help="answer 404 on this HTTP route, as a server without it (repeatable)")
     add_http_limit_arguments(web)
     eng = parser.add_argument_group("engine")
     eng.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                      help="auto (default): the checkpoint's dtype, as vLLM's; float32 on request")
     eng.add_argument("--device", default="cpu", help="where the engine runs: cpu (default), cuda, cuda:1, ...")
+    eng.add_argument("--load-format", choices=["auto", "safetensors", "dummy"], default="auto",
+                     help="dummy: random weights from config.json's architecture (no checkpoint read; --seed "
+                     "seeds them), as vLLM's, for load and throughput tests")
     eng.add_argument("--block-size", type=int, default=16)
     eng.add_argument("--num-blocks", type=int, help="KV blocks (default: 256 MiB of KV)")
     eng.add_argument("--max-requests", type=int, default=256)
@@ -171,17 +190,19 @@ def model_path(model: str, dtype: str) -> Path:
     return path
 
 
-def build_server(args: argparse.Namespace):
-    """The engine and its server, bound and with the engine loop running."""
+def build_engine(args: argparse.Namespace):
+    """The engine `args` describe, its loop not started."""
     import torch
 
     from inference import DynamicInferenceEngine, InferenceConfig
-    from rollout.server.server import RolloutServer, ServerConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.seed is not None:
         torch.manual_seed(args.seed)
+    path = model_path(args.model, args.dtype)
+    # NOTE: structured outputs compile against the served tokenizer (from_pretrained finds a directory's own)
+    tokenizer = args.tokenizer or (str(path) if (path / "tokenizer.json").is_file() else None)
     config = InferenceConfig(block_size=args.block_size, num_blocks=args.num_blocks, max_requests=args.max_requests,
                              max_batch_tokens=args.max_batch_tokens, max_sequence_length=args.max_seq_len,
                              kv_memory_bytes=args.kv_memory_bytes, chunked_prefill_size=args.chunked_prefill_size,
@@ -190,15 +211,42 @@ def build_server(args: argparse.Namespace):
                              max_samples_per_request=args.max_samples_per_request, max_loras=args.max_loras,
                              max_lora_rank=args.max_lora_rank, lora_max_staleness=args.lora_max_staleness,
                              prefix_cache_policy=args.prefix_cache_policy, max_staleness=args.max_staleness,
-                             stale_policy=args.stale_policy)
-    engine = DynamicInferenceEngine.from_pretrained(model_path(args.model, args.dtype), config)
+                             stale_policy=args.stale_policy, tokenizer=tokenizer)
+    engine = DynamicInferenceEngine.from_pretrained(random_model(path) if args.load_format == "dummy" else path,
+                                                    config)
     engine.command_timeout = 120.0
+    return engine
+
+
+def random_model(model_dir: Path):
+    """`--load-format dummy`: config.json's architecture with transformers' own random init (seeded by
+    torch's generator, so `--seed`), in the checkpoint's dtype."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    return AutoModelForCausalLM.from_config(config, torch_dtype=getattr(config, "torch_dtype", None)).eval()
+
+
+def build_server(args: argparse.Namespace):
+    """The engine and its server, bound and with the engine loop running."""
+    from rollout.server.server import RolloutServer, ServerConfig
+
+    engine = build_engine(args)
     server_config = ServerConfig(host=args.host, port=args.port, lease_s=args.lease_s, max_lease_s=args.max_lease_s,
                                  health_deadline_s=args.health_deadline_s, retain_s=args.retain_s,
                                  max_frame_bytes=args.max_frame_bytes, security=security_from_args(args),
                                  weight_staging=args.weight_staging, weight_sync_timeout_s=args.weight_sync_timeout_s,
                                  disk_access=disk_access_of(args))
     return RolloutServer(engine, server_config)
+
+
+def http_only_server(args: argparse.Namespace):
+    """`--no-zmq`: the engine with its loop and weight receiver, no socket (`rollout.server.http_only`)."""
+    from rollout.server.http_only import HttpOnlyServer
+
+    return HttpOnlyServer(build_engine(args), health_deadline_s=args.health_deadline_s,
+                          weight_staging=args.weight_staging, weight_sync_timeout_s=args.weight_sync_timeout_s,
+                          disk_access=disk_access_of(args))
 
 
 def sampling_defaults_of(args: argparse.Namespace) -> dict[str, float]:
@@ -230,18 +278,23 @@ def serve_main(args: argparse.Namespace, on_ready=None) -> int:
     except (InsecureBindError, ValueError) as exc:
         print(f"rollout serve: {exc}", file=sys.stderr, flush=True)
         return 2
-    server = build_server(args)
+    if not args.zmq and args.http is None:
+        print("rollout serve: --no-zmq serves HTTP only: give --http PORT", file=sys.stderr, flush=True)
+        return 2
+    server = build_server(args) if args.zmq else http_only_server(args)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     front = None
     if args.http is not None:
         from rollout.client.in_process import InProcessClient
         from rollout.http.launch import serve_front
+        from rollout.server.http_only import load_lora_modules
 
         # NOTE: the front calls this engine directly (its loop, the server's weight receiver): no ZMQ hop
         client = InProcessClient(server.engine, server.receiver, timeout=600.0,
                                  health_deadline_s=server.config.health_deadline_s)
         try:
+            loras = load_lora_modules(server.receiver, args.lora_modules)
             front = serve_front(client, model_path(args.model, args.dtype), host=args.http_host or args.host,
                                 port=args.http, served_model_name=args.served_model_name or [Path(args.model).name],
                                 max_model_len=args.max_seq_len, api_key=args.api_key, timeout=600.0,
@@ -249,7 +302,10 @@ def serve_main(args: argparse.Namespace, on_ready=None) -> int:
                                 on_stop=client.shutdown, tool_call_parser=args.tool_call_parser,
                                 skip_tokenizer_init=args.skip_tokenizer_init,
                                 sampling_defaults=sampling_defaults_of(args),
-                                return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                                return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                                tokenizer=Path(args.tokenizer) if args.tokenizer else None,
+                                chat_template=args.chat_template, max_logprobs=args.max_logprobs,
+                                logprobs_mode=args.logprobs_mode, closed_routes=args.close_route, loras=loras)
         except (OSError, ValueError) as exc:
             print(f"rollout serve: HTTP front: {exc}", file=sys.stderr, flush=True)
             server.close()
@@ -260,8 +316,9 @@ def serve_main(args: argparse.Namespace, on_ready=None) -> int:
     from rollout.wire.kinds import PROTOCOL_VERSION
 
     auth = "token" if security.token else "curve" if security.curve_keys else "none (loopback)"
-    print(f"{READY_PREFIX}{server.address} (protocol v{PROTOCOL_VERSION}, auth {auth}, model {args.model}, "
-          f"pid {os.getpid()})", flush=True)
+    if args.zmq:
+        print(f"{READY_PREFIX}{server.address} (protocol v{PROTOCOL_VERSION}, auth {auth}, model {args.model}, "
+              f"pid {os.getpid()})", flush=True)
     try:
         server.serve_forever()
     finally:

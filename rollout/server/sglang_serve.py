@@ -5,8 +5,8 @@ line a framework builds for SGLang's `python -m sglang.launch_server`.
     python -m rollout.sglang_launch_server --model-path /ckpt --port 30001 --mem-fraction-static 0.7 --tp-size 1
 
 SGLang 0.5's names (and their underscore spellings), translated into `rollout serve`'s arguments as
-`vllm_serve.py` does: `--port` is the HTTP port (SGLang's routes and OpenAI's), the engine's ZMQ
-server takes an OS-chosen loopback port (or `--rollout-zmq-port`); each flag accepted with its
+`vllm_serve.py` does: `--port` is the HTTP port (SGLang's routes and OpenAI's) and the only one
+bound (the engine's ZMQ server only with `--rollout-zmq-port`); each flag accepted with its
 effect, mapped, or refused with the reason; unknown flags are errors naming them.
 """
 
@@ -78,14 +78,15 @@ def serve_args(argv: list[str], free_bytes: Optional[int] = None) -> argparse.Na
         raise LaunchLineError(f"--chunked-prefill-size {s.chunked_prefill_size}: a positive size, or -1 (off)")
     kv = None if s.mem_fraction_static is None else kv_bytes(s.mem_fraction_static, "--mem-fraction-static",
                                                              free_bytes)
-    line = ["--model", s.model_path, "--host", "127.0.0.1", "--port", str(s.rollout_zmq_port), "--http", str(s.port),
-            "--http-host", s.host, "--dtype", DTYPES[s.dtype], "--device", s.device,
+    line = ["--model", s.model_path, "--host", "127.0.0.1", "--port", str(s.rollout_zmq_port or 0),
+            "--http", str(s.port), "--http-host", s.host, "--dtype", DTYPES[s.dtype], "--device", s.device,
             "--chunked-prefill-size", str(min(chunk, max_len))]
     return serve_namespace(line, {
         "--served-model-name": None if s.served_model_name is None else [s.served_model_name],
         "--api-key": s.api_key, "--seed": s.random_seed, "--max-seq-len": s.context_length,
         "--max-requests": s.max_running_requests, "--threads": s.threads, "--kv-memory-bytes": kv,
-        "--no-prefix-caching": s.disable_radix_cache, "--skip-tokenizer-init": s.skip_tokenizer_init})
+        "--no-prefix-caching": s.disable_radix_cache, "--skip-tokenizer-init": s.skip_tokenizer_init,
+        "--no-zmq": s.rollout_zmq_port is None})
 
 
 def main(argv: list[str]) -> int:

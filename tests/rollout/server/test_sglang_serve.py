@@ -58,15 +58,18 @@ def test_a_hub_id_and_an_unknown_flag_are_refused(capsys):
 
 def test_a_server_from_a_slime_shaped_line(tmp_path):
     from rollout import ServerProcess
+    from rollout.server.serve import HTTP_READY_PREFIX
 
     model = save_tiny_chat_model(tmp_path / "tiny")
     line = ["--model-path", str(model), "--served-model-name", "actor", "--api-key", "secret", "--dtype", "float32",
             "--context-length", "96", "--max-running-requests", "8", "--mem-fraction-static", "0.01",
             "--tp-size", "1", "--enable-memory-saver", "--random-seed", "1", "--log-level", "warning",
             "--threads", "1"]
-    proc = ServerProcess(None, *line, entry=("-m", "rollout.sglang_launch_server"), ready_timeout=WAIT_S)
+    proc = ServerProcess(None, *line, entry=("-m", "rollout.sglang_launch_server"), ready_timeout=WAIT_S,
+                         ready_prefix=HTTP_READY_PREFIX)
     try:
         assert proc.http_url is not None, "\n".join(proc.output)
+        assert not any("rollout serve: listening on" in line for line in proc.output)  # NOTE: only HTTP is bound
         key = {"Authorization": "Bearer secret"}
         with httpx.Client(base_url=proc.http_url, timeout=WAIT_S) as web:
             assert web.get("/get_server_info").status_code == 401  # NOTE: --api-key holds
