@@ -28,10 +28,12 @@ def normalized(argv: list[str]) -> list[str]:
     return out
 
 
-def check_model(model: str, flag: str, holds: str = "config.json") -> None:
-    """A local HF directory (holding `holds`) or `smollm2`: there is no model hub to fetch an id from."""
-    if model != "smollm2" and not (Path(model) / holds).is_file():
-        raise LaunchLineError(f"{flag}{model}: not a local HF model directory (no {holds}), nor `smollm2`; there "
+def check_model(model: str, flag: str, holds: str = "config.json", named: bool = True) -> None:
+    """A local HF directory (holding `holds`) or (`named`) `smollm2`: there is no model hub to fetch an
+    id from."""
+    if not (named and model == "smollm2") and not (Path(model) / holds).is_file():
+        nor = "nor `smollm2`; " if named else ""
+        raise LaunchLineError(f"{flag}{model}: not a local HF model directory (no {holds}), {nor}there "
                               "is no model hub here: download it first (e.g. `huggingface-cli download ID "
                               "--local-dir DIR`) and pass DIR")
 

@@ -150,7 +150,7 @@ def serve_args(argv: list[str], free_bytes: Optional[int] = None,
     check_host(v.host, v.api_key, "VLLM_API_KEY")
     check_model(v.model, "")
     if v.tokenizer is not None:
-        check_model(v.tokenizer, "--tokenizer ", "tokenizer_config.json")
+        check_model(v.tokenizer, "--tokenizer ", "tokenizer_config.json", named=False)
     check_weight_transfer(v.weight_transfer_config)
     environ = os.environ if environ is None else environ
     closed = ([] if dev_mode(environ) else list(DEV_ROUTES)) + \

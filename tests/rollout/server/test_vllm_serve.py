@@ -135,7 +135,9 @@ def test_a_server_from_a_skyrl_shaped_line(tmp_path):
             assert too_many.status_code == 400 and "greater than max allowed: 3" in too_many.text  # --max-logprobs
             rendered = web.post("/tokenize", headers=key, json={"model": "policy", "add_generation_prompt": False,
                                                                 "messages": [{"role": "user", "content": "hi"}]})
-            assert rendered.status_code == 200, rendered.text
+            text = web.post("/tokenize", headers=key, json={"model": "policy", "prompt": "<user>hi",
+                                                            "add_special_tokens": False})
+            assert rendered.json()["tokens"] == text.json()["tokens"]  # NOTE: --chat-template's text, not the model's
             chat = web.post("/v1/chat/completions", headers=key,
                             json={"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
             assert chat.status_code == 200  # NOTE: --chat-template's own template renders it
@@ -192,7 +194,10 @@ def test_dummy_weights_are_random_and_seeded(tmp_path):
     assert torch.equal(first[name], again[name]) and not torch.equal(first[name], saved[name])
 
 
-def test_the_new_flags_map_or_refuse():
+def test_the_new_flags_map_or_refuse(tmp_path):
+    model = save_tiny_chat_model(tmp_path / "tiny")
+    paths = serve_args([str(model), "--tokenizer", str(model), "--chat-template", "{{ messages }}"], environ={})
+    assert (paths.tokenizer, paths.chat_template) == (str(model), "{{ messages }}")
     a = serve_args(["smollm2", "--max-logprobs", "-1", "--logprobs-mode", "processed_logprobs",
                     "--load-format", "safetensors", "--enable-lora", "--lora-modules", "x=/a",
                     '{"name": "y", "path": "/b", "base_model_name": "smollm2"}'], environ={})
@@ -210,7 +215,7 @@ def test_the_new_flags_map_or_refuse():
              "base_model_name 'other' is not a served name"),
             (["--weight-transfer-config", '{"backend": "ipc"}'], "nothing pickled is loaded here"),
             (["--weight-transfer-config", '{"backend": "nccl", "x": 1}'], "takes"),
-            (["--tokenizer", "Qwen/Qwen2.5-0.5B"], "no model hub here")]:
+            (["--tokenizer", "Qwen/Qwen2.5-0.5B"], "no model hub here"), (["--tokenizer", "smollm2"], "no model hub")]:
         with pytest.raises(LaunchLineError, match=re.escape(message)):
             serve_args(["smollm2", *line], environ={})
     with pytest.raises(LaunchLineError, match="VLLM_SERVER_DEV_MODE"):
