@@ -62,4 +62,6 @@ def test_the_choice_maximises_tokens_per_second(rows, chances, times):
     k = costs.best_extra(rows, g)
     est = costs.estimates()
     rate = [(rows + g[:j].sum()) / est[rows + j] for j in range(min(g.size, 24 - rows) + 1)]
-    assert rate[k] >= max(rate) - 1e-12
+    # NOTE: the reference sums the chances pairwise, best_extra by a running sum: the same rate up to
+    # rounding, so compare in ulps of the rate (an absolute 1e-12 was below one ulp at ~5000 tokens/s)
+    assert rate[k] >= max(rate) * (1 - 8 * np.finfo(float).eps)
