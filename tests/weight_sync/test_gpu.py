@@ -1,7 +1,7 @@
 """Weight sync into GPU replicas (`rollout serve --device cuda`): CUDA IPC handles, gloo into a GPU
 engine, and an NCCL broadcast between two GPUs. Skipped without CUDA (NCCL also needs a second GPU:
 it refuses two ranks of one group on one device). `scripts/gpu_weight_sync.sh` runs these and
-prints CUDA IPC / NCCL figures; see the README's weight sync section.
+prints CUDA IPC / NCCL figures; see docs/weight-sync.md.
 
 Each sync must leave the replica equal (greedy) to a fresh engine of the new weights on the same
 device, and a corrupted bucket must abort with the old weights still serving (double staging).
