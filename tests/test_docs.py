@@ -98,6 +98,62 @@ def test_the_colocated_demo_learns(capsys):
     assert float(last.split("reward")[1].split()[0]) >= 0.9
 
 
+# a measured figure, as the benchmarks page writes them: a number with a unit, or a ratio (1.43x)
+UNITS = r"(?:ms|us|µs|s|tok/s|tokens/s|req/s|GB/s|MB/s|GFLOP/s|TFLOP/s|MB|GB|GiB|MiB|KB|%)"
+FIGURE = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?\s?" + UNITS + r"|\d+\.\d+x)(?![\w/])")
+# settings the pages name that a measurement on the benchmarks page also happens to name (not figures)
+SETTINGS = {"32MiB": "--http-max-body-bytes' default; gloo's broadcast piece", "256MiB": "the grammar compiler's stack",
+            "512MiB": "a weight bucket's default size", "10%": "the storm test's bound on RSS growth"}
+BENCHMARKS = ROOT / "docs" / "benchmarks.md"
+
+
+def figures(text: str) -> set[str]:
+    """The figures of `text`'s prose (code blocks left out), spaces dropped: `1.5 s` -> `1.5s`."""
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    return {m.group(1).replace(" ", "") for m in FIGURE.finditer(prose)}
+
+
+def misplaced_figures(text: str, benchmarks: str) -> set[str]:
+    return (figures(text) & figures(benchmarks)) - set(SETTINGS)
+
+
+@pytest.mark.parametrize("doc", [d for d in DOCS if d != BENCHMARKS], ids=_ids([d for d in DOCS if d != BENCHMARKS]))
+def test_measured_figures_live_on_the_benchmarks_page_only(doc):
+    assert not misplaced_figures(doc.read_text(), BENCHMARKS.read_text()), "move them to docs/benchmarks.md"
+
+
+def test_a_figure_of_the_benchmarks_page_elsewhere_is_caught():
+    bench = "GRPO 16 x n=8 bf16: 890 vs 577 tok/s, **1.54x**; a step 41.2 s; 18.6 MiB"
+    assert misplaced_figures("we lead by 1.54x here, 577 tok/s", bench) == {"1.54x", "577tok/s"}
+    assert misplaced_figures("a request of 18.6MiB took 41.2 s (a 32 MiB body limit)", bench) == {"18.6MiB", "41.2s"}
+    assert not misplaced_figures("see docs/benchmarks.md; version 1.54 of x, step 41", bench)
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation but `-` and `_` dropped, spaces as `-`."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(doc: Path) -> set[str]:
+    prose = re.sub(r"^```.*?^```", "", doc.read_text(), flags=re.S | re.M)
+    return {slug(m.group(1)) for m in re.finditer(r"^#+ (.+)$", prose, flags=re.M)}
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=_ids(DOCS))
+def test_every_link_between_docs_lands(doc):
+    for target in LINK.findall(re.sub(r"^```.*?^```", "", doc.read_text(), flags=re.S | re.M)):
+        if "://" in target or target.startswith("mailto:"):
+            continue
+        path, _, anchor = target.partition("#")
+        file = (doc.parent / path).resolve() if path else doc
+        assert file.exists(), f"{doc.name}: {target}: no such file"
+        if anchor and file.suffix == ".md":
+            assert anchor in anchors(file), f"{doc.name}: {target}: no such heading"
+
+
 STRESSED = [d for d in DOCS if any(b.kind.startswith("stress") for b in blocks(d))]
 
 
