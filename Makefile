@@ -40,7 +40,7 @@ stress: $(STAMP)
 	$(PY) -m pytest -q -m stress tests
 
 bench: $(STAMP)
-	$(PY) bench/prefix_cache.py
+	$(PY) bench/throughput/prefix_cache.py
 
 # converts the GGUF once to a cached safetensors directory and prints its path
 smollm2: $(STAMP)

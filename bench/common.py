@@ -101,7 +101,7 @@ RESULT_PREFIX = "RESULT "
 
 def print_result(bench: str, figures: Mapping[str, float], **context: object) -> None:
     """One machine-readable line, `RESULT {"bench": ..., "figures": {...}, ...}`, for
-    `bench/compare_commits.py`: figure names are the ones it compares across commits."""
+    `bench/throughput/compare_commits.py`: figure names are the ones it compares across commits."""
     payload = {"bench": bench, "figures": {k: float(v) for k, v in figures.items()}, **context}
     print(RESULT_PREFIX + json.dumps(payload, sort_keys=True), flush=True)
 
@@ -145,3 +145,23 @@ def llama_spec(hidden: int, layers: int, intermediate: int, vocab: int, dtype: t
     return ModelSpec(family=ModelFamily.LLAMA, vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
                      num_layers=layers, num_heads=hidden // 64, num_kv_heads=max(1, hidden // 256), head_dim=64,
                      dtype=dtype)
+
+
+# the weight benches' model sizes (bench/weights/)
+SIZES = {  # name -> (hidden, layers, intermediate, vocab): Llama shapes of ~10M / 99M / 491M / 1.03B parameters
+    "10M": (256, 8, 1024, 8192),
+    "100M": (768, 8, 2048, 32000),
+    "500M": (1024, 28, 4096, 32000),
+    "1B": (2048, 20, 5632, 32000),
+}
+
+
+def spec_for(name: str, dtype: torch.dtype):
+    """`llama_spec` of one of `SIZES`."""
+    return llama_spec(*SIZES[name], dtype)
+
+
+def random_weights(spec, seed: int) -> dict[str, torch.Tensor]:
+    """Every weight of `spec`, N(0, 0.02) from `seed`, in its dtype (the weight benches' trainer)."""
+    gen = torch.Generator().manual_seed(seed)
+    return {n: (torch.randn(shape, generator=gen) * 0.02).to(spec.dtype) for n, shape in spec.weight_shapes().items()}

@@ -6,7 +6,7 @@
 # 1. the gpu-marked tests: CUDA IPC buckets into a `rollout serve --device cuda` replica (equal to a
 #    fresh engine; a corrupted bucket aborts), gloo into a GPU replica, NCCL broadcast to a replica
 #    on a second GPU (skipped with one GPU: NCCL refuses two ranks on one device);
-# 2. bench/weight_transfer.py on the GPU: GB/s of CUDA IPC (shm), gloo and NCCL syncs of 100M (fp32) and
+# 2. bench/weights/weight_transfer.py on the GPU: GB/s of CUDA IPC (shm), gloo and NCCL syncs of 100M (fp32) and
 #    1B (bf16) random parameters into one replica, next to a device-to-device copy of the same bytes.
 # Every step is bounded by `timeout`; the exit status is the first failure's.
 set -euo pipefail
@@ -22,5 +22,5 @@ print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.device
       f"{torch.cuda.get_device_name(0)}", flush=True)
 PYEOF
 timeout 300 "$PY" -m pytest -q -m gpu -rs tests/weight_sync/test_gpu.py
-timeout 420 "$PY" bench/weight_transfer.py --device cuda --sizes 100M,1B --replicas 1 --repeats 3 \
+timeout 420 "$PY" bench/weights/weight_transfer.py --device cuda --sizes 100M,1B --replicas 1 --repeats 3 \
     --transports shm,gloo,nccl

@@ -1,4 +1,4 @@
-"""bench/compare_service.py: its ratios point the documented way, and its driver serves a block of
+"""bench/service/compare_service.py: its ratios point the documented way, and its driver serves a block of
 each kind against this checkout (a server and a router over it, a few requests; no timing is asserted)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "bench" / "compare_service.py"
+SCRIPT = ROOT / "bench" / "service" / "compare_service.py"
 
 
 def load_bench():

@@ -1,20 +1,16 @@
-"""bench/flop_share.py's matmul probe: the machine's rate is the fastest GEMM form at the fastest
+"""bench/throughput/flop_share.py's matmul probe: the machine's rate is the fastest GEMM form at the fastest
 batch size it tries, and the engine's own dispatch is one of the forms (no timing is asserted
 beyond a form made a thousand times slower on purpose)."""
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-
-from flop_share import MatmulProbe, gemm_shapes  # noqa: E402
+from bench.throughput.flop_share import MatmulProbe, gemm_shapes  # noqa: E402
 
 CONFIG = SimpleNamespace(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                          num_hidden_layers=2, vocab_size=128)

@@ -1,15 +1,10 @@
-"""bench/speculative_ceiling.py: the oracle's steps on inputs whose answer is known by hand."""
+"""bench/speculation/speculative_ceiling.py: the oracle's steps on inputs whose answer is known by hand."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-
-from speculative_ceiling import oracle_steps, tail_bound, tree_kept  # noqa: E402
+from bench.speculation.speculative_ceiling import oracle_steps, tail_bound, tree_kept  # noqa: E402
 
 PROMPT = [1, 2, 3]
 

@@ -148,7 +148,7 @@ class GRPOConfig:
                         entropy_coef=0.0, curriculum_pool=1, lr_final=None)
         if overrides.get("lora_rank") is not None:
             # NOTE: an adapter from B = 0 needs a far larger step than the full weights (measured by
-            # bench/lora_grpo.py's sweep on SmolLM2); the rest of the model's recipe is kept
+            # bench/lora/lora_grpo.py's sweep on SmolLM2); the rest of the model's recipe is kept
             base.update(LORA_PRESETS[model])
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)

@@ -1,4 +1,4 @@
-"""AReaL's own remote SGLang client drives `rollout serve --http` unchanged (bench/areal_client_check.py);
+"""AReaL's own remote SGLang client drives `rollout serve --http` unchanged (bench/clients/areal_client_check.py);
 AReaL lives in its own venv (skipped, naming it, without it)."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 (SmolLM2's tokenizer, token-id prompts, `echo` + `logprobs`) scores a multiple-choice task within
 1e-3 of lm-eval's own `hf` backend on every choice and picks the same answer on every item, above
 chance (also with no local tokenizer: lm-eval then tokenizes through our /tokenize and
-/tokenizer_info); `local-chat-completions` generates answers that score. bench/lm_eval_harness.py's core on
+/tokenizer_info); `local-chat-completions` generates answers that score. bench/clients/lm_eval_harness.py's core on
 fewer items; lm_eval lives in its own venv (skipped, with the command that creates it, without it)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """SGLang's RL routes as its RL callers call them, replayed against a real `rollout serve --http`:
 each test cites the caller's file and lines at a pinned commit and reads every field that caller
 reads. slime at THUDM/slime 624b824a8 (its code is read from its repository; PyPI's `slime` is
-another project). AReaL's own client code runs in `bench/areal_client_check.py`."""
+another project). AReaL's own client code runs in `bench/clients/areal_client_check.py`."""
 
 from __future__ import annotations
 

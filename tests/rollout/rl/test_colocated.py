@@ -160,7 +160,7 @@ def test_the_demo_learns(tmp_path):
     """The default demo as `make demo` runs it (its task, hyper-parameters and 200 steps): reward
     from ~0.01 to >= 0.95, held-out greedy >= 0.95.
 
-    NOTE: the bar is the one every seed 0-19 met under two CPU settings (`bench/demo_seeds.py`):
+    NOTE: the bar is the one every seed 0-19 met under two CPU settings (`bench/throughput/demo_seeds.py`):
     the run's outcome no longer hinges on rounding (plain GRPO stalled at 0.84 on seed 0 under
     ATEN_CPU_CAPABILITY=avx2, see `rollout.rl.curriculum`); seed 0 itself is no special case."""
     cfg = GRPOConfig(threads=1, out_dir=str(tmp_path), run_name="demo", wandb=False, progress=False,
