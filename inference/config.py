@@ -194,6 +194,12 @@ class InferenceConfig:
     # versions of one adapter resident at once beyond its current one (the in-flight requests of a
     # replaced version finish on it, PIN); a reload past that is refused until they finished
     lora_max_staleness: int = 1
+    # batch invariance: a request's tokens and log-probs are the same bits whatever else shares its
+    # steps (alone or among hundreds, its prompt chunked anywhere, its prefix cached or not, preempted
+    # and recomputed): every product in the native kernels' fixed order at any row count (fp32 past
+    # 128 rows too, where MKL's blocking would follow the row count). CPU, fp32 or bf16, the dense
+    # decoder with the native kernels; LoRA adapters, hybrid and MoE models are refused in it.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_requests", "max_batch_tokens", "max_sequence_length", "chunked_prefill_size",
@@ -261,6 +267,12 @@ class InferenceConfig:
                              f"got {self.speculative!r}")
         self.prefix_cache_policy = PrefixCachePolicy(self.prefix_cache_policy)
         self.stale_policy = StalePolicy(self.stale_policy)
+        if self.batch_invariant and self.device.type != "cpu":
+            raise ValueError(f"InferenceConfig.batch_invariant runs on the CPU's native kernels only, got device "
+                             f"{self.device} (its GPU kernels do not fix their order yet)")
+        if self.batch_invariant and self.dtype == torch.float16:
+            raise ValueError("InferenceConfig.batch_invariant takes float32 or bfloat16 (float16's products are "
+                             "oneDNN's, whose order follows the row count)")
         if self.max_staleness is not None and (not isinstance(self.max_staleness, int)
                                                or isinstance(self.max_staleness, bool) or self.max_staleness < 0):
             raise ValueError(f"InferenceConfig.max_staleness must be None or an int >= 0, got {self.max_staleness!r}")

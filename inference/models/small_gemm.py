@@ -15,10 +15,15 @@ one pack per weight throughout.
 Both kernels sum each output alike whatever the row count, so a row's outputs are the same bits
 in a one-row step, in an eight-token verify step and in a full batch (speculation on and off then
 agree bit for bit); in bf16 in a prefill too. Past `MAX_ROWS` fp32 rows MKL takes over, with its own
-rounding.
+rounding, except inside `fixed_order()` (an engine's `batch_invariant` forward), where the fp32 kernel
+takes every row count.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
 
 import torch
 
@@ -26,6 +31,19 @@ from inference import native
 from inference.models import packed_weights
 
 MAX_ROWS = 128  # fp32 up to here by the kernel (SmolLM2 step GEMMs: 128 rows 542 ms vs MKL 572, 256: 1016 / 1007)
+# NOTE: a context variable, so one engine's batch-invariant forward does not change another thread's
+_FIXED_ORDER: contextvars.ContextVar[bool] = contextvars.ContextVar("small_gemm_fixed_order", default=False)
+
+
+@contextlib.contextmanager
+def fixed_order(on: bool = True) -> Iterator[None]:
+    """Within it (on this thread), fp32 products take the native kernel at any row count: each row's
+    outputs the same bits whatever the batch (`InferenceConfig.batch_invariant`)."""
+    token = _FIXED_ORDER.set(on)
+    try:
+        yield
+    finally:
+        _FIXED_ORDER.reset(token)
 
 
 def takes_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
@@ -36,8 +54,9 @@ def takes_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if x.dtype == torch.bfloat16:  # NOTE: the kernel reads a pack, made from any layout of the weight
         return (weight.dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16)
                 and not (weight.requires_grad and torch.is_grad_enabled()))  # NOTE: no backward
-    return (x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and weight.is_contiguous() and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())))
+    return ((x.shape[0] <= MAX_ROWS or _FIXED_ORDER.get()) and x.dtype == torch.float32
+            and weight.dtype == torch.float32 and weight.is_contiguous()
+            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch
 from inference.cache.manager import CacheManager
 from inference.config import InferenceConfig
 from inference.lora import LoRAAdapter, LoRABatch
+from inference.models import small_gemm
 from inference.models.protocol import StateBatch
 from inference.runner.buckets import IDLE, BatchDims, BucketPolicy
 from inference.runner.cuda_graphs import PiecewiseGraphs
@@ -44,6 +45,9 @@ class ModelRunner:
         self.model = model
         self.lora_adapter = lora_adapter  # resident adapter id -> its tensors (the LoRA registry's)
         self.caches = caches
+        if config.batch_invariant:
+            check_batch_invariant(model)
+        self.batch_invariant = config.batch_invariant  # NOTE: the fp32 products in fixed order at any row count
         self.buckets = BucketPolicy(config.batch_buckets, config.decode_buckets)
         max_tokens = max(config.max_batch_tokens, config.largest_bucket)
         self.buffers = InputBuffers(max_tokens, config.max_blocks_per_request, caches.kv.device)
@@ -105,8 +109,9 @@ class ModelRunner:
         if inputs.lora_ids is not None:
             kwargs["lora"] = LoRABatch(inputs.lora_ids, inputs.logits_rows, self.lora_adapter,
                                        inputs.input_ids.device)
-        return self.model.forward(inputs.input_ids, inputs.positions, self.caches.kv, inputs.meta,
-                                  inputs.logits_indices, **kwargs)
+        with small_gemm.fixed_order(self.batch_invariant):
+            return self.model.forward(inputs.input_ids, inputs.positions, self.caches.kv, inputs.meta,
+                                      inputs.logits_indices, **kwargs)
 
     def _state_batch(self, inputs: StepInputs) -> StateBatch:
         return StateBatch(self.caches.states.tensors, inputs.state_slots, inputs.state_fresh, inputs.num_decode,
@@ -148,3 +153,17 @@ class ModelRunner:
         if self.graphs is not None:
             out.update(self.graphs.stats())
         return out
+
+def check_batch_invariant(model: Any) -> None:
+    """`InferenceConfig.batch_invariant`'s refusals: what its fixed-order kernels do not cover yet."""
+    from inference import native
+    from inference.models.dense.decoder import DenseDecoder
+    from inference.models.moe.decoder import MoeDecoder
+
+    if not isinstance(model, DenseDecoder) or isinstance(model, MoeDecoder):
+        raise ValueError(f"batch_invariant: {type(model).__name__} is not covered yet (the dense decoder is: "
+                         "Llama, Mistral, Qwen2, Qwen3); hybrid and MoE models mix rows in their own kernels")
+    if not native.available():
+        raise ValueError("batch_invariant needs the native kernels (ROLLOUT_ENGINE_NO_KERNELS is set, or they did "
+                         "not build): the torch paths' products and attention follow the batch's shape")
+
