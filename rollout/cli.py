@@ -60,6 +60,8 @@ def _add_grpo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="no progress bar")
     parser.add_argument("--speculative", action="store_true", default=None,
                         help="the engine speculates on each batch's tail (draft-free, lossless)")
+    parser.add_argument("--batch-invariant", action="store_true", default=None,
+                        help="each sample the same bits whatever shares its steps (the engines' batch_invariant)")
     parser.add_argument("--lora", dest="lora_rank", type=int, metavar="R",
                         help="train a LoRA adapter of rank R (PEFT, all attention and MLP projections) instead of "
                              "the full weights; the engine serves it aliased when colocated (lr default: tiny 1e-2, "

@@ -221,6 +221,8 @@ def add_generate_arguments(parser: Any) -> None:
     local.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                        help="auto (default): the checkpoint's dtype, as vLLM's; float32 on request")
     local.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    local.add_argument("--batch-invariant", action="store_true",
+                       help="each sample the same bits whatever else its chunk holds (InferenceConfig.batch_invariant)")
     local.add_argument("--num-blocks", type=int, help="KV blocks (default: the engine's)")
     local.add_argument("--max-requests", type=int, default=256)
     local.add_argument("--max-seq-len", type=int, default=4096)
@@ -245,7 +247,8 @@ def generate_main(args: Any) -> int:
         if args.threads:
             torch.set_num_threads(args.threads)
         config = InferenceConfig(max_requests=args.max_requests, max_sequence_length=args.max_seq_len,
-                                 dtype=args.dtype, **({"num_blocks": args.num_blocks} if args.num_blocks else {}))
+                                 dtype=args.dtype, batch_invariant=args.batch_invariant,
+                                 **({"num_blocks": args.num_blocks} if args.num_blocks else {}))
         backend = RolloutEngine(model_path(args.model, args.dtype), config)
     try:
         summary = generate_file(backend, args.input, args.output, args.samples, sampling, chunk=args.chunk,

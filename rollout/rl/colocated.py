@@ -96,6 +96,7 @@ class GRPOConfig:
     eval_every: int = 10  # held-out reward every k steps (and at the last one)
     progress: bool = True
     speculative: bool = False  # the engine speculates on the tail of each batch (lossless; SpeculativeConfig)
+    batch_invariant: bool = False  # each sample the same bits whatever shares its steps (InferenceConfig's)
     lora_rank: Optional[int] = None  # LoRA rank of the trained adapter (None: full fine-tuning)
     lora_alpha: Optional[float] = None  # the adapter's alpha (scaling alpha / rank); None: 2 x rank
     lora_targets: tuple[str, ...] = ALL_LINEAR  # the projections adapted (default: all of attention and MLP)
@@ -221,7 +222,7 @@ def engine_config(cfg: GRPOConfig, task: Task) -> InferenceConfig:
     return InferenceConfig(
         block_size=cfg.block_size, num_blocks=blocks, max_requests=samples, max_batch_tokens=max(2048, samples),
         max_sequence_length=longest, dtype=torch.float32,
-        speculative=SpeculativeConfig() if cfg.speculative else None,
+        speculative=SpeculativeConfig() if cfg.speculative else None, batch_invariant=cfg.batch_invariant,
     )
 
 

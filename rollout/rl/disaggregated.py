@@ -190,9 +190,11 @@ def serve_args(cfg: GRPOConfig, dcfg: DisaggregatedConfig, task: Task) -> list[s
     longest = task.max_prompt_tokens + task.max_tokens
     blocks = samples * -(-longest // cfg.block_size)
     lora = [] if cfg.lora_rank is None else ["--max-loras", "1", "--max-lora-rank", str(cfg.lora_rank)]
-    return ["--dtype", dcfg.replica_dtype, "--threads", str(dcfg.replica_threads), "--block-size", str(cfg.block_size),
-            "--num-blocks", str(blocks), "--max-requests", str(samples), "--max-batch-tokens", str(max(2048, samples)),
-            "--max-seq-len", str(longest), "--weight-sync-timeout-s", str(dcfg.sync_timeout_s), *lora]
+    invariant = ["--batch-invariant"] if cfg.batch_invariant else []
+    return [*invariant, "--dtype", dcfg.replica_dtype, "--threads", str(dcfg.replica_threads),
+            "--block-size", str(cfg.block_size), "--num-blocks", str(blocks), "--max-requests", str(samples),
+            "--max-batch-tokens", str(max(2048, samples)), "--max-seq-len", str(longest),
+            "--weight-sync-timeout-s", str(dcfg.sync_timeout_s), *lora]
 
 
 def run_disaggregated_grpo(cfg: GRPOConfig, dcfg: Optional[DisaggregatedConfig] = None) -> DisaggregatedSummary:

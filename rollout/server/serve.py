@@ -98,6 +98,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                      help="no prefix cache: every prompt is computed whole")
     eng.add_argument("--seed", type=int, help="seed torch's generator, which requests without a seed sample from")
+    eng.add_argument("--batch-invariant", action="store_true",
+                     help="a request's tokens and log-probs the same bits whatever shares its steps (fp32 products "
+                     "in the native kernels' fixed order at any row count; CPU, dense models, no LoRA)")
     eng.add_argument("--threads", type=int, help="torch threads (default: torch's; 1 for tiny models)")
     eng.add_argument("--max-loras", type=int, default=4, help="LoRA adapters loaded at once (0: none)")
     eng.add_argument("--max-lora-rank", type=int, default=64, help="the largest rank of an adapter")
@@ -211,7 +214,7 @@ def build_engine(args: argparse.Namespace):
                              max_samples_per_request=args.max_samples_per_request, max_loras=args.max_loras,
                              max_lora_rank=args.max_lora_rank, lora_max_staleness=args.lora_max_staleness,
                              prefix_cache_policy=args.prefix_cache_policy, max_staleness=args.max_staleness,
-                             stale_policy=args.stale_policy, tokenizer=tokenizer)
+                             stale_policy=args.stale_policy, tokenizer=tokenizer, batch_invariant=args.batch_invariant)
     engine = DynamicInferenceEngine.from_pretrained(random_model(path) if args.load_format == "dummy" else path,
                                                     config)
     engine.command_timeout = 120.0

@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-memory-saver", action="store_true",
                    help="accepted: /release_memory_occupation and /resume_memory_occupation always serve")
     p.add_argument("--log-level", default="info", help="accepted: the HTTP front logs errors only")
+    p.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="the engine's batch_invariant mode: a request's tokens the same bits whatever shares its steps")
     gpu = p.add_argument_group("GPU flags, mapped to what they mean on this machine")
     gpu.add_argument("--mem-fraction-static", type=float,
                      help="the KV pool: this fraction of the memory free when the server starts")
@@ -86,7 +88,7 @@ def serve_args(argv: list[str], free_bytes: Optional[int] = None) -> argparse.Na
         "--api-key": s.api_key, "--seed": s.random_seed, "--max-seq-len": s.context_length,
         "--max-requests": s.max_running_requests, "--threads": s.threads, "--kv-memory-bytes": kv,
         "--no-prefix-caching": s.disable_radix_cache, "--skip-tokenizer-init": s.skip_tokenizer_init,
-        "--no-zmq": s.rollout_zmq_port is None})
+        "--no-zmq": s.rollout_zmq_port is None, "--batch-invariant": s.enable_deterministic_inference})
 
 
 def main(argv: list[str]) -> int:

@@ -14,7 +14,8 @@ names (`max-num-seqs: 8`); the command line's own win.
 
 As vLLM's server: its development routes (`DEV_ROUTES`: sleep, weight transfer, pause, collective
 RPC, ...) answer 404 unless `VLLM_SERVER_DEV_MODE=1`, and the LoRA load / unload routes unless
-`VLLM_ALLOW_RUNTIME_LORA_UPDATING=true`, both read from the environment.
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING=true`, both read from the environment; `VLLM_BATCH_INVARIANT=1` is
+the engine's `batch_invariant` mode, as vLLM's batch-invariant mode.
 """
 
 from __future__ import annotations
@@ -173,6 +174,7 @@ def serve_args(argv: list[str], free_bytes: Optional[int] = None,
         "--no-prefix-caching": not v.enable_prefix_caching, "--skip-tokenizer-init": v.skip_tokenizer_init,
         "--enable-prompt-tokens-details": v.enable_prompt_tokens_details,
         "--return-tokens-as-token-ids": v.return_tokens_as_token_ids, "--no-zmq": v.rollout_zmq_port is None,
+        "--batch-invariant": env_flag(environ, "VLLM_BATCH_INVARIANT"),
         "--chat-template": v.chat_template, "--tokenizer": v.tokenizer,
         "--lora-modules": lora_modules(v.lora_modules, v.enable_lora, v.served_model_name or [Path(v.model).name]),
         "--close-route": None}, repeated={"--close-route": closed})
@@ -211,11 +213,16 @@ def config_file_args(path: str) -> list[str]:
 
 def dev_mode(environ: Any) -> bool:
     """vLLM's VLLM_SERVER_DEV_MODE: an integer, on when not 0."""
-    value = environ.get("VLLM_SERVER_DEV_MODE", "0").strip() or "0"
+    return env_flag(environ, "VLLM_SERVER_DEV_MODE")
+
+
+def env_flag(environ: Any, name: str) -> bool:
+    """vLLM's integer switches (VLLM_BATCH_INVARIANT=1): on when not 0."""
+    value = environ.get(name, "0").strip() or "0"
     try:
         return bool(int(value))
     except ValueError:
-        raise LaunchLineError(f"VLLM_SERVER_DEV_MODE={value!r}: 0 or 1") from None
+        raise LaunchLineError(f"{name}={value!r}: 0 or 1") from None
 
 
 def runtime_lora(environ: Any) -> bool:

@@ -115,3 +115,24 @@ def test_what_the_mode_does_not_cover_is_refused(model, tmp_path, monkeypatch):
     with pytest.raises(LoRALoadError, match="not batch-invariant yet"):
         engine.load_lora("a", str(adapter))
     assert engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2))[0].generated_token_ids
+
+
+def test_the_command_lines_switch_it_on():
+    import argparse
+
+    from rollout.cli import build_parser, config_from_args
+    from rollout.offline import add_generate_arguments
+    from rollout.rl.colocated import engine_config
+    from rollout.rl.tasks import CountingTask
+    from rollout.server.serve import add_serve_arguments
+
+    serve = argparse.ArgumentParser()
+    add_serve_arguments(serve)
+    assert serve.parse_args(["--model", "m", "--batch-invariant"]).batch_invariant
+    assert not serve.parse_args(["--model", "m"]).batch_invariant
+    generate = argparse.ArgumentParser()
+    add_generate_arguments(generate)
+    assert generate.parse_args(["--input", "i", "--output", "o", "--model", "m", "--batch-invariant"]).batch_invariant
+    cfg = config_from_args(build_parser().parse_args(["grpo", "--batch-invariant"]))
+    assert cfg.batch_invariant and engine_config(cfg, CountingTask()).batch_invariant
+    assert not engine_config(config_from_args(build_parser().parse_args(["grpo"])), CountingTask()).batch_invariant

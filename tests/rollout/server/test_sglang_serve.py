@@ -17,11 +17,11 @@ def test_every_accepted_flag_takes_effect():
                     "--api-key", "k", "--dtype", "bfloat16", "--context_length", "1024", "--max-running-requests",
                     "48", "--chunked-prefill-size", "256", "--disable-radix-cache", "--random-seed", "3",
                     "--skip-tokenizer-init", "--enable-memory-saver", "--log-level", "warning", "--tp-size", "1",
-                    "--dp-size", "1", "--threads", "1"])
+                    "--dp-size", "1", "--threads", "1", "--enable-deterministic-inference"])
     assert (a.model, a.http, a.http_host, a.host, a.port) == ("smollm2", 30011, "127.0.0.1", "127.0.0.1", 0)
     assert a.served_model_name == ["p"] and a.api_key == "k" and a.dtype == "bfloat16"
     assert (a.max_seq_len, a.max_requests, a.chunked_prefill_size, a.seed) == (1024, 48, 256, 3)
-    assert a.enable_prefix_caching is False and a.skip_tokenizer_init and a.threads == 1
+    assert a.enable_prefix_caching is False and a.skip_tokenizer_init and a.threads == 1 and a.batch_invariant
 
 
 def test_defaults_and_mapped_flags():

@@ -205,7 +205,8 @@ def test_the_new_flags_map_or_refuse(tmp_path):
     assert a.lora_modules == ["x=/a", "y=/b"] and not a.zmq and "/sleep" in a.close_route
     assert "/v1/load_lora_adapter" in a.close_route
     opened = serve_args(["smollm2"], environ={"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
-    assert opened.close_route == []
+    assert opened.close_route == [] and not opened.batch_invariant
+    assert serve_args(["smollm2"], environ={"VLLM_BATCH_INVARIANT": "1"}).batch_invariant  # NOTE: vLLM's mode
     for line, message in [
             (["--logprobs-mode", "raw_logits"], "--logprobs-mode raw_logits: one of raw_logprobs, processed_logprobs"),
             (["--load-format", "pt"], "--load-format pt: one of"),
