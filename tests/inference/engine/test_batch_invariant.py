@@ -136,3 +136,15 @@ def test_the_command_lines_switch_it_on():
     cfg = config_from_args(build_parser().parse_args(["grpo", "--batch-invariant"]))
     assert cfg.batch_invariant and engine_config(cfg, CountingTask()).batch_invariant
     assert not engine_config(config_from_args(build_parser().parse_args(["grpo"])), CountingTask()).batch_invariant
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_speculation_in_the_mode_keeps_the_bits(model, dtype):
+    """A verify step's rows are decodes of their own: speculating on the tail changes no bit."""
+    from inference import SpeculativeConfig
+
+    alone = _target_among(model, [], dtype=dtype)[:2]
+    spec = SpeculativeConfig(num_tokens=4, max_rows=16, min_match=1, cost_model="flat")
+    tokens, logprobs, engine = _target_among(model, _prompts(3, seed=21), dtype=dtype, n=4, speculative=spec)
+    assert engine.stats()["spec_steps"] > 0 and (tokens, logprobs) == alone
