@@ -189,8 +189,11 @@ def compute_prompt_logprobs(logits: Tensor, target_ids: Tensor, num_top: int = 0
     lps, tops, ids, ranks = [], [], [], []
     for start in range(0, logits.shape[0], _PROMPT_ROWS):
         x = logits[start:start + _PROMPT_ROWS]
-        m = x.amax(-1, keepdim=True).float()
-        log_z = m + torch.sub(x, m).exp_().sum(-1, keepdim=True).log()
+        if native.usable(xf := x.float()):  # NOTE: the sampler's own normaliser: a scored token's log-prob is
+            log_z = _log_normaliser(xf)[:, None]  # the bits it was sampled with (T = 1, RAW)
+        else:
+            m = x.amax(-1, keepdim=True).float()
+            log_z = m + torch.sub(x, m).exp_().sum(-1, keepdim=True).log()
         lp = x.gather(1, target_ids[start:start + _PROMPT_ROWS, None]).float() - log_z
         lps.append(lp[:, 0])
         # NOTE: compared as log-probs, not logits: two logits that round to one log-prob tie, as in vLLM

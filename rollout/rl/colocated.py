@@ -37,6 +37,7 @@ from rollout.rl.grpo import grpo_step, shortfall_entropy
 from rollout.rl.lora_policy import ADAPTER_NAME, ALL_LINEAR, ColocatedLoRA
 from rollout.rl.tasks import ArithmeticTask, CountingTask, DigitVocab, Problem, Task
 from rollout.rl.tracking import StepTimer, Tracker
+from rollout.rl.zero_mismatch import engine_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,9 @@ class GRPOConfig:
     progress: bool = True
     speculative: bool = False  # the engine speculates on the tail of each batch (lossless; SpeculativeConfig)
     batch_invariant: bool = False  # each sample the same bits whatever shares its steps (InferenceConfig's)
+    # the trainer's log-probs by the engine's kernels, equal to the sampled ones (rollout.rl.zero_mismatch);
+    # implies batch_invariant
+    zero_mismatch: bool = False
     lora_rank: Optional[int] = None  # LoRA rank of the trained adapter (None: full fine-tuning)
     lora_alpha: Optional[float] = None  # the adapter's alpha (scaling alpha / rank); None: 2 x rank
     lora_targets: tuple[str, ...] = ALL_LINEAR  # the projections adapted (default: all of attention and MLP)
@@ -136,6 +140,9 @@ class GRPOConfig:
         if not self.lora_targets or unknown:
             raise ValueError(f"GRPOConfig.lora_targets must be a non-empty subset of {ALL_LINEAR}, got "
                              f"{self.lora_targets!r}")
+        if self.zero_mismatch and (self.temperature != 1.0 or self.lora_rank is not None):
+            raise ValueError("GRPOConfig.zero_mismatch takes RAW log-probs (temperature 1) of the full weights (no "
+                             f"LoRA): got temperature {self.temperature}, lora_rank {self.lora_rank}")
 
     @classmethod
     def preset(cls, model: ModelKind | str, **overrides: Any) -> GRPOConfig:
@@ -170,6 +177,7 @@ class RunSummary:
     first_step_at_target: Optional[int]  # first step whose 10-step mean reward is >= 0.9 x max
     mismatch_mean: float  # over the whole run
     mismatch_max: float
+    mismatched_tokens: int  # sampled tokens whose trainer log-prob differs from the engine's (0 under zero_mismatch)
     stale_tokens: int  # tokens sampled by a version other than the trainer's count of updates: must be 0
     cross_version_hits: int  # prefix-cache blocks served across a weight update: must be 0
     heldout_greedy: tuple[float, float]  # held-out reward, greedy: (first evaluation, last)
@@ -217,12 +225,14 @@ def build_policy(cfg: GRPOConfig) -> tuple[torch.nn.Module, Task, int]:
 def engine_config(cfg: GRPOConfig, task: Task) -> InferenceConfig:
     """A KV pool sized for one step's samples at full length (so utilisation means something)."""
     samples = cfg.prompts_per_step * cfg.samples_per_prompt
-    longest = task.max_prompt_tokens + task.max_tokens
+    # NOTE: zero_mismatch scores a whole sample as a prompt, which the engine takes with one token to sample
+    longest = task.max_prompt_tokens + task.max_tokens + (1 if cfg.zero_mismatch else 0)
     blocks = samples * -(-longest // cfg.block_size)
     return InferenceConfig(
         block_size=cfg.block_size, num_blocks=blocks, max_requests=samples, max_batch_tokens=max(2048, samples),
         max_sequence_length=longest, dtype=torch.float32,
-        speculative=SpeculativeConfig() if cfg.speculative else None, batch_invariant=cfg.batch_invariant,
+        speculative=SpeculativeConfig() if cfg.speculative else None,
+        batch_invariant=cfg.batch_invariant or cfg.zero_mismatch,
     )
 
 
@@ -316,6 +326,10 @@ def _loop(cfg: GRPOConfig, policy: torch.nn.Module, task: Task, pad_id: int, tra
         with timer("generate"):
             seeded = dataclasses.replace(sampling, seed=cfg.seed * 1_000_003 + step)
             batch = engine.generate([p.prompt_ids for p in problems], n=cfg.samples_per_prompt, sampling=seeded)
+        exact = None
+        if cfg.zero_mismatch:
+            with timer("score"):  # NOTE: the trainer's log-probs by the engine's kernels, on its weights
+                exact = engine_logprobs(engine.engine, batch)
         rewards = [task.reward(problems[r.group], r.completion_ids) for r in batch]
         curriculum.update(problems, batch.groups, rewards)
         evaluation, eval_batches = {}, []
@@ -330,7 +344,7 @@ def _loop(cfg: GRPOConfig, policy: torch.nn.Module, task: Task, pad_id: int, tra
                               max_grad_norm=cfg.max_grad_norm, micro_batch_size=cfg.micro_batch_size, pad_id=pad_id,
                               temperature=cfg.temperature,
                               entropy_coef=shortfall_entropy(rewards, batch.groups, cfg.entropy_coef, task.max_reward),
-                              scale_advantages=cfg.scale_advantages)
+                              scale_advantages=cfg.scale_advantages, exact_logprobs=exact)
         schedule.step()
         with timer("weight_update"):
             if lora is None:
@@ -361,6 +375,7 @@ def _loop(cfg: GRPOConfig, policy: torch.nn.Module, task: Task, pad_id: int, tra
             "prefix_hits_cross_version": step_cross,
             "mismatch/mean": stats.mismatch_mean,
             "mismatch/max": stats.mismatch_max,
+            "mismatch/tokens": stats.mismatched_tokens,
             "policy_version": batch.policy_version,
             **({} if lora is None else {"lora_version": first_adapter + step}),
             "stale_tokens": step_stale,
@@ -415,6 +430,7 @@ def summarize(history: list[dict[str, Any]], max_reward: float, stale: int, seco
         first_step_at_target=at_target,
         mismatch_mean=sum(h["mismatch/mean"] * t for h, t in zip(history, tokens)) / max(1, sum(tokens)),
         mismatch_max=max((h["mismatch/max"] for h in history), default=math.nan),
+        mismatched_tokens=sum(int(h.get("mismatch/tokens", 0)) for h in history),
         stale_tokens=stale,
         cross_version_hits=cross_version_hits,
         heldout_greedy=first_and_last("heldout/greedy"),
@@ -434,7 +450,8 @@ def format_summary(s: RunSummary) -> str:
         f"held-out reward (prompts never trained on): greedy {s.heldout_greedy[0]:.3f} -> {s.heldout_greedy[1]:.3f}, "
         f"sampled {s.heldout_sampled[0]:.3f} -> {s.heldout_sampled[1]:.3f}",
         f"mismatch {s.mismatch_mean:.2e} mean, {s.mismatch_max:.2e} max (|engine - trainer| log-prob, all sampled "
-        f"tokens); stale-version tokens: {s.stale_tokens}; cross-version prefix hits: {s.cross_version_hits}",
+        f"tokens; {s.mismatched_tokens} differ); stale-version tokens: {s.stale_tokens}; cross-version prefix hits: "
+        f"{s.cross_version_hits}",
         f"wall time: {s.wall_seconds:.1f} s for {s.steps} steps",
         f"metrics: {s.out_dir / 'metrics.jsonl'}",
         f"plot:    {s.plot if s.plot is not None else '(not written)'}",

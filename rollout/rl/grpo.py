@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from inference.models.moe.routing_replay import pad_routes, replay_routing
+from rollout.rl.zero_mismatch import with_exact_values
 from rollout.types import PaddedBatch, RolloutBatch, group_slices
 
 __all__ = ["TrainStats", "gather_logprobs", "group_advantages", "grpo_loss", "grpo_step", "predicting_logits",
@@ -143,6 +144,7 @@ class TrainStats:
     entropy: float = 0.0  # mean per-token entropy (nats) of the sampling distribution, before the step
     signal_fraction: float = 0.0  # share of groups whose rewards differ (the others' advantages are 0)
     advantage_std: float = 0.0  # spread of the per-sample advantages
+    mismatched_tokens: int = 0  # sampled tokens whose trainer log-prob is not the engine's bit for bit
 
 
 def grpo_step(
@@ -159,6 +161,7 @@ def grpo_step(
     routed_experts: Optional[Sequence[Optional[np.ndarray]]] = None,
     entropy_coef: Union[float, Sequence[float]] = 0.0,
     scale_advantages: bool = True,
+    exact_logprobs: Optional[torch.Tensor] = None,
 ) -> TrainStats:
     """One GRPO optimizer step on `batch`, in place on `model` (whose parameters the engine may alias).
 
@@ -169,7 +172,9 @@ def grpo_step(
     `routed_experts` (an MoE policy: each row's `RequestOutput.routed_experts`) replays the
     engine's routing in the trainer's forward. `entropy_coef` (one for all, or one per sample) adds
     `-coef x` each token's entropy of the sampling distribution to the token-mean loss (an
-    exploration bonus).
+    exploration bonus). `exact_logprobs` (`[B, T]` as `old_logprobs`; `rollout.rl.zero_mismatch`): the
+    trainer's log-probs computed by the engine's kernels; the loss takes their values and the plain
+    forward's gradients.
     """
     device = next(model.parameters()).device
     padded: PaddedBatch = batch.to_padded_tensors(pad_id=pad_id, device=device)
@@ -198,6 +203,8 @@ def grpo_step(
         replayed = {} if routes is None else {"routes": routes[sl]}
         logits, targets = predicting_logits(model, padded.input_ids[sl], mask, temperature, **replayed)
         lp = gather_logprobs(logits, targets)
+        if exact_logprobs is not None:
+            lp = with_exact_values(lp, exact_logprobs.to(device)[sl][mask])
         old = padded.old_logprobs[sl][mask]
         adv = adv_rows[sl][:, None].expand_as(mask)[mask]
         per_token, was_clipped = grpo_loss(lp, old, adv, clip_eps=clip_eps)
@@ -225,5 +232,6 @@ def grpo_step(
         entropy=entropy_sum / total,
         signal_fraction=signal,
         advantage_std=float(adv_rows.std(unbiased=False)),
+        mismatched_tokens=int((diff != 0).sum()),
     )
 

@@ -148,3 +148,21 @@ def test_speculation_in_the_mode_keeps_the_bits(model, dtype):
     spec = SpeculativeConfig(num_tokens=4, max_rows=16, min_match=1, cost_model="flat")
     tokens, logprobs, engine = _target_among(model, _prompts(3, seed=21), dtype=dtype, n=4, speculative=spec)
     assert engine.stats()["spec_steps"] > 0 and (tokens, logprobs) == alone
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_scoring_a_sampled_sequence_gives_its_log_probs_back(model, dtype):
+    """In the mode a prompt's scored log-probs (prompt_logprobs) of a sampled completion are the bits it
+    was sampled with: the same logits (a prefill row is a decode row) and the sampler's own normaliser."""
+    engine = DynamicInferenceEngine.from_pretrained(model, InferenceConfig(num_blocks=512, dtype=dtype,
+                                                                           batch_invariant=True))
+    prompts = _prompts(8, seed=31)
+    sampled = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=TOKENS, ignore_eos=True, seed=5,
+                                                      n=2))
+    sequences = [o.prompt_token_ids + o.generated_token_ids for o in sampled]
+    scored = engine.generate(sequences, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+    for out, score in zip(sampled, scored):
+        start = len(out.prompt_token_ids)
+        got = [score.prompt_logprobs[start + j][t] for j, t in enumerate(out.generated_token_ids)]
+        assert got == out.logprobs
