@@ -78,3 +78,13 @@ def test_the_demo_learns_with_zero_mismatch(tmp_path):
     assert summary.final_reward >= 0.95, summary
     assert summary.mismatch_max == 0.0 and summary.mismatched_tokens == 0
     assert summary.stale_tokens == 0 and summary.cross_version_hits == 0
+
+
+@needs_kernels
+@pytest.mark.stress  # ~90 s a seed on 2 cores
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_demo_learns_with_zero_mismatch_over_seeds(tmp_path, seed):
+    cfg = GRPOConfig(threads=1, out_dir=str(tmp_path), run_name=f"zero-{seed}", wandb=False, progress=False,
+                     table_every=50, zero_mismatch=True, seed=seed)
+    summary = run_grpo(cfg)
+    assert summary.final_reward >= 0.95 and summary.mismatch_max == 0.0 and summary.mismatched_tokens == 0, summary
