@@ -36,10 +36,10 @@ _FIXED_ORDER: contextvars.ContextVar[bool] = contextvars.ContextVar("small_gemm_
 
 
 @contextlib.contextmanager
-def fixed_order(on: bool = True) -> Iterator[None]:
+def fixed_order() -> Iterator[None]:
     """Within it (on this thread), fp32 products take the native kernel at any row count: each row's
     outputs the same bits whatever the batch (`InferenceConfig.batch_invariant`)."""
-    token = _FIXED_ORDER.set(on)
+    token = _FIXED_ORDER.set(True)
     try:
         yield
     finally:

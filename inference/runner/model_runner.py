@@ -109,9 +109,12 @@ class ModelRunner:
         if inputs.lora_ids is not None:
             kwargs["lora"] = LoRABatch(inputs.lora_ids, inputs.logits_rows, self.lora_adapter,
                                        inputs.input_ids.device)
-        with small_gemm.fixed_order(self.batch_invariant):
-            return self.model.forward(inputs.input_ids, inputs.positions, self.caches.kv, inputs.meta,
-                                      inputs.logits_indices, **kwargs)
+        if self.batch_invariant:  # NOTE: nothing added to a default step
+            with small_gemm.fixed_order():
+                return self.model.forward(inputs.input_ids, inputs.positions, self.caches.kv, inputs.meta,
+                                          inputs.logits_indices, **kwargs)
+        return self.model.forward(inputs.input_ids, inputs.positions, self.caches.kv, inputs.meta,
+                                  inputs.logits_indices, **kwargs)
 
     def _state_batch(self, inputs: StepInputs) -> StateBatch:
         return StateBatch(self.caches.states.tensors, inputs.state_slots, inputs.state_fresh, inputs.num_decode,
@@ -154,6 +157,7 @@ class ModelRunner:
             out.update(self.graphs.stats())
         return out
 
+
 def check_batch_invariant(model: Any) -> None:
     """`InferenceConfig.batch_invariant`'s refusals: what its fixed-order kernels do not cover yet."""
     from inference import native
@@ -166,4 +170,3 @@ def check_batch_invariant(model: Any) -> None:
     if not native.available():
         raise ValueError("batch_invariant needs the native kernels (ROLLOUT_ENGINE_NO_KERNELS is set, or they did "
                          "not build): the torch paths' products and attention follow the batch's shape")
-

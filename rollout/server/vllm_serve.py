@@ -154,7 +154,7 @@ def serve_args(argv: list[str], free_bytes: Optional[int] = None,
         check_model(v.tokenizer, "--tokenizer ", "tokenizer_config.json", named=False)
     check_weight_transfer(v.weight_transfer_config)
     environ = os.environ if environ is None else environ
-    closed = ([] if dev_mode(environ) else list(DEV_ROUTES)) + \
+    closed = ([] if env_flag(environ, "VLLM_SERVER_DEV_MODE") else list(DEV_ROUTES)) + \
         ([] if runtime_lora(environ) else list(RUNTIME_LORA_ROUTES))
     max_len = v.max_model_len or 4096
     chunk = min(v.max_num_batched_tokens or 2048, max_len) if v.enable_chunked_prefill else max_len
@@ -176,8 +176,8 @@ def serve_args(argv: list[str], free_bytes: Optional[int] = None,
         "--return-tokens-as-token-ids": v.return_tokens_as_token_ids, "--no-zmq": v.rollout_zmq_port is None,
         "--batch-invariant": env_flag(environ, "VLLM_BATCH_INVARIANT"),
         "--chat-template": v.chat_template, "--tokenizer": v.tokenizer,
-        "--lora-modules": lora_modules(v.lora_modules, v.enable_lora, v.served_model_name or [Path(v.model).name]),
-        "--close-route": None}, repeated={"--close-route": closed})
+        "--lora-modules": lora_modules(v.lora_modules, v.enable_lora, v.served_model_name or [Path(v.model).name])},
+        repeated={"--close-route": closed})
 
 
 def config_file_args(path: str) -> list[str]:
@@ -211,13 +211,8 @@ def config_file_args(path: str) -> list[str]:
     return out
 
 
-def dev_mode(environ: Any) -> bool:
-    """vLLM's VLLM_SERVER_DEV_MODE: an integer, on when not 0."""
-    return env_flag(environ, "VLLM_SERVER_DEV_MODE")
-
-
 def env_flag(environ: Any, name: str) -> bool:
-    """vLLM's integer switches (VLLM_BATCH_INVARIANT=1): on when not 0."""
+    """vLLM's integer switches (VLLM_SERVER_DEV_MODE=1, VLLM_BATCH_INVARIANT=1): on when not 0."""
     value = environ.get(name, "0").strip() or "0"
     try:
         return bool(int(value))
