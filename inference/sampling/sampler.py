@@ -189,11 +189,7 @@ def compute_prompt_logprobs(logits: Tensor, target_ids: Tensor, num_top: int = 0
     lps, tops, ids, ranks = [], [], [], []
     for start in range(0, logits.shape[0], _PROMPT_ROWS):
         x = logits[start:start + _PROMPT_ROWS]
-        if native.usable(xf := x.float()):  # NOTE: the sampler's own normaliser: a scored token's log-prob is
-            log_z = _log_normaliser(xf)[:, None]  # the bits it was sampled with (T = 1, RAW)
-        else:
-            m = x.amax(-1, keepdim=True).float()
-            log_z = m + torch.sub(x, m).exp_().sum(-1, keepdim=True).log()
+        log_z = _raw_log_z(x)
         lp = x.gather(1, target_ids[start:start + _PROMPT_ROWS, None]).float() - log_z
         lps.append(lp[:, 0])
         # NOTE: compared as log-probs, not logits: two logits that round to one log-prob tie, as in vLLM
@@ -207,6 +203,20 @@ def compute_prompt_logprobs(logits: Tensor, target_ids: Tensor, num_top: int = 0
         ranks = [target_ids.new_empty(0)]
     return PromptLogprobs(torch.cat(lps), torch.cat(tops) if n else None, torch.cat(ids) if n else None,
                           torch.cat(ranks))
+
+
+def raw_logprobs(logits: Tensor, target_ids: Tensor) -> Tensor:
+    """RAW log-probs `[P]` of `target_ids [P]` under `logits [P, V]`: at T = 1 the bits the sampler
+    gives a token it samples (its own normaliser), as `compute_prompt_logprobs` scores prompts."""
+    return logits.gather(1, target_ids[:, None]).float()[:, 0] - _raw_log_z(logits)[:, 0]
+
+
+def _raw_log_z(x: Tensor) -> Tensor:
+    """`[P, 1]` float32 log normaliser of the rows of `x`."""
+    if native.usable(xf := x.float()):  # NOTE: the sampler's own normaliser: a scored token's log-prob is
+        return _log_normaliser(xf)[:, None]  # the bits it was sampled with (T = 1, RAW)
+    m = x.amax(-1, keepdim=True).float()
+    return m + torch.sub(x, m).exp_().sum(-1, keepdim=True).log()
 
 
 def _log_normaliser(x: Tensor) -> Tensor:

@@ -37,7 +37,7 @@ from rollout.rl.grpo import grpo_step, shortfall_entropy
 from rollout.rl.lora_policy import ADAPTER_NAME, ALL_LINEAR, ColocatedLoRA
 from rollout.rl.tasks import ArithmeticTask, CountingTask, DigitVocab, Problem, Task
 from rollout.rl.tracking import StepTimer, Tracker
-from rollout.rl.zero_mismatch import engine_logprobs
+from rollout.rl.zero_mismatch import engine_kernels_forward
 
 logger = logging.getLogger(__name__)
 
@@ -225,8 +225,7 @@ def build_policy(cfg: GRPOConfig) -> tuple[torch.nn.Module, Task, int]:
 def engine_config(cfg: GRPOConfig, task: Task) -> InferenceConfig:
     """A KV pool sized for one step's samples at full length (so utilisation means something)."""
     samples = cfg.prompts_per_step * cfg.samples_per_prompt
-    # NOTE: zero_mismatch scores a whole sample as a prompt, which the engine takes with one token to sample
-    longest = task.max_prompt_tokens + task.max_tokens + (1 if cfg.zero_mismatch else 0)
+    longest = task.max_prompt_tokens + task.max_tokens
     blocks = samples * -(-longest // cfg.block_size)
     return InferenceConfig(
         block_size=cfg.block_size, num_blocks=blocks, max_requests=samples, max_batch_tokens=max(2048, samples),
@@ -308,6 +307,8 @@ def _loop(cfg: GRPOConfig, policy: torch.nn.Module, task: Task, pad_id: int, tra
         engine, policy, rank=cfg.lora_rank, alpha=cfg.lora_alpha or 2.0 * cfg.lora_rank, targets=cfg.lora_targets)
     trained = policy if lora is None else lora.model
     optimizer, schedule = make_optimizer(cfg, trained)
+    # NOTE: the trainer's log-probs by the engine's kernels, on the weights they share (zero mismatch)
+    trainer_forward = engine_kernels_forward(engine, policy) if cfg.zero_mismatch else None
     # log-probs of the distribution sampled from (softmax(logits / T)), which the trainer recomputes
     mode = LogprobsMode.RAW if cfg.temperature == 1.0 else LogprobsMode.PROCESSED
     sampling = SamplingParams(temperature=cfg.temperature, max_tokens=task.max_tokens, logprobs_mode=mode,
@@ -326,10 +327,6 @@ def _loop(cfg: GRPOConfig, policy: torch.nn.Module, task: Task, pad_id: int, tra
         with timer("generate"):
             seeded = dataclasses.replace(sampling, seed=cfg.seed * 1_000_003 + step)
             batch = engine.generate([p.prompt_ids for p in problems], n=cfg.samples_per_prompt, sampling=seeded)
-        exact = None
-        if cfg.zero_mismatch:
-            with timer("score"):  # NOTE: the trainer's log-probs by the engine's kernels, on its weights
-                exact = engine_logprobs(engine.engine, batch)
         rewards = [task.reward(problems[r.group], r.completion_ids) for r in batch]
         curriculum.update(problems, batch.groups, rewards)
         evaluation, eval_batches = {}, []
@@ -344,7 +341,7 @@ def _loop(cfg: GRPOConfig, policy: torch.nn.Module, task: Task, pad_id: int, tra
                               max_grad_norm=cfg.max_grad_norm, micro_batch_size=cfg.micro_batch_size, pad_id=pad_id,
                               temperature=cfg.temperature,
                               entropy_coef=shortfall_entropy(rewards, batch.groups, cfg.entropy_coef, task.max_reward),
-                              scale_advantages=cfg.scale_advantages, exact_logprobs=exact)
+                              scale_advantages=cfg.scale_advantages, trainer_forward=trainer_forward)
         schedule.step()
         with timer("weight_update"):
             if lora is None:

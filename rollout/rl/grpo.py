@@ -11,7 +11,7 @@ Token tensors here are *flat*: one entry per completion token, in the row-major 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from inference.models.moe.routing_replay import pad_routes, replay_routing
-from rollout.rl.zero_mismatch import with_exact_values
 from rollout.types import PaddedBatch, RolloutBatch, group_slices
 
 __all__ = ["TrainStats", "gather_logprobs", "group_advantages", "grpo_loss", "grpo_step", "predicting_logits",
@@ -161,7 +160,7 @@ def grpo_step(
     routed_experts: Optional[Sequence[Optional[np.ndarray]]] = None,
     entropy_coef: Union[float, Sequence[float]] = 0.0,
     scale_advantages: bool = True,
-    exact_logprobs: Optional[torch.Tensor] = None,
+    trainer_forward: Optional[Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]] = None,
 ) -> TrainStats:
     """One GRPO optimizer step on `batch`, in place on `model` (whose parameters the engine may alias).
 
@@ -172,9 +171,8 @@ def grpo_step(
     `routed_experts` (an MoE policy: each row's `RequestOutput.routed_experts`) replays the
     engine's routing in the trainer's forward. `entropy_coef` (one for all, or one per sample) adds
     `-coef x` each token's entropy of the sampling distribution to the token-mean loss (an
-    exploration bonus). `exact_logprobs` (`[B, T]` as `old_logprobs`; `rollout.rl.zero_mismatch`): the
-    trainer's log-probs computed by the engine's kernels; the loss takes their values and the plain
-    forward's gradients.
+    exploration bonus). `trainer_forward` (`rollout.rl.zero_mismatch`): `(input_ids, loss_mask) ->
+    (logits, log-probs, targets)` in place of the model's own forward, e.g. one on the engine's kernels.
     """
     device = next(model.parameters()).device
     padded: PaddedBatch = batch.to_padded_tensors(pad_id=pad_id, device=device)
@@ -201,10 +199,11 @@ def grpo_step(
         if not mask.any():
             continue
         replayed = {} if routes is None else {"routes": routes[sl]}
-        logits, targets = predicting_logits(model, padded.input_ids[sl], mask, temperature, **replayed)
-        lp = gather_logprobs(logits, targets)
-        if exact_logprobs is not None:
-            lp = with_exact_values(lp, exact_logprobs.to(device)[sl][mask])
+        if trainer_forward is None:
+            logits, targets = predicting_logits(model, padded.input_ids[sl], mask, temperature, **replayed)
+            lp = gather_logprobs(logits, targets)
+        else:
+            logits, lp, targets = trainer_forward(padded.input_ids[sl], mask)
         old = padded.old_logprobs[sl][mask]
         adv = adv_rows[sl][:, None].expand_as(mask)[mask]
         per_token, was_clipped = grpo_loss(lp, old, adv, clip_eps=clip_eps)

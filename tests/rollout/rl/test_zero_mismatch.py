@@ -1,19 +1,21 @@
-"""`rollout grpo --zero-mismatch` (`rollout.rl.zero_mismatch`): the trainer's log-probs, recomputed by
-the engine's kernels from the weights, equal the sampled ones bit for bit; the step's gradients are
-torch's autograd of the policy; the demo learns with a mismatch of 0."""
+"""`rollout grpo --zero-mismatch` (`rollout.rl.zero_mismatch`): the trainer's forward on the engine's
+kernels gives the sampled log-probs bit for bit; its gradients are torch's autograd of the policy; the
+demo learns with a mismatch of 0."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
 
 from inference import LogprobsMode, SamplingParams, native
+from inference.models.dense.training import TrainingForward
 from rollout import RolloutEngine
 from rollout.rl.colocated import GRPOConfig, build_policy, engine_config, run_grpo
-from rollout.rl.grpo import gather_logprobs, predicting_logits
-from rollout.rl.zero_mismatch import engine_logprobs, with_exact_values
+from rollout.rl.grpo import gather_logprobs, predicting_logits, token_entropy
+from rollout.rl.zero_mismatch import engine_kernels_forward
 
 needs_kernels = pytest.mark.skipif(not native.available(), reason="native kernels not built")
 
@@ -30,33 +32,76 @@ def _sampled(cfg: GRPOConfig, prompts: int = 8, n: int = 8):
 
 @needs_kernels
 def test_the_trainer_s_log_probs_are_the_sampled_ones_on_64_sequences():
+    """The trainer's forward on the engine's kernels gives each sampled token its sampled log-prob, bit for
+    bit; the plain forward (torch's kernels) does not."""
     policy, engine, batch, pad_id = _sampled(GRPOConfig(zero_mismatch=True))
     padded = batch.to_padded_tensors(pad_id=pad_id)
-    exact = engine_logprobs(engine.engine, batch)
-    assert len(batch) == 64 and torch.equal(exact[padded.loss_mask], padded.old_logprobs[padded.loss_mask])
+    logits, lp, targets = engine_kernels_forward(engine, policy)(padded.input_ids, padded.loss_mask)
+    old = padded.old_logprobs[padded.loss_mask]
+    assert len(batch) == 64 and lp.requires_grad and torch.equal(lp.detach(), old)
+    plain_logits, plain_targets = predicting_logits(policy, padded.input_ids, padded.loss_mask)
+    assert torch.equal(targets, plain_targets) and logits.shape == plain_logits.shape
+    assert not torch.equal(gather_logprobs(plain_logits, plain_targets).detach(), old)
 
 
 @needs_kernels
-def test_the_exact_values_carry_torch_s_gradients():
+def test_in_bf16_too():
+    """The policy in bf16, the engine aliasing it in bf16: the same bits, on 64 sequences."""
+    cfg = GRPOConfig(zero_mismatch=True)
+    torch.manual_seed(cfg.seed)
+    policy, task, pad_id = build_policy(cfg)
+    policy.to(torch.bfloat16)
+    engine = RolloutEngine(policy, dataclasses.replace(engine_config(cfg, task), dtype=torch.bfloat16))
+    sampling = SamplingParams(temperature=1.0, max_tokens=task.max_tokens, logprobs_mode=LogprobsMode.RAW, seed=5)
+    batch = engine.generate([p.prompt_ids for p in task.sample(random.Random(1), 8)], n=8, sampling=sampling)
+    padded = batch.to_padded_tensors(pad_id=pad_id)
+    logits, lp, _ = engine_kernels_forward(engine, policy)(padded.input_ids, padded.loss_mask)
+    assert engine.engine.model.dtype == torch.bfloat16 and len(batch) == 64
+    assert torch.equal(lp.detach(), padded.old_logprobs[padded.loss_mask])
+    lp.sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in policy.parameters())
+
+
+@needs_kernels
+def test_its_gradients_are_torch_s_autograd_of_the_policy():
+    """Gradients taken through the engine-kernel forward (its log-probs and its logits, as the entropy
+    bonus uses them) match torch's autograd of the plain model within fp32 rounding, every parameter."""
     policy, engine, batch, pad_id = _sampled(GRPOConfig(zero_mismatch=True), prompts=4, n=4)
     padded = batch.to_padded_tensors(pad_id=pad_id)
-    exact = engine_logprobs(engine.engine, batch)[padded.loss_mask]
-    weights = torch.linspace(-1.0, 1.0, exact.numel())
+    forward = engine_kernels_forward(engine, policy)
 
-    def grads(substitute: bool):
+    def grads(ours: bool):
         policy.zero_grad(set_to_none=True)
-        logits, targets = predicting_logits(policy, padded.input_ids, padded.loss_mask)
-        lp = gather_logprobs(logits, targets)
-        out = with_exact_values(lp, exact) if substitute else lp
-        if substitute:
-            assert torch.equal(out.detach(), exact)  # NOTE: the loss sees the engine kernels' values
-        (out * weights).sum().backward()
-        return [p.grad.clone() for p in policy.parameters()]
+        if ours:
+            logits, lp, _ = forward(padded.input_ids, padded.loss_mask)
+        else:
+            logits, targets = predicting_logits(policy, padded.input_ids, padded.loss_mask)
+            lp = gather_logprobs(logits, targets)
+        weights = torch.linspace(-1.0, 1.0, lp.numel())
+        ((lp * weights).sum() + 0.1 * token_entropy(logits).sum()).backward()
+        return {name: p.grad.clone() for name, p in policy.named_parameters()}
 
-    for ours, torch_s in zip(grads(True), grads(False)):
-        torch.testing.assert_close(ours, torch_s, rtol=1e-6, atol=1e-7)
-    with pytest.raises(ValueError, match="differ"):
-        with_exact_values(torch.zeros(3), torch.zeros(4))
+    ours, torch_s = grads(True), grads(False)
+    assert ours.keys() == torch_s.keys()
+    for name in ours:
+        torch.testing.assert_close(ours[name], torch_s[name], rtol=1e-5, atol=1e-5 * float(torch_s[name].abs().max()),
+                                   msg=name)
+
+
+@needs_kernels
+def test_it_runs_only_where_it_can_be_exact():
+    policy, engine, batch, pad_id = _sampled(GRPOConfig(zero_mismatch=True), prompts=1, n=1)
+    padded = batch.to_padded_tensors(pad_id=pad_id)
+    forward = engine_kernels_forward(engine, policy)
+    with pytest.raises(ValueError, match="first position"):
+        forward(padded.input_ids, torch.ones_like(padded.loss_mask))
+    # a copy of the weights is not the trainer's: the gradients would go where the values did not come from
+    copies = {name: p.detach().clone() for name, p in policy.named_parameters()}
+    with pytest.raises(ValueError, match="not the trainer's parameter"):
+        TrainingForward(engine.engine.model, copies, block_size=16)
+    other, other_engine, _, _ = _sampled(GRPOConfig(), prompts=1, n=1)
+    with pytest.raises(ValueError, match="batch_invariant=True"):
+        engine_kernels_forward(other_engine, other)
 
 
 def test_the_config_takes_it_where_the_mode_holds():

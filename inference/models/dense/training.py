@@ -1,0 +1,202 @@
+"""A training forward of the dense decoder on the engine's own kernels, in the engine's order.
+
+Why: under `InferenceConfig.batch_invariant` a sampled token's log-prob depends only on its own
+sequence, so a trainer that recomputes it with the very pieces the engine's step runs gets the same
+bits: the log-probs the loss sees equal the ones the engine sampled with (zero mismatch), without
+copying them from the engine's outputs.
+
+How: the sequences are laid out as one prefill of each (a scratch paged KV cache of their own, the
+engine's block size), and each piece of a block runs as an autograd function whose forward is the
+engine decoder's own method (`attention_inputs`, the attention backend, `after_attention`, `head`,
+then the sampler's RAW normaliser) and whose backward is torch's autograd of the same maths written
+plainly (HF's op order), recomputed at the forward's inputs, as activation checkpointing does. The
+values are the engine's; the gradient of each piece is torch's at those values, so a step's gradient
+is torch's autograd of the policy within fp32 rounding.
+
+The gradients reach the trainer's parameters, which the decoder must alias (a colocated engine):
+the forward reads the decoder's tensors, the backward hands gradients to the parameters with the
+same storage. Covered: the dense decoder on CPU without LoRA, fp32 or bf16, RAW log-probs (T = 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from inference.attention.metadata import AttentionMetadata
+from inference.attention.selector import select_backend
+from inference.models import small_gemm
+from inference.models.dense.decoder import EMBED, FINAL_NORM, LM_HEAD, DenseDecoder, _Layer
+from inference.models.layers import apply_rotary
+from inference.sampling.sampler import raw_logprobs
+
+# the tensors of a block each piece reads, by `_Layer` attribute (in the order the references take them)
+_INPUT_FIELDS = ("in_norm", "q_w", "q_b", "k_w", "k_b", "v_w", "v_b", "q_norm", "k_norm")
+_AFTER_FIELDS = ("o_w", "o_b", "post_norm", "gate_w", "gate_b", "up_w", "up_b", "down_w", "down_b")
+
+
+class _EngineValues(torch.autograd.Function):
+    """`engine(*inputs)`'s values; in backward, the gradient of `reference(*inputs)` at those inputs."""
+
+    @staticmethod
+    def forward(ctx: Any, engine: Callable, reference: Callable, *inputs: torch.Tensor | None):
+        ctx.reference = reference
+        ctx.save_for_backward(*inputs)
+        with torch.no_grad():
+            out = engine(*inputs)
+        return tuple(t.contiguous() for t in out) if isinstance(out, tuple) else out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None):
+        needs = ctx.needs_input_grad[2:]
+        with torch.enable_grad():
+            leaves = [None if t is None else t.detach().requires_grad_(need)
+                      for t, need in zip(ctx.saved_tensors, needs)]
+            outs = ctx.reference(*leaves)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        wanted = [leaf for leaf in leaves if leaf is not None and leaf.requires_grad]
+        got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+                   if pairs and wanted else [None] * len(wanted))
+        return (None, None, *(next(got) if leaf is not None and leaf.requires_grad else None for leaf in leaves))
+
+
+def engine_values(engine: Callable, reference: Callable, *inputs: torch.Tensor | None):
+    """`engine(*inputs)` (a tensor or a tuple), differentiable as `reference(*inputs)` is."""
+    return _EngineValues.apply(engine, reference, *inputs)
+
+
+# -- the plain maths, for the gradients (HF transformers' op order) ------------------------------
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _attention_inputs(decoder: DenseDecoder, x, cos, sin, in_norm, q_w, q_b, k_w, k_b, v_w, v_b, q_norm, k_norm):
+    s = decoder.spec
+    h = _rms_norm(x, in_norm, s.rms_norm_eps)
+    q = F.linear(h, q_w, q_b).view(x.shape[0], s.num_heads, s.head_dim)
+    k = F.linear(h, k_w, k_b).view(x.shape[0], s.num_kv_heads, s.head_dim)
+    v = F.linear(h, v_w, v_b).view(x.shape[0], s.num_kv_heads, s.head_dim)
+    if q_norm is not None:
+        q, k = _rms_norm(q, q_norm, s.rms_norm_eps), _rms_norm(k, k_norm, s.rms_norm_eps)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+
+def _after_attention(decoder: DenseDecoder, x, o, o_w, o_b, post_norm, gate_w, gate_b, up_w, up_b, down_w, down_b):
+    x = x + F.linear(o, o_w, o_b)
+    h = _rms_norm(x, post_norm, decoder.spec.rms_norm_eps)
+    return x + F.linear(F.silu(F.linear(h, gate_w, gate_b)) * F.linear(h, up_w, up_b), down_w, down_b)
+
+
+def _causal_attention(rows: tuple[torch.Tensor, torch.Tensor], scale: float, q, k, v) -> torch.Tensor:
+    """Each sequence's causal attention over its own rows of `q [T, Hq, D]`, `k`, `v [T, Hkv, D]`; flat row j
+    is sequence `rows[0][j]`'s token `rows[1][j]`. One batched call over the sequences right-padded (a
+    padding row comes after every real one, so the causal mask hides it from them)."""
+    seq, pos = rows
+    batch, length = int(seq.max()) + 1, int(pos.max()) + 1
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        return t.new_zeros(batch, length, *t.shape[1:]).index_put((seq, pos), t).transpose(1, 2)
+
+    o = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), is_causal=True, scale=scale,
+                                       enable_gqa=True)
+    return o.transpose(1, 2)[seq, pos].reshape(q.shape[0], -1)
+
+
+def _raw_logprobs_reference(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.log_softmax(logits.float(), -1).gather(1, targets[:, None])[:, 0]
+
+
+# -- the forward ---------------------------------------------------------------------------------
+
+
+class TrainingForward:
+    """`forward(input_ids, loss_mask) -> (logits, logprobs, targets)` of the trainer's policy, computed by
+    `decoder`'s kernels in its order; gradients flow to `params` (the trainer's parameters by HF name,
+    which `decoder` must alias). `block_size`: the engine's (its attention steps over a block's tokens)."""
+
+    def __init__(self, decoder: DenseDecoder, params: Mapping[str, torch.Tensor], *, block_size: int,
+                 padding_idx: int | None = None) -> None:
+        if type(decoder) is not DenseDecoder:
+            raise ValueError(f"TrainingForward covers the dense decoder, not {type(decoder).__name__}")
+        if decoder.device.type != "cpu":
+            raise ValueError(f"TrainingForward runs on the CPU, where the engine's kernels are; not {decoder.device}")
+        self.decoder = decoder
+        self.params = dict(params)
+        self.block_size = block_size
+        self.padding_idx = padding_idx  # NOTE: the trainer's embedding's: its row gets no gradient, as in torch
+        self._check_aliasing()
+        tied = decoder.spec.tie_word_embeddings
+        self._embed, self._final_norm = params[EMBED], params[FINAL_NORM]
+        self._lm_head = params[EMBED] if tied else params[LM_HEAD]
+        self._layers = [_Layer(params, i) for i in range(decoder.spec.num_layers)]
+        b = decoder.backend
+        self._backend = select_backend(b.num_heads, b.num_kv_heads, b.head_dim, dtype=decoder.dtype,
+                                       device=decoder.device, scale=b.scale, kind=b.kind)
+
+    def _check_aliasing(self) -> None:
+        """The values come from the decoder's tensors, the gradients go to `params`: they must be one."""
+        for name, tensor in self.decoder.named_tensors().items():
+            param = self.params.get(name)
+            if param is None or param.data_ptr() != tensor.data_ptr() or param.shape != tensor.shape:
+                raise ValueError(f"TrainingForward: the decoder's {name} is not the trainer's parameter (the engine "
+                                 "must alias the trainer's weights: a colocated engine with share_weights)")
+
+    def __call__(self, input_ids: torch.Tensor, loss_mask: torch.Tensor):
+        """Right-padded `input_ids [B, T]` (as `RolloutBatch.to_padded_tensors` lays them out) and the
+        tokens to score, `loss_mask [B, T]`: `[N, vocab]` fp32 logits of the positions predicting them,
+        `[N]` their RAW log-probs (the sampler's normaliser) and `[N]` the tokens, in the row-major order
+        of `loss_mask.nonzero()`."""
+        if loss_mask[:, 0].any():
+            raise ValueError("TrainingForward: the first position has nothing to predict it")
+        self._check_aliasing()  # NOTE: per call: an update may have rebound the decoder's tensors
+        lengths = [int(row.nonzero()[-1]) + 1 if row.any() else 0 for row in loss_mask]
+        rows = [r for r, n in enumerate(lengths) if n]
+        lengths = [lengths[r] for r in rows]
+        ids = torch.cat([input_ids[r, :n] for r, n in zip(rows, lengths)]).cpu()
+        positions = torch.cat([torch.arange(n) for n in lengths])
+        # the predicting positions, in the flat layout: row r's token at column c is predicted by c - 1
+        starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)
+        mask_rows, cols = loss_mask[rows].nonzero(as_tuple=True)
+        predicting = starts[mask_rows.cpu()] + cols.cpu() - 1
+        targets = ids.index_select(0, predicting + 1)
+        with small_gemm.fixed_order():
+            logits = self._logits(ids, positions, lengths, predicting)
+            logprobs = engine_values(raw_logprobs, _raw_logprobs_reference, logits, targets)
+        return logits.float(), logprobs, targets
+
+    def _logits(self, ids: torch.Tensor, positions: torch.Tensor, lengths: list[int], predicting: torch.Tensor):
+        d, bs = self.decoder, self.block_size
+        tables, next_block = [], 0
+        for n in lengths:
+            blocks = -(-n // bs)
+            tables.append(list(range(next_block, next_block + blocks)))
+            next_block += blocks
+        cache = d.new_kv_cache(next_block, bs)
+        meta = AttentionMetadata.build(lengths, lengths, tables, bs)
+        d.check_sequence_lengths(meta)
+        self._backend.plan(meta, cache)
+        rows = (torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)), positions)
+        with torch.no_grad():
+            cos, sin = d.rope(positions)
+        x = F.embedding(ids, self._embed, padding_idx=self.padding_idx)
+        for i, w in enumerate(self._layers):
+            q, k, v = engine_values(lambda x, cos, sin, *_, i=i: d.attention_inputs(i, x, cos, sin),
+                                    lambda *a: _attention_inputs(d, *a),
+                                    x, cos, sin, *(getattr(w, f) for f in _INPUT_FIELDS))
+            # NOTE: cloned: the backend's output may be a buffer it reuses for the next layer's
+            o = engine_values(lambda q, k, v, i=i: self._backend.forward(i, q, k, v, cache).clone(),
+                              lambda *a: _causal_attention(rows, self._backend.scale, *a), q, k, v)
+            x = engine_values(lambda x, o, *_, i=i: d.after_attention(i, x, o),
+                              lambda *a: _after_attention(d, *a),
+                              x, o, *(getattr(w, f) for f in _AFTER_FIELDS))
+        x = x.index_select(0, predicting)
+        eps = d.spec.rms_norm_eps
+        return engine_values(lambda x, *_: d.head(x), lambda x, n, w: F.linear(_rms_norm(x, n, eps), w),
+                             x, self._final_norm, self._lm_head)
