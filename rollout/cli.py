@@ -64,7 +64,8 @@ def _add_grpo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="each sample the same bits whatever shares its steps (the engines' batch_invariant)")
     parser.add_argument("--zero-mismatch", action="store_true", default=None,
                         help="the trainer's log-probs by the engine's kernels on its weights, equal to the sampled "
-                        "ones bit for bit (implies --batch-invariant; temperature 1, no --lora, colocated)")
+                        "ones bit for bit (implies --batch-invariant; temperature 1, no --lora; with --disaggregated: "
+                        "on policy, fp32 replicas, --api rollout)")
     parser.add_argument("--lora", dest="lora_rank", type=int, metavar="R",
                         help="train a LoRA adapter of rank R (PEFT, all attention and MLP projections) instead of "
                              "the full weights; the engine serves it aliased when colocated (lr default: tiny 1e-2, "
@@ -101,10 +102,6 @@ def config_from_args(args: argparse.Namespace) -> GRPOConfig:
 
 def grpo_main(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    if getattr(args, "disaggregated", False) and cfg.zero_mismatch:
-        print("rollout grpo: --zero-mismatch scores with the colocated engine: not with --disaggregated yet",
-              file=sys.stderr, flush=True)
-        return 2
     if getattr(args, "disaggregated", False):
         from rollout.rl.disaggregated import DisaggregatedConfig, format_disaggregated, run_disaggregated_grpo
 

@@ -72,6 +72,7 @@ from rollout.rl.curriculum import Curriculum
 from rollout.rl.grpo import grpo_step, shortfall_entropy
 from rollout.rl.tasks import Problem, Task
 from rollout.rl.tracking import StepTimer, Tracker
+from rollout.rl.zero_mismatch import module_kernels_forward
 from rollout.router.process import RouterProcess
 from rollout.server.process import ServerProcess
 from rollout.types import RolloutBatch
@@ -190,7 +191,7 @@ def serve_args(cfg: GRPOConfig, dcfg: DisaggregatedConfig, task: Task) -> list[s
     longest = task.max_prompt_tokens + task.max_tokens
     blocks = samples * -(-longest // cfg.block_size)
     lora = [] if cfg.lora_rank is None else ["--max-loras", "1", "--max-lora-rank", str(cfg.lora_rank)]
-    invariant = ["--batch-invariant"] if cfg.batch_invariant else []
+    invariant = ["--batch-invariant"] if cfg.batch_invariant or cfg.zero_mismatch else []
     return [*invariant, "--dtype", dcfg.replica_dtype, "--threads", str(dcfg.replica_threads),
             "--block-size", str(cfg.block_size), "--num-blocks", str(blocks), "--max-requests", str(samples),
             "--max-batch-tokens", str(max(2048, samples)), "--max-seq-len", str(longest),
@@ -203,6 +204,11 @@ def run_disaggregated_grpo(cfg: GRPOConfig, dcfg: Optional[DisaggregatedConfig] 
     if cfg.lora_rank is not None and (dcfg.api != "rollout" or dcfg.delta or dcfg.transport is Transport.DISK):
         raise ValueError("a LoRA run syncs its adapter alone over gloo / nccl / shm, through our own calls (no "
                          "delta, no vLLM-family api)")
+    if cfg.zero_mismatch and (dcfg.off_policy or dcfg.replica_dtype != "float32" or dcfg.api != "rollout"):
+        raise ValueError("zero_mismatch compares the trainer's forward with the replicas' sampling on the same weights "
+                         "and bits: on policy (off_policy=0), replica_dtype float32 (the trainer's), our own calls "
+                         f"(api rollout); got off_policy={dcfg.off_policy}, replica_dtype={dcfg.replica_dtype}, "
+                         f"api={dcfg.api}")
     threads = torch.get_num_threads()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
@@ -332,6 +338,9 @@ class _Loop:
         rng = random.Random(cfg.seed)
         held_out = task.held_out()
         optimizer, schedule = make_optimizer(cfg, self.policy)
+        # NOTE: the replicas sample in the batch-invariant mode; this forward runs their kernels here, on the
+        # trainer's own weights, which every sync copies to them bit for bit
+        trainer_forward = module_kernels_forward(self.policy, cfg.block_size) if cfg.zero_mismatch else None
         curriculum = Curriculum(task, pool=cfg.curriculum_pool, floor=cfg.curriculum_floor)
         problems = curriculum.sample(rng, cfg.prompts_per_step)
         pending = self.ahead.submit(self._generate, problems, 0)
@@ -357,7 +366,7 @@ class _Loop:
                                       pad_id=self.pad_id, temperature=cfg.temperature,
                                       entropy_coef=shortfall_entropy(rewards, batch.groups, cfg.entropy_coef,
                                                                      task.max_reward),
-                                      scale_advantages=cfg.scale_advantages)
+                                      scale_advantages=cfg.scale_advantages, trainer_forward=trainer_forward)
                 schedule.step()
                 if self.dcfg.off_policy and next_problems is not None:
                     with timer("wait"):
@@ -391,6 +400,7 @@ class _Loop:
                     "response_length": sum(batch.completion_lengths) / len(batch),
                     "tokens_per_s": batch.stats.tokens_per_second, "time/generate": batch.stats.seconds,
                     **timer.metrics(), "mismatch/mean": stats.mismatch_mean, "mismatch/max": stats.mismatch_max,
+                    "mismatch/tokens": stats.mismatched_tokens,
                     "policy_version": batch.policy_version, "staleness": staleness, "stale_tokens": step_stale,
                     "prefix_hits_cross_version": step_cross, "loss": stats.loss, "grad_norm": stats.grad_norm,
                     "clip_fraction": stats.clip_fraction, "completion_tokens": batch.stats.completion_tokens,

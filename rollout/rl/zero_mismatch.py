@@ -10,7 +10,9 @@ copied from the engine's outputs; the step's gradient is torch's autograd of the
 rounding.
 
 Covered where the mode and that forward are: the dense decoder on CPU, fp32 or bf16, RAW log-probs
-(temperature 1), full weights (no LoRA), the colocated loop (the engine aliases the policy).
+(temperature 1), full weights (no LoRA); colocated (the engine aliases the policy) or disaggregated
+(replicas in processes of their own, on this machine's kernels, synced in fp32 every step, on policy: the
+trainer runs the same kernels over its own weights, which each sync copies to them bit for bit).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from inference.models.dense.training import TrainingForward
+from inference.models.loading import load_from_hf_model
 from rollout.local import RolloutEngine
 
 
@@ -30,4 +33,14 @@ def engine_kernels_forward(engine: RolloutEngine, policy: torch.nn.Module) -> Tr
                          "sampled log-prob depends on the batch it was sampled in")
     embeddings = policy.get_input_embeddings()
     return TrainingForward(core.model, dict(policy.named_parameters()), block_size=core.config.block_size,
+                           padding_idx=getattr(embeddings, "padding_idx", None))
+
+
+def module_kernels_forward(policy: torch.nn.Module, block_size: int) -> TrainingForward:
+    """The trainer's forward of `policy` on the engine's kernels, over a decoder of its own that aliases
+    `policy`'s weights (disaggregated: the replicas sample with the same kernels on a bitwise copy);
+    `block_size`: the replicas'."""
+    decoder = load_from_hf_model(policy, share_weights=True)
+    embeddings = policy.get_input_embeddings()
+    return TrainingForward(decoder, dict(policy.named_parameters()), block_size=block_size,
                            padding_idx=getattr(embeddings, "padding_idx", None))

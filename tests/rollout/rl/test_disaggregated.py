@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+from inference import native
 from rollout.cli import main
 from rollout.rl.colocated import GRPOConfig, build_policy
 from rollout.rl.disaggregated import DisaggregatedConfig, Fleet, run_disaggregated_grpo, save_model, serve_args
@@ -102,3 +103,24 @@ def test_a_lora_run_syncs_the_adapter_alone_each_step_and_samples_the_version_ju
     assert len({h["policy_version"] for h in history}) == 1 and s.run.stale_tokens == 0
     assert s.run.mismatch_max <= 1e-5
     assert s.replicas_match_trainer and s.lora_rank == rank and s.sync_bytes == adapter_bytes
+
+
+@pytest.mark.skipif(not native.available(), reason="native kernels not built")
+def test_zero_mismatch_with_replicas_in_processes_of_their_own(tmp_path, capsys):
+    """`rollout grpo --disaggregated --zero-mismatch`: the replicas (spawned here, batch-invariant) sample,
+    the trainer's forward runs their kernels over its own weights, which every sync copies to them: each
+    sampled token's trainer log-prob is its sampled one, bit for bit, every step."""
+    steps = 3
+    argv = ["grpo", "--disaggregated", "--zero-mismatch", "--steps", str(steps), "--prompts", "8", "-n", "4",
+            "--no-wandb", "--no-progress", "--table-every", "100", "--eval-every", "3", "--out-dir", str(tmp_path),
+            "--run-name", "zero", "--sync-timeout-s", "30", "--replicas", "2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "mismatch 0.00e+00 mean, 0.00e+00 max" in out and "; 0 differ)" in out
+    history = [json.loads(line) for line in (tmp_path / "zero" / "metrics.jsonl").read_text().splitlines()]
+    assert len(history) == steps and all(h["mismatch/tokens"] == 0 and h["mismatch/max"] == 0 for h in history)
+    assert sum(h["completion_tokens"] for h in history) > 0
+    with pytest.raises(ValueError, match="on policy"):
+        run_disaggregated_grpo(GRPOConfig(zero_mismatch=True, **SMALL), DisaggregatedConfig(off_policy=1))
+    with pytest.raises(ValueError, match="replica_dtype float32"):
+        run_disaggregated_grpo(GRPOConfig(zero_mismatch=True, **SMALL), DisaggregatedConfig(replica_dtype="bfloat16"))
