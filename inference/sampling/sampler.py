@@ -211,6 +211,19 @@ def raw_logprobs(logits: Tensor, target_ids: Tensor) -> Tensor:
     return logits.gather(1, target_ids[:, None]).float()[:, 0] - _raw_log_z(logits)[:, 0]
 
 
+def processed_logprobs(logits: Tensor, target_ids: Tensor, temperature: float) -> Tensor:
+    """PROCESSED log-probs `[P]` of `target_ids [P]` under `logits [P, V]` at `temperature` (no logit
+    processors, no truncation): the bits `sample` gives a token it samples there (the native kernel's
+    max and weight sum, which the draw does not change). Needs the native kernels."""
+    x = logits.float()
+    if not native.usable(x):
+        raise ValueError("processed_logprobs needs the native sampling kernel (its sums are the sampler's)")
+    rows = x.shape[0]
+    inv_t = torch.full((rows,), temperature, dtype=torch.float32, device=x.device).reciprocal()
+    _, m, total, _ = native.sample_rows(x, inv_t, torch.zeros(rows, dtype=torch.float64))
+    return (x.gather(1, target_ids[:, None])[:, 0] - m) * inv_t - total.log().float()
+
+
 def _raw_log_z(x: Tensor) -> Tensor:
     """`[P, 1]` float32 log normaliser of the rows of `x`."""
     if native.usable(xf := x.float()):  # NOTE: the sampler's own normaliser: a scored token's log-prob is

@@ -340,7 +340,8 @@ class _Loop:
         optimizer, schedule = make_optimizer(cfg, self.policy)
         # NOTE: the replicas sample in the batch-invariant mode; this forward runs their kernels here, on the
         # trainer's own weights, which every sync copies to them bit for bit
-        trainer_forward = module_kernels_forward(self.policy, cfg.block_size) if cfg.zero_mismatch else None
+        trainer_forward = (module_kernels_forward(self.policy, cfg.block_size, cfg.temperature) if cfg.zero_mismatch
+                           else None)
         curriculum = Curriculum(task, pool=cfg.curriculum_pool, floor=cfg.curriculum_floor)
         problems = curriculum.sample(rng, cfg.prompts_per_step)
         pending = self.ahead.submit(self._generate, problems, 0)

@@ -9,10 +9,11 @@ forward's values). The loss's log-probs are that forward's: recomputed from the 
 copied from the engine's outputs; the step's gradient is torch's autograd of the policy within fp32
 rounding.
 
-Covered where the mode and that forward are: the dense decoder on CPU, fp32 or bf16, RAW log-probs
-(temperature 1), full weights (no LoRA); colocated (the engine aliases the policy) or disaggregated
-(replicas in processes of their own, on this machine's kernels, synced in fp32 every step, on policy: the
-trainer runs the same kernels over its own weights, which each sync copies to them bit for bit).
+Covered where the mode and that forward are: the dense decoder on CPU, fp32 or bf16, the sampler's
+log-probs at any temperature (RAW at 1, PROCESSED elsewhere), full weights (no LoRA); colocated (the
+engine aliases the policy) or disaggregated (replicas in processes of their own, on this machine's
+kernels, synced in fp32 every step, on policy: the trainer runs the same kernels over its own weights,
+which each sync copies to them bit for bit).
 """
 
 from __future__ import annotations
@@ -24,23 +25,24 @@ from inference.models.loading import load_from_hf_model
 from rollout.local import RolloutEngine
 
 
-def engine_kernels_forward(engine: RolloutEngine, policy: torch.nn.Module) -> TrainingForward:
+def engine_kernels_forward(engine: RolloutEngine, policy: torch.nn.Module, temperature: float = 1.0) -> TrainingForward:
     """The trainer's forward of `policy` on `engine`'s kernels (`engine` aliases `policy`'s weights and
-    samples with `batch_invariant=True`): `(input_ids, loss_mask) -> (logits, log-probs, targets)`."""
+    samples with `batch_invariant=True`) at the sampling `temperature`: `(input_ids, loss_mask) ->
+    (logits, log-probs, targets)`."""
     core = engine.engine
     if not core.config.batch_invariant:
         raise ValueError("engine_kernels_forward needs an engine with batch_invariant=True: elsewhere a token's "
                          "sampled log-prob depends on the batch it was sampled in")
     embeddings = policy.get_input_embeddings()
     return TrainingForward(core.model, dict(policy.named_parameters()), block_size=core.config.block_size,
-                           padding_idx=getattr(embeddings, "padding_idx", None))
+                           padding_idx=getattr(embeddings, "padding_idx", None), temperature=temperature)
 
 
-def module_kernels_forward(policy: torch.nn.Module, block_size: int) -> TrainingForward:
+def module_kernels_forward(policy: torch.nn.Module, block_size: int, temperature: float = 1.0) -> TrainingForward:
     """The trainer's forward of `policy` on the engine's kernels, over a decoder of its own that aliases
     `policy`'s weights (disaggregated: the replicas sample with the same kernels on a bitwise copy);
     `block_size`: the replicas'."""
     decoder = load_from_hf_model(policy, share_weights=True)
     embeddings = policy.get_input_embeddings()
     return TrainingForward(decoder, dict(policy.named_parameters()), block_size=block_size,
-                           padding_idx=getattr(embeddings, "padding_idx", None))
+                           padding_idx=getattr(embeddings, "padding_idx", None), temperature=temperature)

@@ -15,7 +15,8 @@ is torch's autograd of the policy within fp32 rounding.
 
 The gradients reach the trainer's parameters, which the decoder must alias (a colocated engine):
 the forward reads the decoder's tensors, the backward hands gradients to the parameters with the
-same storage. Covered: the dense decoder on CPU without LoRA, fp32 or bf16, RAW log-probs (T = 1).
+same storage. Covered: the dense decoder on CPU without LoRA, fp32 or bf16; RAW log-probs at T = 1, PROCESSED ones
+at any other T (the sampler's two modes there; no logit processors or truncation).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from inference.attention.selector import select_backend
 from inference.models import small_gemm
 from inference.models.dense.decoder import EMBED, FINAL_NORM, LM_HEAD, DenseDecoder, _Layer
 from inference.models.layers import apply_rotary
-from inference.sampling.sampler import raw_logprobs
+from inference.sampling.sampler import processed_logprobs, raw_logprobs
 
 # the tensors of a block each piece reads, by `_Layer` attribute (in the order the references take them)
 _INPUT_FIELDS = ("in_norm", "q_w", "q_b", "k_w", "k_b", "v_w", "v_b", "q_norm", "k_norm")
@@ -109,8 +110,8 @@ def _causal_attention(rows: tuple[torch.Tensor, torch.Tensor], scale: float, q, 
     return o.transpose(1, 2)[seq, pos].reshape(q.shape[0], -1)
 
 
-def _raw_logprobs_reference(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.log_softmax(logits.float(), -1).gather(1, targets[:, None])[:, 0]
+def _logprobs_reference(temperature: float, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.log_softmax(logits.float() / temperature, -1).gather(1, targets[:, None])[:, 0]
 
 
 # -- the forward ---------------------------------------------------------------------------------
@@ -122,7 +123,7 @@ class TrainingForward:
     which `decoder` must alias). `block_size`: the engine's (its attention steps over a block's tokens)."""
 
     def __init__(self, decoder: DenseDecoder, params: Mapping[str, torch.Tensor], *, block_size: int,
-                 padding_idx: int | None = None) -> None:
+                 padding_idx: int | None = None, temperature: float = 1.0) -> None:
         if type(decoder) is not DenseDecoder:
             raise ValueError(f"TrainingForward covers the dense decoder, not {type(decoder).__name__}")
         if decoder.device.type != "cpu":
@@ -131,6 +132,9 @@ class TrainingForward:
         self.params = dict(params)
         self.block_size = block_size
         self.padding_idx = padding_idx  # NOTE: the trainer's embedding's: its row gets no gradient, as in torch
+        if not temperature > 0:
+            raise ValueError(f"TrainingForward: temperature must be > 0, got {temperature}")
+        self.temperature = float(temperature)  # 1: RAW log-probs; else PROCESSED ones (the sampler's modes)
         self._check_aliasing()
         tied = decoder.spec.tie_word_embeddings
         self._embed, self._final_norm = params[EMBED], params[FINAL_NORM]
@@ -150,9 +154,9 @@ class TrainingForward:
 
     def __call__(self, input_ids: torch.Tensor, loss_mask: torch.Tensor):
         """Right-padded `input_ids [B, T]` (as `RolloutBatch.to_padded_tensors` lays them out) and the
-        tokens to score, `loss_mask [B, T]`: `[N, vocab]` fp32 logits of the positions predicting them,
-        `[N]` their RAW log-probs (the sampler's normaliser) and `[N]` the tokens, in the row-major order
-        of `loss_mask.nonzero()`."""
+        tokens to score, `loss_mask [B, T]`: `[N, vocab]` fp32 logits / temperature of the positions
+        predicting them, `[N]` their log-probs (RAW at temperature 1, else PROCESSED: the sampler's own
+        sums) and `[N]` the tokens, in the row-major order of `loss_mask.nonzero()`."""
         if loss_mask[:, 0].any():
             raise ValueError("TrainingForward: the first position has nothing to predict it")
         self._check_aliasing()  # NOTE: per call: an update may have rebound the decoder's tensors
@@ -168,8 +172,10 @@ class TrainingForward:
         targets = ids.index_select(0, predicting + 1)
         with small_gemm.fixed_order():
             logits = self._logits(ids, positions, lengths, predicting)
-            logprobs = engine_values(raw_logprobs, _raw_logprobs_reference, logits, targets)
-        return logits.float(), logprobs, targets
+            t = self.temperature
+            engine = raw_logprobs if t == 1.0 else lambda x, ids: processed_logprobs(x, ids, t)
+            logprobs = engine_values(engine, lambda *a: _logprobs_reference(t, *a), logits, targets)
+        return (logits.float() if t == 1.0 else logits.float() / t), logprobs, targets
 
     def _logits(self, ids: torch.Tensor, positions: torch.Tensor, lengths: list[int], predicting: torch.Tensor):
         d, bs = self.decoder, self.block_size

@@ -25,21 +25,23 @@ def _sampled(cfg: GRPOConfig, prompts: int = 8, n: int = 8):
     policy, task, pad_id = build_policy(cfg)
     engine = RolloutEngine(policy, engine_config(cfg, task))  # NOTE: aliases the policy's weights, as colocated
     problems = task.sample(random.Random(0), prompts)
-    sampling = SamplingParams(temperature=1.0, max_tokens=task.max_tokens, logprobs_mode=LogprobsMode.RAW, seed=3)
+    mode = LogprobsMode.RAW if cfg.temperature == 1.0 else LogprobsMode.PROCESSED  # NOTE: as the loop asks
+    sampling = SamplingParams(temperature=cfg.temperature, max_tokens=task.max_tokens, logprobs_mode=mode, seed=3)
     batch = engine.generate([p.prompt_ids for p in problems], n=n, sampling=sampling)
     return policy, engine, batch, pad_id
 
 
 @needs_kernels
-def test_the_trainer_s_log_probs_are_the_sampled_ones_on_64_sequences():
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_trainer_s_log_probs_are_the_sampled_ones_on_64_sequences(temperature):
     """The trainer's forward on the engine's kernels gives each sampled token its sampled log-prob, bit for
-    bit; the plain forward (torch's kernels) does not."""
-    policy, engine, batch, pad_id = _sampled(GRPOConfig(zero_mismatch=True))
+    bit (RAW at temperature 1, PROCESSED at 0.7); the plain forward (torch's kernels) does not."""
+    policy, engine, batch, pad_id = _sampled(GRPOConfig(zero_mismatch=True, temperature=temperature))
     padded = batch.to_padded_tensors(pad_id=pad_id)
-    logits, lp, targets = engine_kernels_forward(engine, policy)(padded.input_ids, padded.loss_mask)
+    logits, lp, targets = engine_kernels_forward(engine, policy, temperature)(padded.input_ids, padded.loss_mask)
     old = padded.old_logprobs[padded.loss_mask]
     assert len(batch) == 64 and lp.requires_grad and torch.equal(lp.detach(), old)
-    plain_logits, plain_targets = predicting_logits(policy, padded.input_ids, padded.loss_mask)
+    plain_logits, plain_targets = predicting_logits(policy, padded.input_ids, padded.loss_mask, temperature)
     assert torch.equal(targets, plain_targets) and logits.shape == plain_logits.shape
     assert not torch.equal(gather_logprobs(plain_logits, plain_targets).detach(), old)
 
@@ -63,19 +65,20 @@ def test_in_bf16_too():
 
 
 @needs_kernels
-def test_its_gradients_are_torch_s_autograd_of_the_policy():
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_its_gradients_are_torch_s_autograd_of_the_policy(temperature):
     """Gradients taken through the engine-kernel forward (its log-probs and its logits, as the entropy
     bonus uses them) match torch's autograd of the plain model within fp32 rounding, every parameter."""
-    policy, engine, batch, pad_id = _sampled(GRPOConfig(zero_mismatch=True), prompts=4, n=4)
+    policy, engine, batch, pad_id = _sampled(GRPOConfig(zero_mismatch=True, temperature=temperature), prompts=4, n=4)
     padded = batch.to_padded_tensors(pad_id=pad_id)
-    forward = engine_kernels_forward(engine, policy)
+    forward = engine_kernels_forward(engine, policy, temperature)
 
     def grads(ours: bool):
         policy.zero_grad(set_to_none=True)
         if ours:
             logits, lp, _ = forward(padded.input_ids, padded.loss_mask)
         else:
-            logits, targets = predicting_logits(policy, padded.input_ids, padded.loss_mask)
+            logits, targets = predicting_logits(policy, padded.input_ids, padded.loss_mask, temperature)
             lp = gather_logprobs(logits, targets)
         weights = torch.linspace(-1.0, 1.0, lp.numel())
         ((lp * weights).sum() + 0.1 * token_entropy(logits).sum()).backward()
@@ -106,8 +109,6 @@ def test_it_runs_only_where_it_can_be_exact():
 
 def test_the_config_takes_it_where_the_mode_holds():
     assert engine_config(GRPOConfig(zero_mismatch=True), build_policy(GRPOConfig())[1]).batch_invariant
-    with pytest.raises(ValueError, match="temperature 1"):
-        GRPOConfig(zero_mismatch=True, temperature=0.7)
     with pytest.raises(ValueError, match="no LoRA"):
         GRPOConfig(zero_mismatch=True, lora_rank=4)
 
