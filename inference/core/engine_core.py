@@ -31,7 +31,6 @@ from inference.core.states import EngineState, OnFinished, OnTokens, memory_part
 from inference.errors import (
     BlockOverflowError,
     EngineStateError,
-    LoRALoadError,
     MaxSequenceLengthOverflowError,
     OverloadedError,
     RequestOverflowError,
@@ -186,9 +185,6 @@ class EngineCore:
     def add_lora(self, adapter: LoRAAdapter, version: Optional[int] = None) -> AdapterRef:
         """Make a checked adapter the current version of its name (`version`, None: the next one);
         requests in flight keep theirs."""
-        if self.config.batch_invariant:  # NOTE: an adapter's products are torch's, grouped by the step's rows
-            raise LoRALoadError(f"LoRA adapter {adapter.name!r}: adapters are not batch-invariant yet; this engine "
-                                "runs with batch_invariant=True")
         return self.loras.add(adapter, version)
 
     def remove_lora(self, name: str) -> None:

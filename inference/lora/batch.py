@@ -20,15 +20,20 @@ import torch.nn.functional as F
 from inference.lora.adapter import LoRAAdapter
 
 MLP_PROJS = ("gate_proj", "up_proj", "down_proj")
+Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # `F.linear(x, weight)`'s maths
 
 
 class LoRAGroups:
     """Rows with an adapter, ordered by adapter: `perm` (None: every row, in order, one adapter)
     and `segments` `(adapter, start, end)` over that order."""
 
-    __slots__ = ("perm", "rows", "segments")
+    __slots__ = ("perm", "product", "rows", "segments")
 
-    def __init__(self, ids: np.ndarray, adapter_of: Callable[[int], LoRAAdapter], device: torch.device) -> None:
+    def __init__(self, ids: np.ndarray, adapter_of: Callable[[int], LoRAAdapter], device: torch.device,
+                 product: Product | None = None) -> None:
+        # NOTE: a batch-invariant forward's fixed-order `linear` (its caller's), so that a row's bits do not
+        # depend on how many rows its adapter's segment holds; None: torch's products
+        self.product = product
         rows = np.flatnonzero(ids >= 0)
         order = rows[np.argsort(ids[rows], kind="stable")]
         sorted_ids = ids[order]
@@ -45,15 +50,20 @@ class LoRAGroups:
         in `INPUT_GROUPS` order, written in place) computed from their input `x`."""
         xs = x if self.perm is None else x.index_select(0, self.perm)
         deltas: list[torch.Tensor | None] = [None] * len(outs)
+        product = self.product
         for adapter, start, end in self.segments:
             for a, scale, parts in adapter.fused[layer].get(group, ()):
-                u = F.linear(xs[start:end], a)
+                u = F.linear(xs[start:end], a) if product is None else product(xs[start:end], a)
                 if scale != 1.0:  # NOTE: a shared adapter's scaling: B is the trainer's, nothing folded into it
                     u.mul_(scale)
                 for j, r0, r1, bt in parts:
                     if deltas[j] is None:  # NOTE: zeros: another adapter of the step may not adapt this one
                         deltas[j] = xs.new_zeros(self.rows, outs[j].shape[1])
-                    torch.mm(u[:, r0:r1], bt, out=deltas[j][start:end])
+                    if product is None:
+                        torch.mm(u[:, r0:r1], bt, out=deltas[j][start:end])
+                    else:  # NOTE: B itself: the fp32 kernel reads a contiguous weight (bf16 packs any layout)
+                        b = bt.t() if bt.dtype != torch.float32 or bt.t().is_contiguous() else bt.t().contiguous()
+                        deltas[j][start:end] = product(u[:, r0:r1], b)
         for y, d in zip(outs, deltas):
             if d is None:
                 continue
@@ -70,16 +80,18 @@ class LoRABatch:
     """The step's grouping of all rows (`tokens`) and of the sampled rows (`sampled`, built on
     first use). `token_ids[t]` is the resident id of row t's adapter, -1 for the base model."""
 
-    __slots__ = ("_adapter_of", "_device", "_ids", "_rows", "_sampled", "tokens")
+    __slots__ = ("_adapter_of", "_device", "_ids", "_product", "_rows", "_sampled", "tokens")
 
     def __init__(self, token_ids: np.ndarray, logits_rows: np.ndarray,
-                 adapter_of: Callable[[int], LoRAAdapter], device: torch.device) -> None:
+                 adapter_of: Callable[[int], LoRAAdapter], device: torch.device,
+                 product: Product | None = None) -> None:
         self._ids, self._rows, self._adapter_of, self._device = token_ids, logits_rows, adapter_of, device
-        self.tokens = LoRAGroups(token_ids, adapter_of, device)
+        self._product = product
+        self.tokens = LoRAGroups(token_ids, adapter_of, device, product)
         self._sampled: LoRAGroups | None = None
 
     @property
     def sampled(self) -> LoRAGroups:
         if self._sampled is None:
-            self._sampled = LoRAGroups(self._ids[self._rows], self._adapter_of, self._device)
+            self._sampled = LoRAGroups(self._ids[self._rows], self._adapter_of, self._device, self._product)
         return self._sampled

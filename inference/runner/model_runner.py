@@ -108,7 +108,7 @@ class ModelRunner:
             kwargs["states"] = self._state_batch(inputs)
         if inputs.lora_ids is not None:
             kwargs["lora"] = LoRABatch(inputs.lora_ids, inputs.logits_rows, self.lora_adapter,
-                                       inputs.input_ids.device)
+                                       inputs.input_ids.device, small_gemm.linear if self.batch_invariant else None)
         if self.batch_invariant:  # NOTE: nothing added to a default step
             with small_gemm.fixed_order():
                 return self.model.forward(inputs.input_ids, inputs.positions, self.caches.kv, inputs.meta,

@@ -352,7 +352,7 @@ class DenseDecoder:
             attn = linear(o, w.o_w, w.o_b)
             h = add_rms_norm_(attn, x, w.post_norm, self.spec.rms_norm_eps)  # attn <- attn + x
             return self.mlp(i, h).add_(attn)
-        attn = F.linear(o, w.o_w, w.o_b)
+        attn = linear(o, w.o_w, w.o_b)  # NOTE: the base products as the plain path's: a base row's bits alike
         lora.add(o, i, "o", (attn,))
         x = x + attn
         h = rms_norm(x, w.post_norm, self.spec.rms_norm_eps)
@@ -365,10 +365,10 @@ class DenseDecoder:
     def lora_mlp(self, i: int, h: torch.Tensor, lora: LoRAGroups) -> torch.Tensor:
         """`mlp` with the adapters' updates of gate, up and down (dense MLP layers only)."""
         w = self._layers[i]
-        gate, up = F.linear(h, w.gate_w, w.gate_b), F.linear(h, w.up_w, w.up_b)
+        gate, up = linear(h, w.gate_w, w.gate_b), linear(h, w.up_w, w.up_b)
         lora.add(h, i, "gate_up", (gate, up))
         act = F.silu(gate) * up
-        down = F.linear(act, w.down_w, w.down_b)
+        down = linear(act, w.down_w, w.down_b)
         lora.add(act, i, "down", (down,))
         return down
 
