@@ -64,8 +64,8 @@ def _add_grpo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="each sample the same bits whatever shares its steps (the engines' batch_invariant)")
     parser.add_argument("--zero-mismatch", action="store_true", default=None,
                         help="the trainer's log-probs by the engine's kernels on its weights, equal to the sampled "
-                        "ones bit for bit (implies --batch-invariant; no --lora; with --disaggregated: "
-                        "on policy, fp32 replicas, --api rollout)")
+                        "ones bit for bit (implies --batch-invariant; with --disaggregated: on policy, fp32 replicas, "
+                        "--api rollout, no --lora)")
     parser.add_argument("--lora", dest="lora_rank", type=int, metavar="R",
                         help="train a LoRA adapter of rank R (PEFT, all attention and MLP projections) instead of "
                              "the full weights; the engine serves it aliased when colocated (lr default: tiny 1e-2, "

@@ -140,9 +140,6 @@ class GRPOConfig:
         if not self.lora_targets or unknown:
             raise ValueError(f"GRPOConfig.lora_targets must be a non-empty subset of {ALL_LINEAR}, got "
                              f"{self.lora_targets!r}")
-        if self.zero_mismatch and self.lora_rank is not None:
-            raise ValueError("GRPOConfig.zero_mismatch trains the full weights (no LoRA): got lora_rank "
-                             f"{self.lora_rank}")
 
     @classmethod
     def preset(cls, model: ModelKind | str, **overrides: Any) -> GRPOConfig:
@@ -308,7 +305,8 @@ def _loop(cfg: GRPOConfig, policy: torch.nn.Module, task: Task, pad_id: int, tra
     trained = policy if lora is None else lora.model
     optimizer, schedule = make_optimizer(cfg, trained)
     # NOTE: the trainer's log-probs by the engine's kernels, on the weights they share (zero mismatch)
-    trainer_forward = engine_kernels_forward(engine, policy, cfg.temperature) if cfg.zero_mismatch else None
+    trainer_forward = None if not cfg.zero_mismatch else engine_kernels_forward(
+        engine, trained, cfg.temperature, lora=None if lora is None else (lambda: lora.ref))
     # log-probs of the distribution sampled from (softmax(logits / T)), which the trainer recomputes
     mode = LogprobsMode.RAW if cfg.temperature == 1.0 else LogprobsMode.PROCESSED
     sampling = SamplingParams(temperature=cfg.temperature, max_tokens=task.max_tokens, logprobs_mode=mode,

@@ -204,11 +204,13 @@ def run_disaggregated_grpo(cfg: GRPOConfig, dcfg: Optional[DisaggregatedConfig] 
     if cfg.lora_rank is not None and (dcfg.api != "rollout" or dcfg.delta or dcfg.transport is Transport.DISK):
         raise ValueError("a LoRA run syncs its adapter alone over gloo / nccl / shm, through our own calls (no "
                          "delta, no vLLM-family api)")
-    if cfg.zero_mismatch and (dcfg.off_policy or dcfg.replica_dtype != "float32" or dcfg.api != "rollout"):
+    if cfg.zero_mismatch and (dcfg.off_policy or dcfg.replica_dtype != "float32" or dcfg.api != "rollout"
+                              or cfg.lora_rank is not None):
         raise ValueError("zero_mismatch compares the trainer's forward with the replicas' sampling on the same weights "
                          "and bits: on policy (off_policy=0), replica_dtype float32 (the trainer's), our own calls "
-                         f"(api rollout); got off_policy={dcfg.off_policy}, replica_dtype={dcfg.replica_dtype}, "
-                         f"api={dcfg.api}")
+                         "(api rollout), the full weights (a LoRA run only colocated, for now); got "
+                         f"off_policy={dcfg.off_policy}, replica_dtype={dcfg.replica_dtype}, api={dcfg.api}, "
+                         f"lora_rank={cfg.lora_rank}")
     threads = torch.get_num_threads()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)

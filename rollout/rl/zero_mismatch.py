@@ -10,32 +10,39 @@ copied from the engine's outputs; the step's gradient is torch's autograd of the
 rounding.
 
 Covered where the mode and that forward are: the dense decoder on CPU, fp32 or bf16, the sampler's
-log-probs at any temperature (RAW at 1, PROCESSED elsewhere), full weights (no LoRA); colocated (the
-engine aliases the policy) or disaggregated (replicas in processes of their own, on this machine's
-kernels, synced in fp32 every step, on policy: the trainer runs the same kernels over its own weights,
-which each sync copies to them bit for bit).
+log-probs at any temperature (RAW at 1, PROCESSED elsewhere), the full weights or a LoRA adapter;
+colocated (the engine aliases the policy and its adapter) or disaggregated (the full weights; replicas
+in processes of their own, on this machine's kernels, synced in fp32 every step, on policy: the trainer
+runs the same kernels over its own weights, which each sync copies to them bit for bit).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from inference.lora import AdapterRef
 from inference.models.dense.training import TrainingForward
 from inference.models.loading import load_from_hf_model
 from rollout.local import RolloutEngine
 
 
-def engine_kernels_forward(engine: RolloutEngine, policy: torch.nn.Module, temperature: float = 1.0) -> TrainingForward:
+def engine_kernels_forward(engine: RolloutEngine, policy: torch.nn.Module, temperature: float = 1.0,
+                           lora: Callable[[], AdapterRef] | None = None) -> TrainingForward:
     """The trainer's forward of `policy` on `engine`'s kernels (`engine` aliases `policy`'s weights and
     samples with `batch_invariant=True`) at the sampling `temperature`: `(input_ids, loss_mask) ->
-    (logits, log-probs, targets)`."""
+    (logits, log-probs, targets)`. `lora`: the engine's current version of the policy's adapter (shared:
+    `policy` is the PEFT model whose LoRA parameters it reads), asked at each call."""
     core = engine.engine
     if not core.config.batch_invariant:
         raise ValueError("engine_kernels_forward needs an engine with batch_invariant=True: elsewhere a token's "
                          "sampled log-prob depends on the batch it was sampled in")
     embeddings = policy.get_input_embeddings()
+    adapter = None if lora is None else (lambda: core.core.loras.adapter(lora().id))
     return TrainingForward(core.model, dict(policy.named_parameters()), block_size=core.config.block_size,
-                           padding_idx=getattr(embeddings, "padding_idx", None), temperature=temperature)
+                           padding_idx=getattr(embeddings, "padding_idx", None), temperature=temperature,
+                           adapter=adapter)
 
 
 def module_kernels_forward(policy: torch.nn.Module, block_size: int, temperature: float = 1.0) -> TrainingForward:

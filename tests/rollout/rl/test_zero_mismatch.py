@@ -15,6 +15,7 @@ from inference.models.dense.training import TrainingForward
 from rollout import RolloutEngine
 from rollout.rl.colocated import GRPOConfig, build_policy, engine_config, run_grpo
 from rollout.rl.grpo import gather_logprobs, predicting_logits, token_entropy
+from rollout.rl.lora_policy import ADAPTER_NAME, ALL_LINEAR, ColocatedLoRA, lora_config
 from rollout.rl.zero_mismatch import engine_kernels_forward
 
 needs_kernels = pytest.mark.skipif(not native.available(), reason="native kernels not built")
@@ -92,6 +93,57 @@ def test_its_gradients_are_torch_s_autograd_of_the_policy(temperature):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_with_a_lora_adapter_shared_with_the_engine(dtype):
+    """Colocated LoRA: the engine serves the trainer's PEFT adapter (aliased, B made non-zero here so that
+    it changes the samples); the forward's log-probs are the sampled ones bit for bit and the adapter's
+    gradients are torch's autograd of the PEFT model (fp32)."""
+    cfg = GRPOConfig(zero_mismatch=True, lora_rank=4)
+    torch.manual_seed(cfg.seed)
+    policy, task, pad_id = build_policy(cfg)
+    policy.to(dtype)
+    engine = RolloutEngine(policy, dataclasses.replace(engine_config(cfg, task), dtype=dtype))
+    from peft import get_peft_model
+
+    peft_model = get_peft_model(policy, lora_config(4, 8.0, ALL_LINEAR)).to(dtype)  # NOTE: PEFT makes fp32 LoRAs
+    lora = ColocatedLoRA(engine, peft_model, engine.load_lora_from_peft(ADAPTER_NAME, peft_model, share=True))
+    lora.check_aliased()
+    with torch.no_grad():
+        for name, p in lora.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.2)
+    lora.updated()
+    sampling = SamplingParams(temperature=1.0, max_tokens=task.max_tokens, logprobs_mode=LogprobsMode.RAW, seed=4,
+                              lora_name=ADAPTER_NAME)
+    batch = engine.generate([p.prompt_ids for p in task.sample(random.Random(2), 8)], n=8, sampling=sampling)
+    padded = batch.to_padded_tensors(pad_id=pad_id)
+    forward = engine_kernels_forward(engine, lora.model, lora=lambda: lora.ref)
+    logits, lp, _ = forward(padded.input_ids, padded.loss_mask)
+    assert len(batch) == 64 and torch.equal(lp.detach(), padded.old_logprobs[padded.loss_mask])
+    base = engine_kernels_forward(engine, lora.model)(padded.input_ids, padded.loss_mask)[1]
+    assert not torch.equal(base.detach(), lp.detach())  # NOTE: the adapter counts
+    if dtype != torch.float32:
+        return
+    weights = torch.linspace(-1.0, 1.0, lp.numel())
+
+    def grads(ours: bool):
+        lora.model.zero_grad(set_to_none=True)
+        if ours:
+            logits, lp, _ = forward(padded.input_ids, padded.loss_mask)
+        else:
+            logits, targets = predicting_logits(lora.model, padded.input_ids, padded.loss_mask)
+            lp = gather_logprobs(logits, targets)
+        ((lp * weights).sum() + 0.1 * token_entropy(logits).sum()).backward()
+        return {name: p.grad.clone() for name, p in lora.model.named_parameters() if p.requires_grad}
+
+    ours, torch_s = grads(True), grads(False)
+    assert ours.keys() == torch_s.keys() and len(ours) == 2 * 7 * cfg.num_layers
+    for name in ours:
+        torch.testing.assert_close(ours[name], torch_s[name], rtol=1e-5, atol=1e-5 * float(torch_s[name].abs().max()),
+                                   msg=name)
+
+
+@needs_kernels
 def test_it_runs_only_where_it_can_be_exact():
     policy, engine, batch, pad_id = _sampled(GRPOConfig(zero_mismatch=True), prompts=1, n=1)
     padded = batch.to_padded_tensors(pad_id=pad_id)
@@ -109,8 +161,6 @@ def test_it_runs_only_where_it_can_be_exact():
 
 def test_the_config_takes_it_where_the_mode_holds():
     assert engine_config(GRPOConfig(zero_mismatch=True), build_policy(GRPOConfig())[1]).batch_invariant
-    with pytest.raises(ValueError, match="no LoRA"):
-        GRPOConfig(zero_mismatch=True, lora_rank=4)
 
 
 @needs_kernels
