@@ -43,7 +43,9 @@ class _Pack(NamedTuple):
 
 
 _packs: dict[tuple, _Pack] = {}  # by the layout and the ids of the tensors packed together
-_lock = threading.Lock()
+# NOTE: re-entrant: a weight dying while this thread holds the lock (a collection run by an allocation inside
+# it, a transient view used as a weight) calls its pack's `drop` on this thread, which takes the lock again
+_lock = threading.RLock()
 
 
 @cache

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import copy
 import gc
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -194,3 +197,25 @@ def test_a_hybrid_model_in_bf16_gives_the_same_tokens_with_packs_and_without(mon
     assert bool(packed_weights._packs) == packed_weights.supported()  # NOTE: the Mamba and attention projections
     monkeypatch.setattr(packed_weights, "supported", lambda: False)
     assert packed == run()
+
+
+def test_a_weight_dying_while_the_packs_are_locked_does_not_deadlock():
+    """A transient weight (a view made per call, as a LoRA B^T turned back) freed by the cyclic collector
+    that an allocation under the packs' lock runs: its `drop` runs on the thread holding the lock. Run in a
+    process of its own, so that a deadlock fails the test instead of hanging it."""
+    script = (
+        "import gc, torch\n"
+        "from inference.models import packed_weights as pw\n"
+        "w = torch.randn(32, 16, dtype=torch.bfloat16)\n"
+        "class Cycle: pass\n"
+        "def make():\n"
+        "    v = w.t().t()\n"
+        "    c = Cycle(); c.self = c; c.v = v  # freed only by the cyclic collector\n"
+        "    pw.cached_pack((v,), (), lambda t: t.clone())\n"
+        "for i in range(2000):\n"
+        "    make()\n"
+        "    if i % 500 == 0: gc.collect()\n"
+        "print('done')\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0 and "done" in out.stdout, out.stderr[-2000:]
