@@ -1,0 +1,37 @@
+"""`tests/layer_counts.py`, the figures issue 65 tracks: each method finds what it says on known code,
+and the two traced paths run for real (a server over ZMQ, the HTTP front)."""
+
+from __future__ import annotations
+
+import ast
+
+from tests import layer_counts
+
+
+def test_the_static_counts_find_what_they_name():
+    kinds = layer_counts.control_kind_files()
+    assert "GENERATE" not in kinds and kinds.keys() >= {"PAUSE", "UPDATE_WEIGHTS", "SYNC_LORA"}
+    assert all(count >= 1 for count in kinds.values())
+    assert layer_counts._names_kind(ast.parse("x = Kind.PAUSE"), "PAUSE", {"Pause", "pause"})
+    assert layer_counts._names_kind(ast.parse("client.update_weights(s)"), "UPDATE_WEIGHTS",
+                                    {"UpdateWeights", "update_weights"})
+    assert not layer_counts._names_kind(ast.parse("pauses = 1"), "PAUSE", {"Pause", "pause"})
+    dispatch = [node for node in ast.walk(ast.parse(
+        "if state == 'paused': pass\nif reply.kind in ('a', 'b'): pass\nif name == 'x': pass\nif mode == m: pass"))
+        if isinstance(node, ast.Compare)]
+    assert [layer_counts._is_string_dispatch(node) for node in dispatch] == [True, True, False, False]
+    long = layer_counts.long_files()
+    assert all(lines > layer_counts.MAX_LINES for lines in long.values())
+    twice = layer_counts.types_declared_twice()
+    assert all(len(paths) > 1 for paths in twice.values())
+
+
+def test_the_traced_paths_see_the_request_s_forms_threads_and_ids():
+    figures = layer_counts.counts(traced=True)
+    grpo, chat = figures["grpo_generate"], figures["openai_chat"]
+    assert {"rollout.wire.messages.Generate", "rollout.types.RolloutBatch", "bytes"} <= set(grpo["forms"])
+    assert "rollout.http.schemas.ChatCompletionRequest" in chat["forms"]
+    for path in (grpo, chat):
+        assert "engine-loop" in path["threads"] and "request_id" in path["id_names"]
+        assert path["forms_in"] and path["forms_out"]
+        assert not any(form.startswith(("inference.sched", "inference.runner")) for form in path["forms"])
