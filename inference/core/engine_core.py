@@ -5,7 +5,8 @@ groups, reservations, preemption), the context (slots, token buffers, block tabl
 `CacheManager` (KV buffer with its block allocator and prefix cache, per-request state pool), the
 `ModelRunner` (persistent inputs, the model's forward, the sampler) and the `WeightManager`
 (policy version, trainer binding, staged updates). Suspend / resume is the core asking each part
-to release and re-acquire what it holds.
+to release and re-acquire what it holds (`sleep.py`); a request's checks before it queues are
+`admission.py`'s.
 
 The core is single-threaded: its client (`DynamicInferenceEngine`) serialises every call. It
 keeps no outputs: each finished request goes to `on_finished` and each streamed token to
@@ -21,20 +22,18 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from inference.cache.manager import CacheManager, OffloadedCaches
+from inference.cache.manager import CacheManager
 from inference.config import InferenceConfig, PauseMode, SuspendedAddPolicy, SuspendPolicy, UpdatePolicy
+from inference.core import admission
 from inference.core import outputs as out_ops
 from inference.core.ep_step import ExpertParallelSteps
-from inference.core.memory import SuspendReport, available_device_memory, memory_in_use
+from inference.core.memory import SuspendReport
+from inference.core.sleep import Sleep
 from inference.core.speculative_step import SpeculativeSteps
-from inference.core.states import EngineState, OnFinished, OnTokens, memory_parts
+from inference.core.states import EngineState, OnFinished, OnTokens
+from inference.core.stats import core_stats
 from inference.errors import (
-    BlockOverflowError,
     EngineStateError,
-    MaxSequenceLengthOverflowError,
-    OverloadedError,
-    RequestOverflowError,
-    ResumeMemoryError,
     StaleSessionError,
     TensorStateDeallocatedError,
     WeightNameError,
@@ -48,7 +47,6 @@ from inference.runner.model_runner import ModelRunner
 from inference.sampling.grammar import GrammarCompiler
 from inference.sampling.params import SamplingParams
 from inference.sampling.seeds import make_generator, sample_seed
-from inference.sched import offload
 from inference.sched.block_registration import register_full_blocks
 from inference.sched.context import DynamicInferenceContext
 from inference.sched.scheduler import Scheduler
@@ -98,8 +96,7 @@ class EngineCore:
         self.state = EngineState.RUNNING
         self.pause_mode: Optional[PauseMode] = None
         self._before_suspend: tuple[EngineState, Optional[PauseMode]] = (EngineState.RUNNING, None)
-        self.asleep: set[str] = set()  # the MEMORY_TAGS suspended now (one writer: suspend / resume)
-        self._offloaded: Optional[OffloadedCaches] = None
+        self.sleep = Sleep(self)  # the parts asleep, and what a suspend took to host
         self.num_steps = 0
         self.generated_tokens = 0
         self.stale_aborted = self.stale_restarted = 0  # samples handled by max_staleness
@@ -124,11 +121,11 @@ class EngineCore:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        prompt = self._validate_prompt(prompt_token_ids)
+        prompt = admission.validate_prompt(prompt_token_ids, self.vocab_size)
         for tok in params.stop_token_ids:
             if tok >= self.vocab_size:
                 raise ValueError(f"stop_token_ids: {tok} is outside the vocabulary of {self.vocab_size}")
-        self._check_processors(params)
+        admission.check_processors(params, self.vocab_size)
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)  # NOTE: cached: add_checked takes it again
         if params.session_id is not None and params.session_id in self.scheduler.salts.stale:
@@ -139,21 +136,13 @@ class EngineCore:
             self.loras.current(params.lora_name)  # raises the typed LoRANotFoundError
         if params.return_routed_experts and self.runner.routes is None:
             raise ValueError("return_routed_experts: this model has no experts (only MoE models record routes)")
-        self._check_fits(prompt, params)
+        admission.check_fits(prompt, params, self.config, self.allocator.total)
         return prompt, params
 
     def check_room(self, samples: int) -> None:
         """Refuse a request of `samples` samples (prompts x n, all of one call) that passes the
-        admission bounds, changing nothing: more than one request may ask for (`ValueError`), or more
-        than the waiting queue has room for now (`OverloadedError`: retry once it drained)."""
-        cfg = self.config
-        if samples > cfg.max_samples_per_request:
-            raise ValueError(f"max_samples_per_request: the request asks for {samples} samples (prompts x n); "
-                             f"this engine takes at most {cfg.max_samples_per_request} in one request")
-        waiting = self.scheduler.num_waiting_samples
-        if waiting + samples > cfg.max_waiting_samples:
-            raise OverloadedError(f"overloaded: {waiting} samples wait for a slot and {samples} more would pass "
-                                  f"max_waiting_samples={cfg.max_waiting_samples}; retry later")
+        admission bounds, changing nothing (`admission.check_room`)."""
+        admission.check_room(samples, self.config, self.scheduler.num_waiting_samples)
 
     def add_checked(self, prompt: list[int], params: SamplingParams, *, stream_tokens: bool = False,
                     client: str = SHARED_CLIENT) -> list[int]:
@@ -193,50 +182,6 @@ class EngineCore:
 
     def lora_infos(self) -> list[AdapterInfo]:
         return self.loras.infos()
-
-    def _check_processors(self, params: SamplingParams) -> None:
-        """The processors' token ids must lie in the vocabulary (as vLLM checks them)."""
-        vocab = self.vocab_size
-        named = [("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())]
-        named += [("bad_words_token_ids", seq) for seq in params.bad_words_token_ids or ()]
-        for name, ids in named:
-            for tok in ids:
-                if tok >= vocab:
-                    raise ValueError(f"{name}: token {tok} is outside the vocabulary of {vocab}")
-
-    def _validate_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
-        if isinstance(prompt_token_ids, (torch.Tensor, np.ndarray)):
-            prompt_token_ids = prompt_token_ids.tolist()
-        if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Sequence):
-            raise ValueError(f"prompt_token_ids must be a sequence of ints, got {type(prompt_token_ids).__name__}")
-        prompt = list(prompt_token_ids)
-        if not prompt:
-            raise ValueError("prompt_token_ids must not be empty")
-        for tok in prompt:
-            if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)):
-                raise ValueError(f"prompt_token_ids must hold ints, got {tok!r}")
-            if not 0 <= tok < self.vocab_size:
-                raise ValueError(f"prompt_token_ids: token {tok} is outside the vocabulary of {self.vocab_size}")
-        return [int(t) for t in prompt]
-
-    def _check_fits(self, prompt: list[int], params: SamplingParams) -> None:
-        cfg = self.config
-        total = len(prompt) + params.max_tokens
-        if total > cfg.max_sequence_length:
-            raise MaxSequenceLengthOverflowError(
-                None, f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) > max_sequence_length "
-                f"({cfg.max_sequence_length})"
-            )
-        blocks = -(-total // cfg.block_size)
-        if blocks > self.allocator.total:
-            raise BlockOverflowError(
-                None, f"needs {blocks} KV blocks at full length; the pool has {self.allocator.total}",
-                is_transient=False,
-            )
-        if params.n > cfg.max_requests:
-            raise RequestOverflowError(
-                None, f"n={params.n} samples exceed max_requests={cfg.max_requests}", is_transient=False
-            )
 
     def abort(self, request_id: int) -> bool:
         """Finish a request now with reason `abort` (partial tokens kept); False if unknown/done."""
@@ -375,103 +320,28 @@ class EngineCore:
 
     def suspend(self, policy: Optional[SuspendPolicy] = None, *, offload_weights: bool = False,
                 tags: Optional[Collection[str]] = None, discard_weights: bool = False) -> SuspendReport:
-        """Free memory for a colocated trainer, by part (`MEMORY_TAGS`): `kv_cache` (the KV and
-        state buffers, the step workspaces) and `weights` (the engine's own weight storage, moved
-        to host, or with `discard_weights` dropped: vLLM's sleep level 2). `tags` None: the KV
-        cache, and the weights too with `offload_weights` or `discard_weights`.
-
-        Each part sleeps once: a part already asleep is left as it is (a no-op when all are). The
-        first part to sleep suspends the engine; in-flight requests follow `policy` (default: the
-        config's; OFFLOAD keeps them in place while their KV stays).
-        """
-        parts = memory_parts(tags, offload_weights or discard_weights)
-        new = parts - self.asleep
-        if not new:
-            return SuspendReport.nothing()
-        policy = SuspendPolicy(policy or self.config.suspend_policy)
-        device = self.kv_cache.device
-        before = memory_in_use(device)
-        aborted = requeued = offloaded = 0
-        if not self.asleep:  # NOTE: the first part asleep stops generation; requests follow the policy
+        """Free memory for a colocated trainer, by part (`Sleep.suspend`); the first part to sleep
+        suspends the engine, which resumes to the state it left (or that a pause asked for since)."""
+        if not self.sleep.asleep:
             self._before_suspend = (self.state, self.pause_mode)
-            if policy is SuspendPolicy.ABORT:
-                aborted = self.abort_all()
-            elif policy is SuspendPolicy.RECOMPUTE:
-                requeued = self.scheduler.requeue_in_slot_requests()
-            elif "kv_cache" in new:
-                offloaded = self._offload_in_slot_requests()
-        buffer_bytes = workspace = weight_bytes = 0
-        if "kv_cache" in new:
-            if self.asleep and policy is SuspendPolicy.OFFLOAD and self._offloaded is None:
-                offloaded = self._offload_in_slot_requests()  # NOTE: kept in place while the KV stayed
-            buffer_bytes = self.caches.release()  # every cached block goes with the buffers
-            workspace = self.runner.release_workspace()  # CUDA graphs and their memory pool too
-        if "weights" in new:
-            weight_bytes = self.weights.discard() if discard_weights else self.weights.offload()
-            weight_bytes += self.lora_offload.offload(self.loras.resident())  # NOTE: to host at either level
-        self.weights.drop_spare()  # NOTE: spare staging buffers are the trainer's memory now too
-        freed = max(0, before - memory_in_use(device))
-        self.asleep |= new
-        self.state = EngineState.SUSPENDED
-        report = SuspendReport(buffer_bytes, workspace, weight_bytes, freed, aborted, requeued, offloaded)
-        logger.info("suspended %s: %s", sorted(new), report)
+        report = self.sleep.suspend(policy, offload_weights=offload_weights, tags=tags,
+                                    discard_weights=discard_weights)
+        if self.sleep.asleep:
+            self.state = EngineState.SUSPENDED
         return report
 
+    @property
+    def asleep(self) -> set[str]:
+        """The `MEMORY_TAGS` suspended now (`Sleep.asleep`)."""
+        return self.sleep.asleep
+
     def resume(self, tags: Optional[Collection[str]] = None) -> None:
-        """Re-allocate what suspend freed, by part (`tags` None: all that sleeps; a part awake
-        already is left as it is). Generation goes on once no part sleeps. Raises
-        `ResumeMemoryError` (nothing woken) if the memory is not there, and `EngineStateError` for
-        a `resume()` of all while nothing sleeps."""
-        if not self.asleep:
-            if tags is None:
-                raise EngineStateError(f"resume() without suspend(): the engine is {self.state.value}")
-            memory_parts(tags, False)  # NOTE: still refuses an unknown tag
-            return
-        wake = set(self.asleep) if tags is None else memory_parts(tags, False) & self.asleep
-        if not wake:
-            return
-        device = self.kv_cache.device
-        needed = (self.caches.nbytes if "kv_cache" in wake else 0) + (
-            self.weights.offloaded_bytes() + self.weights.discarded_bytes() + self.lora_offload.nbytes
-            if "weights" in wake else 0)
-        free = available_device_memory(device)
-        if needed > free:
-            raise ResumeMemoryError(f"resume needs {needed} bytes on {device}, {free} available; still suspended")
-        if "weights" in wake:
-            try:
-                self.weights.restore()
-                self.lora_offload.restore()
-            except (RuntimeError, MemoryError, OSError) as exc:
-                if self.lora_offload.nbytes:  # NOTE: the adapters' restore failed: the weights go back too
-                    self.weights.offload()
-                raise ResumeMemoryError(f"resume could not allocate the weights ({exc}); still suspended") from exc
-        if "kv_cache" in wake:
-            try:
-                self.caches.reacquire()
-            except (RuntimeError, MemoryError, OSError) as exc:  # an allocation failed: undo, stay suspended
-                if "weights" in wake and "weights" in self.asleep:
-                    self.weights.offload()
-                raise ResumeMemoryError(f"resume could not allocate its buffers ({exc}); still suspended") from exc
-            self._restore_offloaded_requests()
-        self.asleep -= wake
-        if not self.asleep:
-            self.runner.reacquire()  # CUDA graphs captured again, over the weights and buffers both back
+        """Re-allocate what suspend freed, by part (`Sleep.resume`); generation goes on once no part
+        sleeps. `EngineStateError` for a `resume()` of all while nothing sleeps."""
+        if not self.sleep.asleep and tags is None:
+            raise EngineStateError(f"resume() without suspend(): the engine is {self.state.value}")
+        if self.sleep.resume(tags) and not self.sleep.asleep:
             self.state, self.pause_mode = self._before_suspend
-
-    def _offload_in_slot_requests(self) -> int:
-        """Copy what every request in a slot holds (KV blocks, state) to host; slots stay as they are."""
-        ctx = self.context
-        held = offload.held_block_ids(ctx)
-        if held.size:
-            self._offloaded = self.caches.offload(held, ctx.held_state_slots())
-            offload.detach_blocks(ctx)  # NOTE: the pool reset that follows takes their references
-        return len(ctx.active) + len(ctx.paused)
-
-    def _restore_offloaded_requests(self) -> None:
-        saved, self._offloaded = self._offloaded, None
-        if saved is not None:
-            fresh, rows = offload.reattach_blocks(self.context, saved.block_ids)
-            self.caches.restore(saved, fresh, rows)
 
     # ---- weights -----------------------------------------------------------------------------
 
@@ -597,47 +467,5 @@ class EngineCore:
         return float(self._kv_trace[idx].max()) / self.allocator.total
 
     def stats(self) -> dict:
-        pool = self.allocator.stats()
-        by_client = self.scheduler.waiting_samples()
-        return {
-            "state": self.state.value,
-            "asleep": ",".join(sorted(self.asleep)),
-            "pause_mode": None if self.pause_mode is None else self.pause_mode.value,
-            "dtype": str(self.model.spec.dtype).removeprefix("torch."),
-            "block_size": self.config.block_size,
-            "max_requests": self.config.max_requests,
-            "max_sequence_length": self.config.max_sequence_length,
-            "max_loras": self.config.max_loras,
-            "max_lora_rank": self.config.max_lora_rank,
-            "lora_resident_versions": self.loras.resident_versions,  # every version of every adapter held
-            "lora_adapter_bytes": self.loras.adapter_bytes,
-            "steps": self.num_steps,
-            "generated_tokens": self.generated_tokens,
-            "prefill_tokens": self.context.prefill_tokens,
-            "prefix_cached_tokens": self.context.prefix_cached_tokens,
-            "prompt_logprobs_cached": self.context.prompt_logprobs_cached,
-            "prefix_hit_blocks": pool.hit_blocks,
-            "prefix_hit_rate": pool.hit_rate,
-            "cross_version_prefix_hits": self.context.cross_version_hits,
-            "prefix_cache_policy": self.config.prefix_cache_policy.value,
-            "sessions": self.scheduler.salts.session_count(),
-            "stale_aborted": self.stale_aborted,
-            "stale_restarted": self.stale_restarted,
-            **{f"prefix_blocks_version_{v}": n for v, n in sorted(self.allocator.blocks_by_version().items())},
-            "policy_version": self.policy_version,
-            "weights_serving_error": self.weights.serving_error,
-            "weights_spare_bytes": self.weights.spare_bytes(),
-            "waiting": len(self.scheduler.waiting),
-            "waiting_samples": self.scheduler.num_waiting_samples,
-            "waiting_clients": len(by_client),
-            "waiting_samples_largest_client": max(by_client.values(), default=0),
-            "max_waiting_samples": self.config.max_waiting_samples,
-            "max_samples_per_request": self.config.max_samples_per_request,
-            "preemptions": self.scheduler.num_preemptions,
-            **self.context.get_kvcache_utilization_stats(),
-            **self.caches.stats(),
-            **self.runner.stats(),
-            **(self.ep.stats() if self.ep is not None else {}),
-            **(self.speculation.stats() if self.speculation is not None else {}),
-            **(self.context.state_prefix.stats() if self.context.state_prefix is not None else {}),
-        }
+        """Counters and settings by name (`stats.core_stats`)."""
+        return core_stats(self)

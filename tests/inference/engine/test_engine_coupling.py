@@ -79,7 +79,7 @@ def test_resume_without_memory_fails_cleanly_and_stays_suspended(llama, monkeypa
     rid = engine.add_request([3, 4, 5, 6, 7], GREEDY)
     engine.step()
     engine.suspend()
-    monkeypatch.setattr("inference.core.engine_core.available_device_memory", lambda device: 1024)
+    monkeypatch.setattr("inference.core.sleep.available_device_memory", lambda device: 1024)
     with pytest.raises(ResumeMemoryError):
         engine.resume()
     assert engine.state is EngineState.SUSPENDED and not engine.kv_cache.is_allocated
