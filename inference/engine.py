@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -26,20 +26,17 @@ from typing import Any, Optional, Union
 import torch
 
 from inference.calls import CoreCalls
-from inference.config import InferenceConfig, PauseMode, SuspendPolicy, UpdatePolicy
+from inference.config import InferenceConfig, PauseMode, SuspendPolicy
 from inference.core.engine_core import EngineCore
 from inference.core.memory import SuspendReport
 from inference.core.states import EngineState
-from inference.errors import EngineStateError, LoRALoadError
+from inference.engine_lora import LoRACalls
+from inference.engine_weights import WeightCalls
+from inference.errors import EngineStateError
 from inference.kv_cache.events import KVEventListener
-from inference.lora import AdapterInfo, AdapterRef, LoRAAdapter, load_live_peft_adapter, load_peft_adapter
-from inference.lora.adapter import AdapterShape, adapter_from_tensors, check_adapter_shapes
 from inference.request import SHARED_CLIENT, RequestOutput, TokenEvent
 from inference.sampling.params import SamplingParams
 from inference.streams import Callback, PendingAdmission, RequestStream
-from inference.weights.adapters import WeightAdapter
-from inference.weights.manager import NamedTensors
-from inference.weights.staging import Staging
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +57,7 @@ class _StepChannel:
             self.outbox.append(item)
 
 
-class DynamicInferenceEngine:
+class DynamicInferenceEngine(WeightCalls, LoRACalls):
     """Serves many requests at once on one model replica, next to its trainer (see module doc).
 
     Invariants: every request added is, at any time, waiting, in a slot, or finished with its
@@ -460,118 +457,8 @@ class DynamicInferenceEngine:
         suspended) if it can't."""
         self.calls.run(self.core.resume, tags)
 
-    # ---- weights -----------------------------------------------------------------------------
-
-    def bind_trainer_model(self, module: Any, adapter: Optional[WeightAdapter] = None) -> Any:
-        """Alias the trainer's parameters (an HF `*ForCausalLM`, or another layout through its
-        `adapter`: megatron-core's is `weight_sync.MEGATRON_ADAPTER`); returns the bind report.
-        Call `on_weights_updated()` after each optimizer step."""
-        return self.calls.run(self.core.bind_trainer_model, module, adapter)
-
-    def on_weights_updated(self, policy: Optional[UpdatePolicy] = None) -> int:
-        """The aliased weights changed in place: version + 1, prefix cache reset; no bytes move."""
-        return self.calls.run(self.core.on_weights_updated, policy)
-
-    def update_weights(self, named_tensors: NamedTensors, version: Optional[int] = None, *,
-                       policy: Optional[UpdatePolicy] = None, partial: bool = False,
-                       adapter: Optional[WeightAdapter] = None) -> int:
-        """Copy weights in (HF names, or another layout's through its `adapter`), committed under a
-        new version (returned). Names, shapes and dtypes are all checked first: on a typed error
-        nothing changed."""
-        return self.calls.run(self.core.update_weights, named_tensors, version, policy=policy, partial=partial,
-                          adapter=adapter)
-
-    def begin_update(self, version: Optional[int] = None, staging: Staging = Staging.DOUBLE, *,
-                     partial: bool = False, retain_staging: bool = False) -> None:
-        """Open a staged weight update: `double` keeps serving the old weights until commit;
-        `in_place` writes into the live ones and refuses to generate until a complete commit.
-        `retain_staging` (double): the replaced weights become the next update's buffers (no
-        allocation per update; a second copy of the weights is held until `suspend`)."""
-        self.calls.run(self.core.begin_update, version, staging, partial=partial, retain_staging=retain_staging)
-
-    def load_weights(self, named_tensors: NamedTensors, adapter: Optional[WeightAdapter] = None) -> int:
-        """One bucket of the open update (checked before it is written; another layout's names
-        through its `adapter`); names loaded so far."""
-        return self.calls.run(self.core.load_weights, named_tensors, adapter)
-
-    def staging_buffers(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
-        """The open double-staged update's buffers by name, for a transport to write into
-        directly; `load_weights` of these very tensors then adopts them without a copy."""
-        return self.calls.run(self.core.staging_buffers, names)
-
-    def commit_update(self, policy: Optional[UpdatePolicy] = None) -> int:
-        """Make the loaded weights live; version changes and the prefix cache resets, once."""
-        return self.calls.run(self.core.commit_update, policy)
-
-    def abort_update(self) -> None:
-        """Drop the open update (see `begin_update` for what each staging leaves behind)."""
-        self.calls.run(self.core.abort_update)
-
     def reset_prefix_cache(self) -> None:
         self.calls.run(self.core.reset_prefix_cache)
-
-    # ---- LoRA adapters -----------------------------------------------------------------------
-
-    def load_lora(self, name: str, path: Union[str, Path], *,
-                  where: Optional[Callable[[str], None]] = None) -> AdapterRef:
-        """Load the PEFT adapter in directory `path` as `name` (again: its next version; requests
-        in flight finish on the version they started with). Read and checked on the caller's thread
-        (call it off the loop: a read is the disk's time), so a bad adapter raises its typed
-        `LoRAError` and the engine serves on untouched; `where(real_path)` may refuse the opened
-        directory (`inference.lora.files`)."""
-        if not isinstance(name, str) or not name:
-            raise LoRALoadError(f"lora_name must be a non-empty string, got {name!r}")
-        model = self.core.model
-        adapter = load_peft_adapter(str(path), name, model, max_rank=self.core.config.max_lora_rank,
-                                    dtype=model.spec.dtype, device=model.device, where=where)
-        return self.calls.run(self.core.add_lora, adapter)
-
-    def load_lora_from_peft(self, name: str, peft_model: Any, adapter_name: str = "default", *,
-                            share: bool = False) -> AdapterRef:
-        """Load adapter `adapter_name` of a live PEFT model (a trainer's) as the next version of
-        `name`: its LoRA tensors are copied as they are now (bytes of the adapter only; the base
-        weights are untouched), or with `share` aliased (colocated, zero copy: the trainer's in-place
-        optimizer steps are what the engine reads; call again after each step for the next version,
-        whose prefix-cache blocks never match the last one's). Checked as `load_lora` checks a directory."""
-        model = self.core.model
-        adapter = load_live_peft_adapter(peft_model, name, model, max_rank=self.core.config.max_lora_rank,
-                                         dtype=model.spec.dtype, device=model.device, adapter_name=adapter_name,
-                                         share=share)
-        return self.calls.run(self.core.add_lora, adapter)
-
-    def build_lora(self, name: str, tensors: dict[str, torch.Tensor], *, alpha: float,
-                   rslora: bool = False) -> LoRAAdapter:
-        """An adapter of PEFT-named `tensors` (`base_model.model.<module>.lora_{A,B}.weight`: what a
-        trainer's sync sends) checked against this model and `max_lora_rank`, on the caller's thread;
-        typed `LoRAError`s. `add_lora` makes it resident."""
-        self._check_lora_name(name)
-        model = self.core.model
-        return adapter_from_tensors(tensors, name, model, alpha=alpha, rslora=rslora,
-                                    max_rank=self.core.config.max_lora_rank, dtype=model.spec.dtype,
-                                    device=model.device)
-
-    def check_lora_shapes(self, name: str, shapes: dict[str, tuple[int, ...]]) -> AdapterShape:
-        """`build_lora`'s checks on names and shapes alone (a sync's, before a byte arrives)."""
-        self._check_lora_name(name)
-        return check_adapter_shapes(shapes, name, self.core.model, max_rank=self.core.config.max_lora_rank)
-
-    @staticmethod
-    def _check_lora_name(name: str) -> None:
-        if not isinstance(name, str) or not name:
-            raise LoRALoadError(f"lora_name must be a non-empty string, got {name!r}")
-
-    def add_lora(self, adapter: LoRAAdapter, version: Optional[int] = None) -> AdapterRef:
-        """Make `adapter` (from `build_lora`) the current version of its name: `version`, or (None)
-        the next one; requests in flight finish on theirs (PIN)."""
-        return self.calls.run(self.core.add_lora, adapter, version)
-
-    def unload_lora(self, name: str) -> None:
-        """Unload adapter `name`: `LoRANotFoundError`, or `LoRAInUseError` while requests use it."""
-        self.calls.run(self.core.remove_lora, name)
-
-    def list_loras(self) -> list[AdapterInfo]:
-        """The loaded adapters (current versions), by name."""
-        return self.calls.run(self.core.lora_infos)
 
     def end_session(self, session_id: str) -> bool:
         """A session's trajectory is over (SkyRL's `/finish_session`): its salted version's blocks are
