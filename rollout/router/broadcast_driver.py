@@ -1,0 +1,120 @@
+"""The router's control broadcast, driven from its `ReplicaSet` (a mixin over its links, attempts and
+fleet state): a control request sent to every replica that is up (a weight group's broadcast: and to
+those lagging), the fleet's state moved once all answered, replicas that failed it taken out, and
+after a weight update the attempts started too many versions ago recomputed or aborted."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+
+from inference.config import StalePolicy
+from rollout.router.broadcast import Fanout
+from rollout.router.links import ReplicaLink, ReplicaState
+from rollout.wire.codec import encode
+from rollout.wire.kinds import Kind
+from rollout.wire.messages import (
+    Abort,
+    DestroyWeightsUpdateGroup,
+    InitWeightsUpdateGroup,
+    RequestMessage,
+    SyncLora,
+    UpdateWeights,
+)
+from weight_sync.sources import DeltaSource, DistributedSource, SharedMemorySource
+
+KINDS = {cls: Kind(cls.__struct_config__.tag) for cls in RequestMessage.__args__}
+_STATEFUL = {Kind.PAUSE, Kind.CONTINUE, Kind.SUSPEND, Kind.RESUME, Kind.UPDATE_WEIGHTS, Kind.RESET_PREFIX_CACHE}
+
+
+def carries_weights(msg: RequestMessage) -> bool:
+    """A broadcast of the trainer's weight group: forming or leaving it, or weights moved in memory
+    over it (a broadcast, a shared-memory segment, a delta with its full manifest, an adapter).
+    A directory or a version alone is not: the first is replayed per replica, the second moves no
+    weights (it would mislabel a lagging replica's old ones)."""
+    if isinstance(msg, UpdateWeights):
+        return isinstance(msg.source, (DistributedSource, SharedMemorySource, DeltaSource))
+    return isinstance(msg, (InitWeightsUpdateGroup, DestroyWeightsUpdateGroup, SyncLora))
+
+
+class ControlBroadcast:
+    """`ReplicaSet`'s control broadcast (module docstring); the state it reads and writes is the set's."""
+
+    links: Any
+    fleet: Any
+    attempts: Any
+
+    def broadcast(self, fan: Fanout, now: float) -> None:
+        """Send `fan.msg` to every replica that is up (a weight group's broadcast: and to those
+        `lagging`); `Sink.control_done` once all answered."""
+        fan.broadcast = True
+        if KINDS[type(fan.msg)] is Kind.UPDATE_WEIGHTS:
+            self._updating += 1
+            fan.on_done = self._update_done
+        up = [link for link in self.links.values() if link.state is ReplicaState.UP]
+        if carries_weights(fan.msg):
+            up += self.lagging(now)
+        offset = fan.msg.rank_offset if isinstance(fan.msg, InitWeightsUpdateGroup) else None
+        if offset is not None:
+            # NOTE: the fleet stands for one engine of len(up) workers, as vLLM's and SGLang's
+            # rank_offset means: worker i (replicas in name order) is rank rank_offset + i
+            up.sort(key=lambda link: link.name)
+        for i, link in enumerate(up):
+            msg = fan.msg if offset is None else msgspec.structs.replace(fan.msg, rank_offset=offset + i)
+            self.send_part(link, fan, msg)
+        if fan.done:
+            self._fanout_done(fan, now)
+
+    def lagging(self, now: float) -> list[ReplicaLink]:
+        """Replicas out only because they lag: healthy, on another policy version than the fleet's,
+        with no update the router could replay to them (`FleetState.sync_plan`: only a directory
+        can be read again). What brings them back is the trainer's next in-memory update, so the
+        weight group's broadcasts (`carries_weights`) reach them too: they join the group with the
+        others, a full sync (a delta's full manifest) moves them to the fleet's version, and their
+        next health reply brings them up. They are never routed requests meanwhile."""
+        fleet = self.fleet
+        return [link for link in self.links.values()
+                if link.state is ReplicaState.DOWN and link.looks_healthy(now) and fleet.version is not None
+                and link.version != fleet.version and fleet.last_update is None]
+
+    def _fanout_done(self, fan: Fanout, now: float) -> None:
+        kind = KINDS[type(fan.msg)]
+        if fan.broadcast and kind in _STATEFUL and fan.succeeded:
+            versions = [v for r in fan.succeeded if (v := fan.replies[r].policy_version) is not None]
+            self.fleet.applied(fan.msg, max(versions) if kind is Kind.UPDATE_WEIGHTS and versions else None)
+            for name in fan.failed:
+                if name in self.links:
+                    self.take_out(self.links[name], f"{kind.name} failed: {fan.replies[name].message}", now)
+            for name in fan.succeeded:
+                link = self.links.get(name)
+                if link is not None and link.state is ReplicaState.DOWN and kind is Kind.UPDATE_WEIGHTS:
+                    link.heard(now, fan.replies[name].policy_version)  # a lagging one, in step again:
+                    link.retry_at = now  # NOTE: up at its next health reply (`_sync`), not after a back-off
+                elif link is not None and link.version != self.fleet.version:
+                    self.take_out(link, f"at policy version {link.version}, the fleet at {self.fleet.version}", now)
+        if fan.on_done is not None:
+            fan.on_done(fan)
+        if fan.peer is not None:
+            self._sink.control_done(fan)
+
+    def _update_done(self, fan: Fanout) -> None:
+        self._updating -= 1
+        if fan.succeeded:
+            self._sweep_stale(time.monotonic())
+
+    def _sweep_stale(self, now: float) -> None:
+        """After an update: attempts started too many versions ago are recomputed (or aborted)."""
+        limit, version = self.max_staleness, self.fleet.version
+        if limit is None or version is None:
+            return
+        for attempt in [a for a in self.attempts.values() if a.version < version - limit and not a.aborting]:
+            self.links[attempt.replica].send(encode(Abort(request_id=self.next_id("x"), targets=[attempt.id])))
+            if self.stale_policy is StalePolicy.ABORT:
+                attempt.aborting = True
+                self.metrics.count("stale_aborted", len(attempt.left))
+                continue
+            self.metrics.count("stale_recomputed", len(attempt.left))
+            self._retire(attempt)
+            self.dispatch(attempt.record, attempt.owed(), now)
