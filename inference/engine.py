@@ -30,8 +30,8 @@ from inference.config import InferenceConfig, PauseMode, SuspendPolicy
 from inference.core.engine_core import EngineCore
 from inference.core.memory import SuspendReport
 from inference.core.states import EngineState
-from inference.engine_lora import LoRACalls
-from inference.engine_weights import WeightCalls
+from inference.engine_lora import EngineLoRACalls
+from inference.engine_weights import EngineWeightCalls
 from inference.errors import EngineStateError
 from inference.kv_cache.events import KVEventListener
 from inference.request import SHARED_CLIENT, RequestOutput, TokenEvent
@@ -57,7 +57,7 @@ class _StepChannel:
             self.outbox.append(item)
 
 
-class DynamicInferenceEngine(WeightCalls, LoRACalls):
+class DynamicInferenceEngine(EngineWeightCalls, EngineLoRACalls):
     """Serves many requests at once on one model replica, next to its trainer (see module doc).
 
     Invariants: every request added is, at any time, waiting, in a slot, or finished with its

@@ -14,7 +14,7 @@ from inference.lora import AdapterInfo, AdapterRef, LoRAAdapter, load_live_peft_
 from inference.lora.adapter import AdapterShape, adapter_from_tensors, check_adapter_shapes
 
 
-class LoRACalls:
+class EngineLoRACalls:
     """The LoRA calls of `DynamicInferenceEngine` (module docstring)."""
 
     core: Any  # the EngineCore

@@ -15,7 +15,7 @@ from inference.weights.manager import NamedTensors
 from inference.weights.staging import Staging
 
 
-class WeightCalls:
+class EngineWeightCalls:
     """The weight calls of `DynamicInferenceEngine` (module docstring)."""
 
     core: Any  # the EngineCore

@@ -2,7 +2,7 @@
 the engine's loop (its one command queue) or answered without the engine.
 
 Nothing here waits: an engine call is `engine.post(...)`, a weight call the receiver's
-`apply` / `join_group` / `leave_group`; each returns a `Future` whose done-callback puts a `Reply`
+`apply` / `join_group` / `leave_group`; each returns a `Future` whose done-callback puts a `CallReply`
 into the endpoint's mailbox, and the socket thread sends the answer when it drains it. So a WAIT
 pause (answered once the engine drained) and a weight update (answered at its commit) never hold
 up the calls behind them. Order is the loop's: a control call posted after a Generate runs after
@@ -52,7 +52,7 @@ COUNTED = {Pause: "pauses", Suspend: "suspends", Resume: "resumes", UpdateWeight
 
 
 @dataclass(slots=True)
-class Reply:
+class CallReply:
     """A posted call finished: `render(value)` is what the reply's `Result` carries beyond its
     version (`stats`, `sleeping`; empty: nothing)."""
 
@@ -109,7 +109,7 @@ class ServerCalls:
     def _answer(self, peer: Optional[bytes], msg: RequestMessage, future: Future,
                 render: Callable[[Any], dict] = lambda value: {}) -> None:
         mailbox = self.server.endpoint.mailbox
-        future.add_done_callback(lambda f: mailbox.put(Reply(peer, msg, f, render)))
+        future.add_done_callback(lambda f: mailbox.put(CallReply(peer, msg, f, render)))
 
     def simple(self, peer: bytes, msg: Any, now: float) -> None:
         engine = self.engine

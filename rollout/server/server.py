@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from inference import DynamicInferenceEngine, RequestOutput, SamplingParams, TokenEvent
-from rollout.server.dispatch import COUNTED, Reply, ServerCalls
+from rollout.server.dispatch import COUNTED, CallReply, ServerCalls
 from rollout.server.kv_log import KvEventLog
 from rollout.service.endpoint import EndpointConfig, ServiceEndpoint
 from rollout.service.metrics import _wire_values
@@ -232,7 +232,7 @@ class RolloutServer:
             if isinstance(result, Exception):
                 self.endpoint.refuse(record, error_reply(result, record.request_id))
 
-    def _reply(self, item: Reply) -> None:
+    def _reply(self, item: CallReply) -> None:
         error = item.future.exception()
         if item.peer is None:  # an abort of a silent client's requests: nobody to answer
             return
@@ -259,5 +259,5 @@ class _Submitted:
 
 # the posted calls' mail, each to its one handler (a sample's output or tokens: `_on_mail` itself)
 _MAIL: dict[type, Callable[[RolloutServer, Any], None]] = {
-    _Submitted: RolloutServer._submitted, Reply: RolloutServer._reply,
+    _Submitted: RolloutServer._submitted, CallReply: RolloutServer._reply,
 }

@@ -11,7 +11,7 @@ from inference import errors
 from inference.models.dense.decoder import DenseDecoder
 from tests.weight_sync.paged import random_hf_tensors, tiny_spec
 from weight_sync.megatron.names import (
-    Layout,
+    FusedLayout,
     Naming,
     WeightNameError,
     WeightShapeError,
@@ -85,16 +85,16 @@ def test_qkv_interleave_matches_brute_force(num_kv_heads):
 def test_qkv_split_is_a_view_exactly_with_one_group(groups, per_group, head_dim, hidden):
     spec = tiny_spec(num_heads=groups * per_group, num_kv_heads=groups, head_dim=head_dim, hidden_size=hidden)
     fused = torch.randn((groups * (per_group + 2) * head_dim, hidden))
-    parts = split(fused, Layout.QKV, spec)
+    parts = split(fused, FusedLayout.QKV, spec)
     assert [p.shape[0] for p in parts] == [spec.q_size, spec.kv_size, spec.kv_size]
-    assert torch.equal(fuse(parts, Layout.QKV, spec), fused)
+    assert torch.equal(fuse(parts, FusedLayout.QKV, spec), fused)
     shares = [p.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr() for p in parts]
     assert shares == [groups == 1] * 3
 
 
 def test_gate_up_halves_are_contiguous_views_that_see_in_place_updates():
     fc1 = torch.randn(2 * 112, 64)
-    gate, up = split(fc1, Layout.GATE_UP, tiny_spec())
+    gate, up = split(fc1, FusedLayout.GATE_UP, tiny_spec())
     assert gate.is_contiguous() and up.is_contiguous()
     assert gate.data_ptr() == fc1.data_ptr() and up.data_ptr() == fc1.data_ptr() + 112 * 64 * fc1.element_size()
     fc1.add_(1.0)  # what an optimizer step does to megatron's parameter

@@ -37,7 +37,7 @@ from inference.models.layers import rope_inv_freq
 from inference.models.spec import ModelSpec, RopeKind
 from inference.weights.adapters import WeightAdapter
 from weight_sync.megatron.names import (
-    Layout,
+    FusedLayout,
     megatron_to_hf,
     spec_from_megatron_config,
     strided_parts,
@@ -202,7 +202,7 @@ def bind_megatron_tensors(
     return binding
 
 
-def _refresher(dst: torch.Tensor, param: torch.Tensor, layout: Layout, index: int, spec: ModelSpec):
+def _refresher(dst: torch.Tensor, param: torch.Tensor, layout: FusedLayout, index: int, spec: ModelSpec):
     def refresh() -> None:
         # NOTE: re-selected from the parameter on each call, so a replaced `param.data` is followed
         src = strided_parts(param.detach(), layout, spec)[index]

@@ -45,7 +45,7 @@ class Naming(enum.Enum):
     MEGATRON = "megatron"
 
 
-class Layout(enum.Enum):
+class FusedLayout(enum.Enum):
     IDENTITY = "identity"  # one megatron tensor is one HF tensor
     QKV = "qkv"  # fused q / k / v, interleaved by query group
     GATE_UP = "gate_up"  # fused [gate; up] along rows
@@ -57,25 +57,25 @@ class MegatronTensor:
 
     name: str
     hf_names: tuple[str, ...]
-    layout: Layout
+    layout: FusedLayout
 
 
 # megatron suffix under `decoder.layers.{i}.` -> (layout, HF suffixes under `model.layers.{i}.`)
 _LAYER = {
-    "input_layernorm.weight": (Layout.IDENTITY, ("input_layernorm.weight",)),
-    "self_attention.linear_qkv.layer_norm_weight": (Layout.IDENTITY, ("input_layernorm.weight",)),
-    "self_attention.linear_qkv.weight": (Layout.QKV, tuple(f"self_attn.{p}_proj.weight" for p in "qkv")),
-    "self_attention.linear_qkv.bias": (Layout.QKV, tuple(f"self_attn.{p}_proj.bias" for p in "qkv")),
-    "self_attention.q_layernorm.weight": (Layout.IDENTITY, ("self_attn.q_norm.weight",)),
-    "self_attention.k_layernorm.weight": (Layout.IDENTITY, ("self_attn.k_norm.weight",)),
-    "self_attention.linear_proj.weight": (Layout.IDENTITY, ("self_attn.o_proj.weight",)),
-    "self_attention.linear_proj.bias": (Layout.IDENTITY, ("self_attn.o_proj.bias",)),
-    "pre_mlp_layernorm.weight": (Layout.IDENTITY, ("post_attention_layernorm.weight",)),
-    "mlp.linear_fc1.layer_norm_weight": (Layout.IDENTITY, ("post_attention_layernorm.weight",)),
-    "mlp.linear_fc1.weight": (Layout.GATE_UP, ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
-    "mlp.linear_fc1.bias": (Layout.GATE_UP, ("mlp.gate_proj.bias", "mlp.up_proj.bias")),
-    "mlp.linear_fc2.weight": (Layout.IDENTITY, ("mlp.down_proj.weight",)),
-    "mlp.linear_fc2.bias": (Layout.IDENTITY, ("mlp.down_proj.bias",)),
+    "input_layernorm.weight": (FusedLayout.IDENTITY, ("input_layernorm.weight",)),
+    "self_attention.linear_qkv.layer_norm_weight": (FusedLayout.IDENTITY, ("input_layernorm.weight",)),
+    "self_attention.linear_qkv.weight": (FusedLayout.QKV, tuple(f"self_attn.{p}_proj.weight" for p in "qkv")),
+    "self_attention.linear_qkv.bias": (FusedLayout.QKV, tuple(f"self_attn.{p}_proj.bias" for p in "qkv")),
+    "self_attention.q_layernorm.weight": (FusedLayout.IDENTITY, ("self_attn.q_norm.weight",)),
+    "self_attention.k_layernorm.weight": (FusedLayout.IDENTITY, ("self_attn.k_norm.weight",)),
+    "self_attention.linear_proj.weight": (FusedLayout.IDENTITY, ("self_attn.o_proj.weight",)),
+    "self_attention.linear_proj.bias": (FusedLayout.IDENTITY, ("self_attn.o_proj.bias",)),
+    "pre_mlp_layernorm.weight": (FusedLayout.IDENTITY, ("post_attention_layernorm.weight",)),
+    "mlp.linear_fc1.layer_norm_weight": (FusedLayout.IDENTITY, ("post_attention_layernorm.weight",)),
+    "mlp.linear_fc1.weight": (FusedLayout.GATE_UP, ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+    "mlp.linear_fc1.bias": (FusedLayout.GATE_UP, ("mlp.gate_proj.bias", "mlp.up_proj.bias")),
+    "mlp.linear_fc2.weight": (FusedLayout.IDENTITY, ("mlp.down_proj.weight",)),
+    "mlp.linear_fc2.bias": (FusedLayout.IDENTITY, ("mlp.down_proj.bias",)),
 }
 _FUSED_NORM = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
                "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}  # fmt: skip
@@ -139,7 +139,7 @@ def megatron_layout(spec: ModelSpec, *, fused_norms: bool = False) -> dict[str, 
     out: dict[str, MegatronTensor] = {}
     for name, target in _GLOBAL.items():
         if target in hf:
-            out[name] = MegatronTensor(name, (target,), Layout.IDENTITY)
+            out[name] = MegatronTensor(name, (target,), FusedLayout.IDENTITY)
     skip = set(_FUSED_NORM) if fused_norms else set(_FUSED_NORM.values())  # one spelling per norm
     for i in range(spec.num_layers):
         for suffix, (layout, hf_suffixes) in _LAYER.items():
@@ -161,39 +161,39 @@ def megatron_weight_shapes(spec: ModelSpec, *, fused_norms: bool = False) -> dic
     }
 
 
-def strided_parts(fused: torch.Tensor, layout: Layout, spec: ModelSpec) -> tuple[torch.Tensor, ...]:
+def strided_parts(fused: torch.Tensor, layout: FusedLayout, spec: ModelSpec) -> tuple[torch.Tensor, ...]:
     """The HF tensors inside `fused` as views of it, each one strided tensor.
 
     GATE_UP parts and IDENTITY are HF-shaped already. QKV parts keep the group dimension:
     q `[ng, q_per_group, d, ...]`, k and v `[ng, d, ...]`; `.view(hf_shape)` of them succeeds
     exactly when the layout allows an alias (`ng == 1`).
     """
-    if layout is Layout.IDENTITY:
+    if layout is FusedLayout.IDENTITY:
         return (fused,)
-    if layout is Layout.GATE_UP:
+    if layout is FusedLayout.GATE_UP:
         return tuple(fused.chunk(2, dim=0))
     per_group = spec.num_heads // spec.num_kv_heads
     grouped = fused.unflatten(0, (spec.num_kv_heads, per_group + 2, spec.head_dim))  # always a view
     return grouped[:, :per_group], grouped[:, per_group], grouped[:, per_group + 1]
 
 
-def split(fused: torch.Tensor, layout: Layout, spec: ModelSpec) -> tuple[torch.Tensor, ...]:
+def split(fused: torch.Tensor, layout: FusedLayout, spec: ModelSpec) -> tuple[torch.Tensor, ...]:
     """HF-shaped tensors from a fused one: views where the layout allows, else copies.
 
     Views: IDENTITY, both GATE_UP halves, and QKV when `spec.num_kv_heads == 1`. Copies: QKV
     with several query groups (each part's rows are spread over the groups).
     """
     parts = strided_parts(fused, layout, spec)
-    if layout is not Layout.QKV:
+    if layout is not FusedLayout.QKV:
         return parts
     return tuple(p.reshape(-1, *fused.shape[1:]) for p in parts)  # reshape: a view iff one exists
 
 
-def fuse(parts: tuple[torch.Tensor, ...], layout: Layout, spec: ModelSpec) -> torch.Tensor:
+def fuse(parts: tuple[torch.Tensor, ...], layout: FusedLayout, spec: ModelSpec) -> torch.Tensor:
     """The inverse of `split` (always a new tensor, except IDENTITY which returns its part)."""
-    if layout is Layout.IDENTITY:
+    if layout is FusedLayout.IDENTITY:
         return parts[0]
-    if layout is Layout.GATE_UP:
+    if layout is FusedLayout.GATE_UP:
         return torch.cat(parts, dim=0)
     q, k, v = parts
     ng, d = spec.num_kv_heads, spec.head_dim
@@ -240,7 +240,7 @@ def validate_megatron(
     known = {**megatron_layout(spec), **megatron_layout(spec, fused_norms=True)}
     shapes = {**megatron_weight_shapes(spec), **megatron_weight_shapes(spec, fused_norms=True)}
     if spec.tie_word_embeddings:
-        known["output_layer.weight"] = MegatronTensor("output_layer.weight", (LM_HEAD,), Layout.IDENTITY)
+        known["output_layer.weight"] = MegatronTensor("output_layer.weight", (LM_HEAD,), FusedLayout.IDENTITY)
         shapes["output_layer.weight"] = (spec.vocab_size, spec.hidden_size)
     out: dict[str, MegatronTensor] = {}
     unknown, hf_seen = [], {}
