@@ -30,7 +30,7 @@ def test_the_traced_paths_see_the_request_s_forms_threads_and_ids():
     figures = layer_counts.counts(traced=True)
     grpo, chat = figures["grpo_generate"], figures["openai_chat"]
     assert {"rollout.wire.messages.Generate", "rollout.types.RolloutBatch", "bytes"} <= set(grpo["forms"])
-    assert "rollout.http.schemas.ChatCompletionRequest" in chat["forms"]
+    assert "rollout.http.core.schemas.ChatCompletionRequest" in chat["forms"]
     for path in (grpo, chat):
         assert "engine-loop" in path["threads"] and "request_id" in path["id_names"]
         assert path["forms_in"] and path["forms_out"]

@@ -27,7 +27,7 @@ import torch
 
 from weight_sync.manifest import Manifest, dtype_name, tensor_nbytes
 
-VLLM_VERSION = "0.22.1"  # the release mirrored (as rollout.http.vllm_routes.VLLM_API_VERSION); its packing is
+VLLM_VERSION = "0.22.1"  # the release mirrored (as rollout.http.vllm.vllm_routes.VLLM_API_VERSION); its packing is
 # the same from 0.16 through 0.23 (their API docs) to the main commit the fixture ran (tests/fixtures/vllm_packing)
 # NOTE: vLLM's init_info names no group: both ends use this one (its name prefixes the group's store keys)
 VLLM_GROUP = "vllm_weight_transfer"

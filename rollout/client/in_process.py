@@ -6,7 +6,7 @@
     async for item in client.stream(prompts, tokens=True):
         ...
 
-What `rollout serve --http` runs its HTTP front on (`rollout.http.clients.FrontClient`). Every call
+What `rollout serve --http` runs its HTTP front on (`rollout.http.core.clients.FrontClient`). Every call
 is what a `RolloutServer` would do with the same request (`rollout.server.dispatch`): an engine call
 posted to the engine's loop (`engine.post`, `engine.when`: its one command queue, in order with the
 server's), a weight call handed to the weight receiver's worker. The event loop awaits their

@@ -8,8 +8,8 @@ refuses an address beyond loopback without an API key (clients then send
 `Authorization: Bearer KEY`, as OpenAI's client does). It runs on a thread of its own with its
 own event loop, so it can share a process with an engine (`rollout serve --http`).
 
-What a client may hold of it is bounded twice: per connection (`rollout.http.connections`: header
-and body read timeouts, head size, open connections) and per request (`rollout.http.guards`: the
+What a client may hold of it is bounded twice: per connection (`rollout.http.core.connections`: header
+and body read timeouts, head size, open connections) and per request (`rollout.http.core.guards`: the
 `Host` it names, a JSON content type on calls that change state, the body size).
 """
 
@@ -24,18 +24,18 @@ from typing import Optional
 
 from fastapi import FastAPI
 
-from rollout.http import errors
-from rollout.http.connections import KEEP_ALIVE_S, ConnectionLimits, protocol_class
-from rollout.http.front import HttpFront
-from rollout.http.guards import ANY_HOST, BearerKey, ClosedRoutes, RequestGuard, allowed_host_names
-from rollout.http.lora_routes import router as lora_router
-from rollout.http.metrics_routes import router as metrics_router
-from rollout.http.openai_routes import router as openai_router
-from rollout.http.sglang_routes import STATE_CHANGING_GETS
-from rollout.http.sglang_routes import router as sglang_router
-from rollout.http.tokenize_routes import router as tokenize_router
-from rollout.http.vllm_routes import router as vllm_router
-from rollout.http.vllm_weight_routes import router as vllm_weight_router
+from rollout.http.core import errors
+from rollout.http.core.connections import KEEP_ALIVE_S, ConnectionLimits, protocol_class
+from rollout.http.core.front import HttpFront
+from rollout.http.core.guards import ANY_HOST, BearerKey, ClosedRoutes, RequestGuard, allowed_host_names
+from rollout.http.core.metrics_routes import router as metrics_router
+from rollout.http.openai.openai_routes import router as openai_router
+from rollout.http.sglang.sglang_routes import STATE_CHANGING_GETS
+from rollout.http.sglang.sglang_routes import router as sglang_router
+from rollout.http.vllm.lora_routes import router as lora_router
+from rollout.http.vllm.tokenize_routes import router as tokenize_router
+from rollout.http.vllm.vllm_routes import router as vllm_router
+from rollout.http.vllm.vllm_weight_routes import router as vllm_weight_router
 from rollout.wire.security import is_loopback
 
 logger = logging.getLogger(__name__)

@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from rollout.http.app import HttpServer, build_app
-from rollout.http.clients import FrontClient, ServiceClient
-from rollout.http.connections import ConnectionLimits
-from rollout.http.front import FrontConfig, HttpFront
-from rollout.http.schemas import MAX_TOP_LOGPROBS
+from rollout.http.core.clients import FrontClient, ServiceClient
+from rollout.http.core.connections import ConnectionLimits
+from rollout.http.core.front import FrontConfig, HttpFront
+from rollout.http.core.schemas import MAX_TOP_LOGPROBS
 from rollout.text import TextCodec, TokenOnlyCodec
 from rollout.wire.security import ClientSecurity
 
@@ -67,10 +67,10 @@ def serve_front(client: FrontClient, model_dir: Path, *, host: str = "127.0.0.1"
     """Serve HTTP on `host:port` over `client`; `on_stop` runs after the server stops (and if it
     fails to start). `served_model_name`: one name or several (the first reported; default the
     directory's name). `limits`, `allowed_hosts`: see `rollout.http.app.HttpServer`;
-    `tool_call_parser`: see `rollout.http.tools`; `skip_tokenizer_init`: token ids in and out only
+    `tool_call_parser`: see `rollout.http.core.tools`; `skip_tokenizer_init`: token ids in and out only
     (`rollout.text.TokenOnlyCodec`), for a model directory without a tokenizer, as vLLM's flag;
     `sampling_defaults`: values for sampling fields an OpenAI request leaves unset
-    (`rollout.http.sampling.generation_defaults`); `return_tokens_as_token_ids`: the default of that
+    (`rollout.http.core.sampling.generation_defaults`); `return_tokens_as_token_ids`: the default of that
     request field (vLLM's flag); `chat_template`: the template that replaces the tokenizer's (its text,
     or a file holding it: `chat_template_text`); `max_logprobs`, `logprobs_mode`, `closed_routes`:
     see `FrontConfig`; `loras`: the adapters the engine already holds (name -> path), servable at once."""

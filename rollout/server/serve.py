@@ -144,7 +144,7 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_http_limit_arguments(parser) -> None:
-    """What HTTP clients may hold (rollout.http.connections, rollout.http.guards)."""
+    """What HTTP clients may hold (rollout.http.core.connections, rollout.http.core.guards)."""
     parser.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
                         help="a name clients may reach the HTTP front by, besides its address and localhost "
                         "(repeatable; `*`: any): other Host headers are refused (DNS rebinding)")
@@ -156,10 +156,11 @@ def add_http_limit_arguments(parser) -> None:
                         help="refuse (413) a request body larger than this")
     parser.add_argument("--http-max-connections", type=int,
                         help="answer 503 to connections past this many (default: 1024, or half the fd limit)")
-    from rollout.http.tools import TOOL_PARSERS
+    from rollout.http.core.tools import TOOL_PARSERS
 
     parser.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default="none",
-                        help="parse chat replies into `tool_calls` (rollout.http.tools): hermes (Qwen2.5, Hermes), "
+                        help="parse chat replies into `tool_calls` (rollout.http.core.tools): hermes (Qwen2.5, "
+                        "Hermes), "
                         "llama3_json (Llama 3.x); none: tools reach the template, replies stay text")
     parser.add_argument("--enable-prompt-tokens-details", action="store_true",
                         help="vLLM's flag, accepted: usage.prompt_tokens_details.cached_tokens is always reported")
@@ -169,7 +170,7 @@ def add_http_limit_arguments(parser) -> None:
 
 
 def http_limits_from_args(args: argparse.Namespace):
-    from rollout.http.connections import ConnectionLimits, default_max_connections
+    from rollout.http.core.connections import ConnectionLimits, default_max_connections
 
     return ConnectionLimits(header_timeout_s=args.http_header_timeout_s, body_timeout_s=args.http_body_timeout_s,
                             max_body_bytes=args.http_max_body_bytes,
@@ -253,8 +254,8 @@ def http_only_server(args: argparse.Namespace):
 
 
 def sampling_defaults_of(args: argparse.Namespace) -> dict[str, float]:
-    """`--generation-config`'s sampling defaults (`rollout.http.sampling.generation_defaults`)."""
-    from rollout.http.sampling import generation_defaults
+    """`--generation-config`'s sampling defaults (`rollout.http.core.sampling.generation_defaults`)."""
+    from rollout.http.core.sampling import generation_defaults
 
     if args.generation_config == "vllm":
         return {}

@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-lora-rank", type=int, default=64)
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="accepted: usage.prompt_tokens_details.cached_tokens is always reported")
-    from rollout.http.tools import TOOL_PARSERS
+    from rollout.http.core.tools import TOOL_PARSERS
 
     p.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default="none")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "torch.distributed group (gloo on CPU, NCCL on GPU); ipc is refused (pickled CUDA handles)")
     p.add_argument("--worker-extension-cls", metavar="CLASS",
                    help="accepted, no code imported: /collective_rpc serves the methods RL frameworks' worker "
-                   "extensions define (rollout.http.vllm_weight_routes)")
+                   "extensions define (rollout.http.vllm.vllm_weight_routes)")
     gpu = p.add_argument_group("GPU flags, mapped to what they mean on this machine")
     gpu.add_argument("--gpu-memory-utilization", type=float,
                      help="the KV pool: this fraction of the memory free when the server starts")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from inference import SamplingParams
-from rollout.http.sessions import Reply, SessionStore
+from rollout.http.core.sessions import Reply, SessionStore
 from rollout.text import ChatTemplateError, PromptTooLongError, TextCodec, is_chat, token_prompts
 from tests.rollout.http_util import engine_config, save_tiny_chat_model, smollm2_tokenizer_dir
 
@@ -139,7 +139,7 @@ def test_render_fields_generation_prompt_continue_and_template_kwargs(codec):
 
 
 def test_sessions_continue_only_with_their_template_kwargs_and_skip_other_renders(codec):
-    from rollout.http.sessions import Render
+    from rollout.http.core.sessions import Render
 
     store = SessionStore()
     kwargs = Render(template_kwargs={"enable_thinking": False})

@@ -11,7 +11,7 @@ import pytest
 from inference import DynamicInferenceEngine, EngineState, PauseMode, SamplingParams
 from rollout.client.aio import AsyncRolloutClient
 from rollout.client.in_process import InProcessClient
-from rollout.http.clients import FrontClient, FrontStream
+from rollout.http.core.clients import FrontClient, FrontStream
 from rollout.server.server import RolloutServer
 from rollout.types import Rollout, TokenChunk
 from tests.rollout.conftest import small_engine_config, tiny_policy

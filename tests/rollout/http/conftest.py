@@ -40,7 +40,7 @@ def front_url(request, http_server, model_dir):
     if request.param == "in_process":
         yield http_server.http_url
         return
-    from rollout.http.clients import FrontClient
+    from rollout.http.core.clients import FrontClient
     from rollout.http.launch import start_front
 
     front = start_front(http_server.address, model_dir, served_model_name=MODEL, max_model_len=MAX_LEN,

@@ -1,6 +1,6 @@
 """The HTTP front end to end: a real `rollout serve --http` process on loopback (a tiny random Llama
 with SmolLM2's tokenizer and chat template), driven by the official `openai` client and by httpx
-with the JSON shapes of SGLang's documentation (`rollout.http.sglang_routes.SGLANG_API_VERSION`).
+with the JSON shapes of SGLang's documentation (`rollout.http.sglang.sglang_routes.SGLANG_API_VERSION`).
 
 The front tests run twice (`front`): on the process's own front, which calls its engine in process
 (`InProcessClient`), and on a front in this test process connected to the same server over ZMQ
@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from inference import DynamicInferenceEngine, SamplingParams
-from rollout.http.sglang_routes import SGLANG_API_VERSION
+from rollout.http.sglang.sglang_routes import SGLANG_API_VERSION
 from tests.rollout.http_util import MAX_LEN, MODEL, WAIT_S, engine_config, save_tiny_chat_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -1,5 +1,5 @@
-"""What HTTP clients may hold of the front, and what a request must show (`rollout.http.connections`,
-`rollout.http.guards`), on a real uvicorn front on loopback driven by httpx and raw sockets.
+"""What HTTP clients may hold of the front, and what a request must show (`rollout.http.core.connections`,
+`rollout.http.core.guards`), on a real uvicorn front on loopback driven by httpx and raw sockets.
 
 The front here is connected to no service (nothing listens at its address): every check under
 test answers before a route calls the engine, and a request that passed them gets the route's
@@ -15,8 +15,8 @@ import time
 import httpx
 import pytest
 
-from rollout.http.connections import ConnectionLimits
-from rollout.http.errors import from_exception
+from rollout.http.core.connections import ConnectionLimits
+from rollout.http.core.errors import from_exception
 from tests.rollout.http_util import MODEL, smollm2_tokenizer_dir
 
 NO_SERVICE = "tcp://127.0.0.1:9"

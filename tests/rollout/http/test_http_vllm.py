@@ -219,8 +219,8 @@ def test_chat_template_fields(web, codec):
 def test_sampling_extras_map_onto_the_engine_fields(codec):
     from types import SimpleNamespace
 
-    from rollout.http.sampling import sampling_params
-    from rollout.http.schemas import CompletionRequest
+    from rollout.http.core.sampling import sampling_params
+    from rollout.http.core.schemas import CompletionRequest
 
     body = CompletionRequest(prompt="x", repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=-0.5,
                              min_tokens=2, logit_bias={"42": 5.0}, bad_words=["hello"], allowed_token_ids=[3, 4],

@@ -1,4 +1,4 @@
-"""Tool-call parsers (`rollout.http.tools`) on replies as models write them, whole and streamed: a
+"""Tool-call parsers (`rollout.http.core.tools`) on replies as models write them, whole and streamed: a
 stream cut anywhere gives the same content and calls as the whole reply."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout.http.tools import ForcedCallError, ToolChoiceError, ToolParser, ToolPlan, plan_tools, tool_stream
+from rollout.http.core.tools import ForcedCallError, ToolChoiceError, ToolParser, ToolPlan, plan_tools, tool_stream
 
 QWEN_TWO_CALLS = ('I will look both up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
                   '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}\n</tool_call>')
@@ -167,7 +167,7 @@ def test_forced_calls_are_json_under_a_schema_and_parse_back():
 
 
 def test_front_config_names_the_field():
-    from rollout.http.front import FrontConfig
+    from rollout.http.core.front import FrontConfig
 
     assert FrontConfig("m", 64, tool_parser="hermes").tool_parser is ToolParser.HERMES
     with pytest.raises(ValueError, match="FrontConfig.tool_parser must be one of none, hermes, llama3_json"):
@@ -198,7 +198,7 @@ def test_arguments_are_strict_as_vllms_xgrammar_reads_them():
     """Every object schema that lists properties and leaves `additionalProperties` unsaid admits
     only those, at any depth; one that says it, or lists none, is left as it is; the tool's own
     schema is not changed."""
-    from rollout.http.tool_schema import strict_arguments
+    from rollout.http.core.tool_schema import strict_arguments
 
     schema = {"type": "object", "properties": {
         "a": {"type": "object", "properties": {"x": {"type": "integer"}}},

@@ -1,4 +1,4 @@
-"""vLLM's RL routes on the HTTP front (`rollout.http.vllm_routes`): control, sleep, token in / token
+"""vLLM's RL routes on the HTTP front (`rollout.http.vllm.vllm_routes`): control, sleep, token in / token
 out, with vLLM's paths, query parameters, bodies and answers; greedy ids checked against the engine
 itself. A front on an engine in this process (`serve_front`), real HTTP."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from inference import DynamicInferenceEngine, SamplingParams
-from rollout.http.generation import version_spans
+from rollout.http.core.generation import version_spans
 from tests.rollout.http_util import (
     MAX_LEN,
     MODEL,

@@ -210,7 +210,7 @@ def test_colocated_cycle_sleep_level_2_wake_weights_update_wake_kv(trainer, web,
 
 
 def test_one_pinned_vllm_version():
-    from rollout.http.vllm_routes import VLLM_API_VERSION
+    from rollout.http.vllm.vllm_routes import VLLM_API_VERSION
     from weight_sync.vllm_layout import VLLM_VERSION
 
     assert VLLM_VERSION == VLLM_API_VERSION

@@ -237,7 +237,7 @@ def test_a_config_file_gives_flags_by_name(tmp_path):
 def test_generation_config_defaults_fill_only_what_a_request_leaves_unset(tmp_path):
     from types import SimpleNamespace
 
-    from rollout.http.sampling import generation_defaults, sampling_params
+    from rollout.http.core.sampling import generation_defaults, sampling_params
 
     (tmp_path / "generation_config.json").write_text(
         '{"temperature": 0.6, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.05, "do_sample": true}')

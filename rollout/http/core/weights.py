@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from rollout.client.weights import disk_source, distributed_source, sglang_update, tensor_source
-from rollout.http.clients import FrontClient
+from rollout.http.core.clients import FrontClient
 from weight_sync import DEFAULT_GROUP, WeightSource
 
 

@@ -7,7 +7,7 @@ OpenAI's and vLLM's names map one to one onto the engine's, with these translati
   and after one space, the second kept only when that space makes a different first token and the
   same number of tokens (a word inside text, not at its start); each becomes one banned sequence
   of `bad_words_token_ids`.
-* `structured`: the body's output constraint, built by `rollout.http.structured`.
+* `structured`: the body's output constraint, built by `rollout.http.core.structured`.
 * `logprobs` / `prompt_logprobs` above the server's `max_logprobs` are refused in vLLM's words;
   `logprobs_mode` unset takes the server's (`--logprobs-mode`).
 * A field at its neutral value is not passed on, so an engine without that field still serves
@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from inference import LogprobsMode, SamplingParams, StructuredOutputs
-from rollout.http.errors import APIError, engine_param
-from rollout.http.schemas import MAX_TOP_LOGPROBS
+from rollout.http.core.errors import APIError, engine_param
+from rollout.http.core.schemas import MAX_TOP_LOGPROBS
 from rollout.text import TextCodec
 
 # body field -> (the engine's field, its neutral value)

@@ -1,6 +1,6 @@
 """HttpFront: what the HTTP routes share: the async client, the tokenizer, sessions, checks.
 
-One front talks to one engine or fleet through one `FrontClient` (`rollout.http.clients`): over
+One front talks to one engine or fleet through one `FrontClient` (`rollout.http.core.clients`): over
 ZMQ to a `rollout serve` server or a `rollout route` router (`ServiceClient`), or to the engine in
 this process (`rollout.client.in_process.InProcessClient`, what `rollout serve --http` runs), the
 same calls and answers. Its event loop never waits on an engine: replies are futures settled from
@@ -19,14 +19,14 @@ from typing import Any, Optional
 
 from inference import SamplingParams
 from inference.sampling.params import MAX_LOGPROBS
-from rollout.http.clients import FrontClient
-from rollout.http.errors import APIError, from_exception
-from rollout.http.generation import Generation, GenSpec
-from rollout.http.sampling import sampling_params
-from rollout.http.schemas import MAX_TOP_LOGPROBS
-from rollout.http.sessions import Render, SessionStore
-from rollout.http.tools import TOOL_PARSERS, ToolParser
-from rollout.http.weights import WeightCalls
+from rollout.http.core.clients import FrontClient
+from rollout.http.core.errors import APIError, from_exception
+from rollout.http.core.generation import Generation, GenSpec
+from rollout.http.core.sampling import sampling_params
+from rollout.http.core.schemas import MAX_TOP_LOGPROBS
+from rollout.http.core.sessions import Render, SessionStore
+from rollout.http.core.tools import TOOL_PARSERS, ToolParser
+from rollout.http.core.weights import WeightCalls
 from rollout.text import ChatTemplateError, PromptTooLongError, TextCodec
 
 
@@ -35,7 +35,7 @@ class FrontConfig:
     """`model_name`: the served name reported (and the `model` of a request that names none);
     `aliases`: other names a request's `model` may be; `max_model_len`: the longest prompt +
     completion the engine takes; `timeout`: the bound of every engine call, in seconds;
-    `tool_parser`: how chat replies are parsed for tool calls (`rollout.http.tools`); `max_logprobs`:
+    `tool_parser`: how chat replies are parsed for tool calls (`rollout.http.core.tools`); `max_logprobs`:
     the largest top-n log-prob count a request may ask (vLLM's `--max-logprobs`); `logprobs_mode`:
     raw or processed, for requests that name none (`--logprobs-mode`); `closed_routes`: paths
     answered 404, as a server without them (vLLM's dev routes outside its dev mode)."""
@@ -49,7 +49,8 @@ class FrontConfig:
     session_ttl_s: float = 3600.0
     api_key: Optional[str] = None
     tool_parser: ToolParser = ToolParser.NONE
-    sampling_defaults: tuple[tuple[str, float], ...] = ()  # (field, value): `rollout.http.sampling.generation_defaults`
+    # (field, value): `rollout.http.core.sampling.generation_defaults`
+    sampling_defaults: tuple[tuple[str, float], ...] = ()
     return_tokens_as_token_ids: bool = False  # logprobs' tokens as `token_id:N` where a request does not say
     max_logprobs: int = MAX_TOP_LOGPROBS
     logprobs_mode: str = "raw"
@@ -152,8 +153,8 @@ class HttpFront:
 
     def sampling(self, body: Any, *, n: int, max_tokens: int, logprobs: Optional[int],
                  prompt_logprobs: Optional[int] = None, structured: Any = None) -> SamplingParams:
-        """The engine's `SamplingParams` of a completions or chat body (`rollout.http.sampling`);
-        `structured`: its constraint (`rollout.http.structured`)."""
+        """The engine's `SamplingParams` of a completions or chat body (`rollout.http.core.sampling`);
+        `structured`: its constraint (`rollout.http.core.structured`)."""
         params = sampling_params(self.codec, body, n=n, max_tokens=max_tokens, logprobs=logprobs,
                                  prompt_logprobs=prompt_logprobs, structured=structured,
                                  defaults=dict(self.config.sampling_defaults), **self.logprob_rules())

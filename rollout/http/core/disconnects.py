@@ -18,7 +18,7 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from rollout.http.errors import APIError
+from rollout.http.core.errors import APIError
 
 logger = logging.getLogger(__name__)
 

@@ -50,7 +50,7 @@ def default_max_connections() -> int:
 @dataclass(slots=True)
 class ConnectionLimits:
     """What one HTTP connection may take (see module docstring); `max_body_bytes` is enforced per
-    request by `rollout.http.guards.RequestGuard` (a 413 in the route's error format)."""
+    request by `rollout.http.core.guards.RequestGuard` (a 413 in the route's error format)."""
 
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0

@@ -35,7 +35,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from rollout.http.errors import APIError, error_response
+from rollout.http.core.errors import APIError, error_response
 from rollout.wire.security import is_loopback
 
 logger = logging.getLogger(__name__)

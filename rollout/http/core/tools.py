@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from inference import StructuredOutputs
-from rollout.http.tool_schema import strict_arguments
+from rollout.http.core.tool_schema import strict_arguments
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"

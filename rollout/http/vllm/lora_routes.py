@@ -23,10 +23,10 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import Field
 
-from rollout.http.errors import APIError, engine_call
-from rollout.http.front import HttpFront
-from rollout.http.openai_routes import front_of
-from rollout.http.schemas import Strict
+from rollout.http.core.errors import APIError, engine_call
+from rollout.http.core.front import HttpFront
+from rollout.http.core.schemas import Strict
+from rollout.http.openai.openai_routes import front_of
 
 router = APIRouter()
 LoraName = Annotated[str, Field(min_length=1, max_length=256)]

@@ -22,7 +22,7 @@ docs/advanced_features/sglang_for_rl (pause / continue, memory occupation, weigh
   requests requeued: `flush_cache` succeeds), `in_place` -> KEEP (requests keep their KV:
   `flush_cache` is refused while they hold it, as in SGLang).
 * `weight_version` is our policy version as a string; `update_weights_*` may set it
-  (`"7"`, `"v7"`, `"step_7"`). The weight routes run `rollout.http.weights` (weight sync's mapping
+  (`"7"`, `"v7"`, `"step_7"`). The weight routes run `rollout.http.core.weights` (weight sync's mapping
   of SGLang's calls, over the front's client): `/init_weights_update_group`,
   `/update_weights_from_distributed` (one broadcast per tensor, committed once the model is
   complete), `/update_weights_from_tensor` (our shared-memory handle, never pickle),
@@ -46,15 +46,14 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from inference import PauseMode, SamplingParams, SuspendPolicy
-from rollout.http import structured
-from rollout.http.disconnects import unless_disconnected
-from rollout.http.errors import APIError, engine_call, from_exception
-from rollout.http.front import HttpFront
-from rollout.http.generation import GenSpec, Sample, version_spans
-from rollout.http.logprobs import ranked as top_entries
-from rollout.http.openai_routes import front_of, json_response, sse
-from rollout.http.sampling import sampling_params
-from rollout.http.schemas import (
+from rollout.http.core import structured
+from rollout.http.core.disconnects import unless_disconnected
+from rollout.http.core.errors import APIError, engine_call, from_exception
+from rollout.http.core.front import HttpFront
+from rollout.http.core.generation import GenSpec, Sample, version_spans
+from rollout.http.core.logprobs import ranked as top_entries
+from rollout.http.core.sampling import sampling_params
+from rollout.http.core.schemas import (
     AbortReq,
     DestroyWeightsUpdateGroupReqInput,
     GenerateReqInput,
@@ -66,10 +65,11 @@ from rollout.http.schemas import (
     UpdateWeightsFromDistributedReqInput,
     UpdateWeightsFromTensorReqInput,
 )
+from rollout.http.openai.openai_routes import front_of, json_response, sse
 
 SGLANG_API_VERSION = "0.5.6"
 router = APIRouter()
-# NOTE: SGLang takes GET for these control calls too; `rollout.http.guards` holds such a GET to the POST rule
+# NOTE: SGLang takes GET for these control calls too; `rollout.http.core.guards` holds such a GET to the POST rule
 STATE_CHANGING_GETS = frozenset({"/flush_cache", "/release_memory_occupation", "/resume_memory_occupation"})
 PAUSE_MODES = {"abort": PauseMode.ABORT, "retract": PauseMode.RETRACT, "in_place": PauseMode.KEEP}
 FLUSH_MESSAGE = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
@@ -214,7 +214,7 @@ async def _version(front: HttpFront, samples: list[Sample]) -> str:
 
 def _sampling(front: HttpFront, sp: SGLangSampling, max_tokens: int, top: int, prompt_top: Optional[int] = None,
               salt: Optional[str] = None, routes: bool = False) -> SamplingParams:
-    """SGLang's names onto the OpenAI body's (`rollout.http.sampling` maps those to the engine's);
+    """SGLang's names onto the OpenAI body's (`rollout.http.core.sampling` maps those to the engine's);
     `extra_key` is the engine's `cache_salt` (different keys never share a cached block)."""
     body = SimpleNamespace(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
                            seed=sp.sampling_seed, stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from inference import SamplingParams
-from rollout.http.errors import APIError, from_exception
+from rollout.http.core.errors import APIError, from_exception
 from rollout.text import TextCodec
 from rollout.types import Rollout, TokenChunk
 

@@ -9,7 +9,7 @@ version of each span of those tokens). Streaming is Server-Sent Events (`data: {
 `token_ids` it adds and their `weight_versions`. Log-probs are the
 engine's raw ones (log-softmax of the logits at temperature 1), what a trainer recomputes; their
 shapes (`echo`, vLLM's `prompt_logprobs`, the sampled token in every top list) are in
-`rollout.http.logprobs`.
+`rollout.http.core.logprobs`.
 
 `best_of` (completions, not streamed) samples `best_of` of each prompt and answers the `n` with
 the highest cumulative log-prob, vLLM's rule. `echo` with `max_tokens: 0` scores the prompt only:
@@ -28,15 +28,15 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from inference import StructuredOutputs
-from rollout.http import structured
-from rollout.http.disconnects import unless_disconnected
-from rollout.http.errors import APIError, from_exception
-from rollout.http.front import HttpFront
-from rollout.http.generation import Delta, Generation, GenSpec, Sample, version_spans
-from rollout.http.logprobs import chat_top, completion_top, echoed_prompt, prompt_entries
-from rollout.http.schemas import ChatCompletionRequest, CompletionRequest
-from rollout.http.sessions import Render, Reply, calls_of
-from rollout.http.tools import ForcedCallError, ToolChoiceError, ToolPlan, plan_tools
+from rollout.http.core import structured
+from rollout.http.core.disconnects import unless_disconnected
+from rollout.http.core.errors import APIError, from_exception
+from rollout.http.core.front import HttpFront
+from rollout.http.core.generation import Delta, Generation, GenSpec, Sample, version_spans
+from rollout.http.core.logprobs import chat_top, completion_top, echoed_prompt, prompt_entries
+from rollout.http.core.schemas import ChatCompletionRequest, CompletionRequest
+from rollout.http.core.sessions import Render, Reply, calls_of
+from rollout.http.core.tools import ForcedCallError, ToolChoiceError, ToolPlan, plan_tools
 
 router = APIRouter()
 SESSION_HEADER = "X-Session-ID"
@@ -293,7 +293,8 @@ async def _chat_chunks(front: HttpFront, body: ChatCompletionRequest, gen: Gener
         delta: dict[str, Any] = {"content": d.text}
         finish_reason = d.finish_reason
         calls = tools[index]
-        if calls is not None:  # NOTE: text that may be a call is held back, a call sent whole (rollout.http.tools)
+        # NOTE: text that may be a call is held back, a call sent whole (rollout.http.core.tools)
+        if calls is not None:
             out = calls.feed(d.text)
             if d.finish_reason is not None:
                 out += calls.finish()

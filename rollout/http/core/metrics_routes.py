@@ -22,7 +22,7 @@ from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from rollout.http.errors import from_exception
+from rollout.http.core.errors import from_exception
 
 router = APIRouter()
 

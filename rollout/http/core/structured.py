@@ -5,7 +5,7 @@
   and vLLM's `structural_tag` (`structures` and `triggers`);
 * SGLang's `sampling_params`: `json_schema` (JSON text), `regex`, `ebnf` (a grammar, Lark or
   GBNF), `structural_tag` (JSON text);
-* a forced tool call (`tool_choice` "required" or a named function): `rollout.http.tools` builds
+* a forced tool call (`tool_choice` "required" or a named function): `rollout.http.core.tools` builds
   its constraint, which takes the place of the others.
 At most one per request, as vLLM allows one constraint: a second is a 400 naming it. Whether a
 constraint compiles is the engine's to say (a 400 naming `structured_outputs` from its refusal).
@@ -17,7 +17,7 @@ import json
 from typing import Any, Optional
 
 from inference import StructuredOutputs
-from rollout.http.errors import APIError
+from rollout.http.core.errors import APIError
 
 
 def from_openai(body: Any, forced: Optional[StructuredOutputs] = None) -> Optional[StructuredOutputs]:

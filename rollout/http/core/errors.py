@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inference import SamplingParams
 from inference.errors import ContextOverflowError, EngineStateError, OverloadedError, WeightsUnavailableError
-from rollout.http.schemas import FIELD_ERROR, LONE_SURROGATE
+from rollout.http.core.schemas import FIELD_ERROR, LONE_SURROGATE
 from rollout.text import PromptTooLongError, TokenizerUnavailableError
 from rollout.wire.codec import ProtocolError
 from rollout.wire.kinds import ErrorCode

@@ -9,7 +9,7 @@ fields accepted are vLLM's names for the same things (`top_k`, `min_p`, `repetit
 honoured; what this engine cannot do is accepted only at its neutral value (`suffix` ""), so a request is never silently
 answered differently from what it asked. `model` may be left out (the first served name).
 
-SGLang's `/generate` and control bodies use SGLang's names (see `rollout.http.sglang_routes`).
+SGLang's `/generate` and control bodies use SGLang's names (see `rollout.http.sglang.sglang_routes`).
 
 Every string of a body, at any depth (dict keys too), must be Unicode text: JSON lets a body
 escape a lone UTF-16 surrogate (`"\\ud800"`), which no tokenizer, chat template or JSON encoder
@@ -33,7 +33,7 @@ MAX_WORDS = 1024  # bad_words: a bound against abuse only
 Prob = Annotated[float, Field(ge=0, le=1)]
 
 
-LONE_SURROGATE = "lone_surrogate"  # the validation error type `rollout.http.errors` words for clients
+LONE_SURROGATE = "lone_surrogate"  # the validation error type `rollout.http.core.errors` words for clients
 FIELD_ERROR = "field_error"  # a check across fields: its message as is, `param` the field it names
 
 
@@ -83,7 +83,7 @@ class StreamOptions(Strict):
 
 
 class StructuredOutputsBody(Strict):
-    """vLLM's `structured_outputs` (its `StructuredOutputsParams` fields; rollout.http.structured).
+    """vLLM's `structured_outputs` (its `StructuredOutputsParams` fields; rollout.http.core.structured).
     `disable_fallback` is honoured trivially: there is one backend (llguidance) and no fallback.
     NOTE: `json` is `json_` here (pydantic's BaseModel has a `json` attribute)."""
 
@@ -165,7 +165,7 @@ class _Sampling(Strict):
     return_token_ids: Optional[bool] = None  # None: returned (RL clients need them); False: left out
     return_tokens_as_token_ids: Optional[bool] = None  # NOTE: None: the server's default (vLLM's flag)
     session_id: Optional[Annotated[str, Field(min_length=1, max_length=256)]] = None
-    # structured outputs (rollout.http.structured): vLLM's field or OpenAI's, not both
+    # structured outputs (rollout.http.core.structured): vLLM's field or OpenAI's, not both
     structured_outputs: Optional[StructuredOutputsBody] = None
     response_format: Optional[ResponseFormat] = None
 
@@ -229,7 +229,8 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Optional[Annotated[int, Field(ge=0)]] = None  # NOTE: at most the server's max_logprobs
     tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[Union[Literal["none", "auto", "required"], dict[str, Any]]] = None  # rollout.http.tools
+    # rollout.http.core.tools
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
     # vLLM's chat fields
     chat_template_kwargs: Optional[dict[str, Any]] = None
@@ -254,7 +255,7 @@ class ChatCompletionRequest(_Sampling):
 
 class SGLangSampling(Strict):
     """SGLang's `sampling_params` (its SamplingParams names); at most one of its constraints
-    (`json_schema`, `regex`, `ebnf`, `structural_tag`: rollout.http.structured)."""
+    (`json_schema`, `regex`, `ebnf`, `structural_tag`: rollout.http.core.structured)."""
 
     max_new_tokens: Annotated[int, Field(ge=1)] = 128
     stop: Optional[Union[str, list[str]]] = None

@@ -23,10 +23,10 @@ from typing import Annotated, Any, Optional, Union
 from fastapi import APIRouter, Request, Response
 from pydantic import Field
 
-from rollout.http.errors import APIError
-from rollout.http.openai_routes import front_of, json_response
-from rollout.http.schemas import ChatCompletionRequest, ChatMessage, Strict
-from rollout.http.sessions import Render
+from rollout.http.core.errors import APIError
+from rollout.http.core.schemas import ChatCompletionRequest, ChatMessage, Strict
+from rollout.http.core.sessions import Render
+from rollout.http.openai.openai_routes import front_of, json_response
 from rollout.text import ChatTemplateError, PromptTooLongError
 
 router = APIRouter()

@@ -42,15 +42,14 @@ from pydantic import Field
 
 from inference import PauseMode, SuspendPolicy, UpdatePolicy
 from inference.core.states import MEMORY_TAGS
-from rollout.http import structured
-from rollout.http.disconnects import unless_disconnected
-from rollout.http.errors import APIError, engine_call
-from rollout.http.front import HttpFront
-from rollout.http.generation import Generation, GenSpec, Sample, version_spans
-from rollout.http.logprobs import chat_top, prompt_entries
-from rollout.http.openai_routes import front_of, json_response, sse
-from rollout.http.sampling import sampling_params
-from rollout.http.schemas import (
+from rollout.http.core import structured
+from rollout.http.core.disconnects import unless_disconnected
+from rollout.http.core.errors import APIError, engine_call
+from rollout.http.core.front import HttpFront
+from rollout.http.core.generation import Generation, GenSpec, Sample, version_spans
+from rollout.http.core.logprobs import chat_top, prompt_entries
+from rollout.http.core.sampling import sampling_params
+from rollout.http.core.schemas import (
     MAX_N,
     MAX_PENALTY,
     MAX_STOP,
@@ -59,7 +58,8 @@ from rollout.http.schemas import (
     StructuredOutputsBody,
     refuse,
 )
-from rollout.http.sglang_routes import server_args
+from rollout.http.openai.openai_routes import front_of, json_response, sse
+from rollout.http.sglang.sglang_routes import server_args
 from weight_sync import ManifestError, VersionSource, parse_weight_version
 
 router = APIRouter()

@@ -9,7 +9,7 @@ The front runs on either, and does not know which:
 
 Both answer alike: the same items on a stream, the same typed errors (so the same HTTP statuses),
 the same health and stats keys. Weight calls go through the client too (`update_weights`,
-`join_group`, `leave_group`); `rollout.http.weights` maps SGLang's routes onto them.
+`join_group`, `leave_group`); `rollout.http.core.weights` maps SGLang's routes onto them.
 """
 
 from __future__ import annotations

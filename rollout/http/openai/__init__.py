@@ -1,0 +1,1 @@
+"""OpenAI's routes: models, completions, chat."""

@@ -1,0 +1,1 @@
+"""SGLang's native routes."""

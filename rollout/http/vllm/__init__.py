@@ -1,0 +1,1 @@
+"""vLLM's native RL routes: control, weight transfer, LoRA adapters, tokenize."""
