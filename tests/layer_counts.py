@@ -52,8 +52,8 @@ DISPATCH_SUFFIXES = ("kind", "state", "status", "mode", "reason")
 # -- static ---------------------------------------------------------------------------------------
 
 
-def _sources(package: str) -> Iterator[tuple[Path, ast.Module]]:
-    for path in sorted((ROOT / package).rglob("*.py")):
+def _sources(package: str, root: Path = ROOT) -> Iterator[tuple[Path, ast.Module]]:
+    for path in sorted((root / package).rglob("*.py")):
         yield path, ast.parse(path.read_text(), str(path))
 
 
@@ -98,23 +98,23 @@ def _names_kind(tree: ast.Module, member: str, names: set[str]) -> bool:
     return False
 
 
-def long_files() -> dict[str, int]:
+def long_files(root: Path = ROOT) -> dict[str, int]:
     out = {}
     for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
+        for path in sorted((root / package).rglob("*.py")):
             lines = len(path.read_text().splitlines())
             if lines > MAX_LINES:
-                out[str(path.relative_to(ROOT))] = lines
+                out[str(path.relative_to(root))] = lines
     return out
 
 
-def types_declared_twice() -> dict[str, list[str]]:
+def types_declared_twice(root: Path = ROOT) -> dict[str, list[str]]:
     where = defaultdict(list)
     for package in PACKAGES:
-        for path, tree in _sources(package):
+        for path, tree in _sources(package, root):
             for node in tree.body:
                 if isinstance(node, ast.ClassDef):
-                    where[node.name].append(str(path.relative_to(ROOT)))
+                    where[node.name].append(str(path.relative_to(root)))
     return {name: paths for name, paths in sorted(where.items()) if len(paths) > 1}
 
 

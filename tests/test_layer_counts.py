@@ -8,7 +8,7 @@ import ast
 from tests import layer_counts
 
 
-def test_the_static_counts_find_what_they_name():
+def test_the_static_counts_find_what_they_name(tmp_path):
     kinds = layer_counts.control_kind_files()
     assert "GENERATE" not in kinds and kinds.keys() >= {"PAUSE", "UPDATE_WEIGHTS", "SYNC_LORA"}
     assert all(count >= 1 for count in kinds.values())
@@ -20,10 +20,13 @@ def test_the_static_counts_find_what_they_name():
         "if state == 'paused': pass\nif reply.kind in ('a', 'b'): pass\nif name == 'x': pass\nif mode == m: pass"))
         if isinstance(node, ast.Compare)]
     assert [layer_counts._is_string_dispatch(node) for node in dispatch] == [True, True, False, False]
-    long = layer_counts.long_files()
-    assert all(lines > layer_counts.MAX_LINES for lines in long.values())
-    twice = layer_counts.types_declared_twice()
-    assert all(len(paths) > 1 for paths in twice.values())
+    for package in layer_counts.PACKAGES:
+        (tmp_path / package).mkdir()
+    (tmp_path / "rollout" / "long.py").write_text("x = 1\n" * (layer_counts.MAX_LINES + 1) + "class Twice: pass\n")
+    (tmp_path / "inference" / "short.py").write_text("x = 1\n" * (layer_counts.MAX_LINES - 1) + "class Twice: pass\n")
+    (tmp_path / "weight_sync" / "once.py").write_text("class Once: pass\n")
+    assert layer_counts.long_files(tmp_path) == {"rollout/long.py": layer_counts.MAX_LINES + 2}
+    assert layer_counts.types_declared_twice(tmp_path) == {"Twice": ["inference/short.py", "rollout/long.py"]}
 
 
 def test_the_traced_paths_see_the_request_s_forms_threads_and_ids():

@@ -62,7 +62,7 @@ class LoRAGroups:
                     if product is None:
                         torch.mm(u[:, r0:r1], bt, out=deltas[j][start:end])
                     else:  # NOTE: B itself: the fp32 kernel reads a contiguous weight (bf16 packs any layout)
-                        b = bt.t() if bt.dtype != torch.float32 or bt.t().is_contiguous() else bt.t().contiguous()
+                        b = bt.t().contiguous() if bt.dtype == torch.float32 else bt.t()
                         deltas[j][start:end] = product(u[:, r0:r1], b)
         for y, d in zip(outs, deltas):
             if d is None:

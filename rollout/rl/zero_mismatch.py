@@ -38,18 +38,20 @@ def engine_kernels_forward(engine: RolloutEngine, policy: torch.nn.Module, tempe
     if not core.config.batch_invariant:
         raise ValueError("engine_kernels_forward needs an engine with batch_invariant=True: elsewhere a token's "
                          "sampled log-prob depends on the batch it was sampled in")
-    embeddings = policy.get_input_embeddings()
     adapter = None if lora is None else (lambda: core.core.loras.adapter(lora().id))
-    return TrainingForward(core.model, dict(policy.named_parameters()), block_size=core.config.block_size,
-                           padding_idx=getattr(embeddings, "padding_idx", None), temperature=temperature,
-                           adapter=adapter)
+    return _forward(core.model, policy, core.config.block_size, temperature, adapter)
 
 
 def module_kernels_forward(policy: torch.nn.Module, block_size: int, temperature: float = 1.0) -> TrainingForward:
     """The trainer's forward of `policy` on the engine's kernels, over a decoder of its own that aliases
     `policy`'s weights (disaggregated: the replicas sample with the same kernels on a bitwise copy);
     `block_size`: the replicas'."""
-    decoder = load_from_hf_model(policy, share_weights=True)
-    embeddings = policy.get_input_embeddings()
-    return TrainingForward(decoder, dict(policy.named_parameters()), block_size=block_size,
-                           padding_idx=getattr(embeddings, "padding_idx", None), temperature=temperature)
+    return _forward(load_from_hf_model(policy, share_weights=True), policy, block_size, temperature)
+
+
+def _forward(decoder, policy: torch.nn.Module, block_size: int, temperature: float, adapter=None) -> TrainingForward:
+    """`TrainingForward` of `decoder` with gradients to `policy`'s parameters (its embedding's padding row
+    left without one, as torch leaves it)."""
+    padding_idx = getattr(policy.get_input_embeddings(), "padding_idx", None)
+    return TrainingForward(decoder, dict(policy.named_parameters()), block_size=block_size, padding_idx=padding_idx,
+                           temperature=temperature, adapter=adapter)
