@@ -30,7 +30,7 @@ from inference.core.ep_step import ExpertParallelSteps
 from inference.core.memory import SuspendReport
 from inference.core.sleep import Sleep
 from inference.core.speculative_step import SpeculativeSteps
-from inference.core.states import EngineState, OnFinished, OnTokens
+from inference.core.states import EngineState, MemoryTag, OnFinished, OnTokens
 from inference.core.stats import core_stats
 from inference.errors import (
     EngineStateError,
@@ -331,7 +331,7 @@ class EngineCore:
         return report
 
     @property
-    def asleep(self) -> set[str]:
+    def asleep(self) -> set[MemoryTag]:
         """The `MEMORY_TAGS` suspended now (`Sleep.asleep`)."""
         return self.sleep.asleep
 

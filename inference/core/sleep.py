@@ -12,7 +12,7 @@ from typing import Any, Optional
 from inference.cache.manager import OffloadedCaches
 from inference.config import SuspendPolicy
 from inference.core.memory import SuspendReport, available_device_memory, memory_in_use
-from inference.core.states import memory_parts
+from inference.core.states import MemoryTag, memory_parts
 from inference.errors import ResumeMemoryError
 from inference.sched import offload
 
@@ -25,7 +25,7 @@ class Sleep:
 
     def __init__(self, core: Any) -> None:
         self.core = core  # NOTE: the EngineCore whose parts it asks (typed loosely: it imports this module)
-        self.asleep: set[str] = set()
+        self.asleep: set[MemoryTag] = set()
         self.offloaded: Optional[OffloadedCaches] = None
 
     def suspend(self, policy: Optional[SuspendPolicy] = None, *, offload_weights: bool = False,
@@ -53,15 +53,15 @@ class Sleep:
                 aborted = core.abort_all()
             elif policy is SuspendPolicy.RECOMPUTE:
                 requeued = core.scheduler.requeue_in_slot_requests()
-            elif "kv_cache" in new:
+            elif MemoryTag.KV_CACHE in new:
                 offloaded = self._offload_in_slot_requests()
         buffer_bytes = workspace = weight_bytes = 0
-        if "kv_cache" in new:
+        if MemoryTag.KV_CACHE in new:
             if self.asleep and policy is SuspendPolicy.OFFLOAD and self.offloaded is None:
                 offloaded = self._offload_in_slot_requests()  # NOTE: kept in place while the KV stayed
             buffer_bytes = core.caches.release()  # every cached block goes with the buffers
             workspace = core.runner.release_workspace()  # CUDA graphs and their memory pool too
-        if "weights" in new:
+        if MemoryTag.WEIGHTS in new:
             weight_bytes = core.weights.discard() if discard_weights else core.weights.offload()
             weight_bytes += core.lora_offload.offload(core.loras.resident())  # NOTE: to host at either level
         core.weights.drop_spare()  # NOTE: spare staging buffers are the trainer's memory now too
@@ -83,13 +83,13 @@ class Sleep:
         if not wake:
             return False
         device = core.kv_cache.device
-        needed = (core.caches.nbytes if "kv_cache" in wake else 0) + (
+        needed = (core.caches.nbytes if MemoryTag.KV_CACHE in wake else 0) + (
             core.weights.offloaded_bytes() + core.weights.discarded_bytes() + core.lora_offload.nbytes
-            if "weights" in wake else 0)
+            if MemoryTag.WEIGHTS in wake else 0)
         free = available_device_memory(device)
         if needed > free:
             raise ResumeMemoryError(f"resume needs {needed} bytes on {device}, {free} available; still suspended")
-        if "weights" in wake:
+        if MemoryTag.WEIGHTS in wake:
             try:
                 core.weights.restore()
                 core.lora_offload.restore()
@@ -97,11 +97,11 @@ class Sleep:
                 if core.lora_offload.nbytes:  # NOTE: the adapters' restore failed: the weights go back too
                     core.weights.offload()
                 raise ResumeMemoryError(f"resume could not allocate the weights ({exc}); still suspended") from exc
-        if "kv_cache" in wake:
+        if MemoryTag.KV_CACHE in wake:
             try:
                 core.caches.reacquire()
             except (RuntimeError, MemoryError, OSError) as exc:  # an allocation failed: undo, stay suspended
-                if "weights" in wake and "weights" in self.asleep:
+                if MemoryTag.WEIGHTS in wake and MemoryTag.WEIGHTS in self.asleep:
                     core.weights.offload()
                 raise ResumeMemoryError(f"resume could not allocate its buffers ({exc}); still suspended") from exc
             self._restore_offloaded_requests()

@@ -8,23 +8,32 @@ from typing import Optional
 
 from inference.request import RequestOutput, TokenEvent
 
-MEMORY_TAGS = ("kv_cache", "weights")  # what suspend frees, part by part (vLLM's sleep tags, SGLang's)
+
+class MemoryTag(str, enum.Enum):
+    """A part of the engine's memory that suspend frees on its own (vLLM's sleep tags, SGLang's);
+    the value is the tag's name over HTTP and on the wire."""
+
+    KV_CACHE = "kv_cache"  # the KV and state buffers, the step workspaces
+    WEIGHTS = "weights"  # the engine's own weight storage (and resident LoRA adapters)
 
 
-def memory_parts(tags: Optional[Collection[str]], weights: bool) -> set[str]:
-    """The parts a suspend (or resume) names: `tags`, checked; None: the KV cache, and the weights
-    too with `weights` (the router reads a `Suspend` message the same way)."""
+MEMORY_TAGS = tuple(tag.value for tag in MemoryTag)  # the tags' names, as a client spells them
+
+
+def memory_parts(tags: Optional[Collection[str]], weights: bool) -> set[MemoryTag]:
+    """The parts a suspend (or resume) names: `tags` (`MemoryTag`s or their names), checked; None:
+    the KV cache, and the weights too with `weights` (the router reads a `Suspend` message the same way)."""
     if tags is None:
-        return set(MEMORY_TAGS) if weights else {"kv_cache"}
+        return set(MemoryTag) if weights else {MemoryTag.KV_CACHE}
     if isinstance(tags, str):
         tags = [tags]
-    parts = set(tags)
-    if parts - set(MEMORY_TAGS) or not parts:
-        raise ValueError(f"tags must name some of {list(MEMORY_TAGS)}, got {sorted(map(str, tags))}")
-    return parts
+    names = [tag.value if isinstance(tag, MemoryTag) else tag for tag in tags]
+    if not names or any(name not in MEMORY_TAGS for name in names):
+        raise ValueError(f"tags must name some of {list(MEMORY_TAGS)}, got {sorted(map(str, names))}")
+    return {MemoryTag(name) for name in names}
 
 
-class EngineState(enum.Enum):
+class EngineState(str, enum.Enum):
     """RUNNING steps; PAUSED holds (or, in WAIT mode, drains) what is in flight and queues new
     requests; SUSPENDED has handed its KV buffer (and maybe its weights) to the trainer."""
 

@@ -12,7 +12,7 @@ def core_stats(core: Any) -> dict:  # NOTE: an EngineCore (typed loosely: it imp
     by_client = core.scheduler.waiting_samples()
     return {
         "state": core.state.value,
-        "asleep": ",".join(sorted(core.sleep.asleep)),
+        "asleep": ",".join(sorted(tag.value for tag in core.sleep.asleep)),
         "pause_mode": None if core.pause_mode is None else core.pause_mode.value,
         "dtype": str(core.model.spec.dtype).removeprefix("torch."),
         "block_size": core.config.block_size,

@@ -40,7 +40,7 @@ from torch import Tensor
 
 from inference.errors import OverloadedError
 from inference.sampling.grammar_limits import COMPILE_STACK_BYTES, check_limits
-from inference.sampling.structured import StructuredOutputs
+from inference.sampling.structured import Constraint, StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -53,27 +53,27 @@ _GRAMMAR_THREADS = 2  # mask filling is a few ms for hundreds of rows; more thre
 def grammar_text(spec: StructuredOutputs) -> str:
     """`spec` as an llguidance grammar (not yet checked: `GrammarCompiler.compile` does that)."""
     kind = spec.kind
-    if kind in ("json", "json_object"):
-        schema = json.loads(spec.json) if kind == "json" else {"type": "object"}
+    if kind in (Constraint.JSON, Constraint.JSON_OBJECT):
+        schema = json.loads(spec.json) if kind is Constraint.JSON else {"type": "object"}
         if spec.disable_additional_properties:
             schema = _closed_objects(schema)
         options: dict = {"whitespace_flexible": not spec.disable_any_whitespace}
         if not spec.disable_any_whitespace:
             options["whitespace_pattern"] = spec.whitespace_pattern or BOUNDED_WHITESPACE
         return llg.LLMatcher.grammar_from_json_schema(schema, defaults=options)
-    if kind == "regex":
+    if kind is Constraint.REGEX:
         return llg.grammar_from("regex", spec.regex)
-    if kind == "choice":
+    if kind is Constraint.CHOICE:
         return llg.grammar_from("choice", json.dumps(list(spec.choice)))
-    if kind == "grammar":
+    if kind is Constraint.GRAMMAR:
         return llg.grammar_from("grammar", spec.grammar)
     return _structural_tag(spec.structural_tag)
 
 
 def _constraint_text(spec: StructuredOutputs) -> Optional[str]:
     """The text `grammar_limits.check_limits` measures for `spec` (None: nothing to measure)."""
-    return {"json": spec.json, "grammar": spec.grammar, "regex": spec.regex,
-            "structural_tag": spec.structural_tag}.get(spec.kind)
+    return {Constraint.JSON: spec.json, Constraint.GRAMMAR: spec.grammar, Constraint.REGEX: spec.regex,
+            Constraint.STRUCTURAL_TAG: spec.structural_tag}.get(spec.kind)
 
 
 def _first_line(error: str) -> str:

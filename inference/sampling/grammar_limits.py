@@ -25,6 +25,8 @@ import json
 import re
 from typing import Any
 
+from inference.sampling.structured import Constraint
+
 MAX_SCHEMA_DEPTH = 1024
 MAX_GRAMMAR_BYTES = 256 << 10
 MAX_GRAMMAR_RULES = 4096
@@ -35,20 +37,21 @@ _LARK_RULE = re.compile(r"^[ \t]*[?!]?[A-Za-z_][\w]*(?:\.-?\d+)?[ \t]*:(?!:)", r
 _GBNF_RULE = re.compile(r"::=")
 
 
-def check_limits(kind: str, text: str) -> None:
+def check_limits(kind: Constraint | str, text: str) -> None:
     """Refuse (`ValueError` naming the bound) a constraint of `kind` whose `text` (a schema's JSON,
     a grammar, a regex, a choice list, a structural tag) is past what may be compiled."""
-    if kind in ("json", "structural_tag"):
+    kind = Constraint(kind)  # NOTE: its name is taken too
+    if kind in (Constraint.JSON, Constraint.STRUCTURAL_TAG):
         try:
             doc = json.loads(text)
         except RecursionError:
             raise ValueError(f"structured_outputs.{kind}: nested deeper than {MAX_SCHEMA_DEPTH} levels") from None
         except ValueError:
             return  # NOTE: not JSON: the compiler's own message says so
-        schemas = [doc] if kind == "json" else [s.get("schema") for s in _structures(doc)]
+        schemas = [doc] if kind is Constraint.JSON else [s.get("schema") for s in _structures(doc)]
         for schema in schemas:
             if isinstance(schema, str):
-                check_limits("grammar", schema)
+                check_limits(Constraint.GRAMMAR, schema)
             elif (depth := schema_depth(schema)) > MAX_SCHEMA_DEPTH:
                 raise ValueError(f"structured_outputs.{kind}: the schema is {depth} levels deep (nesting and $ref "
                                  f"chains together); at most {MAX_SCHEMA_DEPTH} are compiled")
@@ -56,7 +59,7 @@ def check_limits(kind: str, text: str) -> None:
     size = len(text.encode("utf-8", "surrogatepass"))
     if size > MAX_GRAMMAR_BYTES:
         raise ValueError(f"structured_outputs.{kind}: {size} bytes; at most {MAX_GRAMMAR_BYTES} are compiled")
-    if kind == "grammar":
+    if kind is Constraint.GRAMMAR:
         rules = len(_LARK_RULE.findall(text)) + len(_GBNF_RULE.findall(text))
         if rules > MAX_GRAMMAR_RULES:
             raise ValueError(f"structured_outputs.grammar: {rules} rules; at most {MAX_GRAMMAR_RULES} are compiled")

@@ -13,13 +13,30 @@ the engine's to say, against its tokenizer (`inference.sampling.grammar`).
 
 from __future__ import annotations
 
+import enum
 import json
 from dataclasses import dataclass, fields
 
 MAX_GRAMMAR_CHARS = 1 << 20  # one constraint's text; a larger one is refused before it is compiled
 MAX_CHOICES = 1024
 
-CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+class Constraint(str, enum.Enum):
+    """A `StructuredOutputs`' kind of constraint; its value is the field that sets it (and names it
+    in messages: `str` gives the value)."""
+
+    JSON = "json"
+    REGEX = "regex"
+    CHOICE = "choice"
+    GRAMMAR = "grammar"
+    JSON_OBJECT = "json_object"
+    STRUCTURAL_TAG = "structural_tag"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+CONSTRAINTS = tuple(c.value for c in Constraint)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,9 +84,9 @@ class StructuredOutputs:
             raise ValueError("structured_outputs: disable_any_whitespace and whitespace_pattern exclude each other")
 
     @property
-    def kind(self) -> str:
-        """The constraint's name (one of `CONSTRAINTS`)."""
-        return next(name for name in CONSTRAINTS if getattr(self, name) not in (None, False))
+    def kind(self) -> Constraint:
+        """The constraint that is set."""
+        return next(c for c in Constraint if getattr(self, c.value) not in (None, False))
 
     def as_dict(self) -> dict:
         """The set fields (the wire and the tests)."""

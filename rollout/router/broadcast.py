@@ -29,7 +29,7 @@ from typing import Any, Optional, Union
 import msgspec
 
 from inference.config import PauseMode
-from inference.core.states import memory_parts
+from inference.core.states import EngineState, MemoryTag, memory_parts
 from rollout.wire.kinds import ErrorCode, Kind
 from rollout.wire.messages import (
     Continue,
@@ -141,7 +141,7 @@ def merge_stats(replies: list[dict[str, StatValue]]) -> dict[str, StatValue]:
     return out
 
 
-def asleep_parts(msg: Suspend) -> set[str]:
+def asleep_parts(msg: Suspend) -> set[MemoryTag]:
     """The parts a `Suspend` puts to sleep (the engine's own reading of it)."""
     return memory_parts(msg.tags, msg.offload_weights or msg.discard_weights)
 
@@ -156,8 +156,8 @@ class FleetState:
     last_update: Optional[UpdateWeights] = None
 
     @property
-    def engine_state(self) -> str:
-        return "suspended" if self.suspended else "paused" if self.paused else "running"
+    def engine_state(self) -> EngineState:
+        return EngineState.SUSPENDED if self.suspended else EngineState.PAUSED if self.paused else EngineState.RUNNING
 
     def applied(self, msg: RequestMessage, version: Optional[int]) -> None:
         """A broadcast of `msg` succeeded (on at least one replica), the fleet now at `version`."""
@@ -193,28 +193,29 @@ class FleetState:
         # weight-update group or a shared-memory segment is gone once the trainer moved on
         self.last_update = msg if isinstance(msg.source, DiskSource) else None
 
-    def sync_plan(self, version: Optional[int], engine_state: Optional[str], next_id: Any) -> Optional[list]:
+    def sync_plan(self, version: Optional[int], engine_state: Optional[EngineState | str],
+                  next_id: Any) -> Optional[list]:
         """The messages that bring a replica at `version` in `engine_state` in line with the
         fleet, in order (empty: it is); None if it cannot be (no update known to replay)."""
-        state = engine_state or "running"
+        state: Optional[EngineState] = EngineState(engine_state or EngineState.RUNNING)  # NOTE: a name is taken too
         stale = self.version is not None and version != self.version
         if stale and self.last_update is None:
             return None
-        if state == "suspended" and self.suspended is not None and not stale:
+        if state is EngineState.SUSPENDED and self.suspended is not None and not stale:
             return []
         plan: list[RequestMessage] = []
-        if state == "suspended":
+        if state is EngineState.SUSPENDED:
             plan.append(Resume(request_id=next_id()))
-            state = "unknown"  # NOTE: resume restores the replica's own state from before its suspend
+            state = None  # NOTE: unknown: resume restores the replica's own state from before its suspend
         if stale:
             update = self.last_update
             source = msgspec.structs.replace(update.source, version=self.version)
             plan.append(UpdateWeights(request_id=next_id(), source=source, policy=update.policy))
-        if self.paused is not None and state != "paused":
+        if self.paused is not None and state is not EngineState.PAUSED:
             # NOTE: nothing of the router's runs there: KEEP pauses it as WAIT would, without a drain
             mode = PauseMode.KEEP if self.paused is PauseMode.WAIT else self.paused
             plan.append(Pause(request_id=next_id(), mode=mode))
-        elif self.paused is None and state != "running":
+        elif self.paused is None and state is not EngineState.RUNNING:
             plan.append(Continue(request_id=next_id()))
         if self.suspended is not None:
             plan.append(Suspend(request_id=next_id(), policy=self.suspended.policy,

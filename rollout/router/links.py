@@ -29,6 +29,7 @@ from typing import Optional
 
 import zmq
 
+from inference.core.states import EngineState
 from rollout.wire.messages import HealthInfo
 from rollout.wire.security import ClientSecurity, secure_client_socket
 
@@ -76,7 +77,7 @@ class ReplicaLink:
         self.state = ReplicaState.JOINING
         self.reason = "joining"
         self.version: Optional[int] = None
-        self.engine_state: Optional[str] = None  # "running" / "paused" / "suspended", from Health
+        self.engine_state: Optional[EngineState] = None  # from Health
         self.block_size: Optional[int] = None
         self.health: Optional[HealthInfo] = None
         self.added_at = now

@@ -342,7 +342,7 @@ class RolloutRouter:
     def _stats_reply(self, fan: Fanout) -> Result:
         fleet = self.replica_set.fleet
         merged = merge_stats([fan.replies[r].stats or {} for r in fan.succeeded])
-        merged.update(policy_version=fleet.version or 0, state=fleet.engine_state)
+        merged.update(policy_version=fleet.version or 0, state=fleet.engine_state.value)
         extra: dict[str, Any] = {"replicas": len(self.replica_set.links),
                                  "replicas_up": len(self.replica_set.candidates()),
                                  # the replicas a weight group's broadcast reaches: up, and lagging ones

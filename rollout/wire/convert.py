@@ -85,7 +85,7 @@ def health_of(engine, deadline_s: float) -> HealthInfo:
     since = float("inf") if since is None else since
     error = engine.weights.serving_error  # NOTE: a read of one attribute, off the loop like the tick's
     return HealthInfo(healthy=since <= deadline_s, seconds_since_loop_tick=min(since, 1e9),
-                      state=engine.state.value, policy_version=engine.policy_version,
+                      state=engine.state, policy_version=engine.policy_version,
                       serving_error=None if error is None else error[:1024])
 
 

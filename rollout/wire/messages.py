@@ -19,6 +19,7 @@ import numpy as np
 from msgspec import Meta
 
 from inference.config import PauseMode, PrefixCachePolicy, SuspendPolicy, UpdatePolicy
+from inference.core.states import EngineState, MemoryTag
 from inference.request import FinishReason
 from inference.sampling.params import (
     MAX_CACHE_SALT_LENGTH,
@@ -71,7 +72,7 @@ TokenSequence = Annotated[list[NonNegInt], Meta(min_length=1, max_length=MAX_STO
 def _field_eq(a: Any, b: Any) -> bool:
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype \
-            and np.array_equal(a, b, equal_nan=a.dtype.kind == "f")
+            and np.array_equal(a, b, equal_nan=np.issubdtype(a.dtype, np.floating))
     return a == b
 
 
@@ -200,12 +201,9 @@ class Continue(_Request, tag=Kind.CONTINUE.value):
     """Undo `Pause`."""
 
 
-MemoryTag = Literal["kv_cache", "weights"]
-
-
 class Suspend(_Request, tag=Kind.SUSPEND.value):
     """Free the KV / state buffers (and the weights if `offload_weights`) for a colocated trainer;
-    `tags`: the parts to free instead (each part once, `inference.core.engine_core.MEMORY_TAGS`);
+    `tags`: the parts to free instead (each part once, `inference.core.states.MemoryTag`);
     `discard_weights`: drop the weights rather than keep a host copy (vLLM's sleep level 2)."""
 
     policy: SuspendPolicy = SuspendPolicy.RECOMPUTE
@@ -421,7 +419,7 @@ class HealthInfo(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     healthy: bool
     seconds_since_loop_tick: Seconds
-    state: Annotated[str, Meta(max_length=64)]
+    state: EngineState
     policy_version: NonNegInt
     serving_error: Optional[Annotated[str, Meta(max_length=1024)]] = None
 

@@ -63,7 +63,7 @@ def as_int32(name: str, value: Any) -> np.ndarray:
         raise ValueError(f"{name}: expected a 1-D sequence of ints, got shape {arr.shape}")
     if arr.size == 0:
         return np.empty(0, dtype=INT32)
-    if arr.dtype.kind not in "iu":
+    if not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"{name}: expected ints, got dtype {arr.dtype}")
     if arr.min() < _INT32_INFO.min or arr.max() > _INT32_INFO.max:
         raise ValueError(f"{name}: values must fit in int32")
@@ -77,7 +77,7 @@ def as_float32(name: str, value: Any) -> np.ndarray:
     arr = np.asarray(value)
     if arr.ndim != 1:
         raise ValueError(f"{name}: expected a 1-D sequence of numbers, got shape {arr.shape}")
-    if arr.size and arr.dtype.kind not in "iuf":
+    if arr.size and not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
         raise ValueError(f"{name}: expected numbers, got dtype {arr.dtype}")
     return arr.astype(FLOAT32, copy=False)
 

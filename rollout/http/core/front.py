@@ -17,12 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from inference import SamplingParams
+from inference import LogprobsMode, SamplingParams
 from inference.sampling.params import MAX_LOGPROBS
 from rollout.http.core.clients import FrontClient
 from rollout.http.core.errors import APIError, from_exception
 from rollout.http.core.generation import Generation, GenSpec
-from rollout.http.core.sampling import sampling_params
+from rollout.http.core.sampling import LOGPROBS_MODES, sampling_params
 from rollout.http.core.schemas import MAX_TOP_LOGPROBS
 from rollout.http.core.sessions import Render, SessionStore
 from rollout.http.core.tools import TOOL_PARSERS, ToolParser
@@ -53,7 +53,7 @@ class FrontConfig:
     sampling_defaults: tuple[tuple[str, float], ...] = ()
     return_tokens_as_token_ids: bool = False  # logprobs' tokens as `token_id:N` where a request does not say
     max_logprobs: int = MAX_TOP_LOGPROBS
-    logprobs_mode: str = "raw"
+    logprobs_mode: LogprobsMode = LogprobsMode.RAW  # its name (raw, processed) is taken too
     closed_routes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -70,8 +70,10 @@ class FrontConfig:
             raise ValueError(f"FrontConfig.timeout must be > 0, got {self.timeout}")
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"FrontConfig.max_logprobs must be in [0, {MAX_LOGPROBS}], got {self.max_logprobs}")
-        if self.logprobs_mode not in ("raw", "processed"):
-            raise ValueError(f"FrontConfig.logprobs_mode must be raw or processed, got {self.logprobs_mode!r}")
+        if not isinstance(self.logprobs_mode, LogprobsMode):
+            if self.logprobs_mode not in LOGPROBS_MODES:
+                raise ValueError(f"FrontConfig.logprobs_mode must be raw or processed, got {self.logprobs_mode!r}")
+            self.logprobs_mode = LOGPROBS_MODES[self.logprobs_mode]
 
 
 class HttpFront:

@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from inference import SamplingParams
+from inference import FinishReason, SamplingParams
 from rollout.http.core.errors import APIError, from_exception
 from rollout.text import TextCodec
 from rollout.types import Rollout, TokenChunk
@@ -76,7 +76,7 @@ class Sample:
         self.routed_experts: Any = None  # MoE, when asked: `[positions fed, moe layers, k]` int32 (final only)
         self.cached_tokens = 0  # prompt tokens the prefix cache served (final only)
         self.text = ""
-        self.finish_reason: Optional[str] = None
+        self.finish_reason: Optional[FinishReason] = None
         self.matched: Any = None  # the stop string, or the id of the stop token / EOS that ended it
         self.stopped = False  # cut by a stop string (the engine may still be sampling it)
         self.finished = False  # its final output arrived
@@ -92,7 +92,7 @@ class Sample:
         """Drop what was sampled (echo with `max_tokens: 0`: the prompt scored, nothing generated)."""
         self.ids, self.logprobs, self.versions, self.text = [], [], [], ""
         self.top_logprobs = None if self.top_logprobs is None else []
-        self.finish_reason, self.matched = "length", None
+        self.finish_reason, self.matched = FinishReason.LENGTH, None
 
 
 @dataclass(slots=True)
@@ -103,7 +103,7 @@ class Delta:
     text: str
     start: int  # index of the first of `ids` in the sample
     ids: list[int]
-    finish_reason: Optional[str] = None
+    finish_reason: Optional[FinishReason] = None
 
 
 def version_spans(versions: list[int], start: int = 0) -> list[dict[str, int]]:
@@ -228,7 +228,7 @@ class Generation:
             cut -= 1
         del sample.ids[cut:], sample.logprobs[cut:], sample.versions[cut:]
         sample.text = text[:end] if self.spec.include_stop else text[:pos]
-        sample.stopped, sample.finish_reason, sample.matched = True, "stop", stop
+        sample.stopped, sample.finish_reason, sample.matched = True, FinishReason.STOP, stop
 
     def _finish(self, sample: Sample, rollout: Rollout) -> None:
         sample.finished = True
@@ -250,8 +250,8 @@ class Generation:
             self._find_stop(sample)
             if sample.stopped:
                 return
-        sample.finish_reason = rollout.finish_reason.value
-        if rollout.finish_reason.value == "stop" and sample.ids:
+        sample.finish_reason = rollout.finish_reason
+        if rollout.finish_reason is FinishReason.STOP and sample.ids:
             sample.matched = sample.ids[-1]
 
     def _delta(self, sample: Sample) -> Optional[Delta]:
@@ -270,5 +270,5 @@ class Generation:
                       sample.ids[sample.sent_ids:ids_end], sample.finish_reason if final else None)
         sample.sent_text, sample.sent_ids = text_end, ids_end
         if final and delta.finish_reason is None:
-            delta.finish_reason = "abort"
+            delta.finish_reason = FinishReason.ABORT
         return delta

@@ -22,6 +22,7 @@ from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from inference.core.states import MEMORY_TAGS
 from rollout.http.core.errors import from_exception
 
 router = APIRouter()
@@ -76,7 +77,7 @@ class StatsCollector:
         asleep = GaugeMetricFamily("rollout:asleep", "1 for each memory part suspended now.",
                                    labels=["model_name", "part"])
         parts = str(self.stats.get("engine/asleep", "") or "")
-        for part in ("kv_cache", "weights"):
+        for part in MEMORY_TAGS:
             asleep.add_metric([self.model_name, part], 1.0 if part in parts.split(",") else 0.0)
         yield asleep
 

@@ -60,10 +60,15 @@ def check_logprobs(logprobs: Optional[int], prompt_logprobs: Optional[int], max_
                                 f"{max_logprobs}", param=param)
 
 
+# a body's (and the server's) `logprobs_mode`: vLLM's names, its `*_logprobs` spellings too
+LOGPROBS_MODES = {"raw": LogprobsMode.RAW, "raw_logprobs": LogprobsMode.RAW,
+                  "processed": LogprobsMode.PROCESSED, "processed_logprobs": LogprobsMode.PROCESSED}
+
+
 def sampling_params(codec: TextCodec, body: Any, *, n: int, max_tokens: int, logprobs: Optional[int],
                     prompt_logprobs: Optional[int] = None, structured: Optional[StructuredOutputs] = None,
                     defaults: Optional[dict[str, float]] = None, max_logprobs: int = MAX_TOP_LOGPROBS,
-                    logprobs_mode: str = "raw") -> SamplingParams:
+                    logprobs_mode: LogprobsMode = LogprobsMode.RAW) -> SamplingParams:
     """`defaults`: values for `DEFAULTABLE` fields the body leaves unset (`generation_defaults`);
     `max_logprobs`: the largest top-n count served; `logprobs_mode`: the mode of a body that names
     none (raw or processed)."""
@@ -84,8 +89,9 @@ def sampling_params(codec: TextCodec, body: Any, *, n: int, max_tokens: int, log
         value = unset.get(name) if value is None else value
         if value is not None and value != neutral:
             fields[engine_name] = value
-    if (body.logprobs_mode or logprobs_mode).startswith("processed"):
-        fields["logprobs_mode"] = LogprobsMode.PROCESSED
+    mode = logprobs_mode if getattr(body, "logprobs_mode", None) is None else LOGPROBS_MODES[body.logprobs_mode]
+    if mode is not LogprobsMode.RAW:
+        fields["logprobs_mode"] = mode
     if body.logit_bias:
         fields["logit_bias"] = logit_bias(codec, body.logit_bias)
     if body.bad_words:

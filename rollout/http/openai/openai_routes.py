@@ -27,7 +27,7 @@ import msgspec
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
-from inference import StructuredOutputs
+from inference import FinishReason, StructuredOutputs
 from rollout.http.core import structured
 from rollout.http.core.disconnects import unless_disconnected
 from rollout.http.core.errors import APIError, from_exception
@@ -181,7 +181,7 @@ async def _completion_chunks(front: HttpFront, body: CompletionRequest, gen: Gen
         s = d.sample
         if score_only:
             s.truncate()
-            d.text, d.ids, d.finish_reason = "", [], "length"
+            d.text, d.ids, d.finish_reason = "", [], FinishReason.LENGTH
         choice = {"index": _index(gen, s), "text": d.text,
                   "logprobs": _completion_logprobs(front, body, s, d.start, d.ids),
                   "finish_reason": d.finish_reason}

@@ -45,7 +45,8 @@ import numpy as np
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
-from inference import PauseMode, SamplingParams, SuspendPolicy
+from inference import FinishReason, PauseMode, SamplingParams, SuspendPolicy
+from inference.core.states import MemoryTag
 from rollout.http.core import structured
 from rollout.http.core.disconnects import unless_disconnected
 from rollout.http.core.errors import APIError, engine_call, from_exception
@@ -196,13 +197,13 @@ def _input_logprobs(front: HttpFront, spec: GenSpec, s: Sample, with_text: bool)
 
 
 def _finish_reason(s: Sample, spec: GenSpec) -> Optional[dict[str, Any]]:
-    if s.finish_reason == "length":
+    if s.finish_reason is FinishReason.LENGTH:
         return {"type": "length", "length": spec.sampling.max_tokens}
-    if s.finish_reason == "stop":
+    if s.finish_reason is FinishReason.STOP:
         return {"type": "stop", "matched": s.matched}
-    if s.finish_reason == "abort":
+    if s.finish_reason is FinishReason.ABORT:
         return {"type": "abort", "message": "aborted"}
-    if s.finish_reason == "stale":
+    if s.finish_reason is FinishReason.STALE:
         return {"type": "abort", "message": "stale: started more than max_staleness policy versions ago"}
     return None
 
@@ -313,10 +314,11 @@ async def resume_memory_occupation(request: Request) -> Response:
     return json_response(None)
 
 
-def _memory_parts(tags: Optional[list[str]]) -> list[str]:
+def _memory_parts(tags: Optional[list[str]]) -> list[MemoryTag]:
     if tags is None:
-        return ["kv_cache", "weights"]
-    return sorted({"kv_cache" if t == "cuda_graph" else t for t in tags})
+        return list(MemoryTag)
+    # NOTE: SGLang's cuda_graph tag: the graphs live in the step workspaces, which sleep with the KV cache
+    return sorted({MemoryTag.KV_CACHE if t == "cuda_graph" else MemoryTag(t) for t in tags})
 
 
 @router.get("/get_weight_version")

@@ -41,7 +41,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 
 from inference import PauseMode, SuspendPolicy, UpdatePolicy
-from inference.core.states import MEMORY_TAGS
+from inference.core.states import MEMORY_TAGS, MemoryTag
 from rollout.http.core import structured
 from rollout.http.core.disconnects import unless_disconnected
 from rollout.http.core.errors import APIError, engine_call
@@ -84,14 +84,15 @@ async def pause(request: Request, mode: str = Query("abort"), wait_for_inflight_
                 clear_cache: bool = Query(True)) -> Response:
     if mode not in PAUSE_MODES:
         return vllm_error(400, f"Invalid pause mode {mode!r}: expected one of abort, wait, keep.")
-    if wait_for_inflight_requests and mode == "abort":  # NOTE: vLLM's deprecated spelling of mode=wait
-        mode = "wait"
+    pause_mode = PAUSE_MODES[mode]
+    if wait_for_inflight_requests and pause_mode is PauseMode.ABORT:  # NOTE: vLLM's deprecated spelling of wait
+        pause_mode = PauseMode.WAIT
     front = front_of(request)
-    await engine_call(front.client.pause(PAUSE_MODES[mode]))
-    if clear_cache and mode != "keep":
+    await engine_call(front.client.pause(pause_mode))
+    if clear_cache and pause_mode is not PauseMode.KEEP:
         await engine_call(front.client.reset_prefix_cache())
     # NOTE: vLLM answers the status; the parameters as received come too (SkyRL's client tests read them)
-    return json_response({"status": "paused", "mode": mode,
+    return json_response({"status": "paused", "mode": pause_mode.value,
                           "clear_cache": request.query_params.get("clear_cache", "true")})
 
 
@@ -235,12 +236,16 @@ async def server_info(request: Request, config_format: str = Query("text")) -> R
 # ---- sleep ---------------------------------------------------------------------------------------
 
 
-def _tags(request: Request) -> Optional[list[str]]:
+def _tags(request: Request) -> Optional[list[MemoryTag]]:
     tags = request.query_params.getlist("tags") or None
     bad = [t for t in tags or () if t not in MEMORY_TAGS]
     if bad:
         raise APIError(400, f"Unknown sleep tags {bad}: expected {list(MEMORY_TAGS)}", param="tags")
-    return tags
+    return None if tags is None else [MemoryTag(t) for t in tags]
+
+
+def _names(tags: Optional[list[MemoryTag]]) -> Optional[list[str]]:
+    return None if tags is None else [t.value for t in tags]
 
 
 @router.post("/sleep")
@@ -251,9 +256,9 @@ async def sleep(request: Request, level: int = Query(1)) -> Response:
     if level not in (1, 2):
         raise APIError(400, f"Sleep level must be 1 or 2, got {level}", param="level")
     asked = _tags(request)
-    await engine_call(front_of(request).client.suspend(SuspendPolicy.RECOMPUTE, tags=asked or list(MEMORY_TAGS),
+    await engine_call(front_of(request).client.suspend(SuspendPolicy.RECOMPUTE, tags=asked or list(MemoryTag),
                                                  discard_weights=level == 2))
-    return json_response({"status": "sleeping", "level": level, "tags": asked})
+    return json_response({"status": "sleeping", "level": level, "tags": _names(asked)})
 
 
 @router.post("/wake_up")
@@ -263,8 +268,8 @@ async def wake_up(request: Request) -> Response:
     tags = _tags(request)
     # NOTE: every part named, never "resume if asleep": the engine's loop decides what sleeps, so
     # wake-ups sent together (SkyRL sends one to each of a server's URLs) wake it once, all 200
-    await engine_call(front_of(request).client.resume(tags=tags or list(MEMORY_TAGS)))
-    return json_response({"status": "awake", "tags": tags})
+    await engine_call(front_of(request).client.resume(tags=tags or list(MemoryTag)))
+    return json_response({"status": "awake", "tags": _names(tags)})
 
 
 @router.get("/is_sleeping")
