@@ -53,7 +53,7 @@ from weight_sync.manifest import Manifest, Naming, check_against_model
 from weight_sync.megatron.model import MEGATRON_ADAPTER
 from weight_sync.sources import DEFAULT_GROUP, AdapterSource, WeightSource
 from weight_sync.transports.checkpoint_files import ANYWHERE, DiskAccess, DiskAccessError
-from weight_sync.transports.distributed import GroupError, ReceiveBuffer, RefusedError, WeightGroup
+from weight_sync.transports.distributed import CollectiveBackend, GroupError, ReceiveBuffer, RefusedError, WeightGroup
 from weight_sync.transports.shm import SegmentMappings
 from weight_sync.transports.table import BY_SOURCE
 
@@ -211,9 +211,9 @@ class WeightReceiver:
         `rank_offset` None claims the next free rank (one message broadcast to all replicas)."""
         with self._exclusive("init_weights_update_group"):
             self.close_group(group_name)
-            if backend is None:
-                backend = "nccl" if self.engine.model.device.type == "cuda" else "gloo"
-            device = self.engine.model.device if backend == "nccl" else None
+            on_gpu = self.engine.model.device.type == "cuda"
+            backend = CollectiveBackend.of(backend or (CollectiveBackend.NCCL if on_gpu else CollectiveBackend.GLOO))
+            device = self.engine.model.device if backend is CollectiveBackend.NCCL else None
             group = WeightGroup.join(master_address, master_port, world_size=world_size, rank=rank_offset,
                                      name=group_name, backend=backend, timeout_s=timeout_s or self.timeout_s,
                                      device=device)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Optional, Union
 
 import msgspec
 import numpy as np
@@ -46,6 +46,7 @@ from rollout.wire.kinds import (
 )
 from rollout.wire.packing import as_float32, as_int32, check_non_negative, check_same_length
 from weight_sync.sources import DEFAULT_GROUP, AdapterSource, GroupName, WeightSource
+from weight_sync.transports.distributed import CollectiveBackend
 
 
 class KvOp(enum.IntEnum):
@@ -242,7 +243,7 @@ class InitWeightsUpdateGroup(_Request, tag=Kind.INIT_WEIGHTS_UPDATE_GROUP.value)
     world_size: Annotated[int, Meta(ge=2, le=65536)]
     rank_offset: Optional[Annotated[int, Meta(ge=1)]] = None
     group_name: GroupName = DEFAULT_GROUP
-    backend: Optional[Literal["gloo", "nccl"]] = None
+    backend: Optional[CollectiveBackend] = None
     timeout_s: Optional[Annotated[float, Meta(gt=0, le=MAX_LEASE_SECONDS)]] = None
 
 

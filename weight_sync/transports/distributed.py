@@ -23,6 +23,7 @@ Moving an update over a group: `weight_sync.transports.bucket_broadcast`.
 from __future__ import annotations
 
 import datetime
+import enum
 import ipaddress
 import logging
 import os
@@ -74,20 +75,33 @@ def _listen(host: str, port: int) -> socket.socket:
     return listener
 
 
+class CollectiveBackend(str, enum.Enum):
+    """The torch.distributed backend of a weight-update group (the value is torch's name)."""
+
+    GLOO = "gloo"  # CPU tensors
+    NCCL = "nccl"  # CUDA tensors, on the engine's GPU
+
+    @classmethod
+    def of(cls, value: CollectiveBackend | str) -> CollectiveBackend:
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {value!r}") from None
+
+
 class WeightGroup:
     """One rank of a weight-update group (see module docstring). `host()` on the trainer, then
     `connect()` once the replicas were told to join; `join()` on a replica (blocks until all
     ranks are in, at most `timeout_s`)."""
 
-    def __init__(self, store: dist.Store, *, rank: int, world_size: int, name: str, backend: str,
+    def __init__(self, store: dist.Store, *, rank: int, world_size: int, name: str, backend: CollectiveBackend | str,
                  timeout_s: float, master_address: str, device: Optional[torch.device] = None) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a group of {world_size}")
-        if backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        backend = CollectiveBackend.of(backend)
         self.store, self.rank, self.world_size, self.name = store, rank, world_size, name
         self.backend, self.timeout_s, self.master_address = backend, timeout_s, master_address
-        if backend == "gloo":
+        if backend is CollectiveBackend.GLOO:
             self.device = torch.device("cpu")
         else:  # NOTE: NCCL runs where its tensors are: the engine's GPU (a replica), else the current one
             device = torch.device(device) if device is not None else torch.device("cuda")
@@ -98,7 +112,7 @@ class WeightGroup:
 
     @classmethod
     def host(cls, master_address: str = "127.0.0.1", master_port: int = 0, *, world_size: int,
-             name: str = DEFAULT_GROUP, backend: str = "gloo", timeout_s: float = 60.0,
+             name: str = DEFAULT_GROUP, backend: CollectiveBackend | str = "gloo", timeout_s: float = 60.0,
              device: Optional[torch.device] = None, trusted_network: bool = False) -> WeightGroup:
         """Rank 0's store, listening on `master_address` only (port 0: the OS picks one, see
         `port`); `connect()` next. Beyond loopback only with `trusted_network` (module docstring)."""
@@ -120,7 +134,7 @@ class WeightGroup:
 
     @classmethod
     def join(cls, master_address: str, master_port: int, *, world_size: int, rank: Optional[int],
-             name: str = DEFAULT_GROUP, backend: str = "gloo", timeout_s: float = 60.0,
+             name: str = DEFAULT_GROUP, backend: CollectiveBackend | str = "gloo", timeout_s: float = 60.0,
              device: Optional[torch.device] = None) -> WeightGroup:
         """A replica's rank (`rank` None: the next unclaimed one), connected to every other rank;
         `GroupError` if that takes more than `timeout_s` (plus a second's grace) whatever the peer does.
@@ -160,7 +174,7 @@ class WeightGroup:
 
     @classmethod
     def _join(cls, master_address: str, master_port: int, *, world_size: int, rank: Optional[int], name: str,
-              backend: str, timeout_s: float, device: Optional[torch.device]) -> WeightGroup:
+              backend: CollectiveBackend | str, timeout_s: float, device: Optional[torch.device]) -> WeightGroup:
         try:
             store = dist.TCPStore(master_address, master_port, world_size, False, timeout=_timeout(timeout_s))
         except (RuntimeError, OSError) as exc:
@@ -181,7 +195,7 @@ class WeightGroup:
         """Build the process group: returns once every rank has joined, else raises `GroupError`."""
         prefix = dist.PrefixStore(self.name, self.store)
         try:
-            if self.backend == "gloo":
+            if self.backend is CollectiveBackend.GLOO:
                 options = dist.ProcessGroupGloo._Options()
                 options._timeout = _timeout(self.timeout_s)
                 local = "127.0.0.1" if _is_loopback(self.master_address) else None
@@ -258,7 +272,7 @@ class WeightGroup:
         if pg is not None:
             for method in ("abort", "shutdown"):  # NOTE: NCCL needs one to free its communicator
                 fn = getattr(pg, method, None)
-                if fn is not None and self.backend == "nccl":
+                if fn is not None and self.backend is CollectiveBackend.NCCL:
                     try:
                         fn()
                         break
