@@ -10,6 +10,9 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import Annotated
+
+from msgspec import Meta
 
 from inference.kv_cache.policy import PrefixCachePolicy
 from inference.sampling.structured import StructuredOutputs
@@ -28,6 +31,19 @@ MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-MAX_LOGIT_BIAS, MAX_LOGIT
 MAX_BAD_WORDS = 1024
 MAX_CACHE_SALT_LENGTH = 256
 MAX_LORA_NAME_LENGTH = 256
+# NOTE: bounds only the wire holds a request to (a decoded frame is checked against them): what one
+# peer may ask of a shared server
+MAX_SAMPLES = 1024  # n
+MAX_STOP_TOKENS = 1024  # stop_token_ids, and the tokens of one bad-word sequence
+MAX_TOKEN_IDS = 1 << 20  # allowed_token_ids, logit_bias entries (a vocabulary's worth)
+
+# the fields' bounds as msgspec reads them: the wire decodes `SamplingParams` itself, these checked
+# first (a refusal names the field), then `__post_init__` (what a range cannot say)
+_NonNegInt = Annotated[int, Meta(ge=0)]
+_TopN = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+_Penalty = Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY)]
+_Bias = Annotated[float, Meta(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
+_TokenSequence = Annotated[list[_NonNegInt], Meta(min_length=1, max_length=MAX_STOP_TOKENS)]
 
 
 class LogprobsMode(enum.IntEnum):
@@ -104,35 +120,35 @@ class SamplingParams:
     top-k -> top-p -> min-p (see sampler.py).
     """
 
-    n: int = 1
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    max_tokens: int = 16
-    stop_token_ids: list[int] = field(default_factory=list)
+    n: Annotated[int, Meta(ge=1, le=MAX_SAMPLES)] = 1
+    temperature: Annotated[float, Meta(ge=0, le=MAX_TEMPERATURE)] = 1.0
+    top_k: Annotated[int, Meta(ge=-1, le=MAX_TOP_K)] = 0
+    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
+    min_p: Annotated[float, Meta(ge=0, lt=1)] = 0.0
+    seed: _NonNegInt | None = None
+    max_tokens: Annotated[int, Meta(ge=1)] = 16
+    stop_token_ids: Annotated[list[_NonNegInt], Meta(max_length=MAX_STOP_TOKENS)] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
+    logprobs: _TopN | None = None
+    prompt_logprobs: _TopN | None = None
     logprobs_mode: LogprobsMode = LogprobsMode.RAW
     # MoE models: return the experts each token was routed to, per MoE layer (routing replay in the
     # trainer); such a request computes its whole prompt (no prefix-cache hit skips a route)
     return_routed_experts: bool = False
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    min_tokens: int = 0
-    logit_bias: dict[int, float] | None = None
-    bad_words_token_ids: list[list[int]] | None = None
-    allowed_token_ids: list[int] | None = None
-    cache_salt: str | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0)] = 1.0
+    presence_penalty: _Penalty = 0.0
+    frequency_penalty: _Penalty = 0.0
+    min_tokens: _NonNegInt = 0
+    logit_bias: Annotated[dict[_NonNegInt, _Bias], Meta(max_length=MAX_TOKEN_IDS)] | None = None
+    bad_words_token_ids: Annotated[list[_TokenSequence], Meta(max_length=MAX_BAD_WORDS)] | None = None
+    allowed_token_ids: Annotated[list[_NonNegInt], Meta(min_length=1, max_length=MAX_TOKEN_IDS)] | None = None
+    cache_salt: Annotated[str, Meta(max_length=MAX_CACHE_SALT_LENGTH)] | None = None
     prefix_cache_policy: PrefixCachePolicy | None = None
-    session_id: str | None = None
+    session_id: Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT_LENGTH)] | None = None
     structured_outputs: StructuredOutputs | None = None
     # False: this request never speculates, even on an engine configured to (InferenceConfig.speculative)
     speculative: bool = True
-    lora_name: str | None = None
+    lora_name: Annotated[str, Meta(min_length=1, max_length=MAX_LORA_NAME_LENGTH)] | None = None
 
     def __post_init__(self) -> None:
         if not (_is_int(self.n) and self.n >= 1):

@@ -16,6 +16,9 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass, fields
+from typing import Annotated
+
+from msgspec import Meta
 
 MAX_GRAMMAR_CHARS = 1 << 20  # one constraint's text; a larger one is refused before it is compiled
 MAX_CHOICES = 1024
@@ -37,6 +40,7 @@ class Constraint(str, enum.Enum):
 
 
 CONSTRAINTS = tuple(c.value for c in Constraint)
+_Text = Annotated[str, Meta(max_length=MAX_GRAMMAR_CHARS)]  # a bound the wire checks as it decodes
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,15 +49,15 @@ class StructuredOutputs:
     cached by it. `json` given as a dict is kept as its JSON text (key order preserved: it is the
     order the properties are written in)."""
 
-    json: str | None = None
-    regex: str | None = None
-    choice: tuple[str, ...] | None = None
-    grammar: str | None = None
+    json: _Text | None = None
+    regex: _Text | None = None
+    choice: Annotated[tuple[_Text, ...], Meta(min_length=1, max_length=MAX_CHOICES)] | None = None
+    grammar: _Text | None = None
     json_object: bool = False
-    structural_tag: str | None = None
+    structural_tag: _Text | None = None
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
-    whitespace_pattern: str | None = None
+    whitespace_pattern: _Text | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.json, dict):

@@ -18,7 +18,7 @@ from rollout.text import add_text
 from rollout.types import Rollout, TokenChunk
 from rollout.wire import messages as wire
 from rollout.wire.codec import encode
-from rollout.wire.convert import error_from_reply, output_from_wire, sampling_params_to_wire
+from rollout.wire.convert import error_from_reply, output_from_wire
 
 Sink = Callable[[tuple[int, Any]], None]
 
@@ -78,7 +78,7 @@ def build_generates(conn: Connection, prompts: Prompts, n: int, sampling: Option
     out = []
     for params, prompt in zip(params_per_prompt(len(prompts), n, sampling), prompts):
         out.append(wire.Generate(request_id=conn.next_id(), prompt_token_ids=np.asarray(prompt),
-                                 sampling=sampling_params_to_wire(params), stream_tokens=tokens,
+                                 sampling=params, stream_tokens=tokens,
                                  session_id=session_id or params.session_id, group_id=group_id))
     return out
 

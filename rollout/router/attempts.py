@@ -19,10 +19,10 @@ version; ABORT finishes it now with reason `abort` and the tokens it has.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-import msgspec
 import numpy as np
 
 from inference.kv_cache import BlockKey, block_hashes
@@ -112,7 +112,7 @@ def attempt_request(record: Record, attempt_id: str, count: int) -> Generate:
     msg = record.request
     sampling = msg.sampling
     if sampling.n != count:
-        sampling = msgspec.structs.replace(sampling, n=count)
+        sampling = dataclasses.replace(sampling, n=count)
     return Generate(request_id=attempt_id, prompt_token_ids=msg.prompt_token_ids, sampling=sampling,
                     stream_tokens=msg.stream_tokens, session_id=msg.session_id, group_id=msg.group_id,
                     client=record.admission_client)

@@ -24,6 +24,7 @@ every owner alike:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -40,7 +41,7 @@ from rollout.service.metrics import ServiceMetrics
 from rollout.service.registry import Record, RequestRegistry
 from rollout.service.socket import ServiceSocket
 from rollout.wire.codec import DEFAULT_MAX_FRAME_BYTES, ProtocolError, encode
-from rollout.wire.convert import error_reply, sampling_params_from_wire
+from rollout.wire.convert import error_reply
 from rollout.wire.kinds import ErrorCode
 from rollout.wire.mailbox import Mailbox
 from rollout.wire.messages import REQUEST_TYPES, ErrorReply, Generate, Heartbeat, SampleOutput
@@ -213,7 +214,7 @@ class ServiceEndpoint:
             for frame in record.frames.values():  # NOTE: the client keeps the first copy of each
                 self.socket.send_frame(peer, frame)
             return
-        params = sampling_params_from_wire(msg.sampling, msg.session_id)
+        params = _session_params(msg)
         record = self.registry.add(msg, peer)
         self.metrics.count("requests_run")
         self._start_generate(record, params, now)
@@ -259,6 +260,17 @@ class ServiceEndpoint:
         """A Generate the engine (or every replica) refused: forgotten, so a resubmission runs it again."""
         self.registry.drop(record)
         self.send_error(record.owner, reply)
+
+
+
+def _session_params(msg: Generate) -> SamplingParams:
+    """The Generate's sampling, in its session (`Generate.session_id`) where the sampling names none."""
+    if msg.sampling.session_id is not None or not msg.session_id:
+        return msg.sampling
+    try:
+        return dataclasses.replace(msg.sampling, session_id=msg.session_id)
+    except ValueError as exc:  # the engine's messages start with the field's name
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, f"sampling.{exc}", msg.request_id) from None
 
 
 def _check_length(msg: Generate, max_sequence_length: Optional[int]) -> None:

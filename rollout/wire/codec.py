@@ -33,12 +33,15 @@ with `error_from_reply` (a context overflow comes back as its typed `ContextOver
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from typing import Any, Optional
 
 import msgspec
 
+from inference.sampling.params import SamplingParams
 from rollout.wire.kinds import MAX_REQUEST_ID_LENGTH, PROTOCOL_VERSION, REPLY_KINDS, REQUEST_KINDS, ErrorCode, Kind
-from rollout.wire.messages import Message, ReplyMessage, RequestMessage, _Message
+from rollout.wire.messages import Generate, Message, ReplyMessage, RequestMessage, _Message
 from rollout.wire.packing import dec_hook, enc_hook
 
 __all__ = ["DEFAULT_MAX_FRAME_BYTES", "ProtocolError", "decode", "decode_reply", "decode_request", "encode"]
@@ -74,9 +77,15 @@ class _Envelope(msgspec.Struct):
     kind: Any = None
     v: Any = None
     request_id: Any = None
+    sampling: msgspec.Raw = msgspec.Raw()  # a Generate's, read for its keys only (empty: none)
 
 
 _ENVELOPE = msgspec.msgpack.Decoder(_Envelope)
+_KEYS = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+# NOTE: a ValueError of the engine's own validation (`SamplingParams.__post_init__`, what a declared
+# range cannot say) surfaces at the sampling or its structured outputs; it is the engine's refusal
+_ENGINE_RULE = re.compile(r" - at `\$\.sampling(?:\.structured_outputs)?`$")
 # NOTE: besides DecodeError, msgspec raises RecursionError for input nested too deep,
 # UnicodeDecodeError for a map key that is not UTF-8 and TypeError for a map used as a map key
 # (where a field takes any value: the envelope's, or a packed array's before its dec_hook).
@@ -123,18 +132,28 @@ def _decode(frame: bytes, max_frame_bytes: int, expected: str) -> Any:
     try:
         msg = decoder.decode(frame)
     except msgspec.ValidationError as exc:
-        raise _explain(frame, str(exc), expected, kinds) from None
+        raise _explain(frame, exc, expected, kinds) from None
     except _UNPARSABLE as exc:
         raise ProtocolError(ErrorCode.MALFORMED, f"not a msgpack message: {exc}") from None
     except Exception as exc:  # a bug of ours; the server must still not die of one frame
         raise ProtocolError(ErrorCode.INTERNAL, f"decoding failed: {type(exc).__name__}: {exc}") from exc
     if msg.v != PROTOCOL_VERSION:
         raise _version_error(msg.v, getattr(msg, "request_id", None))
-    if _ENVELOPE.decode(frame).v is None:
+    env = _ENVELOPE.decode(frame)
+    if env.v is None:
         # NOTE: a message struct fills a missing `v` with its default (this side's version), so
         # whether the writer named one is read from the frame itself; the envelope skips every
         # other field (a packed array in O(1)), a small cost next to the decode above.
         raise _version_error(None, getattr(msg, "request_id", None))
+    if len(env.sampling) and isinstance(msg, Generate):
+        # NOTE: msgspec drops a dataclass's unknown fields; the wire refuses them, as every struct's
+        try:
+            unknown = sorted(set(_KEYS.decode(env.sampling)) - _SAMPLING_FIELDS)
+        except (msgspec.ValidationError, *_UNPARSABLE):  # NOTE: a key that is not UTF-8 text
+            unknown = ["(not a string)"]
+        if unknown:
+            raise ProtocolError(ErrorCode.BAD_SCHEMA, f"{Kind.GENERATE.name}: Object contains unknown field "
+                                f"`{unknown[0]}` - at `$.sampling`", msg.request_id)
     return msg
 
 
@@ -144,8 +163,10 @@ def _version_error(v: Any, request_id: Optional[str]) -> ProtocolError:
                          request_id)
 
 
-def _explain(frame: bytes, problem: str, expected: str, kinds: frozenset) -> ProtocolError:
-    """Tell a wrong version or kind from a wrong field, for a frame that failed its schema."""
+def _explain(frame: bytes, error: msgspec.ValidationError, expected: str, kinds: frozenset) -> ProtocolError:
+    """Tell a wrong version or kind from a wrong field, for a frame that failed its schema, and a
+    sampling the engine's own rules refuse (INVALID_REQUEST, as the engine says it in process)."""
+    problem = str(error)
     try:
         env = _ENVELOPE.decode(frame)
     except _UNPARSABLE:
@@ -159,4 +180,6 @@ def _explain(frame: bytes, problem: str, expected: str, kinds: frozenset) -> Pro
     kind = Kind(env.kind)
     if kind not in kinds:
         return ProtocolError(ErrorCode.UNKNOWN_KIND, f"kind {kind.value} ({kind.name}) is not a {expected}", rid)
+    if isinstance(error.__cause__, ValueError) and _ENGINE_RULE.search(problem):
+        return ProtocolError(ErrorCode.INVALID_REQUEST, f"sampling.{error.__cause__}", rid)
     return ProtocolError(ErrorCode.BAD_SCHEMA, f"{kind.name}: {problem}", rid)

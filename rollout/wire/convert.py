@@ -1,7 +1,7 @@
 """The one translation layer between the engine's types and the wire's.
 
-Enums need none (the wire carries the engine's own, by value). What does: `SamplingParams` and
-its `Sampling` struct, a finished `RequestOutput` and its `SampleOutput` (packed arrays, routes),
+Enums and `SamplingParams` need none (the wire carries the engine's own). What does: a finished
+`RequestOutput` and its `SampleOutput` (packed arrays, routes),
 a received `SampleOutput` and the client's `Rollout`, and exceptions and their `ErrorReply`.
 """
 
@@ -22,7 +22,6 @@ from inference.errors import (
 )
 from inference.lora import AdapterInfo
 from inference.request import RequestOutput
-from inference.sampling.params import SamplingParams
 from rollout.types import Rollout
 from rollout.wire.codec import ProtocolError
 from rollout.wire.kinds import ErrorCode
@@ -32,12 +31,9 @@ from rollout.wire.messages import (
     LoraInfo,
     RoutedExperts,
     SampleOutput,
-    Sampling,
-    StructuredOutputsWire,
 )
 
-__all__ = ["error_from_reply", "error_reply", "output_from_wire", "output_to_wire", "sampling_params_from_wire",
-           "sampling_params_to_wire"]
+__all__ = ["error_from_reply", "error_reply", "output_from_wire", "output_to_wire"]
 
 
 # ---- errors across the wire ------------------------------------------------------------------
@@ -99,42 +95,6 @@ def engine_figures(engine) -> dict:
 def loras_to_wire(infos: Sequence[AdapterInfo]) -> list[LoraInfo]:
     """The engine's loaded adapters as the wire lists them."""
     return [LoraInfo(name=i.name, version=i.version, rank=i.rank, path=i.path) for i in infos]
-
-
-def sampling_params_to_wire(params: SamplingParams) -> Sampling:
-    """`SamplingParams` as its wire struct (the same field names, see `Sampling`)."""
-    fields = {name: getattr(params, name) for name in Sampling.__struct_fields__}
-    fields["stop_token_ids"] = [int(t) for t in params.stop_token_ids]
-    if params.logit_bias is not None:
-        fields["logit_bias"] = {int(tok): float(bias) for tok, bias in params.logit_bias.items()}
-    if params.bad_words_token_ids is not None:
-        fields["bad_words_token_ids"] = [[int(t) for t in seq] for seq in params.bad_words_token_ids]
-    if params.allowed_token_ids is not None:
-        fields["allowed_token_ids"] = [int(t) for t in params.allowed_token_ids]
-    if params.structured_outputs is not None:
-        fields["structured_outputs"] = StructuredOutputsWire(**params.structured_outputs.as_dict())
-    return Sampling(**fields)
-
-
-def sampling_params_from_wire(sampling: Sampling, session_id: Optional[str] = None) -> SamplingParams:
-    """The engine's `SamplingParams` (`session_id`: its Generate's, if the sampling names none); its
-    own validation runs, a refusal is INVALID_REQUEST."""
-    fields = {name: getattr(sampling, name) for name in Sampling.__struct_fields__}
-    fields["session_id"] = sampling.session_id or session_id or None
-    fields["stop_token_ids"] = list(sampling.stop_token_ids)
-    if sampling.logit_bias is not None:
-        fields["logit_bias"] = dict(sampling.logit_bias)
-    if sampling.bad_words_token_ids is not None:
-        fields["bad_words_token_ids"] = [list(seq) for seq in sampling.bad_words_token_ids]
-    if sampling.allowed_token_ids is not None:
-        fields["allowed_token_ids"] = list(sampling.allowed_token_ids)
-    if sampling.structured_outputs is not None:
-        so = sampling.structured_outputs
-        fields["structured_outputs"] = {name: getattr(so, name) for name in so.__struct_fields__}
-    try:
-        return SamplingParams(**fields)
-    except ValueError as exc:  # the engine's messages start with the field's name
-        raise ProtocolError(ErrorCode.INVALID_REQUEST, f"sampling.{exc}") from None
 
 
 def output_to_wire(out: RequestOutput, request_id: str, *, n: int) -> SampleOutput:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 
-PROTOCOL_VERSION = 18  # 2: UpdateWeights.policy; 3: KvEvents, Result.kv_events; weight sync (group kinds,
+PROTOCOL_VERSION = 19  # 2: UpdateWeights.policy; 3: KvEvents, Result.kv_events; weight sync (group kinds,
 # distributed / shared-memory sources); 4: an update's version lives in its source alone (UpdateWeights
 # has no target_version; the disk source says the version of a plain checkpoint); IsSleeping, Result.sleeping;
 # 5: ErrorCode.OVERLOADED, Generate.client (whom a router forwards for: fair admission behind it); Sampling's
@@ -24,11 +24,10 @@ PROTOCOL_VERSION = 18  # 2: UpdateWeights.policy; 3: KvEvents, Result.kv_events;
 # 15: SyncLora (an adapter-only weight sync: weight_sync.AdapterSource over a group or shared memory);
 # 16: SampleOutput.lora_version (the adapter version that sampled a LoRA request's every token);
 # 17: HealthInfo.serving_error (why the engine cannot generate, e.g. after a deep sleep), ErrorCode.NO_WEIGHTS;
-# 18: SampleOutput.prompt_logprob_ranks (each prompt token's vocabulary rank, vLLM's)
+# 18: SampleOutput.prompt_logprob_ranks (each prompt token's vocabulary rank, vLLM's);
+# 19: a Generate's sampling is the engine's own SamplingParams (structured outputs: every field written),
+# HealthInfo.state an EngineState, Suspend / Resume tags MemoryTags, InitWeightsUpdateGroup.backend a CollectiveBackend
 MAX_REQUEST_ID_LENGTH = 256
-MAX_SAMPLES = 1024  # n per Generate
-MAX_STOP_TOKENS = 1024  # also: bad-word sequences per request, and tokens per sequence
-MAX_TOKEN_IDS = 1 << 20  # allowed_token_ids, logit_bias entries (a vocabulary's worth)
 MAX_ABORT_TARGETS = 65536
 MAX_LEASE_SECONDS = 3600.0
 MAX_KV_EVENTS = 65536  # per KvEvents reply

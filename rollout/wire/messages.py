@@ -1,7 +1,8 @@
 """The message schemas of the wire protocol (see `rollout.wire.codec` for framing and rules).
 
 One `msgspec.Struct` per message kind, tagged by `kind` (a `Kind`, `rollout.wire.kinds`); every
-message carries the writer's protocol version `v`. Enum fields are the engine's own enums.
+message carries the writer's protocol version `v`. Enum fields are the engine's own enums, and a
+`Generate`'s sampling is the engine's own `SamplingParams` (its bounds are declared on it).
 msgspec checks types and numeric ranges when a frame is decoded; `__post_init__` (run at
 construction and at decode) checks the rest, e.g. packed-array lengths, and turns packed fields
 into numpy arrays (`rollout.wire.packing`). A `ValueError` there names the field. Requests have
@@ -11,35 +12,26 @@ kinds below 64, replies 64 and up.
 from __future__ import annotations
 
 import enum
-import math
 from typing import Annotated, Any, Optional, Union
 
 import msgspec
 import numpy as np
 from msgspec import Meta
 
-from inference.config import PauseMode, PrefixCachePolicy, SuspendPolicy, UpdatePolicy
+from inference.config import PauseMode, SuspendPolicy, UpdatePolicy
 from inference.core.states import EngineState, MemoryTag
 from inference.request import FinishReason
 from inference.sampling.params import (
-    MAX_CACHE_SALT_LENGTH,
-    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_LORA_NAME_LENGTH,
-    MAX_PENALTY,
-    MAX_TEMPERATURE,
-    MAX_TOP_K,
-    LogprobsMode,
+    MAX_SAMPLES,
+    SamplingParams,
 )
-from inference.sampling.structured import MAX_CHOICES, MAX_GRAMMAR_CHARS
 from rollout.wire.kinds import (
     MAX_ABORT_TARGETS,
     MAX_KV_EVENTS,
     MAX_LEASE_SECONDS,
     MAX_REQUEST_ID_LENGTH,
-    MAX_SAMPLES,
-    MAX_STOP_TOKENS,
-    MAX_TOKEN_IDS,
     PROTOCOL_VERSION,
     ErrorCode,
     Kind,
@@ -65,9 +57,6 @@ TokenLogprobs = Annotated[dict[Annotated[int, Meta(ge=0)], float], Meta(max_leng
 Seconds = Annotated[float, Meta(ge=0)]
 BlockHash = Annotated[int, Meta(ge=1, le=2**63 - 1)]
 StatValue = Union[int, float, str]
-Penalty = Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY)]
-Bias = Annotated[float, Meta(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
-TokenSequence = Annotated[list[NonNegInt], Meta(min_length=1, max_length=MAX_STOP_TOKENS)]
 
 
 def _field_eq(a: Any, b: Any) -> bool:
@@ -104,68 +93,7 @@ class _Request(_Message):
 # ---- requests --------------------------------------------------------------------------------
 
 
-GrammarText = Annotated[str, Meta(max_length=MAX_GRAMMAR_CHARS)]
 LoraName = Annotated[str, Meta(min_length=1, max_length=MAX_LORA_NAME_LENGTH)]
-
-
-class StructuredOutputsWire(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
-    """`inference.StructuredOutputs` on the wire (the same fields; `json` as JSON text). That exactly
-    one constraint is set, the engine's own validation checks."""
-
-    json: Optional[GrammarText] = None
-    regex: Optional[GrammarText] = None
-    choice: Optional[Annotated[list[GrammarText], Meta(min_length=1, max_length=MAX_CHOICES)]] = None
-    grammar: Optional[GrammarText] = None
-    json_object: bool = False
-    structural_tag: Optional[GrammarText] = None
-    disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
-    whitespace_pattern: Optional[GrammarText] = None
-
-
-class Sampling(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """`inference.SamplingParams` on the wire: the same fields, names and ranges.
-
-    msgspec refuses NaN against every range below (`ge`, `gt`, ... compare false) and the
-    msgpack format bounds `seed` below 2**64. What a range cannot say (a temperature between 0
-    and `MIN_TEMPERATURE`, `min_tokens` above `max_tokens`) the engine's own validation refuses
-    (`sampling_params_from_wire`). `logit_bias` is a map with int keys (msgpack allows them).
-    """
-
-    n: Annotated[int, Meta(ge=1, le=MAX_SAMPLES)] = 1
-    temperature: Annotated[float, Meta(ge=0, le=MAX_TEMPERATURE)] = 1.0
-    top_k: Annotated[int, Meta(ge=-1, le=MAX_TOP_K)] = 0
-    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
-    min_p: Annotated[float, Meta(ge=0, lt=1)] = 0.0
-    seed: Optional[NonNegInt] = None
-    max_tokens: Annotated[int, Meta(ge=1)] = 16
-    stop_token_ids: Annotated[list[NonNegInt], Meta(max_length=MAX_STOP_TOKENS)] = []
-    ignore_eos: bool = False
-    logprobs: Optional[TopN] = None
-    prompt_logprobs: Optional[TopN] = None
-    logprobs_mode: LogprobsMode = LogprobsMode.RAW
-    return_routed_experts: bool = False
-    repetition_penalty: Annotated[float, Meta(gt=0)] = 1.0
-    presence_penalty: Penalty = 0.0
-    frequency_penalty: Penalty = 0.0
-    min_tokens: NonNegInt = 0
-    logit_bias: Optional[Annotated[dict[NonNegInt, Bias], Meta(max_length=MAX_TOKEN_IDS)]] = None
-    bad_words_token_ids: Optional[Annotated[list[TokenSequence], Meta(max_length=MAX_STOP_TOKENS)]] = None
-    allowed_token_ids: Optional[Annotated[list[NonNegInt], Meta(min_length=1, max_length=MAX_TOKEN_IDS)]] = None
-    cache_salt: Optional[Annotated[str, Meta(max_length=MAX_CACHE_SALT_LENGTH)]] = None
-    prefix_cache_policy: Optional[PrefixCachePolicy] = None
-    session_id: Optional[Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT_LENGTH)]] = None
-    structured_outputs: Optional[StructuredOutputsWire] = None
-    speculative: bool = True
-    lora_name: Optional[LoraName] = None
-
-    def __post_init__(self) -> None:
-        if not math.isfinite(self.repetition_penalty):
-            raise ValueError(f"sampling.repetition_penalty must be finite, got {self.repetition_penalty!r}")
-        if not math.isfinite(self.temperature):
-            raise ValueError(f"sampling.temperature must be finite, got {self.temperature!r}")
-        if self.seed is not None and self.seed >= 2**64:
-            raise ValueError(f"sampling.seed must be < 2**64, got {self.seed}")
 
 
 class Generate(_Request, tag=Kind.GENERATE.value):
@@ -175,7 +103,7 @@ class Generate(_Request, tag=Kind.GENERATE.value):
     and, within one connection, the clients it names (so a router's clients take turns too)."""
 
     prompt_token_ids: np.ndarray  # packed int32, at least one token, ids >= 0
-    sampling: Sampling = msgspec.field(default_factory=Sampling)
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     stream_tokens: bool = False
     session_id: Optional[Hint] = None
     group_id: Optional[Hint] = None

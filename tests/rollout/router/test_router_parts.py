@@ -40,7 +40,6 @@ from rollout.wire.messages import (
     Result,
     Resume,
     SampleOutput,
-    Sampling,
     Suspend,
     SyncLora,
     TokenDelta,
@@ -347,7 +346,8 @@ def test_a_finished_sample_spanning_too_many_versions(policy):
     sink = _Sink()
     replicas = ReplicaSet(ctx, _Unwatched(), sink, ServiceMetrics(), Placement(), HealthConfig(), max_staleness=0,
                           stale_policy=policy)
-    record = Record("c-1", Generate(request_id="c-1", prompt_token_ids=[1, 2, 3], sampling=Sampling(n=2)), b"p", 2)
+    record = Record("c-1", Generate(request_id="c-1", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(n=2)),
+                    b"p", 2)
     record.stream = Route()
     replicas.placement.add("r0")
     attempt = Attempt("a-1", record, "r0", [0, 1], version=0, prompt_cost=3, sample_cost=16)
@@ -387,7 +387,7 @@ def test_owed_samples_of_a_seeded_request_keep_their_indices(seed):
     sink = _Sink()
     replicas = ReplicaSet(ctx, _Unwatched(), sink, ServiceMetrics(), Placement(), HealthConfig())
     record = Record("c-1", Generate(request_id="c-1", prompt_token_ids=[1, 2, 3],
-                                    sampling=Sampling(n=4, seed=seed)), b"p", 4)
+                                    sampling=SamplingParams(n=4, seed=seed)), b"p", 4)
     record.stream = Route()
     name = replicas.add("tcp://127.0.0.1:9")  # nothing listens there: what it is sent stays in its backlog
     link = replicas.links[name]

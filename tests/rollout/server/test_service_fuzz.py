@@ -21,6 +21,7 @@ import pytest
 import torch
 import zmq
 
+from inference import SamplingParams
 from rollout import RolloutClient
 from rollout.wire.codec import ProtocolError, decode_reply, decode_request, encode
 from rollout.wire.messages import (
@@ -33,7 +34,6 @@ from rollout.wire.messages import (
     ResetPrefixCache,
     Result,
     SampleOutput,
-    Sampling,
     Stats,
     Suspend,
     TokenDelta,
@@ -58,7 +58,7 @@ def base_message(rng: random.Random, i: int):
     """A valid request to mutate; ids are unique per frame so answers can be told apart."""
     kind = rng.choice(["generate"] * 5 + ["abort", "health", "stats", "heartbeat", "reset"])
     if kind == "generate":
-        sampling = Sampling(n=rng.randint(1, 2), temperature=rng.choice([0.0, 1.0]), max_tokens=rng.randint(1, 3),
+        sampling = SamplingParams(n=rng.randint(1, 2), temperature=rng.choice([0.0, 1.0]), max_tokens=rng.randint(1, 3),
                             ignore_eos=True, logprobs=rng.choice([None, 2]), seed=rng.choice([None, 7]))
         prompt = np.array([rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 6))], dtype="<i4")
         return Generate(request_id=f"fz{i:06d}", prompt_token_ids=prompt, sampling=sampling,

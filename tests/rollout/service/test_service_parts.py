@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from inference import SamplingParams
 from rollout.client.streams import GeneratePending
 from rollout.service.leases import Leases
 from rollout.service.metrics import SERVICE_KEYS, ServiceMetrics
@@ -19,7 +20,7 @@ from rollout.service.registry import RequestRegistry
 from rollout.wire.codec import decode_reply, encode
 from rollout.wire.kinds import ErrorCode, Kind
 from rollout.wire.mailbox import Mailbox
-from rollout.wire.messages import ErrorReply, Generate, Result, SampleOutput, Sampling, TokenDelta
+from rollout.wire.messages import ErrorReply, Generate, Result, SampleOutput, TokenDelta
 
 PEERS = [b"a", b"b", b"c"]
 
@@ -71,7 +72,7 @@ def test_a_forgotten_peer_starts_from_the_default_lease():
 
 
 def generate(rid: str, n: int = 2) -> Generate:
-    return Generate(request_id=rid, prompt_token_ids=[1, 2, 3], sampling=Sampling(n=n))
+    return Generate(request_id=rid, prompt_token_ids=[1, 2, 3], sampling=SamplingParams(n=n))
 
 
 class RegistryMachine(RuleBasedStateMachine):

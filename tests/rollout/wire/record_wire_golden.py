@@ -18,7 +18,16 @@ from types import SimpleNamespace
 import msgspec
 import numpy as np
 
-from inference import FinishReason, LogprobsMode, PauseMode, Staging, SuspendPolicy, UpdatePolicy
+from inference import (
+    FinishReason,
+    LogprobsMode,
+    PauseMode,
+    SamplingParams,
+    Staging,
+    StructuredOutputs,
+    SuspendPolicy,
+    UpdatePolicy,
+)
 from rollout.wire import codec, kinds
 from rollout.wire import messages as wire
 from weight_sync import AdapterSource, DeltaSource, DiskSource, DistributedSource, SharedMemorySource, VersionSource
@@ -58,15 +67,15 @@ def delta_manifest(base_version) -> DeltaManifest:
 
 def messages() -> dict[str, tuple[msgspec.Struct, list[str]]]:
     ids = np.array([1, 2, 3], dtype=np.int32)
-    full_sampling = p.Sampling(n=4, temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=2**63, max_tokens=32,
-                               stop_token_ids=[2, 7], ignore_eos=True, logprobs=3, prompt_logprobs=2,
-                               logprobs_mode=LogprobsMode.PROCESSED, return_routed_experts=True,
-                               repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=-0.25, min_tokens=4,
-                               logit_bias={5: -100.0, 9: 2.5}, bad_words_token_ids=[[3], [4, 6]],
-                               allowed_token_ids=[1, 2, 5, 9], cache_salt="tenant-a",
-                               structured_outputs=p.StructuredOutputsWire(json='{"type": "object"}',
-                                                                          disable_any_whitespace=True),
-                               lora_name="math-v3")
+    full_sampling = SamplingParams(n=4, temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=2**63, max_tokens=32,
+                                   stop_token_ids=[2, 7], ignore_eos=True, logprobs=3, prompt_logprobs=2,
+                                   logprobs_mode=LogprobsMode.PROCESSED, return_routed_experts=True,
+                                   repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=-0.25, min_tokens=4,
+                                   logit_bias={5: -100.0, 9: 2.5}, bad_words_token_ids=[[3], [4, 6]],
+                                   allowed_token_ids=[1, 2, 5, 9], cache_salt="tenant-a",
+                                   structured_outputs=StructuredOutputs(json='{"type": "object"}',
+                                                                        disable_any_whitespace=True),
+                                   lora_name="math-v3")
     routes = p.RoutedExperts(layers=2, k=2, experts=np.arange(4 * 2 * 2, dtype=np.int32))
     out: dict[str, tuple[msgspec.Struct, list[str]]] = {
         "generate_minimal": (p.Generate(request_id="r1", prompt_token_ids=ids), ["request_id", "prompt_token_ids"]),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 
@@ -15,20 +14,24 @@ from hypothesis import strategies as st
 from inference.config import PauseMode, SuspendPolicy, UpdatePolicy
 from inference.errors import ContextOverflowError, EngineStateError, MaxSequenceLengthOverflowError, OverloadedError
 from inference.request import FinishReason, RequestOutput
-from inference.sampling.params import MAX_TEMPERATURE, MAX_TOP_K, MIN_TEMPERATURE, LogprobsMode, SamplingParams
+from inference.sampling.params import (
+    MAX_SAMPLES,
+    MAX_TEMPERATURE,
+    MAX_TOP_K,
+    MIN_TEMPERATURE,
+    LogprobsMode,
+    SamplingParams,
+)
 from rollout.wire.codec import ProtocolError, decode, decode_reply, decode_request, encode
 from rollout.wire.convert import (
     error_from_reply,
     error_reply,
     output_from_wire,
     output_to_wire,
-    sampling_params_from_wire,
-    sampling_params_to_wire,
 )
 from rollout.wire.kinds import (
     MAX_LEASE_SECONDS,
     MAX_REQUEST_ID_LENGTH,
-    MAX_SAMPLES,
     PROTOCOL_VERSION,
     REPLY_KINDS,
     ErrorCode,
@@ -57,7 +60,6 @@ from rollout.wire.messages import (
     Result,
     Resume,
     SampleOutput,
-    Sampling,
     Stats,
     Suspend,
     SyncLora,
@@ -71,11 +73,11 @@ from weight_sync import DiskSource
 
 def examples() -> list:
     """One message of every kind, optional fields filled in."""
-    sampling = Sampling(n=4, temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=2**64 - 1, max_tokens=8,
-                        stop_token_ids=[2, 3], ignore_eos=True, logprobs=5, prompt_logprobs=0,
-                        logprobs_mode=LogprobsMode.PROCESSED, repetition_penalty=1.3, presence_penalty=-2.0,
-                        frequency_penalty=2.0, min_tokens=8, logit_bias={0: 100.0, 2**31: -100.0},
-                        bad_words_token_ids=[[7], [8, 9, 10]], allowed_token_ids=[7, 8], cache_salt="")
+    sampling = SamplingParams(n=4, temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=2**64 - 1, max_tokens=8,
+                              stop_token_ids=[2, 3], ignore_eos=True, logprobs=5, prompt_logprobs=0,
+                              logprobs_mode=LogprobsMode.PROCESSED, repetition_penalty=1.3, presence_penalty=-2.0,
+                              frequency_penalty=2.0, min_tokens=8, logit_bias={0: 100.0, 2**31: -100.0},
+                              bad_words_token_ids=[[7], [8, 9, 10]], allowed_token_ids=[7, 8], cache_salt="")
     return [
         Generate(request_id="g-1", prompt_token_ids=[1, 5, 9], sampling=sampling, stream_tokens=True,
                  session_id="s", group_id="grp"),
@@ -198,10 +200,15 @@ def test_weight_source_is_tagged_for_later_transports():
 # ---- converters ------------------------------------------------------------------------------
 
 
-def test_sampling_mirrors_sampling_params_field_for_field():
-    assert set(Sampling.__struct_fields__) == {f.name for f in dataclasses.fields(SamplingParams)}
-    defaults = SamplingParams()
-    assert all(getattr(Sampling(), name) == getattr(defaults, name) for name in Sampling.__struct_fields__)
+def test_the_wire_carries_the_engines_sampling_params_and_refuses_unknown_fields():
+    """No mirror: a Generate's sampling decodes as `SamplingParams` itself; a field it does not
+    have is refused, as every struct's unknown field is (msgspec alone would drop it)."""
+    msg = decode(encode(EXAMPLES[0]))
+    assert type(msg.sampling) is SamplingParams and msg.sampling == EXAMPLES[0].sampling
+    frame = raw(EXAMPLES[0])
+    frame["sampling"]["top_n"] = 3
+    err = refused(frame)
+    assert "top_n" in err.message and "sampling" in err.message and err.request_id == "g-1"
 
 
 @settings(max_examples=200, deadline=None)
@@ -226,23 +233,22 @@ def test_sampling_params_round_trip(n, temperature, top_k, top_p, min_p, seed, m
                             presence_penalty=penalties[1], frequency_penalty=penalties[2],
                             min_tokens=min(min_tokens, max_tokens), logit_bias=bias, bad_words_token_ids=bad,
                             allowed_token_ids=allowed, cache_salt=salt)
-    msg = decode(encode(Generate(request_id="r", prompt_token_ids=[1], sampling=sampling_params_to_wire(params))))
-    assert sampling_params_from_wire(msg.sampling) == params
+    msg = decode(encode(Generate(request_id="r", prompt_token_ids=[1], sampling=params)))
+    assert msg.sampling == params
 
 
 def test_engine_validation_refusal_is_invalid_request_naming_the_field():
-    with pytest.raises(ProtocolError) as info:
-        sampling_params_from_wire(Sampling(top_p=2.0))  # constructed, never decoded: msgspec did not check it
-    assert info.value.code is ErrorCode.INVALID_REQUEST and info.value.message.startswith("sampling.top_p")
-    tiny = decode(encode(Generate(request_id="t", prompt_token_ids=[1], sampling=Sampling(temperature=1e-40))))
-    with pytest.raises(ProtocolError) as info:  # in range for the schema, not for the sampler (found by fuzzing)
-        sampling_params_from_wire(tiny.sampling)
-    assert info.value.code is ErrorCode.INVALID_REQUEST and info.value.message.startswith("sampling.temperature")
-    above = decode(encode(Generate(request_id="m", prompt_token_ids=[1],
-                                   sampling=Sampling(max_tokens=4, min_tokens=5))))
-    with pytest.raises(ProtocolError) as info:  # each in range, not together
-        sampling_params_from_wire(above.sampling)
-    assert info.value.code is ErrorCode.INVALID_REQUEST and info.value.message.startswith("sampling.min_tokens")
+    with pytest.raises(ValueError, match="^top_p"):
+        SamplingParams(top_p=2.0)  # the engine's own type: never built out of range
+    frame = raw(Generate(request_id="t", prompt_token_ids=[1]))
+    tiny = frame | {"sampling": frame["sampling"] | {"temperature": 1e-40}}
+    err = refused(tiny, ErrorCode.INVALID_REQUEST)  # in range for the schema, not for the sampler (found by fuzzing)
+    assert err.message.startswith("sampling.temperature") and err.request_id == "t"
+    above = frame | {"sampling": frame["sampling"] | {"max_tokens": 4, "min_tokens": 5}}
+    err = refused(above, ErrorCode.INVALID_REQUEST)  # each in range, not together
+    assert err.message.startswith("sampling.min_tokens") and err.request_id == "t"
+    two = frame | {"sampling": frame["sampling"] | {"structured_outputs": {"regex": "a", "grammar": "b"}}}
+    assert refused(two, ErrorCode.INVALID_REQUEST).message.startswith("sampling.structured_outputs")
 
 
 @pytest.mark.parametrize("sampling", [{"repetition_penalty": 0.0}, {"presence_penalty": 2.5},
