@@ -31,6 +31,12 @@ The others carry the manifest (`weight_sync.manifest`, with the version), checke
 
 `staging` (None: the replica's default) chooses double or in-place staging for this update.
 
+Each source says how a fleet of replicas takes it (class attributes, read by the router):
+`replayable`, a replica may read it again later on its own (a directory: a replica that lagged
+catches up by it); `collective`, the bytes move once for every replica of the trainer's group at
+the same time, so it goes to each of them, lagging ones too (a broadcast, a shared-memory
+segment, a delta). A version alone is neither: it moves no weights.
+
 `AdapterSource` is not an `UpdateWeights` payload but `SyncLora`'s: one LoRA adapter's tensors
 alone (the base weights untouched), their bytes in a `DistributedSource` or `SharedMemorySource`
 as above, committed as a version of that adapter (`weight_sync.lora_sync`).
@@ -39,7 +45,7 @@ as above, committed as a version of that adapter (`weight_sync.lora_sync`).
 from __future__ import annotations
 
 import re
-from typing import Annotated, Optional, Union
+from typing import Annotated, ClassVar, Optional, Union
 
 import msgspec
 from msgspec import Meta
@@ -85,6 +91,9 @@ class CudaIpcBuffer(msgspec.Struct, array_like=True, forbid_unknown_fields=True)
 class DiskSource(msgspec.Struct, tag_field="type", tag="safetensors_dir", forbid_unknown_fields=True, kw_only=True):
     """Weights from the `*.safetensors` files of a directory the replica can read (HF names)."""
 
+    replayable: ClassVar[bool] = True
+    collective: ClassVar[bool] = False
+
     path: Annotated[str, Meta(min_length=1, max_length=4096)]
     version: Optional[Annotated[int, Meta(ge=0)]] = None
 
@@ -92,6 +101,9 @@ class DiskSource(msgspec.Struct, tag_field="type", tag="safetensors_dir", forbid
 class DistributedSource(msgspec.Struct, tag_field="type", tag="distributed", forbid_unknown_fields=True,
                         kw_only=True):
     """Tensors broadcast over the weight-update group `group_name` (see module docstring)."""
+
+    replayable: ClassVar[bool] = False
+    collective: ClassVar[bool] = True
 
     manifest: Manifest
     group_name: GroupName = DEFAULT_GROUP
@@ -107,6 +119,9 @@ class DistributedSource(msgspec.Struct, tag_field="type", tag="distributed", for
 class SharedMemorySource(msgspec.Struct, tag_field="type", tag="shared_memory", forbid_unknown_fields=True,
                          kw_only=True):
     """Buckets in shared memory on this host: a /dev/shm `segment`, or `cuda_ipc` (one per bucket)."""
+
+    replayable: ClassVar[bool] = False
+    collective: ClassVar[bool] = True
 
     manifest: Manifest
     segment: Optional[str] = None
@@ -131,6 +146,9 @@ class SharedMemorySource(msgspec.Struct, tag_field="type", tag="shared_memory", 
 class DeltaSource(msgspec.Struct, tag_field="type", tag="delta", forbid_unknown_fields=True, kw_only=True):
     """A delta update (see module docstring): its payload over the weight-update group
     `group_name`, or in the /dev/shm `segment` (published piece by piece under `token`)."""
+
+    replayable: ClassVar[bool] = False
+    collective: ClassVar[bool] = True
 
     delta: DeltaManifest
     full: Optional[DeltaManifest] = None  # for a replica not on `delta.base_version`: the same update in full
@@ -157,6 +175,9 @@ class DeltaSource(msgspec.Struct, tag_field="type", tag="delta", forbid_unknown_
 class VersionSource(msgspec.Struct, tag_field="type", tag="version_only", forbid_unknown_fields=True, kw_only=True):
     """No bytes: the weights stay as they are and serve under `version` from now on (vLLM's and
     SGLang's `/update_weight_version`: the trainer names the weights it put in by other means)."""
+
+    replayable: ClassVar[bool] = False
+    collective: ClassVar[bool] = False
 
     version: Annotated[int, Meta(ge=0)]
 

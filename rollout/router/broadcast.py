@@ -42,7 +42,6 @@ from rollout.wire.messages import (
     Suspend,
     UpdateWeights,
 )
-from weight_sync import DiskSource
 
 logger = logging.getLogger(__name__)
 
@@ -189,9 +188,9 @@ class FleetState:
         self.suspended = msgspec.structs.replace(self.suspended, tags=left) if left else None
 
     def _updated(self, msg: UpdateWeights) -> None:
-        # NOTE: only a directory can be read again by one replica later: a broadcast over a
-        # weight-update group or a shared-memory segment is gone once the trainer moved on
-        self.last_update = msg if isinstance(msg.source, DiskSource) else None
+        # NOTE: only a replayable source (a directory) can be read again by one replica later: a
+        # broadcast over a weight-update group or a shared-memory segment is gone once the trainer moved on
+        self.last_update = msg if msg.source.replayable else None
 
     def sync_plan(self, version: Optional[int], engine_state: Optional[EngineState | str],
                   next_id: Any) -> Optional[list]:

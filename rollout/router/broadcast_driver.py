@@ -23,7 +23,6 @@ from rollout.wire.messages import (
     SyncLora,
     UpdateWeights,
 )
-from weight_sync.sources import DeltaSource, DistributedSource, SharedMemorySource
 
 KINDS = {cls: Kind(cls.__struct_config__.tag) for cls in RequestMessage.__args__}
 _STATEFUL = {Kind.PAUSE, Kind.CONTINUE, Kind.SUSPEND, Kind.RESUME, Kind.UPDATE_WEIGHTS, Kind.RESET_PREFIX_CACHE}
@@ -35,7 +34,7 @@ def carries_weights(msg: RequestMessage) -> bool:
     A directory or a version alone is not: the first is replayed per replica, the second moves no
     weights (it would mislabel a lagging replica's old ones)."""
     if isinstance(msg, UpdateWeights):
-        return isinstance(msg.source, (DistributedSource, SharedMemorySource, DeltaSource))
+        return msg.source.collective
     return isinstance(msg, (InitWeightsUpdateGroup, DestroyWeightsUpdateGroup, SyncLora))
 
 
