@@ -32,6 +32,7 @@ from inference import (
 from inference.lora import AdapterRef
 from inference.weights.adapters import WeightAdapter
 from rollout.backend import Prompts, WeightSource, params_per_prompt, sort_rollouts
+from rollout.collector import SampleCollector
 from rollout.text import TextCodec, add_text, has_tokenizer, needs_codec, token_prompts
 from rollout.types import GenerationStats, Rollout, RolloutBatch, TokenChunk
 from weight_sync import DiskSource, WeightReceiver
@@ -52,17 +53,18 @@ class LocalSampleStream:
         self._items: queue.SimpleQueue = queue.SimpleQueue()
         streams = engine.submit_many(prompts, params, stream_tokens=tokens, callback=self._items.put)
         self._group = {rid: g for g, s in enumerate(streams) for rid in s.request_ids}
-        self.request_ids = [rid for s in streams for rid in s.request_ids]
-        self._finished: set[int] = set()
-        self.timeout = timeout
-        self.deadline = None if timeout is None else time.monotonic() + timeout
+        # NOTE: the engine's request ids are its samples' (one sample each): the collector's requests
+        self.collector = SampleCollector([rid for s in streams for rid in s.request_ids], [1] * len(self._group),
+                                         timeout)
+        self.request_ids = self.collector.request_ids
+        self._index = {rid: i for i, rid in enumerate(self.request_ids)}
 
     def __iter__(self) -> Iterator[Union[Rollout, TokenChunk]]:
         return self
 
     def __next__(self) -> Union[Rollout, TokenChunk]:
         while True:
-            if len(self._finished) == len(self.request_ids):
+            if self.collector.done:
                 raise StopIteration
             try:
                 item = self._items.get(timeout=0.05) if self._engine.loop_running else self._items.get_nowait()
@@ -73,29 +75,35 @@ class LocalSampleStream:
             if isinstance(item, TokenEvent):
                 return TokenChunk(group, item.sample_index, item.index, [item.token_id], [item.logprob],
                                   [item.version])
-            self._finished.add(item.request_id)
+            if not self.collector.take(self._index[item.request_id], 0):
+                continue
             rollout = _rollout(item, group)
             add_text([rollout], self._codec)
             return rollout
 
     def _wait(self) -> None:
-        if self.deadline is not None and time.monotonic() > self.deadline:
+        if self.collector.expired():
             self.abort()
-            self._finished.update(self.request_ids)
+            self.collector.give_up()
             raise TimeoutError(f"stream of {len(self._group)} samples not done within {self.timeout} s; "
                                "its running samples were aborted")
         if not self._engine.loop_running:
             self._engine.step_for_waiter()
 
     def result(self, timeout: Optional[float] = None) -> list[Rollout]:
-        if timeout is not None:
-            deadline = time.monotonic() + timeout
-            self.deadline = deadline if self.deadline is None else min(self.deadline, deadline)
-            self.timeout = timeout if self.timeout is None else min(self.timeout, timeout)
+        self.collector.within(timeout)
         return sort_rollouts(item for item in self if isinstance(item, Rollout))
 
+    @property
+    def deadline(self) -> Optional[float]:
+        return self.collector.deadline
+
+    @property
+    def timeout(self) -> Optional[float]:
+        return self.collector.timeout
+
     def abort(self) -> None:
-        pending = [rid for rid in self.request_ids if rid not in self._finished]
+        pending = self.collector.unfinished()
         if pending:
             self._engine.abort_many(pending)
 

@@ -43,10 +43,10 @@ class AsyncSampleStream(StreamState):
         return self
 
     async def __anext__(self) -> Union[Rollout, TokenChunk]:
-        if self._remaining == 0:
+        if self.collector.done:
             raise StopAsyncIteration
         try:
-            group, payload = await asyncio.wait_for(self._queue.get(), self._wait_s())
+            group, payload = await asyncio.wait_for(self._queue.get(), self.collector.wait_s())
         except asyncio.TimeoutError:
             raise self._timed_out() from None
         return self._accept(group, payload)

@@ -48,6 +48,7 @@ from inference.request import RequestOutput, TokenEvent
 from rollout.backend import Prompts, WeightSource, params_per_prompt, sort_rollouts
 from rollout.client.requests import weight_source
 from rollout.client.streams import suspend_report, with_prompt_logprobs
+from rollout.collector import SampleCollector
 from rollout.service.metrics import ServiceMetrics, _wire_values
 from rollout.text import TextCodec, add_text, token_prompts
 from rollout.types import Rollout, RolloutBatch, TokenChunk
@@ -77,13 +78,10 @@ class InProcessStream:
         self._client, self._codec = client, client.codec
         self._prompts = [list(map(int, p)) for p in prompts]
         self._n = [p.n for p in params]
-        self.request_ids = [client.next_id() for _ in self._prompts]
-        self._left = dict(zip(self.request_ids, self._n))
-        self._remaining = sum(self._n)
-        self._done: set[tuple[int, int]] = set()
+        self.collector = SampleCollector([client.next_id() for _ in self._prompts], self._n, timeout)
+        self.request_ids = self.collector.request_ids
         self._items: deque[tuple[int, Any]] = deque()
         self._ready = asyncio.Event()
-        self.deadline, self.timeout = time.monotonic() + timeout, timeout
         loop = asyncio.get_running_loop()
 
         def sink(group: int) -> Callable[[Any], None]:  # NOTE: called on the engine's loop thread
@@ -125,11 +123,11 @@ class InProcessStream:
         return self
 
     async def __anext__(self) -> Union[Rollout, TokenChunk]:
-        while self._remaining > 0:
+        while not self.collector.done:
             while not self._items:
                 self._ready.clear()
                 try:
-                    await asyncio.wait_for(self._ready.wait(), max(0.0, self.deadline - time.monotonic()))
+                    await asyncio.wait_for(self._ready.wait(), self.collector.wait_s())
                 except asyncio.TimeoutError:
                     raise self._timed_out() from None
             item = self._accept(*self._items.popleft())
@@ -139,21 +137,18 @@ class InProcessStream:
 
     def _accept(self, group: int, item: Any) -> Optional[Union[Rollout, TokenChunk]]:
         """The item of one queued entry (None: nothing to yield); an error aborts the rest and is raised."""
-        rid = self.request_ids[group]
+        collector = self.collector
         if isinstance(item, BaseException):
-            self._left[rid] = 0
+            collector.refuse(group)
             self._give_up()
             raise item
         if isinstance(item, TokenEvent):
             return self._chunk(group, item)
-        if (group, item.sample_index) in self._done:
+        if not collector.take(group, item.sample_index):
             return None
-        self._done.add((group, item.sample_index))
-        self._remaining -= 1
-        self._left[rid] -= 1
-        if self._left[rid] == 0:
+        if collector.left(group) == 0:
             self._client.metrics.count("requests_finished")
-        if self._remaining == 0:
+        if collector.done:
             self._client.streams.discard(self)
         add_text([item], self._codec)
         return item
@@ -161,7 +156,7 @@ class InProcessStream:
     def _chunk(self, group: int, first: TokenEvent) -> Optional[TokenChunk]:
         """`first` and the tokens of its sample queued right behind it, as one chunk (a reader that
         lags gets fewer, larger chunks, as a server's mailbox batches them)."""
-        if (group, first.sample_index) in self._done:
+        if self.collector.taken(group, first.sample_index):
             return None
         events = [first]
         while self._items:
@@ -173,6 +168,14 @@ class InProcessStream:
         return TokenChunk(group, first.sample_index, first.index, [int(e.token_id) for e in events],
                           logprobs.tolist(), [int(e.version) for e in events])
 
+    @property
+    def deadline(self) -> float:
+        return self.collector.deadline
+
+    @property
+    def timeout(self) -> float:
+        return self.collector.timeout
+
     def _timed_out(self) -> TimeoutError:
         self._give_up()
         return TimeoutError(f"stream of {len(self.request_ids)} prompts not done within {self.timeout} s; "
@@ -182,10 +185,10 @@ class InProcessStream:
         return sort_rollouts([item async for item in self if isinstance(item, Rollout)])
 
     def unfinished(self) -> list[str]:
-        return [rid for rid, left in self._left.items() if left > 0]
+        return self.collector.unfinished()
 
     def _abort_call(self) -> Callable[[], int]:
-        groups = [g for g, rid in enumerate(self.request_ids) if self._left[rid] > 0]
+        groups = [g for g in range(len(self.request_ids)) if self.collector.left(g) > 0]
         submitted, engine = self._submitted, self._client.engine
 
         def call() -> int:  # NOTE: on the loop, after the submit posted before it
@@ -207,7 +210,7 @@ class InProcessStream:
         """Stop reading: the running samples are aborted (not waited for), the iteration ends."""
         if self.unfinished():
             self._client.engine.post(self._abort_call())
-        self._remaining = 0
+        self.collector.give_up()
         self._client.streams.discard(self)
 
 

@@ -5,7 +5,6 @@ blocking control call."""
 from __future__ import annotations
 
 import concurrent.futures
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
@@ -14,6 +13,7 @@ import numpy as np
 from inference import SamplingParams, SuspendReport
 from rollout.backend import Prompts, params_per_prompt
 from rollout.client.connection import Connection, ControlPending
+from rollout.collector import SampleCollector
 from rollout.text import add_text
 from rollout.types import Rollout, TokenChunk
 from rollout.wire import messages as wire
@@ -122,7 +122,7 @@ def suspend_report(stats: Optional[dict]) -> SuspendReport:
 
 class StreamState:
     """What a sample stream of either client keeps: its requests (sent at construction through
-    `sink`), the samples still owed per request, and its deadline. Subclasses wait on their own
+    `sink`) and their `SampleCollector` (samples owed, the deadline). Subclasses wait on their own
     queue and hand each `(group, payload)` to `_accept`."""
 
     def __init__(self, client: Any, prompts: Prompts, requests: list[wire.Generate], n: int, timeout: float,
@@ -130,18 +130,20 @@ class StreamState:
         self._client = client
         self._codec = client.codec
         self._prompts = [list(map(int, p)) for p in prompts]
-        self.request_ids = [g.request_id for g in requests]
-        self._left = {g.request_id: n for g in requests}
-        self._remaining = n * len(requests)
-        self.deadline = time.monotonic() + timeout
-        self.timeout = timeout
+        self.collector = SampleCollector([g.request_id for g in requests], [n] * len(requests), timeout)
+        self.request_ids = self.collector.request_ids
         conn = client.connection
         frames = [encode(g, max_frame_bytes=conn.max_frame_bytes) for g in requests]  # all refused, or none
         for group, (g, frame) in enumerate(zip(requests, frames)):
             conn.send(g, GeneratePending(group, n, sink), frame=frame)
 
-    def _wait_s(self) -> float:
-        return max(0.0, self.deadline - time.monotonic())
+    @property
+    def deadline(self) -> float:
+        return self.collector.deadline
+
+    @property
+    def timeout(self) -> float:
+        return self.collector.timeout
 
     def _timed_out(self) -> TimeoutError:
         self._give_up()
@@ -151,22 +153,20 @@ class StreamState:
     def _accept(self, group: int, payload: Any) -> Union[Rollout, TokenChunk]:
         """The item of one queued payload; an error payload aborts the rest and is raised."""
         if isinstance(payload, BaseException):
-            self._left[self.request_ids[group]] = 0
+            self.collector.refuse(group)
             self._give_up()
             raise payload
         item = to_item(self._prompts, group, payload)
         if isinstance(payload, wire.SampleOutput):
-            self._remaining -= 1
-            self._left[self.request_ids[group]] -= 1
+            self.collector.take(group, payload.sample_index)
             add_text([item], self._codec)
         return item
 
     def unfinished(self) -> list[str]:
-        return [rid for rid, left in self._left.items() if left > 0]
+        return self.collector.unfinished()
 
     def _give_up(self) -> None:
-        pending = self.unfinished()
-        self._remaining = 0
+        pending = self.collector.give_up()
         if pending:
             conn = self._client.connection
             conn.forget(pending)

@@ -47,17 +47,16 @@ class RemoteSampleStream(StreamState):
         return self
 
     def __next__(self) -> Union[Rollout, TokenChunk]:
-        if self._remaining == 0:
+        if self.collector.done:
             raise StopIteration
         try:
-            group, payload = self._queue.get(timeout=self._wait_s())
+            group, payload = self._queue.get(timeout=self.collector.wait_s())
         except queue.Empty:
             raise self._timed_out() from None
         return self._accept(group, payload)
 
     def result(self, timeout: Optional[float] = None) -> list[Rollout]:
-        if timeout is not None:
-            self.deadline = min(self.deadline, time.monotonic() + timeout)
+        self.collector.within(timeout)
         return sort_rollouts(item for item in self if isinstance(item, Rollout))
 
     def abort(self) -> None:
