@@ -49,14 +49,13 @@ from rollout.backend import Prompts, WeightSource, params_per_prompt, sort_rollo
 from rollout.client.requests import weight_source
 from rollout.client.streams import suspend_report, with_prompt_logprobs
 from rollout.collector import SampleCollector
+from rollout.service.engine_service import EngineService
 from rollout.service.metrics import ServiceMetrics, _wire_values
 from rollout.text import TextCodec, add_text, token_prompts
 from rollout.types import Rollout, RolloutBatch, TokenChunk
 from rollout.wire.convert import (
-    engine_figures,
     error_from_reply,
     error_reply,
-    health_of,
     loras_to_wire,
     output_from_wire,
     output_to_wire,
@@ -234,6 +233,7 @@ class InProcessClient:
         self._owns_receiver = receiver is None
         self.receiver = receiver if receiver is not None else WeightReceiver(
             engine, staging=weight_staging, timeout_s=weight_sync_timeout_s)
+        self.service = EngineService(engine, self.receiver)
         self.metrics = ServiceMetrics()  # NOTE: written on the event loop's thread only
         self.streams: weakref.WeakSet[InProcessStream] = weakref.WeakSet()
         self._ids = itertools.count()
@@ -266,7 +266,7 @@ class InProcessClient:
     async def abort(self, stream: InProcessStream) -> None:
         await stream.abort()
 
-    # ---- engine control: posted to the engine's loop, as rollout.server.dispatch does ----------
+    # ---- engine control: the EngineService's calls, as rollout.server.dispatch makes them -------
 
     def as_reply_error(self, exc: BaseException) -> Exception:
         """`exc` as a ZMQ client would see it: the server's `ErrorReply` of it, read back."""
@@ -291,57 +291,47 @@ class InProcessClient:
             self.metrics.count(count)
         return waiting.result()
 
-    async def _post(self, call: Callable[[], Any], what: str, timeout: Optional[float],
-                    count: Optional[str] = None) -> Any:
-        return await self._settle(self.engine.post(call), what, timeout, count)
-
     async def pause(self, mode: Union[PauseMode, str] = PauseMode.KEEP, *, timeout: Optional[float] = None) -> None:
-        await self._settle(self.engine.post_pause(PauseMode(mode)), "Pause", timeout, "pauses")
+        await self._settle(self.service.pause(PauseMode(mode)), "Pause", timeout, "pauses")
 
     async def continue_(self, *, timeout: Optional[float] = None) -> None:
-        await self._post(self.engine.continue_, "Continue", timeout)
+        await self._settle(self.service.continue_(), "Continue", timeout)
 
     async def suspend(self, policy: Optional[SuspendPolicy] = None, *, offload_weights: bool = False,
                       tags: Optional[Sequence[str]] = None, discard_weights: bool = False,
                       timeout: Optional[float] = None) -> SuspendReport:
-        policy, engine = SuspendPolicy(policy or SuspendPolicy.RECOMPUTE), self.engine
-        report = await self._post(lambda: engine.suspend(policy, offload_weights=bool(offload_weights), tags=tags,
-                                                         discard_weights=bool(discard_weights)),
-                                  "Suspend", timeout, "suspends")
+        suspended = self.service.suspend(SuspendPolicy(policy or SuspendPolicy.RECOMPUTE),
+                                         offload_weights=offload_weights, tags=tags, discard_weights=discard_weights)
+        report = await self._settle(suspended, "Suspend", timeout, "suspends")
         return suspend_report(_wire_values(dataclasses.asdict(report)))
 
     async def resume(self, *, tags: Optional[Sequence[str]] = None, timeout: Optional[float] = None) -> None:
-        engine = self.engine
-        await self._post(lambda: engine.resume(tags), "Resume", timeout, "resumes")
+        await self._settle(self.service.resume(tags), "Resume", timeout, "resumes")
 
     async def reset_prefix_cache(self, *, timeout: Optional[float] = None) -> None:
-        await self._post(self.engine.reset_prefix_cache, "ResetPrefixCache", timeout)
+        await self._settle(self.service.reset_prefix_cache(), "ResetPrefixCache", timeout)
 
     async def load_lora(self, name: str, path: str, *, timeout: Optional[float] = None) -> LoraInfo:
         # NOTE: the receiver reads it (its LoRA reader, where --weights-root allows), as a server does
-        await self._settle(self.receiver.load_lora(name, path), "LoadLora", timeout)
-        loaded = await self._post(self.engine.list_loras, "ListLoras", timeout)
-        return loras_to_wire([i for i in loaded if i.name == name])[0]
+        return loras_to_wire(await self._settle(self.service.load_lora(name, path), "LoadLora", timeout))[0]
 
     async def unload_lora(self, name: str, *, timeout: Optional[float] = None) -> None:
-        engine = self.engine
-        await self._post(lambda: engine.unload_lora(name), "UnloadLora", timeout)
+        await self._settle(self.service.unload_lora(name), "UnloadLora", timeout)
 
     async def list_loras(self, *, timeout: Optional[float] = None) -> list[LoraInfo]:
-        return loras_to_wire(await self._post(self.engine.list_loras, "ListLoras", timeout))
+        return loras_to_wire(await self._settle(self.service.list_loras(), "ListLoras", timeout))
 
     # ---- answered as a server answers them ------------------------------------------------------
 
     async def health(self, *, timeout: Optional[float] = None) -> HealthInfo:
         """From the loop's last tick (`RolloutServer.health`'s rule); never waits for the engine."""
-        return health_of(self.engine, self.health_deadline_s)
+        return self.service.health(self.health_deadline_s)
 
     async def policy_version(self, *, timeout: Optional[float] = None) -> int:
         return (await self.health(timeout=timeout)).policy_version
 
     async def stats(self, *, timeout: Optional[float] = None) -> dict:
-        engine = self.engine
-        figures = await self._post(lambda: engine_figures(engine), "Stats", timeout)
+        figures = await self._settle(self.service.figures(), "Stats", timeout)
         live = sum(len(s.unfinished()) for s in list(self.streams))
         return _wire_values(self.metrics.snapshot(figures, requests_in_flight=live, clients=1,
                                                   extra=self.receiver.stats.wire()))
@@ -351,19 +341,18 @@ class InProcessClient:
     async def update_weights(self, source: WeightSource, version: Optional[int] = None, *,
                              policy: Optional[UpdatePolicy] = None, timeout: Optional[float] = None) -> int:
         source = weight_source(source, version)
-        policy = None if policy is None else UpdatePolicy(policy)
-        await self._settle(self.receiver.apply(source, policy), "UpdateWeights", timeout, "weight_updates")
+        await self._settle(self.service.update_weights(source, policy), "UpdateWeights", timeout, "weight_updates")
         return self.engine.policy_version
 
     async def join_group(self, master_address: str, master_port: int, rank_offset: Optional[int], world_size: int,
                          group_name: str = DEFAULT_GROUP, backend: Optional[str] = None, *,
                          timeout_s: Optional[float] = None, timeout: Optional[float] = None) -> int:
-        rank = self.receiver.join_group(master_address, int(master_port), rank_offset, int(world_size), group_name,
-                                        backend, timeout_s)
+        rank = self.service.join_group(master_address, master_port, rank_offset, world_size, group_name, backend,
+                                       timeout_s)
         return int(await self._settle(rank, "InitWeightsUpdateGroup", timeout))
 
     async def leave_group(self, group_name: str = DEFAULT_GROUP, *, timeout: Optional[float] = None) -> None:
-        await self._settle(self.receiver.leave_group(group_name), "DestroyWeightsUpdateGroup", timeout)
+        await self._settle(self.service.leave_group(group_name), "DestroyWeightsUpdateGroup", timeout)
 
     # ---- life cycle -----------------------------------------------------------------------------
 

@@ -1,8 +1,8 @@
-"""ServerCalls: a server's request handlers, one per message class, each an engine call posted to
-the engine's loop (its one command queue) or answered without the engine.
+"""ServerCalls: a server's request handlers, one per message class: an `EngineService` call (the
+server's `service`, `rollout.service.engine_service`) turned into its reply, or answered without
+the engine.
 
-Nothing here waits: an engine call is `engine.post(...)`, a weight call the receiver's
-`apply` / `join_group` / `leave_group`; each returns a `Future` whose done-callback puts a `CallReply`
+Nothing here waits: each service call returns a `Future` whose done-callback puts a `CallReply`
 into the endpoint's mailbox, and the socket thread sends the answer when it drains it. So a WAIT
 pause (answered once the engine drained) and a weight update (answered at its commit) never hold
 up the calls behind them. Order is the loop's: a control call posted after a Generate runs after
@@ -17,9 +17,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from inference import EngineState, PendingAdmission
+from inference import PendingAdmission
 from rollout.wire.codec import ProtocolError
-from rollout.wire.convert import engine_figures, loras_to_wire
+from rollout.wire.convert import loras_to_wire
 from rollout.wire.kinds import ErrorCode
 from rollout.wire.messages import (
     Abort,
@@ -101,10 +101,12 @@ class ServerCalls:
 
     # ---- posted to the engine's loop -----------------------------------------------------------
 
-    def _post(self, peer: Optional[bytes], msg: RequestMessage, call: Callable[[], Any],
+    def _post(self, peer: Optional[bytes], msg: RequestMessage, call: Callable[[], Future],
               render: Callable[[Any], dict] = lambda value: {}) -> None:
+        """`call()` (an `EngineService` method, or a post of the server's own) once the Generates read
+        before `msg` were handed to the engine, so it runs after them."""
         self.server.flush_generates()
-        self._answer(peer, msg, self.engine.post(call), render)
+        self._answer(peer, msg, call(), render)
 
     def _answer(self, peer: Optional[bytes], msg: RequestMessage, future: Future,
                 render: Callable[[Any], dict] = lambda value: {}) -> None:
@@ -112,8 +114,8 @@ class ServerCalls:
         future.add_done_callback(lambda f: mailbox.put(CallReply(peer, msg, f, render)))
 
     def simple(self, peer: bytes, msg: Any, now: float) -> None:
-        engine = self.engine
-        call = {Continue: engine.continue_, ResetPrefixCache: engine.reset_prefix_cache}
+        service = self.server.service
+        call = {Continue: service.continue_, ResetPrefixCache: service.reset_prefix_cache}
         self._post(peer, msg, call[type(msg)])
 
     def abort(self, peer: Optional[bytes], msg: Abort, now: float, records: Optional[list] = None) -> None:
@@ -130,76 +132,56 @@ class ServerCalls:
             ids = [rid for r in records if r.stream is not None for rid in r.stream.request_ids]
             return {"aborted": self.engine.abort_many(ids)}
 
-        self._post(peer, msg, call, lambda value: {"stats": value})
+        self._post(peer, msg, lambda: self.engine.post(call), lambda value: {"stats": value})
 
     def pause(self, peer: bytes, msg: Pause, now: float) -> None:
-        self.server.flush_generates()  # NOTE: what was read before the pause is admitted (WAIT lets it finish)
-        self._answer(peer, msg, self.engine.post_pause(msg.mode))
+        # NOTE: what was read before the pause is admitted first (WAIT lets it finish)
+        self._post(peer, msg, lambda: self.server.service.pause(msg.mode))
 
     def suspend(self, peer: bytes, msg: Suspend, now: float) -> None:
-        engine = self.engine
-        self._post(peer, msg, lambda: engine.suspend(msg.policy, offload_weights=msg.offload_weights, tags=msg.tags,
-                                                     discard_weights=msg.discard_weights),
-                   lambda report: {"stats": dataclasses.asdict(report)})
+        self._post(peer, msg, lambda: self.server.service.suspend(
+            msg.policy, offload_weights=msg.offload_weights, tags=msg.tags, discard_weights=msg.discard_weights),
+            lambda report: {"stats": dataclasses.asdict(report)})
 
     def resume(self, peer: bytes, msg: Resume, now: float) -> None:
-        engine = self.engine
-        self._post(peer, msg, lambda: engine.resume(msg.tags))
+        self._post(peer, msg, lambda: self.server.service.resume(msg.tags))
 
     def stats(self, peer: bytes, msg: Stats, now: float) -> None:
-        engine = self.engine
-        self._post(peer, msg, lambda: engine_figures(engine),
+        self._post(peer, msg, self.server.service.figures,
                    lambda figures: {"stats": self.server.stats_snapshot(figures)})
 
     def is_sleeping(self, peer: bytes, msg: IsSleeping, now: float) -> None:
-        # NOTE: posted, so it answers after every call this client sent before it (a suspend) took effect
-        engine = self.engine
-        self._post(peer, msg, lambda: engine.state is EngineState.SUSPENDED, lambda asleep: {"sleeping": asleep})
+        self._post(peer, msg, self.server.service.is_sleeping, lambda asleep: {"sleeping": asleep})
 
     def load_lora(self, peer: bytes, msg: LoadLora, now: float) -> None:
-        # NOTE: read on the receiver's LoRA reader (never the loop: a FIFO or a slow disk stalls no step),
-        # where disk weight updates may read (--weights-root); added on the loop after the Generates before it
-        self.server.flush_generates()
-        ref = self.server.receiver.load_lora(msg.lora_name, msg.lora_path)
-        loaded: Future = Future()
-
-        def listed(done: Future) -> None:
-            if done.exception() is not None:
-                loaded.set_exception(done.exception())
-                return
-            infos = self.engine.list_loras()
-            loaded.set_result([i for i in infos if i.name == msg.lora_name])
-        ref.add_done_callback(listed)
-        self._answer(peer, msg, loaded, lambda infos: {"loras": loras_to_wire(infos)})
+        # NOTE: added on the loop after the Generates read before it
+        self._post(peer, msg, lambda: self.server.service.load_lora(msg.lora_name, msg.lora_path),
+                   lambda infos: {"loras": loras_to_wire(infos)})
 
     def unload_lora(self, peer: bytes, msg: UnloadLora, now: float) -> None:
-        engine = self.engine
-        self._post(peer, msg, lambda: engine.unload_lora(msg.lora_name))
+        self._post(peer, msg, lambda: self.server.service.unload_lora(msg.lora_name))
 
     def list_loras(self, peer: bytes, msg: ListLoras, now: float) -> None:
-        engine = self.engine
-        self._post(peer, msg, engine.list_loras, lambda infos: {"loras": loras_to_wire(infos)})
+        self._post(peer, msg, self.server.service.list_loras, lambda infos: {"loras": loras_to_wire(infos)})
 
     # ---- the receiver's worker -----------------------------------------------------------------
 
     def update_weights(self, peer: bytes, msg: UpdateWeights, now: float) -> None:
-        self.server.flush_generates()
-        outcome = self.server.receiver.apply(msg.source, msg.policy)
-        self._answer(peer, msg, outcome, lambda o: {"stats": {"committed": int(o.committed),
-                                                                  "bytes_received": o.bytes_received}})
+        self._post(peer, msg, lambda: self.server.service.update_weights(msg.source, msg.policy),
+                   lambda o: {"stats": {"committed": int(o.committed), "bytes_received": o.bytes_received}})
 
     def sync_lora(self, peer: bytes, msg: SyncLora, now: float) -> None:
         # NOTE: on the receiver's worker, as a full update: the socket thread never waits on the bytes
-        outcome = self.server.receiver.apply_lora(msg.source)
+        outcome = self.server.service.sync_lora(msg.source)
         self._answer(peer, msg, outcome, lambda o: {
             "loras": [LoraInfo(name=o.name, version=o.version, rank=o.rank)],
             "stats": {"committed": 1, "bytes_received": o.bytes_received}})
 
     def join_group(self, peer: bytes, msg: InitWeightsUpdateGroup, now: float) -> None:
-        rank = self.server.receiver.join_group(msg.master_address, msg.master_port, msg.rank_offset, msg.world_size,
-                                               msg.group_name, msg.backend, msg.timeout_s)
+        rank = self.server.service.join_group(msg.master_address, msg.master_port, msg.rank_offset, msg.world_size,
+                                              msg.group_name, msg.backend, msg.timeout_s)
         self._answer(peer, msg, rank, lambda r: {"stats": {"rank": r}})
 
     def leave_group(self, peer: bytes, msg: DestroyWeightsUpdateGroup, now: float) -> None:
-        left = self.server.receiver.leave_group(msg.group_name)
+        left = self.server.service.leave_group(msg.group_name)
         self._answer(peer, msg, left, lambda d: {"stats": {"destroyed": int(d)}})
