@@ -12,7 +12,7 @@ import torch
 from inference.config import UpdatePolicy
 from inference.weights.adapters import WeightAdapter
 from inference.weights.manager import NamedTensors
-from inference.weights.staging import Staging
+from inference.weights.staging import OpenUpdate, Staging
 
 
 class EngineWeightCalls:
@@ -41,12 +41,23 @@ class EngineWeightCalls:
                           adapter=adapter)
 
     def begin_update(self, version: Optional[int] = None, staging: Staging = Staging.DOUBLE, *,
-                     partial: bool = False, retain_staging: bool = False) -> None:
+                     partial: bool = False, retain_staging: bool = False, origin: str = "",
+                     held: bool = False) -> None:
         """Open a staged weight update: `double` keeps serving the old weights until commit;
         `in_place` writes into the live ones and refuses to generate until a complete commit.
         `retain_staging` (double): the replaced weights become the next update's buffers (no
-        allocation per update; a second copy of the weights is held until `suspend`)."""
-        self.calls.run(self.core.begin_update, version, staging, partial=partial, retain_staging=retain_staging)
+        allocation per update; a second copy of the weights is held until `suspend`). `origin` and
+        `held` are for whoever feeds it across calls to read back (`open_update`)."""
+        self.calls.run(self.core.begin_update, version, staging, partial=partial, retain_staging=retain_staging,
+                       origin=origin, held=held)
+
+    def open_update(self) -> Optional[OpenUpdate]:
+        """The open staged update, as its feeder sees it (None: none is open): the one record of it."""
+        return self.calls.run(self.core.weights.open_update)
+
+    def update_missing(self) -> list[str]:
+        """The tensors a complete open update still lacks (empty: it can commit; a partial one lacks none)."""
+        return self.calls.run(self.core.weights.missing_from_update)
 
     def load_weights(self, named_tensors: NamedTensors, adapter: Optional[WeightAdapter] = None) -> int:
         """One bucket of the open update (checked before it is written; another layout's names

@@ -13,11 +13,14 @@ update's timeout.
 
 A sequence of SGLang-style calls is one staged update: a `DistributedSource` with `finish` False
 keeps it open for the next call, True commits it, None commits it once the model is complete (a
-first call with part of the model and no `finish`, as SGLang's callers send, opens one). An
-update left open longer than the timeout is aborted.
+first call with part of the model and no `finish`, as SGLang's callers send, opens one), unless
+the update is held (opened by a call with no tensor and `finish` False: vLLM's start phase), which
+waits for a commit. An update left open longer than the timeout is aborted.
 
 What reads the bytes is the source's transport object (`weight_sync.transports.table`); the
-staged update around it (begin, commit, abort, a sequence left open) is the receiver's.
+receiver begins, commits and aborts the staged update around it. The engine's staged update is
+the one record of it: a later call of a sequence reads it back (`engine.open_update()`: which
+update, its version, the group feeding it, whether it is held; `engine.update_missing()`).
 
 An adapter-only sync (`apply_lora`, `weight_sync.lora_sync`) never opens a staged update of the
 base weights: it builds a new version of one LoRA adapter beside the one serving.
@@ -41,15 +44,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 from inference.errors import EngineStateError, LoRALoadError
-from inference.weights.staging import Staging
+from inference.weights.staging import OpenUpdate, Staging
 from weight_sync.lora_sync import AdapterOutcome, receive_adapter
-from weight_sync.manifest import Manifest, Naming, check_against_model
+from weight_sync.manifest import Manifest, Naming
 from weight_sync.megatron.model import MEGATRON_ADAPTER
 from weight_sync.sources import DEFAULT_GROUP, AdapterSource, WeightSource
 from weight_sync.transports.checkpoint_files import ANYWHERE, DiskAccess, DiskAccessError
@@ -58,24 +61,6 @@ from weight_sync.transports.shm import SegmentMappings
 from weight_sync.transports.table import BY_SOURCE
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class OpenUpdate:
-    """The staged update a transport loads into; one spanning several calls (a sequence) keeps
-    the names, dtypes and shapes loaded so far."""
-
-    version: Optional[int]
-    group: str
-    names: list[str] = field(default_factory=list)
-    dtypes: list[str] = field(default_factory=list)
-    shapes: list[list[int]] = field(default_factory=list)
-    deadline: float = 0.0
-
-    def add(self, manifest: Manifest) -> None:
-        self.names += manifest.names
-        self.dtypes += manifest.dtypes
-        self.shapes += manifest.shapes
 
 
 @dataclass(slots=True)
@@ -118,7 +103,6 @@ class WeightReceiver:
         self.stats = ReceiverStats()
         self._busy = threading.Lock()
         self._groups: dict[str, WeightGroup] = {}
-        self._open: Optional[OpenUpdate] = None
         self._watchdog: Optional[threading.Timer] = None
         self.group_buffer = ReceiveBuffer(torch.device("cpu"))  # on the group's device
         self.host_buffer = ReceiveBuffer(torch.device("cpu"))
@@ -263,41 +247,36 @@ class WeightReceiver:
             raise
 
     def open_update(self) -> Optional[OpenUpdate]:
-        """The sequence left open by the last call, if any; its expiry is off (this call decides)."""
+        """The engine's open update (a sequence left open by the last call), if any; its expiry is
+        off (this call decides)."""
         self._cancel_watchdog()
-        return self._open
+        return self.engine.open_update()
 
     def begin(self, version: Optional[int], staging: Optional[Staging], group: str = "", *,
-              partial: bool = False) -> OpenUpdate:
+              partial: bool = False, held: bool = False) -> OpenUpdate:
+        """Open the engine's staged update, fed over `group` ("" a single call); `held`: it stays
+        open until a call commits it, however complete (vLLM's start phase)."""
         staging = Staging(staging or self.staging)
         retain = self.retain_staging and staging is Staging.DOUBLE
-        self.engine.begin_update(version, staging, partial=partial, retain_staging=retain)
-        self._open = OpenUpdate(version, group)
-        return self._open
+        self.engine.begin_update(version, staging, partial=partial, retain_staging=retain, origin=group, held=held)
+        return self.engine.open_update()
 
     def keep_open(self, opened: OpenUpdate) -> None:
         """`opened` waits for the sequence's next call, at most `timeout_s`."""
-        opened.deadline = time.monotonic() + self.timeout_s
         self._arm_watchdog(opened)
 
-    def complete(self, opened: OpenUpdate) -> bool:
-        so_far = Manifest(names=opened.names, dtypes=opened.dtypes, shapes=opened.shapes)
-        try:
-            check_against_model(so_far, self.spec, complete=True)
-        except (KeyError, ValueError):
-            return False
-        return True
+    def complete(self) -> bool:
+        """Whether the open update holds every tensor of the model."""
+        return not self.engine.update_missing()
 
     def commit(self, policy: Any, start: float) -> int:
         version = self.engine.commit_update(policy)
-        self._open = None
         self.stats.updates_committed += 1
         self.stats.last_update_seconds = time.perf_counter() - start
         return version
 
     def abort(self, why: BaseException) -> None:
         self._cancel_watchdog()
-        self._open = None
         self.stats.updates_aborted += 1
         self.stats.last_error = f"{type(why).__name__}: {why}"
         try:
@@ -337,7 +316,8 @@ class WeightReceiver:
         if not self._busy.acquire(blocking=False):
             return  # NOTE: the next call is running: it decides
         try:
-            if self._open is opened:
+            now = self.engine.open_update()
+            if now is not None and now.serial == opened.serial:
                 self.abort(TimeoutError(f"the update to version {opened.version} waited {self.timeout_s} s for "
                                          "its next call"))
         finally:

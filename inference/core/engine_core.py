@@ -385,9 +385,11 @@ class EngineCore:
         return version
 
     def begin_update(self, version: Optional[int] = None, staging: Staging = Staging.DOUBLE, *,
-                     partial: bool = False, retain_staging: bool = False) -> None:
+                     partial: bool = False, retain_staging: bool = False, origin: str = "",
+                     held: bool = False) -> None:
         """Open a staged update (see `WeightManager`); `load_weights` buckets, then commit / abort."""
-        self.weights.begin_update(version, staging, partial=partial, retain_staging=retain_staging)
+        self.weights.begin_update(version, staging, partial=partial, retain_staging=retain_staging, origin=origin,
+                                  held=held)
 
     def load_weights(self, named_tensors: NamedTensors, adapter: Optional[WeightAdapter] = None) -> int:
         return self.weights.load(named_tensors, adapter)

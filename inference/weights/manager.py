@@ -30,7 +30,7 @@ import torch
 from inference.errors import EngineStateError, WeightNameError, WeightShapeError
 from inference.models import packed_weights
 from inference.weights.adapters import WeightAdapter
-from inference.weights.staging import StagedUpdate, Staging
+from inference.weights.staging import OpenUpdate, StagedUpdate, Staging
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,7 @@ class WeightManager:
         # (bytes, its tensors as (tensor, offset, size, stride)) per storage freed with no copy kept
         self._discarded: list[tuple[int, list[tuple[torch.Tensor, int, tuple, tuple]]]] = []
         self._update: Optional[StagedUpdate] = None
+        self._serial = 0  # the last update opened
         self._broken: Optional[str] = None  # why the live weights are mixed (an aborted in-place update)
         self._spare: dict[str, torch.Tensor] = {}  # DOUBLE staging buffers kept from the last commit
 
@@ -204,10 +205,12 @@ class WeightManager:
     # ---- staged updates ----------------------------------------------------------------------
 
     def begin_update(self, version: Optional[int] = None, staging: Staging = Staging.DOUBLE, *,
-                     partial: bool = False, retain_staging: bool = False) -> None:
+                     partial: bool = False, retain_staging: bool = False, origin: str = "",
+                     held: bool = False) -> None:
         """Open a staged update to `version` (default: current + 1 at commit). With `partial`,
         commit accepts a subset of the tensors; otherwise every tensor must be loaded first.
-        `retain_staging` (double only): keep the replaced weights as the next update's buffers."""
+        `retain_staging` (double only): keep the replaced weights as the next update's buffers.
+        `origin` and `held` are its feeder's to read back (`open_update`)."""
         staging = Staging(staging)
         if self._update is not None:
             raise EngineStateError("a weight update is already open; commit() or abort() it first")
@@ -216,7 +219,14 @@ class WeightManager:
         if self._offloaded:
             raise EngineStateError("the engine's weights are offloaded (suspended); resume() first")
         self.check_version(version)
-        self._update = StagedUpdate(version, staging, partial, retain_staging and staging is Staging.DOUBLE)
+        self._serial += 1
+        self._update = StagedUpdate(version, staging, partial, retain_staging and staging is Staging.DOUBLE,
+                                    self._serial, origin, held)
+
+    def open_update(self) -> Optional[OpenUpdate]:
+        """The open update's view (None: none is open)."""
+        update = self._update
+        return None if update is None else OpenUpdate(update.serial, update.version, update.origin, update.held)
 
     def staging_buffers(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """Buffers the engine owns, by HF name, for a transport to write the open `double` update

@@ -279,9 +279,11 @@ class DistributedTransport:
         start = time.perf_counter()
         try:
             if opened is None:
-                opened = receiver.begin(version, source.staging, source.group_name)
-            elif opened.group != source.group_name:
-                raise ValueError(f"the open update came over group {opened.group!r}, this call over "
+                # NOTE: no tensor and `finish` False is vLLM's start: the update waits for its finish
+                held = source.finish is False and not manifest.names
+                opened = receiver.begin(version, source.staging, source.group_name, held=held)
+            elif opened.origin != source.group_name:
+                raise ValueError(f"the open update came over group {opened.origin!r}, this call over "
                                  f"{source.group_name!r}")
             def load(named: dict[str, torch.Tensor]) -> None:
                 receiver.load(named, naming)
@@ -292,8 +294,7 @@ class DistributedTransport:
                 direct = receiver.staging_buffers(manifest, group.device)
                 received = receive_buckets(group, manifest, True, receiver.group_buffer, load, direct)
             receiver.stats.bytes_received += received
-            opened.add(manifest)
-            if source.finish is False or (source.finish is None and not receiver.complete(opened)):
+            if source.finish is False or (source.finish is None and (opened.held or not receiver.complete())):
                 receiver.keep_open(opened)
                 return None
             return receiver.commit(policy, start)

@@ -74,22 +74,6 @@ class UpdateInfo(msgspec.Struct, forbid_unknown_fields=True):
                                  f"{len(getattr(self, field))} and {len(self.names)}")
 
 
-class VllmPhases:
-    """Whether this front opened an update with `/start_weight_update` (then each
-    `/update_weights` leaves it open for `/finish_weight_update`; without one, a call that
-    completes the model commits it, as vLLM's single-call clients expect)."""
-
-    def __init__(self) -> None:
-        self.started = False
-
-
-def phases_of(request: Request) -> VllmPhases:
-    state = request.app.state
-    if not hasattr(state, "vllm_phases"):
-        state.vllm_phases = VllmPhases()
-    return state.vllm_phases
-
-
 # ---- vLLM's error bodies -------------------------------------------------------------------------
 
 
@@ -165,7 +149,6 @@ async def init_weight_transfer_engine(request: Request) -> Response:
         await front.weights.init_weights_update_group(info.master_address, info.master_port, info.rank_offset,
                                                       info.world_size, VLLM_GROUP, info.backend,
                                                       timeout=front.timeout)
-        phases_of(request).started = False
         return json_response({"message": "Weight transfer initialized"})
     return await _run(call)
 
@@ -196,12 +179,13 @@ async def finish_weight_update(request: Request) -> Response:
 
 async def _start(request: Request, body: dict[str, Any]) -> None:
     """NOTE: `is_checkpoint_format` (TRL, slime, SkyRL) changes nothing here: names are HF's either way."""
+    # NOTE: the engine's update, opened with no tensor, is held open until the finish: each
+    # `/update_weights` then leaves it open (without a start, the call that completes the model commits)
     await _update(front_of(request), _source(finish=False))
-    phases_of(request).started = True
 
 
 async def _update_weights(request: Request, body: dict[str, Any]) -> None:
-    front, phases = front_of(request), phases_of(request)
+    front = front_of(request)
     if body.get("weight_dir") is not None and body.get("update_info") is None:  # prime-rl's
         if not isinstance(body["weight_dir"], str):
             raise VllmRefusal(400, "weight_dir: expected a path", "BadRequestError")
@@ -215,19 +199,12 @@ async def _update_weights(request: Request, body: dict[str, Any]) -> None:
                           "weight_sync's msgpack handle to /update_weights_from_tensor", "BadRequestError")
     info = _parse(UpdateInfo, body["update_info"], "update_info")
     source = _source(info.names, info.dtype_names, info.shapes,
-                     info.packed_buffer_size_bytes if info.packed else None,
-                     finish=False if phases.started else None)
-    try:
-        await _update(front, source)
-    except BaseException:
-        phases.started = False  # NOTE: the engine aborted the whole update
-        raise
+                     info.packed_buffer_size_bytes if info.packed else None, finish=None)
+    await _update(front, source)  # NOTE: a failure aborts the engine's whole update, a held one too
 
 
 async def _finish(request: Request, body: dict[str, Any]) -> None:
     version = parse_weight_version(body.get("weight_version"))
-    phases = phases_of(request)
-    phases.started = False
     await _update(front_of(request), _source(version=version, finish=True))
 
 

@@ -217,3 +217,26 @@ def test_staging_buffers_are_refused_where_a_transport_cannot_write_them(old):
     with pytest.raises(WeightNameError, match="not tensors of this model"):
         engine.staging_buffers(["decoder.layers.0.self_attention.linear_qkv.weight"])  # another layout: load() converts
     engine.abort_update()
+
+
+def test_the_open_update_is_the_engines_one_record_of_it(old, new):
+    """What a weight receiver reads back across calls: which update (a new serial each time), its
+    version, what feeds it and whether it is held until an explicit commit; what it still lacks."""
+    engine = DynamicInferenceEngine.from_pretrained(old, config())
+    assert engine.open_update() is None and engine.update_missing() == []
+    engine.begin_update(version=3, origin="wsync", held=True)
+    first = engine.open_update()
+    assert (first.version, first.origin, first.held) == (3, "wsync", True)
+    parts = buckets(new)
+    engine.load_weights(parts[0])
+    missing = engine.update_missing()
+    assert missing and not set(missing) & set(parts[0])
+    engine.abort_update()
+    assert engine.open_update() is None
+    engine.begin_update()
+    second = engine.open_update()
+    assert second.serial != first.serial and (second.version, second.origin, second.held) == (None, "", False)
+    for part in parts:
+        engine.load_weights(part)
+    assert engine.update_missing() == []
+    assert engine.commit_update() == 1 and engine.open_update() is None
