@@ -262,7 +262,6 @@ class ServiceEndpoint:
         self.send_error(record.owner, reply)
 
 
-
 def _session_params(msg: Generate) -> SamplingParams:
     """The Generate's sampling, in its session (`Generate.session_id`) where the sampling names none."""
     if msg.sampling.session_id is not None or not msg.session_id:
