@@ -50,8 +50,9 @@ class LoRAAdapter:
     # shared: `layers` alias a live PEFT model's parameters, B unscaled; `scales[i][proj]` is the scaling
     shared: bool = False
     scales: list[dict[str, float]] = field(default_factory=list)
-    # per layer: input group -> [(A [sum r, in], scale of x A^T, [(output j of the group, r0, r1, B^T [r, out])])]:
-    # one entry whose A stacks the group's (scale 1, folded into B), or one per projection (shared)
+    # per layer: input group -> [(A [sum r, in], scale of x A^T, [(output j of the group, r0, r1, B [out, r],
+    # B^T [r, out])])]: one entry whose A stacks the group's (scale 1, folded into B), or one per projection
+    # (shared). B is `layers`' own tensor (the trainer's, shared): what a fixed-order product reads, packed once
     fused: list[dict[str, list[FusedA]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -78,7 +79,7 @@ INPUT_GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_u
 LORA_PROJECTIONS = tuple(p for projs in INPUT_GROUPS.values() for p in projs)
 
 
-FusedA = tuple[torch.Tensor, float, list[tuple[int, int, int, torch.Tensor]]]
+FusedA = tuple[torch.Tensor, float, list[tuple[int, int, int, torch.Tensor, torch.Tensor]]]
 ModuleConfig = Callable[[str], tuple[int, float]]  # an adapted module's HF path -> (rank, alpha) as configured
 
 
@@ -92,7 +93,7 @@ def _fuse(layer: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, list
         parts, r0 = [], 0
         for j, p in present:
             r = layer[p][0].shape[0]
-            parts.append((j, r0, r0 + r, layer[p][1].t().contiguous()))
+            parts.append((j, r0, r0 + r, layer[p][1], layer[p][1].t().contiguous()))
             r0 += r
         fused[group] = [(a_cat, 1.0, parts)]
     return fused
@@ -103,7 +104,7 @@ def _alias(layer: dict[str, tuple[torch.Tensor, torch.Tensor]], scales: dict[str
     transposed, so nothing is copied and the trainer's next in-place step shows through)."""
     fused = {}
     for group, projs in INPUT_GROUPS.items():
-        blocks = [(layer[p][0], scales[p], [(j, 0, layer[p][0].shape[0], layer[p][1].t())])
+        blocks = [(layer[p][0], scales[p], [(j, 0, layer[p][0].shape[0], layer[p][1], layer[p][1].t())])
                   for j, p in enumerate(projs) if p in layer]
         if blocks:
             fused[group] = blocks

@@ -56,13 +56,14 @@ class LoRAGroups:
                 u = F.linear(xs[start:end], a) if product is None else product(xs[start:end], a)
                 if scale != 1.0:  # NOTE: a shared adapter's scaling: B is the trainer's, nothing folded into it
                     u.mul_(scale)
-                for j, r0, r1, bt in parts:
+                for j, r0, r1, b, bt in parts:
                     if deltas[j] is None:  # NOTE: zeros: another adapter of the step may not adapt this one
                         deltas[j] = xs.new_zeros(self.rows, outs[j].shape[1])
                     if product is None:
                         torch.mm(u[:, r0:r1], bt, out=deltas[j][start:end])
-                    else:  # NOTE: B itself: the fp32 kernel reads a contiguous weight (bf16 packs any layout)
-                        b = bt.t().contiguous() if bt.dtype == torch.float32 else bt.t()
+                    else:  # NOTE: B itself, a stable tensor: bf16 packs it once (again when it is written)
+                        if b.dtype == torch.float32 and not b.is_contiguous():  # NOTE: the fp32 kernel's layout
+                            b = b.contiguous()
                         deltas[j][start:end] = product(u[:, r0:r1], b)
         for y, d in zip(outs, deltas):
             if d is None:
