@@ -52,12 +52,15 @@ class EngineWeightCalls:
                        origin=origin, held=held)
 
     def open_update(self) -> Optional[OpenUpdate]:
-        """The open staged update, as its feeder sees it (None: none is open): the one record of it."""
-        return self.calls.run(self.core.weights.open_update)
+        """The open staged update, as its feeder sees it (None: none is open): the one record of it.
+        Read now, not on the loop (a feeder sending one tensor a call would otherwise wait a step per
+        call): the record is replaced by begin / commit / abort, its fields never written."""
+        return self.core.weights.open_update()
 
     def update_missing(self) -> list[str]:
-        """The tensors a complete open update still lacks (empty: it can commit; a partial one lacks none)."""
-        return self.calls.run(self.core.weights.missing_from_update)
+        """The tensors a complete open update still lacks (empty: it can commit; a partial one lacks none).
+        Read now, as `open_update`: for the update's feeder, between its own loads (which return once done)."""
+        return self.core.weights.missing_from_update()
 
     def load_weights(self, named_tensors: NamedTensors, adapter: Optional[WeightAdapter] = None) -> int:
         """One bucket of the open update (checked before it is written; another layout's names
