@@ -85,7 +85,7 @@ class LocalSampleStream:
         if self.collector.expired():
             self.abort()
             self.collector.give_up()
-            raise TimeoutError(f"stream of {len(self._group)} samples not done within {self.timeout} s; "
+            raise TimeoutError(f"stream of {len(self._group)} samples not done within {self.collector.timeout} s; "
                                "its running samples were aborted")
         if not self._engine.loop_running:
             self._engine.step_for_waiter()
@@ -93,14 +93,6 @@ class LocalSampleStream:
     def result(self, timeout: Optional[float] = None) -> list[Rollout]:
         self.collector.within(timeout)
         return sort_rollouts(item for item in self if isinstance(item, Rollout))
-
-    @property
-    def deadline(self) -> Optional[float]:
-        return self.collector.deadline
-
-    @property
-    def timeout(self) -> Optional[float]:
-        return self.collector.timeout
 
     def abort(self) -> None:
         pending = self.collector.unfinished()

@@ -167,17 +167,9 @@ class InProcessStream:
         return TokenChunk(group, first.sample_index, first.index, [int(e.token_id) for e in events],
                           logprobs.tolist(), [int(e.version) for e in events])
 
-    @property
-    def deadline(self) -> float:
-        return self.collector.deadline
-
-    @property
-    def timeout(self) -> float:
-        return self.collector.timeout
-
     def _timed_out(self) -> TimeoutError:
         self._give_up()
-        return TimeoutError(f"stream of {len(self.request_ids)} prompts not done within {self.timeout} s; "
+        return TimeoutError(f"stream of {len(self.request_ids)} prompts not done within {self.collector.timeout} s; "
                             "its running samples were aborted")
 
     async def result(self) -> list[Rollout]:

@@ -137,17 +137,9 @@ class StreamState:
         for group, (g, frame) in enumerate(zip(requests, frames)):
             conn.send(g, GeneratePending(group, n, sink), frame=frame)
 
-    @property
-    def deadline(self) -> float:
-        return self.collector.deadline
-
-    @property
-    def timeout(self) -> float:
-        return self.collector.timeout
-
     def _timed_out(self) -> TimeoutError:
         self._give_up()
-        return TimeoutError(f"stream of {len(self.request_ids)} prompts not done within {self.timeout} s; "
+        return TimeoutError(f"stream of {len(self.request_ids)} prompts not done within {self.collector.timeout} s; "
                             "its running samples were aborted")
 
     def _accept(self, group: int, payload: Any) -> Union[Rollout, TokenChunk]:
