@@ -26,7 +26,7 @@ from inference.models.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 
-# attribute of `_Layer` -> HF name suffix under `model.layers.{i}.`
+# attribute of `LayerTensors` -> HF name suffix under `model.layers.{i}.`
 _LAYER_FIELDS = {
     "in_norm": "input_layernorm.weight",
     "q_w": "self_attn.q_proj.weight",
@@ -55,8 +55,9 @@ LORA_MODULES = tuple(f"{part}.{proj}" for part, projs in
                      (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", MLP_PROJS)) for proj in projs)
 
 
-class _Layer:
-    """One block's tensors, resolved once per (re)bind so the forward does no dict lookups."""
+class LayerTensors:
+    """One block's tensors, resolved once per (re)bind so the forward does no dict lookups (the decoder's,
+    and its training forward's over the trainer's parameters: `inference.models.dense.training`)."""
 
     __slots__ = tuple(_LAYER_FIELDS)
 
@@ -219,7 +220,7 @@ class DenseDecoder:
         self._embed = t[EMBED]
         self._final_norm = t[FINAL_NORM]
         self._lm_head = t[EMBED] if self.spec.tie_word_embeddings else t[LM_HEAD]
-        self._layers = [_Layer(t, i) for i in range(self.spec.num_layers)]
+        self._layers = [LayerTensors(t, i) for i in range(self.spec.num_layers)]
 
     def lora_targets(self) -> dict[str, tuple[int, int]]:
         """The modules a LoRA adapter may adapt: HF module path -> (out, in) of its weight."""

@@ -34,11 +34,11 @@ from inference.attention.selector import select_backend
 from inference.lora.adapter import LoRAAdapter
 from inference.lora.batch import LoRAGroups
 from inference.models import small_gemm
-from inference.models.dense.decoder import EMBED, FINAL_NORM, LM_HEAD, DenseDecoder, _Layer
+from inference.models.dense.decoder import EMBED, FINAL_NORM, LM_HEAD, DenseDecoder, LayerTensors
 from inference.models.layers import apply_rotary
 from inference.sampling.sampler import processed_logprobs, raw_logprobs
 
-# the tensors of a block each piece reads, by `_Layer` attribute (in the order the references take them)
+# the tensors of a block each piece reads, by `LayerTensors` attribute (in the order the references take them)
 _INPUT_FIELDS = ("in_norm", "q_w", "q_b", "k_w", "k_b", "v_w", "v_b", "q_norm", "k_norm")
 _AFTER_FIELDS = ("o_w", "o_b", "post_norm", "gate_w", "gate_b", "up_w", "up_b", "down_w", "down_b")
 # the projections an adapter may adapt, by the piece that reads them (in the order the references take them)
@@ -175,7 +175,7 @@ class TrainingForward:
         params = {name: self._param_of(f"the decoder's {name}", t) for name, t in d.named_tensors().items()}
         self._embed, self._final_norm = params[EMBED], params[FINAL_NORM]
         self._lm_head = params[EMBED] if d.spec.tie_word_embeddings else params[LM_HEAD]
-        self._layers = [_Layer(params, i) for i in range(d.spec.num_layers)]
+        self._layers = [LayerTensors(params, i) for i in range(d.spec.num_layers)]
 
     def __call__(self, input_ids: torch.Tensor, loss_mask: torch.Tensor):
         """Right-padded `input_ids [B, T]` (as `RolloutBatch.to_padded_tensors` lays them out) and the
