@@ -23,7 +23,6 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Optional
 
-import msgspec
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
@@ -34,24 +33,13 @@ from rollout.http.core.errors import APIError, from_exception
 from rollout.http.core.front import HttpFront
 from rollout.http.core.generation import Delta, Generation, GenSpec, Sample, version_spans
 from rollout.http.core.logprobs import chat_top, completion_top, echoed_prompt, prompt_entries
+from rollout.http.core.responses import front_of, json_response, sse
 from rollout.http.core.schemas import ChatCompletionRequest, CompletionRequest
 from rollout.http.core.sessions import Render, Reply, calls_of
 from rollout.http.core.tools import ForcedCallError, ToolChoiceError, ToolPlan, plan_tools
 
 router = APIRouter()
 SESSION_HEADER = "X-Session-ID"
-
-
-def json_response(body: Any, status: int = 200, headers: Optional[dict[str, str]] = None) -> Response:
-    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json", headers=headers)
-
-
-def sse(chunk: Any) -> bytes:
-    return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
-
-
-def front_of(request: Request) -> HttpFront:
-    return request.app.state.front
 
 
 MODELS_ENGINE_WAIT_S = 2.0  # how long /v1/models waits for the engine's list of adapters

@@ -53,6 +53,7 @@ from rollout.http.core.errors import APIError, engine_call, from_exception
 from rollout.http.core.front import HttpFront
 from rollout.http.core.generation import GenSpec, Sample, version_spans
 from rollout.http.core.logprobs import ranked as top_entries
+from rollout.http.core.responses import front_of, json_response, sse
 from rollout.http.core.sampling import sampling_params
 from rollout.http.core.schemas import (
     AbortReq,
@@ -66,7 +67,6 @@ from rollout.http.core.schemas import (
     UpdateWeightsFromDistributedReqInput,
     UpdateWeightsFromTensorReqInput,
 )
-from rollout.http.openai.openai_routes import front_of, json_response, sse
 
 SGLANG_API_VERSION = "0.5.6"
 router = APIRouter()

@@ -25,8 +25,8 @@ from pydantic import Field
 
 from rollout.http.core.errors import APIError, engine_call
 from rollout.http.core.front import HttpFront
+from rollout.http.core.responses import front_of
 from rollout.http.core.schemas import Strict
-from rollout.http.openai.openai_routes import front_of
 
 router = APIRouter()
 LoraName = Annotated[str, Field(min_length=1, max_length=256)]

@@ -24,9 +24,9 @@ from fastapi import APIRouter, Request, Response
 from pydantic import Field
 
 from rollout.http.core.errors import APIError
+from rollout.http.core.responses import front_of, json_response
 from rollout.http.core.schemas import ChatCompletionRequest, ChatMessage, Strict
 from rollout.http.core.sessions import Render
-from rollout.http.openai.openai_routes import front_of, json_response
 from rollout.text import ChatTemplateError, PromptTooLongError
 
 router = APIRouter()

@@ -48,6 +48,7 @@ from rollout.http.core.errors import APIError, engine_call
 from rollout.http.core.front import HttpFront
 from rollout.http.core.generation import Generation, GenSpec, Sample, version_spans
 from rollout.http.core.logprobs import chat_top, prompt_entries
+from rollout.http.core.responses import front_of, json_response, sse
 from rollout.http.core.sampling import sampling_params
 from rollout.http.core.schemas import (
     MAX_N,
@@ -58,7 +59,6 @@ from rollout.http.core.schemas import (
     StructuredOutputsBody,
     refuse,
 )
-from rollout.http.openai.openai_routes import front_of, json_response, sse
 from rollout.http.sglang.sglang_routes import server_args
 from weight_sync import ManifestError, VersionSource, parse_weight_version
 

@@ -39,7 +39,7 @@ from msgspec import Meta
 
 from rollout.http.core.errors import from_exception
 from rollout.http.core.front import HttpFront
-from rollout.http.openai.openai_routes import front_of, json_response
+from rollout.http.core.responses import front_of, json_response
 from weight_sync import DistributedSource, Manifest, parse_weight_version
 from weight_sync.vllm_layout import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS, VLLM_GROUP
 
