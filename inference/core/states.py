@@ -27,10 +27,9 @@ def memory_parts(tags: Optional[Collection[str]], weights: bool) -> set[MemoryTa
         return set(MemoryTag) if weights else {MemoryTag.KV_CACHE}
     if isinstance(tags, str):
         tags = [tags]
-    names = [tag.value if isinstance(tag, MemoryTag) else tag for tag in tags]
-    if not names or any(name not in MEMORY_TAGS for name in names):
-        raise ValueError(f"tags must name some of {list(MEMORY_TAGS)}, got {sorted(map(str, names))}")
-    return {MemoryTag(name) for name in names}
+    if not tags or any(tag not in MEMORY_TAGS for tag in tags):  # NOTE: a MemoryTag equals its name
+        raise ValueError(f"tags must name some of {list(MEMORY_TAGS)}, got {sorted(map(str, tags))}")
+    return {MemoryTag(tag) for tag in tags}
 
 
 class EngineState(str, enum.Enum):

@@ -69,7 +69,7 @@ class WeightManager:
     def serving_error(self) -> Optional[str]:
         """Why the weights cannot serve now (an in-place update is open or was aborted), or None."""
         if self._update is not None and self._update.staging is Staging.IN_PLACE:
-            return f"an in-place weight update to version {self._update.version} is being loaded"
+            return f"an in-place weight update to version {self._update.opened.version} is being loaded"
         return self._broken
 
     @property
@@ -220,13 +220,13 @@ class WeightManager:
             raise EngineStateError("the engine's weights are offloaded (suspended); resume() first")
         self.check_version(version)
         self._serial += 1
-        self._update = StagedUpdate(version, staging, partial, retain_staging and staging is Staging.DOUBLE,
-                                    self._serial, origin, held)
+        self._update = StagedUpdate(OpenUpdate(self._serial, version, origin, held), staging, partial,
+                                    retain_staging and staging is Staging.DOUBLE)
 
     def open_update(self) -> Optional[OpenUpdate]:
         """The open update's view (None: none is open)."""
         update = self._update
-        return None if update is None else OpenUpdate(update.serial, update.version, update.origin, update.held)
+        return None if update is None else update.opened
 
     def staging_buffers(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """Buffers the engine owns, by HF name, for a transport to write the open `double` update
@@ -328,7 +328,7 @@ class WeightManager:
             self._spare.update(update.handed)  # NOTE: handed out, never loaded (a partial update)
         self._update = None
         self._broken = None
-        return self.commit_version(update.version)
+        return self.commit_version(update.opened.version)
 
     def abort_update(self) -> None:
         """Drop the open update. `double`: nothing changed. `in_place` after a load: the live weights

@@ -33,15 +33,12 @@ class OpenUpdate:
 @dataclass(slots=True)
 class StagedUpdate:
     """An open staged update, owned by `WeightManager`: what was loaded, and where it went. The
-    only record of an update in progress: a receiver asks for its `OpenUpdate` view."""
+    only record of an update in progress: its feeder reads back `opened`."""
 
-    version: Optional[int]
+    opened: OpenUpdate
     staging: Staging
     partial: bool
     retain_staging: bool = False
-    serial: int = 0
-    origin: str = ""
-    held: bool = False
     loaded: set[str] = field(default_factory=set)
     staged: dict[str, torch.Tensor] = field(default_factory=dict)  # DOUBLE: the copies to swap in
     handed: dict[str, torch.Tensor] = field(default_factory=dict)  # DOUBLE: buffers a transport fills itself

@@ -41,7 +41,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 
 from inference import PauseMode, SuspendPolicy, UpdatePolicy
-from inference.core.states import MEMORY_TAGS, MemoryTag
+from inference.core.states import MEMORY_TAGS
 from rollout.http.core import structured
 from rollout.http.core.disconnects import unless_disconnected
 from rollout.http.core.errors import APIError, engine_call
@@ -236,16 +236,13 @@ async def server_info(request: Request, config_format: str = Query("text")) -> R
 # ---- sleep ---------------------------------------------------------------------------------------
 
 
-def _tags(request: Request) -> Optional[list[MemoryTag]]:
+def _tags(request: Request) -> Optional[list[str]]:
+    """The request's tags, checked (the client's calls take their names)."""
     tags = request.query_params.getlist("tags") or None
     bad = [t for t in tags or () if t not in MEMORY_TAGS]
     if bad:
         raise APIError(400, f"Unknown sleep tags {bad}: expected {list(MEMORY_TAGS)}", param="tags")
-    return None if tags is None else [MemoryTag(t) for t in tags]
-
-
-def _names(tags: Optional[list[MemoryTag]]) -> Optional[list[str]]:
-    return None if tags is None else [t.value for t in tags]
+    return tags
 
 
 @router.post("/sleep")
@@ -256,9 +253,9 @@ async def sleep(request: Request, level: int = Query(1)) -> Response:
     if level not in (1, 2):
         raise APIError(400, f"Sleep level must be 1 or 2, got {level}", param="level")
     asked = _tags(request)
-    await engine_call(front_of(request).client.suspend(SuspendPolicy.RECOMPUTE, tags=asked or list(MemoryTag),
+    await engine_call(front_of(request).client.suspend(SuspendPolicy.RECOMPUTE, tags=asked or list(MEMORY_TAGS),
                                                  discard_weights=level == 2))
-    return json_response({"status": "sleeping", "level": level, "tags": _names(asked)})
+    return json_response({"status": "sleeping", "level": level, "tags": asked})
 
 
 @router.post("/wake_up")
@@ -268,8 +265,8 @@ async def wake_up(request: Request) -> Response:
     tags = _tags(request)
     # NOTE: every part named, never "resume if asleep": the engine's loop decides what sleeps, so
     # wake-ups sent together (SkyRL sends one to each of a server's URLs) wake it once, all 200
-    await engine_call(front_of(request).client.resume(tags=tags or list(MemoryTag)))
-    return json_response({"status": "awake", "tags": _names(tags)})
+    await engine_call(front_of(request).client.resume(tags=tags or list(MEMORY_TAGS)))
+    return json_response({"status": "awake", "tags": tags})
 
 
 @router.get("/is_sleeping")
