@@ -12,16 +12,15 @@ the event loop through `call_soon_threadsafe`. Every awaitable is bounded by a t
 from __future__ import annotations
 
 import asyncio
-import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Optional, Union
 
-from inference import PauseMode, SamplingParams, SuspendPolicy, SuspendReport, UpdatePolicy
-from rollout.backend import Prompts, WeightSource, sort_rollouts
+from inference import SamplingParams
+from rollout.backend import Prompts, sort_rollouts
 from rollout.client.connection import Connection, ControlPending
-from rollout.client.requests import Requests
-from rollout.client.streams import StreamState, build_generates, suspend_report
+from rollout.client.control import ControlCalls, Read
+from rollout.client.streams import StreamState, build_generates
 from rollout.text import TextCodec, token_prompts
 from rollout.types import Rollout, RolloutBatch, TokenChunk
 from rollout.wire import messages as wire
@@ -57,12 +56,12 @@ class AsyncSampleStream(StreamState):
     async def abort(self) -> None:
         pending = self.unfinished()
         if pending:
-            await self._client._call(self._client.requests.abort(pending),
-                                     None)
+            await self._client.abort_requests(pending)
 
 
-class AsyncRolloutClient:
-    """The asyncio twin of `RolloutClient` (same arguments, same calls, awaited)."""
+class AsyncRolloutClient(ControlCalls):
+    """The asyncio twin of `RolloutClient` (same arguments, same calls, awaited): the control calls
+    of `rollout.client.control`, the weight-update group's among them."""
 
     def __init__(self, address: str, *, timeout: float = 300.0, lease_s: float = 10.0,
                  security: Optional[ClientSecurity] = None, reconnect_after_s: Optional[float] = None,
@@ -71,7 +70,6 @@ class AsyncRolloutClient:
         self.codec: Optional[TextCodec] = None if tokenizer is None else TextCodec.load(tokenizer)
         self.connection = Connection(address, security=security, lease_s=lease_s,
                                      reconnect_after_s=reconnect_after_s, **connection_options)
-        self.requests = Requests(self.connection)
 
     async def generate(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
                        timeout: Optional[float] = None, session_id: Optional[str] = None,
@@ -94,8 +92,15 @@ class AsyncRolloutClient:
     async def abort(self, stream: AsyncSampleStream) -> None:
         await stream.abort()
 
-    async def _call(self, msg: Any, timeout: Optional[float]) -> wire.Result:
-        timeout = self.timeout if timeout is None else timeout
+    # ---- control (`rollout.client.control`): sent, and awaited by the caller ---------------------
+
+    def _next_id(self, prefix: str = "c") -> str:
+        return self.connection.next_id(prefix)
+
+    def _control(self, msg: wire.RequestMessage, timeout: Optional[float], read: Read) -> Awaitable[Any]:
+        return self._reply(msg, self.timeout if timeout is None else timeout, read)
+
+    async def _reply(self, msg: wire.RequestMessage, timeout: float, read: Read) -> Any:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
 
@@ -107,57 +112,13 @@ class AsyncRolloutClient:
             lambda r: loop.call_soon_threadsafe(settle, future.set_result, r),
             lambda e: loop.call_soon_threadsafe(settle, future.set_exception, e)))
         try:
-            return await asyncio.wait_for(future, timeout)
+            return read(await asyncio.wait_for(future, timeout))
         except asyncio.TimeoutError:
             self.connection.forget([msg.request_id])
             raise TimeoutError(f"{type(msg).__name__} got no reply within {timeout} s") from None
 
-    async def pause(self, mode: Union[PauseMode, str] = PauseMode.KEEP, *, timeout: Optional[float] = None) -> None:
-        await self._call(self.requests.pause(mode), timeout)
-
-    async def continue_(self, *, timeout: Optional[float] = None) -> None:
-        await self._call(self.requests.plain(wire.Continue), timeout)
-
-    async def suspend(self, policy: Optional[SuspendPolicy] = None, *, offload_weights: bool = False,
-                      tags: Optional[Sequence[str]] = None, discard_weights: bool = False,
-                      timeout: Optional[float] = None) -> SuspendReport:
-        result = await self._call(self.requests.suspend(policy, offload_weights, tags, discard_weights), timeout)
-        return suspend_report(result.stats)
-
-    async def resume(self, *, tags: Optional[Sequence[str]] = None, timeout: Optional[float] = None) -> None:
-        await self._call(self.requests.resume(tags), timeout)
-
-    async def update_weights(self, source: WeightSource, version: Optional[int] = None, *,
-                             policy: Optional[UpdatePolicy] = None, timeout: Optional[float] = None) -> int:
-        result = await self._call(self.requests.update_weights(source, version, policy), timeout)
-        return result.policy_version
-
-    async def reset_prefix_cache(self, *, timeout: Optional[float] = None) -> None:
-        await self._call(self.requests.plain(wire.ResetPrefixCache), timeout)
-
     async def policy_version(self, *, timeout: Optional[float] = None) -> int:
         return (await self.health(timeout=timeout)).policy_version
-
-    async def is_sleeping(self, *, timeout: Optional[float] = None) -> bool:
-        """Whether the engine is suspended (through a router: every replica that answered is)."""
-        return bool((await self._call(self.requests.plain(wire.IsSleeping), timeout)).sleeping)
-
-    async def load_lora(self, name: str, path: Union[str, os.PathLike], *, timeout: Optional[float] = None
-                        ) -> wire.LoraInfo:
-        """Load the PEFT adapter in directory `path` (as the server reads it) as `name`."""
-        return (await self._call(self.requests.load_lora(name, path), timeout)).loras[0]
-
-    async def unload_lora(self, name: str, *, timeout: Optional[float] = None) -> None:
-        await self._call(self.requests.unload_lora(name), timeout)
-
-    async def list_loras(self, *, timeout: Optional[float] = None) -> list[wire.LoraInfo]:
-        return list((await self._call(self.requests.plain(wire.ListLoras), timeout)).loras or [])
-
-    async def health(self, *, timeout: Optional[float] = None) -> wire.HealthInfo:
-        return (await self._call(self.requests.plain(wire.Health), timeout)).health
-
-    async def stats(self, *, timeout: Optional[float] = None) -> dict:
-        return dict((await self._call(self.requests.plain(wire.Stats), timeout)).stats or {})
 
     def reconnect(self) -> None:
         self.connection.reconnect()

@@ -25,43 +25,30 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import itertools
 import time
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Optional, Union
 
 import numpy as np
 
-from inference import (
-    DynamicInferenceEngine,
-    PauseMode,
-    PendingAdmission,
-    SamplingParams,
-    SuspendPolicy,
-    SuspendReport,
-    UpdatePolicy,
-)
+from inference import DynamicInferenceEngine, PendingAdmission, SamplingParams
 from inference.request import RequestOutput, TokenEvent
-from rollout.backend import Prompts, WeightSource, params_per_prompt, sort_rollouts
-from rollout.client.requests import weight_source
-from rollout.client.streams import suspend_report, with_prompt_logprobs
+from rollout.backend import Prompts, params_per_prompt, sort_rollouts
+from rollout.client.control import ControlCalls, Read
+from rollout.client.streams import with_prompt_logprobs
 from rollout.collector import SampleCollector
-from rollout.service.engine_service import EngineService
+from rollout.service.engine_service import COUNTED, EngineService
 from rollout.service.metrics import ServiceMetrics, _wire_values
 from rollout.text import TextCodec, add_text, token_prompts
 from rollout.types import Rollout, RolloutBatch, TokenChunk
-from rollout.wire.convert import (
-    error_from_reply,
-    error_reply,
-    loras_to_wire,
-    output_from_wire,
-    output_to_wire,
-)
-from rollout.wire.messages import HealthInfo, LoraInfo
-from weight_sync import DEFAULT_GROUP, Staging, WeightReceiver
+from rollout.wire import messages as wire
+from rollout.wire.codec import ProtocolError
+from rollout.wire.convert import error_from_reply, error_reply, output_from_wire, output_to_wire
+from rollout.wire.kinds import ErrorCode
+from weight_sync import Staging, WeightReceiver
 
 
 class InProcessStream:
@@ -178,8 +165,10 @@ class InProcessStream:
     def unfinished(self) -> list[str]:
         return self.collector.unfinished()
 
-    def _abort_call(self) -> Callable[[], int]:
-        groups = [g for g in range(len(self.request_ids)) if self.collector.left(g) > 0]
+    def _abort_call(self, only: Optional[set[str]] = None) -> Callable[[], int]:
+        """What aborts the running samples (of the requests `only` names; None: all), run on the loop."""
+        groups = [g for g in range(len(self.request_ids))
+                  if self.collector.left(g) > 0 and (only is None or self.request_ids[g] in only)]
         submitted, engine = self._submitted, self._client.engine
 
         def call() -> int:  # NOTE: on the loop, after the submit posted before it
@@ -194,8 +183,9 @@ class InProcessStream:
         return call
 
     async def abort(self) -> None:
-        if self.unfinished():
-            await self._client._settle(self._client.engine.post(self._abort_call()), "Abort", None)
+        pending = self.unfinished()
+        if pending:
+            await self._client.abort_requests(pending)
 
     def _give_up(self) -> None:
         """Stop reading: the running samples are aborted (not waited for), the iteration ends."""
@@ -205,8 +195,9 @@ class InProcessStream:
         self._client.streams.discard(self)
 
 
-class InProcessClient:
-    """The asyncio calls of `AsyncRolloutClient` on `engine` in this process (see module docstring).
+class InProcessClient(ControlCalls):
+    """The asyncio calls of `AsyncRolloutClient` on `engine` in this process (see module docstring):
+    its control calls (`rollout.client.control`) answered by the engine service.
 
     `receiver`: the engine's `WeightReceiver` (one per engine: a server's, when one serves the
     same engine); None builds one of its own (`weight_staging`, `weight_sync_timeout_s`), closed
@@ -225,7 +216,7 @@ class InProcessClient:
         self._owns_receiver = receiver is None
         self.receiver = receiver if receiver is not None else WeightReceiver(
             engine, staging=weight_staging, timeout_s=weight_sync_timeout_s)
-        self.service = EngineService(engine, self.receiver)
+        self.service = EngineService(engine, self.receiver, health_deadline_s)
         self.metrics = ServiceMetrics()  # NOTE: written on the event loop's thread only
         self.streams: weakref.WeakSet[InProcessStream] = weakref.WeakSet()
         self._ids = itertools.count()
@@ -258,7 +249,7 @@ class InProcessClient:
     async def abort(self, stream: InProcessStream) -> None:
         await stream.abort()
 
-    # ---- engine control: the EngineService's calls, as rollout.server.dispatch makes them -------
+    # ---- errors, as a client of a server sees them ----------------------------------------------
 
     def as_reply_error(self, exc: BaseException) -> Exception:
         """`exc` as a ZMQ client would see it: the server's `ErrorReply` of it, read back."""
@@ -283,68 +274,39 @@ class InProcessClient:
             self.metrics.count(count)
         return waiting.result()
 
-    async def pause(self, mode: Union[PauseMode, str] = PauseMode.KEEP, *, timeout: Optional[float] = None) -> None:
-        await self._settle(self.service.pause(PauseMode(mode)), "Pause", timeout, "pauses")
+    # ---- control (`rollout.client.control`): the engine service answers, as behind a server ------
 
-    async def continue_(self, *, timeout: Optional[float] = None) -> None:
-        await self._settle(self.service.continue_(), "Continue", timeout)
+    def _next_id(self, prefix: str = "c") -> str:
+        return self.next_id()
 
-    async def suspend(self, policy: Optional[SuspendPolicy] = None, *, offload_weights: bool = False,
-                      tags: Optional[Sequence[str]] = None, discard_weights: bool = False,
-                      timeout: Optional[float] = None) -> SuspendReport:
-        suspended = self.service.suspend(SuspendPolicy(policy or SuspendPolicy.RECOMPUTE),
-                                         offload_weights=offload_weights, tags=tags, discard_weights=discard_weights)
-        report = await self._settle(suspended, "Suspend", timeout, "suspends")
-        return suspend_report(_wire_values(dataclasses.asdict(report)))
+    def _control(self, msg: wire.RequestMessage, timeout: Optional[float], read: Read) -> Awaitable[Any]:
+        return self._reply(msg, timeout, read)
 
-    async def resume(self, *, tags: Optional[Sequence[str]] = None, timeout: Optional[float] = None) -> None:
-        await self._settle(self.service.resume(tags), "Resume", timeout, "resumes")
+    async def _reply(self, msg: wire.RequestMessage, timeout: Optional[float], read: Read) -> Any:
+        """`read` of the `Result` a server would send for `msg` (`rollout.server.dispatch`)."""
+        kind = type(msg)
+        if kind is wire.Stats:
+            figures = await self._settle(self.service.figures(), "Stats", timeout)
+            live = sum(len(s.unfinished()) for s in list(self.streams))
+            fields = {"stats": _wire_values(self.metrics.snapshot(figures, requests_in_flight=live, clients=1,
+                                                                  extra=self.receiver.stats.wire()))}
+        elif kind is wire.Abort:
+            fields = {"stats": {"aborted": await self._abort(msg.targets, timeout)}}
+        else:
+            fields = await self._settle(self.service.handle(msg), kind.__name__, timeout, COUNTED.get(kind))
+        return read(wire.Result(request_id=msg.request_id, request_kind=wire.kind_of(kind),
+                                policy_version=self.engine.policy_version, **fields))
 
-    async def reset_prefix_cache(self, *, timeout: Optional[float] = None) -> None:
-        await self._settle(self.service.reset_prefix_cache(), "ResetPrefixCache", timeout)
-
-    async def load_lora(self, name: str, path: str, *, timeout: Optional[float] = None) -> LoraInfo:
-        # NOTE: the receiver reads it (its LoRA reader, where --weights-root allows), as a server does
-        return loras_to_wire(await self._settle(self.service.load_lora(name, path), "LoadLora", timeout))[0]
-
-    async def unload_lora(self, name: str, *, timeout: Optional[float] = None) -> None:
-        await self._settle(self.service.unload_lora(name), "UnloadLora", timeout)
-
-    async def list_loras(self, *, timeout: Optional[float] = None) -> list[LoraInfo]:
-        return loras_to_wire(await self._settle(self.service.list_loras(), "ListLoras", timeout))
-
-    # ---- answered as a server answers them ------------------------------------------------------
-
-    async def health(self, *, timeout: Optional[float] = None) -> HealthInfo:
-        """From the loop's last tick (`RolloutServer.health`'s rule); never waits for the engine."""
-        return self.service.health(self.health_deadline_s)
+    async def _abort(self, targets: list[str], timeout: Optional[float]) -> int:
+        """Abort this client's requests `targets` (as a server aborts its client's); how many samples ran."""
+        wanted = set(targets)
+        calls = [s._abort_call(wanted) for s in list(self.streams) if wanted.intersection(s.request_ids)]
+        if not calls:
+            raise self.as_reply_error(ProtocolError(ErrorCode.NOT_FOUND, f"no request with id {targets[0]!r}"))
+        return await self._settle(self.engine.post(lambda: sum(call() for call in calls)), "Abort", timeout)
 
     async def policy_version(self, *, timeout: Optional[float] = None) -> int:
         return (await self.health(timeout=timeout)).policy_version
-
-    async def stats(self, *, timeout: Optional[float] = None) -> dict:
-        figures = await self._settle(self.service.figures(), "Stats", timeout)
-        live = sum(len(s.unfinished()) for s in list(self.streams))
-        return _wire_values(self.metrics.snapshot(figures, requests_in_flight=live, clients=1,
-                                                  extra=self.receiver.stats.wire()))
-
-    # ---- weights: the receiver's worker ---------------------------------------------------------
-
-    async def update_weights(self, source: WeightSource, version: Optional[int] = None, *,
-                             policy: Optional[UpdatePolicy] = None, timeout: Optional[float] = None) -> int:
-        source = weight_source(source, version)
-        await self._settle(self.service.update_weights(source, policy), "UpdateWeights", timeout, "weight_updates")
-        return self.engine.policy_version
-
-    async def join_group(self, master_address: str, master_port: int, rank_offset: Optional[int], world_size: int,
-                         group_name: str = DEFAULT_GROUP, backend: Optional[str] = None, *,
-                         timeout_s: Optional[float] = None, timeout: Optional[float] = None) -> int:
-        rank = self.service.join_group(master_address, master_port, rank_offset, world_size, group_name, backend,
-                                       timeout_s)
-        return int(await self._settle(rank, "InitWeightsUpdateGroup", timeout))
-
-    async def leave_group(self, group_name: str = DEFAULT_GROUP, *, timeout: Optional[float] = None) -> None:
-        await self._settle(self.service.leave_group(group_name), "DestroyWeightsUpdateGroup", timeout)
 
     # ---- life cycle -----------------------------------------------------------------------------
 

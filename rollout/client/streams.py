@@ -10,7 +10,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from inference import SamplingParams, SuspendReport
+from inference import SamplingParams
 from rollout.backend import Prompts, params_per_prompt
 from rollout.client.connection import Connection, ControlPending
 from rollout.collector import SampleCollector
@@ -113,11 +113,6 @@ def call_blocking(connection: Connection, msg: Any, timeout: float) -> wire.Resu
     except concurrent.futures.TimeoutError:
         connection.forget([msg.request_id])
         raise TimeoutError(f"{type(msg).__name__} got no reply within {timeout} s") from None
-
-
-def suspend_report(stats: Optional[dict]) -> SuspendReport:
-    fields = SuspendReport.__dataclass_fields__
-    return SuspendReport(**{name: int((stats or {}).get(name, 0)) for name in fields})
 
 
 class StreamState:

@@ -12,17 +12,16 @@ unanswered under the same ids, so each sample arrives exactly once. `AsyncRollou
 
 from __future__ import annotations
 
-import os
 import queue
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any, Optional, Union
 
-from inference import PauseMode, SamplingParams, SuspendPolicy, SuspendReport, UpdatePolicy
-from rollout.backend import Prompts, WeightSource, sort_rollouts
+from inference import SamplingParams
+from rollout.backend import Prompts, sort_rollouts
 from rollout.client.connection import Connection
-from rollout.client.requests import Requests
-from rollout.client.streams import StreamState, build_generates, call_blocking, suspend_report
+from rollout.client.control import Read
+from rollout.client.streams import StreamState, build_generates, call_blocking
 from rollout.client.weights import WeightSyncCalls
 from rollout.text import TextCodec, token_prompts
 from rollout.types import Rollout, RolloutBatch, TokenChunk
@@ -62,12 +61,13 @@ class RemoteSampleStream(StreamState):
     def abort(self) -> None:
         pending = self.unfinished()
         if pending:
-            self._client._call(self._client.requests.abort(pending), None)
+            self._client.abort_requests(pending)
 
 
 class RolloutClient(WeightSyncCalls):
-    """A remote engine behind `rollout.RolloutBackend` (see module docstring), with the weight-sync
-    calls of `rollout.client.weights` (SGLang's names; what a `weight_sync.WeightSender` calls).
+    """A remote engine behind `rollout.RolloutBackend` (see module docstring): the control calls of
+    `rollout.client.control` (those of `weight_sync.WeightControl`, what a `WeightSender` calls,
+    among them), blocking, and SGLang's names for the weight calls (`rollout.client.weights`).
 
     `lease_s`: how long the server waits after this client falls silent before it aborts its
     requests (heartbeats every `lease_s / 4`, at most 10 s, keep it alive; a service may cut a
@@ -84,7 +84,6 @@ class RolloutClient(WeightSyncCalls):
         self.codec: Optional[TextCodec] = None if tokenizer is None else TextCodec.load(tokenizer)
         self.connection = Connection(address, security=security, lease_s=lease_s,
                                      reconnect_after_s=reconnect_after_s, **connection_options)
-        self.requests = Requests(self.connection)
 
     # ---- generation ----------------------------------------------------------------------------
 
@@ -110,60 +109,21 @@ class RolloutClient(WeightSyncCalls):
     def abort(self, stream: RemoteSampleStream) -> None:
         stream.abort()
 
-    # ---- control -------------------------------------------------------------------------------
+    # ---- control (`rollout.client.control`): sent, and waited for here ------------------------
 
-    def _call(self, msg: Any, timeout: Optional[float]) -> wire.Result:
+    def _next_id(self, prefix: str = "c") -> str:
+        return self.connection.next_id(prefix)
+
+    def _call(self, msg: wire.RequestMessage, timeout: Optional[float]) -> wire.Result:
+        """Send `msg` and wait for its reply (None: the client's timeout); an error reply is raised."""
         return call_blocking(self.connection, msg, self.timeout if timeout is None else timeout)
 
-    def pause(self, mode: Union[PauseMode, str] = PauseMode.KEEP, *, timeout: Optional[float] = None) -> None:
-        self._call(self.requests.pause(mode), timeout)
-
-    def continue_(self, *, timeout: Optional[float] = None) -> None:
-        self._call(self.requests.plain(wire.Continue), timeout)
-
-    def suspend(self, policy: Optional[SuspendPolicy] = None, *, offload_weights: bool = False,
-                tags: Optional[Sequence[str]] = None, discard_weights: bool = False,
-                timeout: Optional[float] = None) -> SuspendReport:
-        msg = self.requests.suspend(policy, offload_weights, tags, discard_weights)
-        return suspend_report(self._call(msg, timeout).stats)
-
-    def resume(self, *, tags: Optional[Sequence[str]] = None, timeout: Optional[float] = None) -> None:
-        self._call(self.requests.resume(tags), timeout)
-
-    def update_weights(self, source: WeightSource, version: Optional[int] = None, *,
-                       policy: Optional[UpdatePolicy] = None, timeout: Optional[float] = None) -> int:
-        """Load the weights in the safetensors directory `source` (a path the server can read)."""
-        return self._call(self.requests.update_weights(source, version, policy), timeout).policy_version
-
-    def reset_prefix_cache(self, *, timeout: Optional[float] = None) -> None:
-        self._call(self.requests.plain(wire.ResetPrefixCache), timeout)
+    def _control(self, msg: wire.RequestMessage, timeout: Optional[float], read: Read) -> Any:
+        return read(self._call(msg, timeout))
 
     @property
     def policy_version(self) -> int:
         return self.health().policy_version
-
-    def is_sleeping(self, *, timeout: Optional[float] = None) -> bool:
-        """Whether the engine is suspended (through a router: every replica that answered is)."""
-        return bool(self._call(self.requests.plain(wire.IsSleeping), timeout).sleeping)
-
-    def load_lora(self, name: str, path: Union[str, os.PathLike], *, timeout: Optional[float] = None
-                  ) -> wire.LoraInfo:
-        """Load the PEFT adapter in directory `path` (as the server reads it) as `name`; again: its next
-        version. A bad adapter is refused (INVALID_REQUEST) and the engine serves on."""
-        return self._call(self.requests.load_lora(name, path), timeout).loras[0]
-
-    def unload_lora(self, name: str, *, timeout: Optional[float] = None) -> None:
-        self._call(self.requests.unload_lora(name), timeout)
-
-    def list_loras(self, *, timeout: Optional[float] = None) -> list[wire.LoraInfo]:
-        return list(self._call(self.requests.plain(wire.ListLoras), timeout).loras or [])
-
-    def health(self, *, timeout: Optional[float] = None) -> wire.HealthInfo:
-        """Answered without the engine: whether its loop went round within the server's deadline."""
-        return self._call(self.requests.plain(wire.Health), timeout).health
-
-    def stats(self, *, timeout: Optional[float] = None) -> dict:
-        return dict(self._call(self.requests.plain(wire.Stats), timeout).stats or {})
 
     # ---- connection ----------------------------------------------------------------------------
 

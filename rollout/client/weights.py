@@ -1,9 +1,9 @@
-"""The weight-sync calls of a remote engine: `weight_sync.WeightControl`, and SGLang's names.
+"""SGLang's names for the weight-sync calls of a remote engine.
 
-`RolloutClient` has these. What a `WeightSender` calls is `WeightControl`: `update(source,
-policy)` (the source whole, its version inside its manifest), `join_group` / `leave_group`,
-`weight_version()`. An RL framework written against SGLang's engine API finds its calls too,
-each a facade over those:
+`RolloutClient` has these. What a `WeightSender` calls is `weight_sync.WeightControl`, among the
+client's control calls (`rollout.client.control`): `update(source, policy)` (the source whole, its
+version inside its manifest), `join_group` / `leave_group`, `weight_version()`. An RL framework
+written against SGLang's engine API finds its calls here, each a facade over those:
 
     client.init_weights_update_group(master_address, master_port, rank_offset, world_size,
                                      group_name="weight_update_group", backend=None)
@@ -38,10 +38,9 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from inference import Staging, UpdatePolicy
-from rollout.wire import messages as wire
+from rollout.client.control import ControlCalls
 from weight_sync import (
     DEFAULT_GROUP,
-    AdapterSource,
     DiskSource,
     DistributedSource,
     Manifest,
@@ -104,45 +103,10 @@ def disk_source(model_path: Union[str, Path], load_format: Optional[str] = None)
     return DiskSource(path=str(Path(model_path).absolute()))
 
 
-class WeightSyncCalls:
-    """Mixed into `RolloutClient`: `weight_sync.WeightControl` (what a `WeightSender` calls) and
-    SGLang's names over it. Needs the client's `connection`, `requests` and `_call(msg, timeout)`."""
-
-    connection: Any  # NOTE: these and `_call(msg, timeout) -> wire.Result` are the client's
-    requests: Any
-
-    # ---- weight_sync.WeightControl --------------------------------------------------------------
-
-    def update(self, source: WeightSource, policy: Any = None, *, timeout: Optional[float] = None) -> int:
-        """One whole update from `source` (its version inside it); the policy version after it."""
-        msg = wire.UpdateWeights(request_id=self.connection.next_id("c"), source=source,
-                                 policy=None if policy is None else UpdatePolicy(policy))
-        return self._call(msg, timeout).policy_version
-
-    def update_lora(self, source: AdapterSource, *, timeout: Optional[float] = None) -> int:
-        """An adapter-only sync (`weight_sync.lora_sync`, what `WeightSender.sync_lora` sends): the
-        adapter's version once committed (behind a router: on every replica)."""
-        return self._call(wire.SyncLora(request_id=self.connection.next_id("c"), source=source),
-                          timeout).loras[0].version
-
-    def join_group(self, master_address: str, master_port: int, rank_offset: Optional[int], world_size: int,
-                   group_name: str = DEFAULT_GROUP, backend: Optional[str] = None, *,
-                   timeout_s: Optional[float] = None, timeout: Optional[float] = None) -> int:
-        """Join the trainer's weight-update group (it listens at master_address:master_port as
-        rank 0); returns this replica's rank (behind a router: the fleet's reply)."""
-        msg = wire.InitWeightsUpdateGroup(request_id=self.connection.next_id("c"), master_address=master_address,
-                                          master_port=int(master_port), world_size=int(world_size),
-                                          rank_offset=rank_offset, group_name=group_name, backend=backend,
-                                          timeout_s=timeout_s)
-        stats = self._call(msg, timeout).stats or {}
-        return int(stats.get("rank", -1))
-
-    def leave_group(self, group_name: str = DEFAULT_GROUP, *, timeout: Optional[float] = None) -> None:
-        self._call(wire.DestroyWeightsUpdateGroup(request_id=self.connection.next_id("c"), group_name=group_name),
-                   timeout)
-
-    def weight_version(self, *, timeout: Optional[float] = None) -> int:
-        return int(self._call(self.requests.plain(wire.GetWeightVersion), timeout).policy_version)
+class WeightSyncCalls(ControlCalls):
+    """The control calls (`rollout.client.control`; `weight_sync.WeightControl`'s `update`,
+    `join_group`, `leave_group`, `weight_version` among them) and SGLang's names over those: a
+    blocking client's (`RolloutClient`)."""
 
     # ---- SGLang's names -------------------------------------------------------------------------
 

@@ -27,15 +27,15 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from inference import DynamicInferenceEngine, RequestOutput, SamplingParams, TokenEvent
-from rollout.server.dispatch import COUNTED, CallReply, ServerCalls
+from rollout.server.dispatch import CallReply, ServerCalls
 from rollout.server.kv_log import KvEventLog
 from rollout.service.endpoint import EndpointConfig, ServiceEndpoint
-from rollout.service.engine_service import EngineService
+from rollout.service.engine_service import COUNTED, EngineService
 from rollout.service.metrics import _wire_values
 from rollout.service.registry import Record
 from rollout.wire.codec import DEFAULT_MAX_FRAME_BYTES
 from rollout.wire.convert import error_reply, output_to_wire
-from rollout.wire.messages import Abort, HealthInfo, Result, TokenDelta, kind_of
+from rollout.wire.messages import Abort, Result, TokenDelta, kind_of
 from rollout.wire.security import ServerSecurity, is_loopback
 from weight_sync import DiskAccess, Staging, WeightReceiver
 
@@ -120,7 +120,7 @@ class RolloutServer:
                        else DiskAccess.of((), beyond_loopback=not is_loopback(config.host)))
         self.receiver = WeightReceiver(engine, staging=config.weight_staging, timeout_s=config.weight_sync_timeout_s,
                                        disk_access=disk_access)
-        self.service = EngineService(engine, self.receiver)
+        self.service = EngineService(engine, self.receiver, self.config.health_deadline_s)
         self.endpoint.on_close.append(self._close_parts)
 
     # ---- life cycle ----------------------------------------------------------------------------
@@ -179,10 +179,6 @@ class RolloutServer:
                 post(_Submitted(batch, done))
 
         self.engine.post(submit).add_done_callback(refusals)
-
-    def health(self) -> HealthInfo:
-        """From the loop's last tick; never waits for the engine (a wedged loop must show)."""
-        return self.service.health(self.config.health_deadline_s)
 
     def stats_snapshot(self, figures: dict) -> dict:
         endpoint = self.endpoint

@@ -100,20 +100,6 @@ class FrontClient(Protocol):
     async def list_loras(self, *, timeout: Optional[float] = None) -> list[wire.LoraInfo]: ...
 
 
-class ServiceClient(AsyncRolloutClient):
-    """`AsyncRolloutClient` and the weight-update group calls (as `RolloutClient` has them, from
-    `rollout.client.weights`): the front's client of a server or router over ZMQ."""
-
-    async def join_group(self, master_address: str, master_port: int, rank_offset: Optional[int], world_size: int,
-                         group_name: str = DEFAULT_GROUP, backend: Optional[str] = None, *,
-                         timeout_s: Optional[float] = None, timeout: Optional[float] = None) -> int:
-        msg = wire.InitWeightsUpdateGroup(request_id=self.connection.next_id("c"), master_address=master_address,
-                                          master_port=int(master_port), world_size=int(world_size),
-                                          rank_offset=rank_offset, group_name=group_name, backend=backend,
-                                          timeout_s=timeout_s)
-        stats = (await self._call(msg, timeout)).stats or {}
-        return int(stats.get("rank", -1))
-
-    async def leave_group(self, group_name: str = DEFAULT_GROUP, *, timeout: Optional[float] = None) -> None:
-        await self._call(wire.DestroyWeightsUpdateGroup(request_id=self.connection.next_id("c"),
-                                                        group_name=group_name), timeout)
+# the front's client of a server or router over ZMQ: `AsyncRolloutClient`, whose control calls
+# (`rollout.client.control`) include the weight-update group's
+ServiceClient = AsyncRolloutClient

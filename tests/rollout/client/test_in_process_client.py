@@ -91,6 +91,31 @@ def test_refusals_are_the_zmq_clients_typed_errors(served):
         assert type(mine) is type(theirs) and str(mine) == str(theirs)
 
 
+def test_an_abort_by_id_ends_only_those_requests_as_a_server_does(served):
+    long = SamplingParams(max_tokens=24, ignore_eos=True)
+    short = SamplingParams(max_tokens=4, ignore_eos=True)
+
+    async def body(local, remote):
+        refusals = []
+        for client in (local, remote):
+            with pytest.raises(Exception) as err:
+                await client.abort_requests(["no-such-request"])
+            refusals.append(err.value)
+        stream, other = local.stream([[1, 2, 3]], 2, long, tokens=True), local.stream([[1, 7]], 1, short)
+        assert isinstance(await stream.__anext__(), TokenChunk)  # it runs
+        await local.pause(PauseMode.KEEP)  # NOTE: so it cannot finish before the abort lands
+        await local.abort_requests(stream.request_ids)
+        await local.continue_()
+        rest = [item async for item in stream if isinstance(item, Rollout)]
+        return refusals, rest, await other.result()
+
+    (mine, theirs), aborted, untouched = run(served, body)
+    assert type(mine) is type(theirs) and getattr(mine, "code", None) == getattr(theirs, "code", None)
+    assert [r.finish_reason for r in aborted] == ["abort", "abort"]
+    assert all(len(r.completion_ids) < 24 for r in aborted)
+    assert [len(r.completion_ids) for r in untouched] == [4]
+
+
 def test_health_stats_and_version_agree_with_the_server(served):
     async def body(local, remote):
         await local.generate(PROMPTS, 1, SamplingParams(max_tokens=3))
