@@ -6,6 +6,10 @@ becomes a command on the loop's one queue (FIFO, applied between steps). Three w
 `run(fn)` waits for the result (bounded by `command_timeout`), `post(fn)` returns a `Future` at
 once, `when(condition)` a `Future` resolved once the condition holds after a round. A call made
 on the loop thread itself (a command calling another engine method) runs directly.
+
+Without a loop, nothing steps the core but a thread that waits: a `when` condition is checked
+each time one does (`wait_until`, `settle`, `step_for_waiter`), so a future posted without a
+loop (a WAIT pause's drain) resolves once its caller waits on it with `settle`.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class CoreCalls:
         self.lock = threading.RLock()
         self.loop: Optional[EngineLoop] = None
         self._on_step_error = on_step_error
+        self._conditions: list[tuple[Callable[[], bool], Future]] = []  # `when`s without a loop, under the lock
 
     def _remote_loop(self) -> Optional[EngineLoop]:
         """The loop, when the caller is not on it (None: run the call here, under the lock)."""
@@ -67,15 +72,36 @@ class CoreCalls:
             return future
         future = Future()
         with self.lock:
-            holds = condition()
-        if holds:
-            future.set_result(None)
-        else:
-            future.set_exception(EngineStateError("no engine loop runs to wait on (start() it)"))
+            self._conditions.append((condition, future))
+            self._check_conditions()
         return future
 
-    def wait_until(self, condition: Callable[[], bool], timeout: Optional[float]) -> None:
-        """Return once `condition()` holds; without a loop, step the core meanwhile."""
+    def _check_conditions(self) -> None:
+        """Resolve the `when`s without a loop whose condition holds now (under the lock)."""
+        waiting, self._conditions = self._conditions, []
+        for condition, future in waiting:
+            try:
+                holds = condition()
+            except BaseException as exc:  # noqa: BLE001 (handed to the caller through the future)
+                future.set_exception(exc)
+                continue
+            if holds:
+                future.set_result(None)
+            else:
+                self._conditions.append((condition, future))
+
+    def settle(self, future: Future, timeout: Optional[float]) -> Any:
+        """`future`'s result (its error raised), waiting at most `timeout` seconds (None: unbounded).
+        Without a loop, the caller steps the core meanwhile while a `when` waits (a WAIT pause's
+        drain); a call on the receiver's worker resolves by itself."""
+        if self._remote_loop() is not None:
+            return future.result(timeout)
+        self.wait_until(future.done, timeout, step=lambda: bool(self._conditions))
+        return future.result()
+
+    def wait_until(self, condition: Callable[[], bool], timeout: Optional[float],
+                   step: Callable[[], bool] = lambda: True) -> None:
+        """Return once `condition()` holds; without a loop, step the core meanwhile (while `step()`)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             loop = self._remote_loop()
@@ -85,9 +111,10 @@ class CoreCalls:
                     future.result(timeout if timeout is not None else self.command_timeout)
                     return
             with self.lock:
+                self._check_conditions()
                 if condition():
                     return
-                if self.loop is None and self.core.can_step():
+                if self.loop is None and step() and self.core.can_step():
                     self.core.step()
                     continue
             if deadline is not None and time.monotonic() > deadline:
@@ -100,6 +127,7 @@ class CoreCalls:
         with self.lock:
             if self.loop is None and self.core.can_step():
                 self.core.step()
+                self._check_conditions()
                 return
         time.sleep(0.002)
 
@@ -111,6 +139,9 @@ class CoreCalls:
                 raise EngineStateError("the background loop is already running")
             self.loop = EngineLoop(self.lock, self.core.step, self.core.can_step, self._on_step_error,
                                    idle_wait=idle_wait)
+            waiting, self._conditions = self._conditions, []
+        for condition, future in waiting:  # NOTE: the loop checks them from now on
+            self._chain(self.when(condition), future)
 
     def stop(self, timeout: float) -> None:
         """End the loop after the commands already queued. An expert-parallel rank first stops
@@ -126,6 +157,11 @@ class CoreCalls:
                 done.result(timeout)
         loop.stop(timeout)
         self.loop = None
+
+    @staticmethod
+    def _chain(source: Future, target: Future) -> None:
+        source.add_done_callback(lambda f: target.set_exception(f.exception()) if f.exception() is not None
+                                 else target.set_result(None))
 
     def seconds_since_tick(self) -> Optional[float]:
         loop = self.loop

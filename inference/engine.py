@@ -143,8 +143,13 @@ class DynamicInferenceEngine(EngineWeightCalls, EngineLoRACalls):
 
     def when(self, condition: Callable[[], bool]) -> Future:
         """A `Future` resolved once `condition()` holds after a round of the loop (e.g. drained, for
-        a WAIT pause); without the loop, checked once now."""
+        a WAIT pause); without the loop, whenever a waiting thread steps the engine (`settle`)."""
         return self.calls.when(condition)
+
+    def settle(self, future: Future, timeout: Optional[float] = None) -> Any:
+        """`future`'s result (a posted call's), waiting at most `timeout` seconds; without the loop,
+        this thread steps the engine while that is what the call waits for (a WAIT pause)."""
+        return self.calls.settle(future, timeout)
 
     def _route_output(self, output: RequestOutput) -> None:
         channel = self._channels.pop(output.request_id, None)

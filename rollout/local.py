@@ -8,6 +8,7 @@ weight aliasing, version bumps) is passed through to the engine, which owns the 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
@@ -18,26 +19,21 @@ from typing import Any, Optional, Union
 
 import torch
 
-from inference import (
-    DynamicInferenceEngine,
-    InferenceConfig,
-    PauseMode,
-    RequestOutput,
-    SamplingParams,
-    SuspendPolicy,
-    SuspendReport,
-    TokenEvent,
-    UpdatePolicy,
-)
+from inference import DynamicInferenceEngine, InferenceConfig, RequestOutput, SamplingParams, TokenEvent, UpdatePolicy
 from inference.lora import AdapterRef
 from inference.weights.adapters import WeightAdapter
 from rollout.backend import Prompts, WeightSource, params_per_prompt, sort_rollouts
+from rollout.client.control import SOURCE_TYPES, ControlCalls, Read
 from rollout.collector import SampleCollector
+from rollout.service.engine_service import EngineService
 from rollout.text import TextCodec, add_text, has_tokenizer, needs_codec, token_prompts
 from rollout.types import GenerationStats, Rollout, RolloutBatch, TokenChunk
-from weight_sync import DiskSource, WeightReceiver
+from rollout.wire.messages import RequestMessage, Result, kind_of
+from weight_sync import WeightReceiver
 
 logger = logging.getLogger(__name__)
+HEALTH_DEADLINE_S = 10.0  # a background loop quiet for longer is unhealthy (a server's default)
+
 
 class LocalSampleStream:
     """The samples of one `RolloutEngine.stream` call (see `rollout.backend.SampleStream`).
@@ -118,14 +114,17 @@ def _rollout(out: RequestOutput, group: int) -> Rollout:
     )
 
 
-class RolloutEngine:
+class RolloutEngine(ControlCalls):
     """n samples per prompt from one engine replica that shares the trainer's process and memory.
 
-    Implements `rollout.RolloutBackend`. Safe to call from several threads at once: each
-    `generate` receives exactly its own samples. Prompts may be token ids, strings or chat message
-    lists; text needs a tokenizer: `tokenizer=` (a directory, an HF tokenizer or a `TextCodec`),
-    else the model directory's own, loaded when the first text prompt comes. Once a tokenizer is
-    there, every `Rollout` carries its `text`.
+    Implements `rollout.RolloutBackend`, with every control call of a client (`rollout.client.control`:
+    pause, suspend, weight updates from any `weight_sync` source, LoRA adapters, health) answered by
+    the engine service (`rollout.service.engine_service`) as a server's engine answers it.
+
+    Safe to call from several threads at once: each `generate` receives exactly its own samples.
+    Prompts may be token ids, strings or chat message lists; text needs a tokenizer: `tokenizer=`
+    (a directory, an HF tokenizer or a `TextCodec`), else the model directory's own, loaded when
+    the first text prompt comes. Once a tokenizer is there, every `Rollout` carries its `text`.
     """
 
     def __init__(
@@ -140,6 +139,8 @@ class RolloutEngine:
         self.engine = DynamicInferenceEngine.from_pretrained(model_or_path, self.config, share_weights=share_weights)
         self._codec = None if tokenizer is None else TextCodec.load(tokenizer)
         self._tokenizer_dir = model_or_path if isinstance(model_or_path, (str, Path)) else None
+        self.service = EngineService(self.engine, WeightReceiver(self.engine), HEALTH_DEADLINE_S)
+        self._ids = itertools.count()
 
     @property
     def codec(self) -> Optional[TextCodec]:
@@ -200,27 +201,24 @@ class RolloutEngine:
     def abort(self, stream: LocalSampleStream) -> None:
         stream.abort()
 
-    # ---- control -----------------------------------------------------------------------------
+    # ---- control (`rollout.client.control`): the engine service answers, in this thread ----------
 
-    def pause(self, mode: Union[PauseMode, str] = PauseMode.KEEP, *, timeout: Optional[float] = None) -> None:
-        self.engine.pause(PauseMode(mode), timeout=timeout)
+    def _next_id(self, prefix: str = "c") -> str:
+        return f"local-{prefix}{next(self._ids)}"
 
-    def continue_(self) -> None:
-        self.engine.continue_()
+    def _control(self, msg: RequestMessage, timeout: Optional[float], read: Read) -> Any:
+        """Answered by the engine service as a server's engine answers it; without a background loop
+        this thread steps the engine while the call waits on it (a WAIT pause's drain). An engine
+        error is raised as the engine raised it."""
+        fields = self.engine.settle(self.service.handle(msg), timeout)
+        return read(Result(request_id=msg.request_id, request_kind=kind_of(type(msg)),
+                           policy_version=self.engine.policy_version, **fields))
 
-    def reset_prefix_cache(self) -> None:
-        self.engine.reset_prefix_cache()
+    def abort_requests(self, targets: Sequence[int], *, timeout: Optional[float] = None) -> None:
+        """Finish the engine's requests `targets` (a `LocalSampleStream`'s `request_ids`) now."""
+        self.engine.abort_many(list(targets))
 
     # ---- trainer coupling (the engine owns the state machine) --------------------------------
-
-    def suspend(self, policy: Optional[SuspendPolicy] = None, *, offload_weights: bool = False,
-                tags: Optional[Sequence[str]] = None, discard_weights: bool = False) -> SuspendReport:
-        """Free the KV buffer for the trainer (or the parts `tags` names); returns the engine's `SuspendReport`."""
-        return self.engine.suspend(None if policy is None else SuspendPolicy(policy), offload_weights=offload_weights,
-                                   tags=tags, discard_weights=discard_weights)
-
-    def resume(self, *, tags: Optional[Sequence[str]] = None) -> None:
-        self.engine.resume(tags)
 
     def bind_trainer_model(self, module: torch.nn.Module, adapter: Optional[WeightAdapter] = None) -> Any:
         """Alias `module`'s parameters (no copy; another layout than HF's through its `adapter`,
@@ -238,17 +236,14 @@ class RolloutEngine:
         return self.engine.on_weights_updated()
 
     def update_weights(self, source: WeightSource, version: Optional[int] = None, *,
-                       policy: Optional[UpdatePolicy] = None, **kwargs: Any) -> int:
+                       policy: Optional[UpdatePolicy] = None, timeout: Optional[float] = None, **kwargs: Any) -> int:
         """Copy weights in (not aliased): a safetensors directory (checked against its manifest and
-        checksums where it has them, like a server's), or named tensors; returns the new version."""
-        policy = None if policy is None else UpdatePolicy(policy)
-        if isinstance(source, (str, os.PathLike)):
-            receiver = WeightReceiver(self.engine)
-            try:
-                return receiver.update(DiskSource(path=str(Path(source).absolute()), version=version), policy)
-            finally:
-                receiver.close()
-        return self.engine.update_weights(source, version, policy=policy, **kwargs)
+        checksums where it has them) or a `weight_sync` source, through the engine's weight receiver
+        as a server's; or named tensors, straight into the engine. The new version."""
+        if kwargs or not isinstance(source, (str, os.PathLike, *SOURCE_TYPES)):
+            return self.engine.update_weights(source, version, policy=None if policy is None else UpdatePolicy(policy),
+                                              **kwargs)
+        return super().update_weights(source, version, policy=policy, timeout=timeout)
 
     @property
     def policy_version(self) -> int:
@@ -262,5 +257,7 @@ class RolloutEngine:
         return self.engine.stats()
 
     def close(self) -> None:
-        """Stop the engine's background loop if one runs (the engine itself stays usable)."""
+        """Stop the engine's background loop if one runs (the engine itself stays usable) and the
+        weight receiver's threads."""
         self.engine.stop()
+        self.service.receiver.close()

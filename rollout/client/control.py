@@ -75,8 +75,9 @@ class ControlCalls:
     def suspend(self, policy: Optional[Union[SuspendPolicy, str]] = None, *, offload_weights: bool = False,
                 tags: Optional[Sequence[str]] = None, discard_weights: bool = False,
                 timeout: Optional[float] = None) -> Any:
-        """Free the KV buffer (and the weights if asked), or the parts `tags` names; the engine's `SuspendReport`."""
-        msg = wire.Suspend(request_id=self._next_id(), policy=SuspendPolicy(policy or SuspendPolicy.RECOMPUTE),
+        """Free the KV buffer (and the weights if asked), or the parts `tags` names; requests in flight
+        per `policy` (None: the engine's configured one). The engine's `SuspendReport`."""
+        msg = wire.Suspend(request_id=self._next_id(), policy=None if policy is None else SuspendPolicy(policy),
                            offload_weights=bool(offload_weights), tags=None if tags is None else list(tags),
                            discard_weights=bool(discard_weights))
         return self._control(msg, timeout, lambda r: suspend_report(r.stats))

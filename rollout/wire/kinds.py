@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 
-PROTOCOL_VERSION = 19  # 2: UpdateWeights.policy; 3: KvEvents, Result.kv_events; weight sync (group kinds,
+PROTOCOL_VERSION = 20  # 2: UpdateWeights.policy; 3: KvEvents, Result.kv_events; weight sync (group kinds,
 # distributed / shared-memory sources); 4: an update's version lives in its source alone (UpdateWeights
 # has no target_version; the disk source says the version of a plain checkpoint); IsSleeping, Result.sleeping;
 # 5: ErrorCode.OVERLOADED, Generate.client (whom a router forwards for: fair admission behind it); Sampling's
@@ -26,7 +26,8 @@ PROTOCOL_VERSION = 19  # 2: UpdateWeights.policy; 3: KvEvents, Result.kv_events;
 # 17: HealthInfo.serving_error (why the engine cannot generate, e.g. after a deep sleep), ErrorCode.NO_WEIGHTS;
 # 18: SampleOutput.prompt_logprob_ranks (each prompt token's vocabulary rank, vLLM's);
 # 19: a Generate's sampling is the engine's own SamplingParams (structured outputs: every field written),
-# HealthInfo.state an EngineState, Suspend / Resume tags MemoryTags, InitWeightsUpdateGroup.backend a CollectiveBackend
+# HealthInfo.state an EngineState, Suspend / Resume tags MemoryTags, InitWeightsUpdateGroup.backend a CollectiveBackend;
+# 20: Suspend.policy optional (None: the engine's configured suspend policy)
 MAX_REQUEST_ID_LENGTH = 256
 MAX_ABORT_TARGETS = 65536
 MAX_LEASE_SECONDS = 3600.0

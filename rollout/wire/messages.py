@@ -133,9 +133,10 @@ class Continue(_Request, tag=Kind.CONTINUE.value):
 class Suspend(_Request, tag=Kind.SUSPEND.value):
     """Free the KV / state buffers (and the weights if `offload_weights`) for a colocated trainer;
     `tags`: the parts to free instead (each part once, `inference.core.states.MemoryTag`);
-    `discard_weights`: drop the weights rather than keep a host copy (vLLM's sleep level 2)."""
+    `discard_weights`: drop the weights rather than keep a host copy (vLLM's sleep level 2);
+    `policy` None: the engine's configured one (`InferenceConfig.suspend_policy`)."""
 
-    policy: SuspendPolicy = SuspendPolicy.RECOMPUTE
+    policy: Optional[SuspendPolicy] = None
     offload_weights: bool = False
     tags: Optional[Annotated[list[MemoryTag], Meta(min_length=1, max_length=2)]] = None
     discard_weights: bool = False
