@@ -40,7 +40,7 @@ from rollout.backend import Prompts, params_per_prompt, sort_rollouts
 from rollout.client.control import ControlCalls, Read
 from rollout.client.streams import with_prompt_logprobs
 from rollout.collector import SampleCollector
-from rollout.service.engine_service import COUNTED, EngineService
+from rollout.service.engine_service import EngineService
 from rollout.service.metrics import ServiceMetrics, _wire_values
 from rollout.text import TextCodec, add_text, token_prompts
 from rollout.types import Rollout, RolloutBatch, TokenChunk
@@ -293,7 +293,7 @@ class InProcessClient(ControlCalls):
         elif kind is wire.Abort:
             fields = {"stats": {"aborted": await self._abort(msg.targets, timeout)}}
         else:
-            fields = await self._settle(self.service.handle(msg), kind.__name__, timeout, COUNTED.get(kind))
+            fields = await self._settle(self.service.handle(msg), kind.__name__, timeout, msg.counted_as)
         return read(wire.Result(request_id=msg.request_id, request_kind=wire.kind_of(kind),
                                 policy_version=self.engine.policy_version, **fields))
 

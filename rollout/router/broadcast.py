@@ -48,7 +48,6 @@ logger = logging.getLogger(__name__)
 Reply = Union[Result, ErrorReply]
 # NOTE: an adapter sync's answer is a refusal if any replica refused it: a trainer told it committed
 # would go on while that replica serves requests naming the adapter on its previous version
-ALL_OR_REFUSED = frozenset({Kind.SYNC_LORA})
 
 
 @dataclass(eq=False, slots=True)
@@ -90,7 +89,7 @@ class Fanout:
         """The one reply to the client (its request id; see module docstring)."""
         rid = self.msg.request_id
         ok = [self.replies[r] for r in self.succeeded]
-        if not ok or (request_kind in ALL_OR_REFUSED and self.failed):
+        if not ok or (self.msg.all_or_refused and self.failed):
             errors = [self.replies[r] for r in self.failed]
             if errors:
                 first = errors[0]

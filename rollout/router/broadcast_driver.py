@@ -25,7 +25,6 @@ from rollout.wire.messages import (
 )
 
 KINDS = {cls: Kind(cls.__struct_config__.tag) for cls in RequestMessage.__args__}
-_STATEFUL = {Kind.PAUSE, Kind.CONTINUE, Kind.SUSPEND, Kind.RESUME, Kind.UPDATE_WEIGHTS, Kind.RESET_PREFIX_CACHE}
 
 
 def carries_weights(msg: RequestMessage) -> bool:
@@ -80,7 +79,7 @@ class ControlBroadcast:
 
     def _fanout_done(self, fan: Fanout, now: float) -> None:
         kind = KINDS[type(fan.msg)]
-        if fan.broadcast and kind in _STATEFUL and fan.succeeded:
+        if fan.broadcast and fan.msg.stateful and fan.succeeded:
             versions = [v for r in fan.succeeded if (v := fan.replies[r].policy_version) is not None]
             self.fleet.applied(fan.msg, max(versions) if kind is Kind.UPDATE_WEIGHTS and versions else None)
             for name in fan.failed:

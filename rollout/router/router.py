@@ -45,7 +45,7 @@ from rollout.router.replicas import ReplicaSet
 from rollout.service.endpoint import EndpointConfig, ServiceEndpoint
 from rollout.service.registry import Record
 from rollout.wire.codec import DEFAULT_MAX_FRAME_BYTES, ProtocolError
-from rollout.wire.kinds import BROADCAST_KINDS, ErrorCode, Kind
+from rollout.wire.kinds import ErrorCode, Kind
 from rollout.wire.messages import (
     REQUEST_TYPES,
     Abort,
@@ -134,7 +134,7 @@ class RolloutRouter:
 
     def __init__(self, replicas: Sequence[str] = (), config: Optional[RouterConfig] = None) -> None:
         self.config = config = config or RouterConfig()
-        broadcast = {t: self._broadcast for t in REQUEST_TYPES if kind_of(t) in BROADCAST_KINDS}
+        broadcast = {t: self._broadcast for t in REQUEST_TYPES if t.broadcast}
         handlers = {**broadcast, Health: self._health, Heartbeat: self._health, Abort: self._abort,
                     KvEvents: self._kv_events}
         endpoint_config = EndpointConfig(host=config.host, port=config.port, security=config.security,
@@ -329,9 +329,8 @@ class RolloutRouter:
                            stats={"aborted": 0})
         else:
             reply = fan.outcome(kind, fleet.version)
-            if kind in (Kind.PAUSE, Kind.SUSPEND, Kind.RESUME, Kind.UPDATE_WEIGHTS):
-                self.metrics.count({Kind.PAUSE: "pauses", Kind.SUSPEND: "suspends", Kind.RESUME: "resumes",
-                                    Kind.UPDATE_WEIGHTS: "weight_updates"}[kind])
+            if fan.msg.counted_as and isinstance(reply, Result):
+                self.metrics.count(fan.msg.counted_as)
         if isinstance(reply, ErrorReply):
             self.endpoint.send_error(fan.peer, reply)
         else:

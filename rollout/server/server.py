@@ -30,7 +30,7 @@ from inference import DynamicInferenceEngine, RequestOutput, SamplingParams, Tok
 from rollout.server.dispatch import CallReply, ServerCalls
 from rollout.server.kv_log import KvEventLog
 from rollout.service.endpoint import EndpointConfig, ServiceEndpoint
-from rollout.service.engine_service import COUNTED, EngineService
+from rollout.service.engine_service import EngineService
 from rollout.service.metrics import _wire_values
 from rollout.service.registry import Record
 from rollout.wire.codec import DEFAULT_MAX_FRAME_BYTES
@@ -237,9 +237,8 @@ class RolloutServer:
         if error is not None:
             self.endpoint.send_error(item.peer, error_reply(error, item.msg.request_id))
             return
-        name = COUNTED.get(type(item.msg))
-        if name:
-            self.metrics.count(name)
+        if item.msg.counted_as:
+            self.metrics.count(item.msg.counted_as)
         fields = item.render(item.future.result())
         if "stats" in fields:
             fields["stats"] = _wire_values(fields["stats"])

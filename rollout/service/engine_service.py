@@ -44,9 +44,6 @@ from rollout.wire.messages import (
 )
 from weight_sync import WeightReceiver
 
-# the calls that change the engine's state, counted by a front when they succeed
-COUNTED = {Pause: "pauses", Suspend: "suspends", Resume: "resumes", UpdateWeights: "weight_updates"}
-
 
 class EngineService:
     """`engine` and its `receiver` (see module docstring); `health_deadline_s`: a loop quiet for

@@ -85,8 +85,4 @@ class ErrorCode(enum.IntEnum):
 
 REQUEST_KINDS = frozenset(k for k in Kind if k < 64)
 # control requests a router sends to every replica and answers once (`rollout.router.broadcast`)
-BROADCAST_KINDS = frozenset({Kind.PAUSE, Kind.CONTINUE, Kind.SUSPEND, Kind.RESUME, Kind.UPDATE_WEIGHTS,
-                             Kind.RESET_PREFIX_CACHE, Kind.STATS, Kind.INIT_WEIGHTS_UPDATE_GROUP,
-                             Kind.DESTROY_WEIGHTS_UPDATE_GROUP, Kind.GET_WEIGHT_VERSION, Kind.IS_SLEEPING,
-                             Kind.LOAD_LORA, Kind.UNLOAD_LORA, Kind.LIST_LORAS, Kind.SYNC_LORA})
 REPLY_KINDS = frozenset(k for k in Kind if k >= 64)

@@ -12,7 +12,7 @@ kinds below 64, replies 64 and up.
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any, Optional, Union
+from typing import Annotated, Any, ClassVar, Optional, Union
 
 import msgspec
 import numpy as np
@@ -87,7 +87,16 @@ class _Message(msgspec.Struct, tag_field="kind", forbid_unknown_fields=True, kw_
 
 
 class _Request(_Message):
+    """A request. Each kind declares here, once, what the fronts and a router need to know of it
+    (class attributes, not fields: nothing of them travels)."""
+
     request_id: RequestId
+
+    broadcast: ClassVar[bool] = False  # a router sends it to every replica (else it answers it itself)
+    stateful: ClassVar[bool] = False  # changes a replica's state: a router's fleet follows it, and a
+    #                                   replica that fails it while others took it leaves the fleet
+    all_or_refused: ClassVar[bool] = False  # a router answers it only if every replica took it
+    counted_as: ClassVar[Optional[str]] = None  # the counter a server or router adds to when one succeeds
 
 
 # ---- requests --------------------------------------------------------------------------------
@@ -123,11 +132,18 @@ class Abort(_Request, tag=Kind.ABORT.value):
 
 
 class Pause(_Request, tag=Kind.PAUSE.value):
+    broadcast: ClassVar[bool] = True
+    stateful: ClassVar[bool] = True
+    counted_as: ClassVar[Optional[str]] = "pauses"
+
     mode: PauseMode
 
 
 class Continue(_Request, tag=Kind.CONTINUE.value):
     """Undo `Pause`."""
+
+    broadcast: ClassVar[bool] = True
+    stateful: ClassVar[bool] = True
 
 
 class Suspend(_Request, tag=Kind.SUSPEND.value):
@@ -135,6 +151,10 @@ class Suspend(_Request, tag=Kind.SUSPEND.value):
     `tags`: the parts to free instead (each part once, `inference.core.states.MemoryTag`);
     `discard_weights`: drop the weights rather than keep a host copy (vLLM's sleep level 2);
     `policy` None: the engine's configured one (`InferenceConfig.suspend_policy`)."""
+
+    broadcast: ClassVar[bool] = True
+    stateful: ClassVar[bool] = True
+    counted_as: ClassVar[Optional[str]] = "suspends"
 
     policy: Optional[SuspendPolicy] = None
     offload_weights: bool = False
@@ -145,6 +165,10 @@ class Suspend(_Request, tag=Kind.SUSPEND.value):
 class Resume(_Request, tag=Kind.RESUME.value):
     """Undo `Suspend` (`tags`: only those parts; a part awake already is left as it is)."""
 
+    broadcast: ClassVar[bool] = True
+    stateful: ClassVar[bool] = True
+    counted_as: ClassVar[Optional[str]] = "resumes"
+
     tags: Optional[Annotated[list[MemoryTag], Meta(min_length=1, max_length=2)]] = None
 
 
@@ -153,6 +177,10 @@ class UpdateWeights(_Request, tag=Kind.UPDATE_WEIGHTS.value):
     version it says (its manifest's; None: current + 1); `policy` says what happens to requests in
     flight (None: the engine's configured default). A distributed source with `finish` False leaves
     the update open for the next call (the reply's version is still the old one)."""
+
+    broadcast: ClassVar[bool] = True
+    stateful: ClassVar[bool] = True
+    counted_as: ClassVar[Optional[str]] = "weight_updates"
 
     source: WeightSource
     policy: Optional[UpdatePolicy] = None
@@ -167,6 +195,8 @@ class InitWeightsUpdateGroup(_Request, tag=Kind.INIT_WEIGHTS_UPDATE_GROUP.value)
     one, so one message broadcast to every replica works. `backend` None: gloo on CPU, nccl on
     GPU. Every collective of the group times out after `timeout_s` (None: the server's)."""
 
+    broadcast: ClassVar[bool] = True
+
     master_address: Annotated[str, Meta(min_length=1, max_length=255)]
     master_port: Annotated[int, Meta(ge=1, le=65535)]
     world_size: Annotated[int, Meta(ge=2, le=65536)]
@@ -177,26 +207,36 @@ class InitWeightsUpdateGroup(_Request, tag=Kind.INIT_WEIGHTS_UPDATE_GROUP.value)
 
 
 class DestroyWeightsUpdateGroup(_Request, tag=Kind.DESTROY_WEIGHTS_UPDATE_GROUP.value):
+    broadcast: ClassVar[bool] = True
+
     group_name: GroupName = DEFAULT_GROUP
 
 
 class GetWeightVersion(_Request, tag=Kind.GET_WEIGHT_VERSION.value):
     """The policy version (`Result.policy_version`; SGLang spells it as a string)."""
 
+    broadcast: ClassVar[bool] = True
+
 
 class IsSleeping(_Request, tag=Kind.IS_SLEEPING.value):
     """Whether the engine is suspended (`Result.sleeping`; through a router: every replica is)."""
+
+    broadcast: ClassVar[bool] = True
 
 
 class LoadLora(_Request, tag=Kind.LOAD_LORA.value):
     """Load the PEFT adapter in the directory `lora_path` (as the server reads it) as `lora_name`;
     a name loaded already gets its next version (`Result.loras`: the adapter as loaded)."""
 
+    broadcast: ClassVar[bool] = True
+
     lora_name: LoraName
     lora_path: Annotated[str, Meta(min_length=1, max_length=4096)]
 
 
 class UnloadLora(_Request, tag=Kind.UNLOAD_LORA.value):
+    broadcast: ClassVar[bool] = True
+
     lora_name: LoraName
 
 
@@ -205,11 +245,16 @@ class SyncLora(_Request, tag=Kind.SYNC_LORA.value):
     a weight-update group or in shared memory, committed whole as its next version
     (`Result.loras`: the adapter as committed; `Result.stats["bytes_received"]`: this update's)."""
 
+    broadcast: ClassVar[bool] = True
+    all_or_refused: ClassVar[bool] = True
+
     source: AdapterSource
 
 
 class ListLoras(_Request, tag=Kind.LIST_LORAS.value):
     """The loaded adapters (`Result.loras`)."""
+
+    broadcast: ClassVar[bool] = True
 
 
 class LoraInfo(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -222,10 +267,15 @@ class LoraInfo(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class ResetPrefixCache(_Request, tag=Kind.RESET_PREFIX_CACHE.value):
+    broadcast: ClassVar[bool] = True
+    stateful: ClassVar[bool] = True
+
     pass
 
 
 class Stats(_Request, tag=Kind.STATS.value):
+    broadcast: ClassVar[bool] = True
+
     pass
 
 
@@ -417,3 +467,7 @@ REPLY_TYPES: tuple[type, ...] = ReplyMessage.__args__
 def kind_of(message_type: type) -> Kind:
     """The `Kind` a message class is tagged with."""
     return Kind(message_type.__struct_config__.tag)
+
+
+# the kinds a router sends to every replica (each declares it: `_Request.broadcast`)
+BROADCAST_KINDS = frozenset(kind_of(t) for t in REQUEST_TYPES if t.broadcast)

@@ -14,8 +14,8 @@ from rollout.client.streams import _ON_REPLY
 from rollout.router.replicas import _ATTEMPT_REPLIES
 from rollout.server.server import RolloutServer
 from rollout.service.endpoint import EndpointConfig, ServiceEndpoint
-from rollout.wire.kinds import BROADCAST_KINDS, REPLY_KINDS, REQUEST_KINDS
-from rollout.wire.messages import REQUEST_TYPES, Generate, ReplyMessage, Result, kind_of
+from rollout.wire.kinds import REPLY_KINDS, REQUEST_KINDS
+from rollout.wire.messages import BROADCAST_KINDS, REQUEST_TYPES, Generate, ReplyMessage, Result, kind_of
 from tests.rollout.conftest import small_engine_config, tiny_policy
 
 REPLY_TYPES = typing.get_args(ReplyMessage)
