@@ -15,15 +15,14 @@ carries what the client measures (time, tokens), not the engine's step counts.
 from __future__ import annotations
 
 import dataclasses
-import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, Optional, Protocol, Union, runtime_checkable
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Optional, Protocol, Union, runtime_checkable
 
-from inference import PauseMode, SamplingParams, SuspendPolicy, SuspendReport, UpdatePolicy
+from inference import SamplingParams
+from rollout.control import ControlCalls
 from rollout.types import Rollout, RolloutBatch, TokenChunk
 
 Prompts = Sequence[Sequence[int]]
-WeightSource = Union[str, os.PathLike, Mapping[str, Any], Iterable[tuple[str, Any]]]
 
 
 class SampleStream(Protocol):
@@ -43,8 +42,9 @@ class SampleStream(Protocol):
 
 
 @runtime_checkable
-class RolloutBackend(Protocol):
-    """What an RL loop asks of an engine (see module docstring)."""
+class RolloutBackend(ControlCalls, Protocol):
+    """What an RL loop asks of an engine (see module docstring): generation here, and every control
+    call (`pause`, `suspend`, `update_weights`, `stats`, ...: `rollout.control.ControlCalls`)."""
 
     def generate(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
                  timeout: Optional[float] = None, session_id: Optional[str] = None,
@@ -65,28 +65,8 @@ class RolloutBackend(Protocol):
     def abort(self, stream: SampleStream) -> None:
         """Finish a stream's running samples now (see `SampleStream.abort`)."""
 
-    def pause(self, mode: Union[PauseMode, str] = PauseMode.KEEP, *, timeout: Optional[float] = None) -> None:
-        """Stop generating: `abort` / `wait` (returns once drained) / `keep` / `retract` in-flight requests."""
-
-    def continue_(self) -> None: ...
-
-    def suspend(self, policy: Optional[SuspendPolicy] = None, *, offload_weights: bool = False,
-                tags: Optional[Sequence[str]] = None, discard_weights: bool = False) -> SuspendReport:
-        """Free the KV buffer (and the weights if asked) for a trainer, or the parts `tags` names
-        (`kv_cache`, `weights`); requests in flight per `policy`."""
-
-    def resume(self, *, tags: Optional[Sequence[str]] = None) -> None: ...
-
-    def update_weights(self, source: WeightSource, version: Optional[int] = None, *,
-                       policy: Optional[UpdatePolicy] = None) -> int:
-        """Load new weights (a safetensors directory) and commit them; returns the new version."""
-
-    def reset_prefix_cache(self) -> None: ...
-
     @property
     def policy_version(self) -> int: ...
-
-    def stats(self) -> dict: ...
 
     def close(self) -> None: ...
 

@@ -22,9 +22,9 @@ import torch
 from inference import DynamicInferenceEngine, InferenceConfig, RequestOutput, SamplingParams, TokenEvent, UpdatePolicy
 from inference.lora import AdapterRef
 from inference.weights.adapters import WeightAdapter
-from rollout.backend import Prompts, WeightSource, params_per_prompt, sort_rollouts
-from rollout.client.control import SOURCE_TYPES, ControlCalls, Read
+from rollout.backend import Prompts, params_per_prompt, sort_rollouts
 from rollout.collector import SampleCollector
+from rollout.control import SOURCE_TYPES, ControlCalls, Read, WeightSource
 from rollout.service.engine_service import EngineService
 from rollout.text import TextCodec, add_text, has_tokenizer, needs_codec, token_prompts
 from rollout.types import GenerationStats, Rollout, RolloutBatch, TokenChunk
@@ -117,7 +117,7 @@ def _rollout(out: RequestOutput, group: int) -> Rollout:
 class RolloutEngine(ControlCalls):
     """n samples per prompt from one engine replica that shares the trainer's process and memory.
 
-    Implements `rollout.RolloutBackend`, with every control call of a client (`rollout.client.control`:
+    Implements `rollout.RolloutBackend`, with every control call of a client (`rollout.control`:
     pause, suspend, weight updates from any `weight_sync` source, LoRA adapters, health) answered by
     the engine service (`rollout.service.engine_service`) as a server's engine answers it.
 
@@ -201,7 +201,7 @@ class RolloutEngine(ControlCalls):
     def abort(self, stream: LocalSampleStream) -> None:
         stream.abort()
 
-    # ---- control (`rollout.client.control`): the engine service answers, in this thread ----------
+    # ---- control (`rollout.control`): the engine service answers, in this thread ----------
 
     def _next_id(self, prefix: str = "c") -> str:
         return f"local-{prefix}{next(self._ids)}"

@@ -19,8 +19,8 @@ from typing import Any, Optional, Union
 from inference import SamplingParams
 from rollout.backend import Prompts, sort_rollouts
 from rollout.client.connection import Connection, ControlPending
-from rollout.client.control import ControlCalls, Read
 from rollout.client.streams import StreamState, build_generates
+from rollout.control import ControlCalls, Read
 from rollout.text import TextCodec, token_prompts
 from rollout.types import Rollout, RolloutBatch, TokenChunk
 from rollout.wire import messages as wire
@@ -61,7 +61,7 @@ class AsyncSampleStream(StreamState):
 
 class AsyncRolloutClient(ControlCalls):
     """The asyncio twin of `RolloutClient` (same arguments, same calls, awaited): the control calls
-    of `rollout.client.control`, the weight-update group's among them."""
+    of `rollout.control`, the weight-update group's among them."""
 
     def __init__(self, address: str, *, timeout: float = 300.0, lease_s: float = 10.0,
                  security: Optional[ClientSecurity] = None, reconnect_after_s: Optional[float] = None,
@@ -92,7 +92,7 @@ class AsyncRolloutClient(ControlCalls):
     async def abort(self, stream: AsyncSampleStream) -> None:
         await stream.abort()
 
-    # ---- control (`rollout.client.control`): sent, and awaited by the caller ---------------------
+    # ---- control (`rollout.control`): sent, and awaited by the caller ---------------------
 
     def _next_id(self, prefix: str = "c") -> str:
         return self.connection.next_id(prefix)

@@ -37,9 +37,9 @@ import numpy as np
 from inference import DynamicInferenceEngine, PendingAdmission, SamplingParams
 from inference.request import RequestOutput, TokenEvent
 from rollout.backend import Prompts, params_per_prompt, sort_rollouts
-from rollout.client.control import ControlCalls, Read
 from rollout.client.streams import with_prompt_logprobs
 from rollout.collector import SampleCollector
+from rollout.control import ControlCalls, Read
 from rollout.service.engine_service import EngineService
 from rollout.service.metrics import ServiceMetrics, _wire_values
 from rollout.text import TextCodec, add_text, token_prompts
@@ -197,7 +197,7 @@ class InProcessStream:
 
 class InProcessClient(ControlCalls):
     """The asyncio calls of `AsyncRolloutClient` on `engine` in this process (see module docstring):
-    its control calls (`rollout.client.control`) answered by the engine service.
+    its control calls (`rollout.control`) answered by the engine service.
 
     `receiver`: the engine's `WeightReceiver` (one per engine: a server's, when one serves the
     same engine); None builds one of its own (`weight_staging`, `weight_sync_timeout_s`), closed
@@ -274,7 +274,7 @@ class InProcessClient(ControlCalls):
             self.metrics.count(count)
         return waiting.result()
 
-    # ---- control (`rollout.client.control`): the engine service answers, as behind a server ------
+    # ---- control (`rollout.control`): the engine service answers, as behind a server ------
 
     def _next_id(self, prefix: str = "c") -> str:
         return self.next_id()

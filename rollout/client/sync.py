@@ -20,9 +20,9 @@ from typing import Any, Optional, Union
 from inference import SamplingParams
 from rollout.backend import Prompts, sort_rollouts
 from rollout.client.connection import Connection
-from rollout.client.control import Read
 from rollout.client.streams import StreamState, build_generates, call_blocking
 from rollout.client.weights import WeightSyncCalls
+from rollout.control import Read
 from rollout.text import TextCodec, token_prompts
 from rollout.types import Rollout, RolloutBatch, TokenChunk
 from rollout.wire import messages as wire
@@ -66,7 +66,7 @@ class RemoteSampleStream(StreamState):
 
 class RolloutClient(WeightSyncCalls):
     """A remote engine behind `rollout.RolloutBackend` (see module docstring): the control calls of
-    `rollout.client.control` (those of `weight_sync.WeightControl`, what a `WeightSender` calls,
+    `rollout.control` (those of `weight_sync.WeightControl`, what a `WeightSender` calls,
     among them), blocking, and SGLang's names for the weight calls (`rollout.client.weights`).
 
     `lease_s`: how long the server waits after this client falls silent before it aborts its
@@ -109,7 +109,7 @@ class RolloutClient(WeightSyncCalls):
     def abort(self, stream: RemoteSampleStream) -> None:
         stream.abort()
 
-    # ---- control (`rollout.client.control`): sent, and waited for here ------------------------
+    # ---- control (`rollout.control`): sent, and waited for here ------------------------
 
     def _next_id(self, prefix: str = "c") -> str:
         return self.connection.next_id(prefix)

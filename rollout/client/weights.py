@@ -1,7 +1,7 @@
 """SGLang's names for the weight-sync calls of a remote engine.
 
 `RolloutClient` has these. What a `WeightSender` calls is `weight_sync.WeightControl`, among the
-client's control calls (`rollout.client.control`): `update(source, policy)` (the source whole, its
+client's control calls (`rollout.control`): `update(source, policy)` (the source whole, its
 version inside its manifest), `join_group` / `leave_group`, `weight_version()`. An RL framework
 written against SGLang's engine API finds its calls here, each a facade over those:
 
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from inference import Staging, UpdatePolicy
-from rollout.client.control import ControlCalls
+from rollout.control import ControlCalls
 from weight_sync import (
     DEFAULT_GROUP,
     DiskSource,
@@ -104,7 +104,7 @@ def disk_source(model_path: Union[str, Path], load_format: Optional[str] = None)
 
 
 class WeightSyncCalls(ControlCalls):
-    """The control calls (`rollout.client.control`; `weight_sync.WeightControl`'s `update`,
+    """The control calls (`rollout.control`; `weight_sync.WeightControl`'s `update`,
     `join_group`, `leave_group`, `weight_version` among them) and SGLang's names over those: a
     blocking client's (`RolloutClient`)."""
 

@@ -1,4 +1,4 @@
-"""RolloutEngine's control calls are a client's (`rollout.client.control`), answered by the engine
+"""RolloutEngine's control calls are a client's (`rollout.control`), answered by the engine
 service in the caller's thread: a WAIT pause without a background loop returns once the engine
 drained (the caller steps it), a suspend without a policy follows the engine's configured one (as
 a server's does now), and what a server answers the local engine answers too."""

@@ -14,15 +14,14 @@ the same health and stats keys. Weight calls go through the client too (`update_
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any, Optional, Protocol, Union, runtime_checkable
 
-from inference import PauseMode, SamplingParams, SuspendPolicy, SuspendReport, UpdatePolicy
-from rollout.backend import Prompts, WeightSource
+from inference import SamplingParams
+from rollout.backend import Prompts
 from rollout.client.aio import AsyncRolloutClient
+from rollout.control import ControlCalls
 from rollout.types import Rollout, RolloutBatch, TokenChunk
-from rollout.wire import messages as wire
-from weight_sync import DEFAULT_GROUP
 
 
 @runtime_checkable
@@ -46,9 +45,11 @@ class FrontStream(Protocol):
 
 
 @runtime_checkable
-class FrontClient(Protocol):
-    """What `HttpFront` calls: generation, engine control, health and stats, weight updates.
-    Every call is bounded by `timeout` (None: the client's own); none blocks the event loop."""
+class FrontClient(ControlCalls, Protocol):
+    """What `HttpFront` calls: generation, and the control calls of `rollout.control.ControlCalls`
+    (engine control, health and stats, weight updates and the weight-update group, LoRA adapters),
+    each awaited. Every call is bounded by `timeout` (None: the client's own); none blocks the
+    event loop."""
 
     def stream(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
                tokens: bool = False, timeout: Optional[float] = None, session_id: Optional[str] = None,
@@ -60,46 +61,9 @@ class FrontClient(Protocol):
 
     async def abort(self, stream: Any) -> None: ...
 
-    async def pause(self, mode: Union[PauseMode, str] = PauseMode.KEEP, *, timeout: Optional[float] = None
-                    ) -> None:
-        """WAIT returns once what was admitted has finished; the other modes at once."""
-
-    async def continue_(self, *, timeout: Optional[float] = None) -> None: ...
-
-    async def suspend(self, policy: Optional[SuspendPolicy] = None, *, offload_weights: bool = False,
-                      tags: Optional[Sequence[str]] = None, discard_weights: bool = False,
-                      timeout: Optional[float] = None) -> SuspendReport: ...
-
-    async def resume(self, *, tags: Optional[Sequence[str]] = None, timeout: Optional[float] = None) -> None: ...
-
-    async def reset_prefix_cache(self, *, timeout: Optional[float] = None) -> None: ...
-
     async def policy_version(self, *, timeout: Optional[float] = None) -> int: ...
-
-    async def health(self, *, timeout: Optional[float] = None) -> wire.HealthInfo: ...
-
-    async def stats(self, *, timeout: Optional[float] = None) -> dict:
-        """The server's `Stats` keys: `engine/*`, the headline keys, counters, `weight_sync/*`."""
-
-    async def update_weights(self, source: WeightSource, version: Optional[int] = None, *,
-                             policy: Optional[UpdatePolicy] = None, timeout: Optional[float] = None) -> int:
-        """One whole update from `source`; the policy version after it."""
-
-    async def join_group(self, master_address: str, master_port: int, rank_offset: Optional[int], world_size: int,
-                         group_name: str = DEFAULT_GROUP, backend: Optional[str] = None, *,
-                         timeout_s: Optional[float] = None, timeout: Optional[float] = None) -> int:
-        """Join the trainer's weight-update group; this replica's rank."""
-
-    async def leave_group(self, group_name: str = DEFAULT_GROUP, *, timeout: Optional[float] = None) -> None: ...
-
-    async def load_lora(self, name: str, path: str, *, timeout: Optional[float] = None) -> wire.LoraInfo:
-        """Load the PEFT adapter in directory `path` as `name` (again: its next version)."""
-
-    async def unload_lora(self, name: str, *, timeout: Optional[float] = None) -> None: ...
-
-    async def list_loras(self, *, timeout: Optional[float] = None) -> list[wire.LoraInfo]: ...
 
 
 # the front's client of a server or router over ZMQ: `AsyncRolloutClient`, whose control calls
-# (`rollout.client.control`) include the weight-update group's
+# (`rollout.control`) include the weight-update group's
 ServiceClient = AsyncRolloutClient

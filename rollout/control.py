@@ -8,26 +8,31 @@ adds is how a request travels and how its caller waits:
 * `AsyncRolloutClient` sends it over ZMQ, `InProcessClient` hands it to the engine service in
   this process (`rollout.service.engine_service`): a call returns an awaitable of the value.
 
+* `rollout.RolloutEngine` hands it to the engine service in the caller's thread: the value.
+
 So `client.pause()` and `await client.pause()` are one method, and a request is what the
-server receives whichever client sent it. Requests are built from the engine's own types
-(`PauseMode`, `SuspendPolicy`, `UpdatePolicy`), which the wire carries as they are.
+server receives whichever client sent it. `ControlCalls` is a protocol with these as its
+defaults: `rollout.RolloutBackend` and the HTTP front's `FrontClient` extend it. Requests are
+built from the engine's own types (`PauseMode`, `SuspendPolicy`, `UpdatePolicy`), which the wire
+carries as they are.
 """
 
 from __future__ import annotations
 
 import os
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Protocol, Union
 
 import weight_sync
 from inference import PauseMode, SuspendPolicy, SuspendReport, UpdatePolicy
-from rollout.backend import WeightSource
 from rollout.wire import messages as wire
 from weight_sync import DEFAULT_GROUP, AdapterSource, DiskSource, with_version
 
 SOURCE_TYPES = typing.get_args(weight_sync.WeightSource)  # every kind a served engine can read
+# what `update_weights` takes: a safetensors directory, a weight_sync source, or (in process) named tensors
+WeightSource = Union[str, os.PathLike, Mapping[str, Any], Iterable[tuple[str, Any]], weight_sync.WeightSource]
 
 Read = Callable[[wire.Result], Any]
 
@@ -52,7 +57,7 @@ def _nothing(result: wire.Result) -> None:
     return None
 
 
-class ControlCalls:
+class ControlCalls(Protocol):
     """The control calls (see module docstring). A client supplies `_next_id(prefix)`, a fresh
     request id, and `_control(msg, timeout, read)`: `read(reply)`, or an awaitable of it, with
     `timeout` (None: the client's own) bounding the wait."""
