@@ -22,7 +22,9 @@ call into those packages while one request runs, after a warm-up request on the 
   "in" until the engine's first step, "out" after;
 - **id spaces**: the distinct names of arguments ending in `id` or `ids` that carry a value, in calls
   above the engine core (the same modules);
-- **thread hand-offs**: the threads, other than the caller's, that run the packages' code for it.
+- **thread hand-offs**: the threads, other than the caller's, that run the packages' code on the
+  request's own data (a data form above); a server's housekeeping tick that runs meanwhile on
+  its own values is not one.
 The paths: a GRPO generate (`RolloutClient.generate`, n = 4) over ZMQ to a `RolloutServer` (the
 disaggregated loop's call, without the router), and an OpenAI chat request over HTTP to the front
 `rollout serve --http` runs (`InProcessClient` on the engine's loop).
@@ -198,10 +200,8 @@ class _Tracer:
         if self.warm:
             self.kept.update((id(v), v) for _, v in values)
             return
-        thread = threading.current_thread().name
-        if thread != self.caller:
-            self.trace.threads.add(re.sub(r"[-_ ]?[0-9a-f]*\d[0-9a-f]*$", "", thread))
         above = _above_core(code.co_filename, self._layers)
+        fresh = False
         for name, value in values:
             if value is None:
                 continue
@@ -210,6 +210,10 @@ class _Tracer:
             form = _form_of(value)
             if form is not None and id(value) not in self.kept:
                 (self.trace.forms_out if self.stepped else self.trace.forms_in).add(form)
+                fresh = True
+        thread = threading.current_thread().name
+        if fresh and thread != self.caller:
+            self.trace.threads.add(re.sub(r"[-_ ]?[0-9a-f]*\d[0-9a-f]*$", "", thread))
 
     def run(self, warm_up: Callable[[], Any], request: Callable[[], Any]) -> PathTrace:
         self.caller = threading.current_thread().name
