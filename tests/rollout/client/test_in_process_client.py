@@ -142,7 +142,8 @@ def test_wait_pause_answers_once_drained_and_a_timeout_aborts(served):
         assert engine.core.drained()
         rest = [item async for item in stream]  # every sample finished before the pause answered
         assert sum(isinstance(i, Rollout) for i in rest) == 2
-        queued = local.stream([[1, 4]], 1, SamplingParams(max_tokens=2, ignore_eos=True))  # NOTE: EOS would end it early
+        # NOTE: EOS ignored: sampled at temperature 1, EOS could end it before its two tokens
+        queued = local.stream([[1, 4]], 1, SamplingParams(max_tokens=2, ignore_eos=True))
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(queued.__anext__(), 0.3)  # paused: queued, not run
         await local.continue_()
