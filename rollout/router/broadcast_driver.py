@@ -15,26 +15,9 @@ from rollout.router.broadcast import Fanout
 from rollout.router.links import ReplicaLink, ReplicaState
 from rollout.wire.codec import encode
 from rollout.wire.kinds import Kind
-from rollout.wire.messages import (
-    Abort,
-    DestroyWeightsUpdateGroup,
-    InitWeightsUpdateGroup,
-    RequestMessage,
-    SyncLora,
-    UpdateWeights,
-)
+from rollout.wire.messages import Abort, InitWeightsUpdateGroup, RequestMessage
 
 KINDS = {cls: Kind(cls.__struct_config__.tag) for cls in RequestMessage.__args__}
-
-
-def carries_weights(msg: RequestMessage) -> bool:
-    """A broadcast of the trainer's weight group: forming or leaving it, or weights moved in memory
-    over it (a broadcast, a shared-memory segment, a delta with its full manifest, an adapter).
-    A directory or a version alone is not: the first is replayed per replica, the second moves no
-    weights (it would mislabel a lagging replica's old ones)."""
-    if isinstance(msg, UpdateWeights):
-        return msg.source.collective
-    return isinstance(msg, (InitWeightsUpdateGroup, DestroyWeightsUpdateGroup, SyncLora))
 
 
 class ControlBroadcast:
@@ -52,7 +35,7 @@ class ControlBroadcast:
             self._updating += 1
             fan.on_done = self._update_done
         up = [link for link in self.links.values() if link.state is ReplicaState.UP]
-        if carries_weights(fan.msg):
+        if fan.msg.collective:
             up += self.lagging(now)
         offset = fan.msg.rank_offset if isinstance(fan.msg, InitWeightsUpdateGroup) else None
         if offset is not None:
@@ -69,7 +52,7 @@ class ControlBroadcast:
         """Replicas out only because they lag: healthy, on another policy version than the fleet's,
         with no update the router could replay to them (`FleetState.sync_plan`: only a directory
         can be read again). What brings them back is the trainer's next in-memory update, so the
-        weight group's broadcasts (`carries_weights`) reach them too: they join the group with the
+        weight group's broadcasts (`collective` requests) reach them too: they join the group with the
         others, a full sync (a delta's full manifest) moves them to the fleet's version, and their
         next health reply brings them up. They are never routed requests meanwhile."""
         fleet = self.fleet

@@ -96,6 +96,8 @@ class _Request(_Message):
     stateful: ClassVar[bool] = False  # changes a replica's state: a router's fleet follows it, and a
     #                                   replica that fails it while others took it leaves the fleet
     all_or_refused: ClassVar[bool] = False  # a router answers it only if every replica took it
+    collective: ClassVar[bool] = False  # the trainer's weight group takes it at once (forming or leaving it,
+    #                                     weights moved over it): a router sends it to replicas that lag too
     counted_as: ClassVar[Optional[str]] = None  # the counter a server or router adds to when one succeeds
 
 
@@ -185,6 +187,13 @@ class UpdateWeights(_Request, tag=Kind.UPDATE_WEIGHTS.value):
     source: WeightSource
     policy: Optional[UpdatePolicy] = None
 
+    @property
+    def collective(self) -> bool:  # type: ignore[override]
+        """Weights moved in memory over the group (a broadcast, a shared-memory segment, a delta with
+        its full manifest). A directory is not (each replica reads it, again if it must), nor a
+        version alone (it moves no weights: it would mislabel a lagging replica's old ones)."""
+        return self.source.collective
+
 
 # ---- weight sync: the weight-update group (SGLang's calls; sources above) ---------------------
 
@@ -196,6 +205,7 @@ class InitWeightsUpdateGroup(_Request, tag=Kind.INIT_WEIGHTS_UPDATE_GROUP.value)
     GPU. Every collective of the group times out after `timeout_s` (None: the server's)."""
 
     broadcast: ClassVar[bool] = True
+    collective: ClassVar[bool] = True
 
     master_address: Annotated[str, Meta(min_length=1, max_length=255)]
     master_port: Annotated[int, Meta(ge=1, le=65535)]
@@ -208,6 +218,7 @@ class InitWeightsUpdateGroup(_Request, tag=Kind.INIT_WEIGHTS_UPDATE_GROUP.value)
 
 class DestroyWeightsUpdateGroup(_Request, tag=Kind.DESTROY_WEIGHTS_UPDATE_GROUP.value):
     broadcast: ClassVar[bool] = True
+    collective: ClassVar[bool] = True
 
     group_name: GroupName = DEFAULT_GROUP
 
@@ -246,6 +257,7 @@ class SyncLora(_Request, tag=Kind.SYNC_LORA.value):
     (`Result.loras`: the adapter as committed; `Result.stats["bytes_received"]`: this update's)."""
 
     broadcast: ClassVar[bool] = True
+    collective: ClassVar[bool] = True
     all_or_refused: ClassVar[bool] = True
 
     source: AdapterSource
