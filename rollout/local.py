@@ -23,8 +23,9 @@ from inference import DynamicInferenceEngine, InferenceConfig, RequestOutput, Sa
 from inference.lora import AdapterRef
 from inference.weights.adapters import WeightAdapter
 from rollout.backend import Prompts, params_per_prompt, sort_rollouts
+from rollout.client.weights import WeightSyncCalls
 from rollout.collector import SampleCollector
-from rollout.control import SOURCE_TYPES, ControlCalls, Read, WeightSource
+from rollout.control import SOURCE_TYPES, Read, WeightSource
 from rollout.service.engine_service import EngineService
 from rollout.text import TextCodec, add_text, has_tokenizer, needs_codec, token_prompts
 from rollout.types import GenerationStats, Rollout, RolloutBatch, TokenChunk
@@ -114,7 +115,7 @@ def _rollout(out: RequestOutput, group: int) -> Rollout:
     )
 
 
-class RolloutEngine(ControlCalls):
+class RolloutEngine(WeightSyncCalls):
     """n samples per prompt from one engine replica that shares the trainer's process and memory.
 
     Implements `rollout.RolloutBackend`, with every control call of a client (`rollout.control`:

@@ -20,7 +20,8 @@ from inference import SamplingParams
 from rollout.backend import Prompts, sort_rollouts
 from rollout.client.connection import Connection, ControlPending
 from rollout.client.streams import StreamState, build_generates
-from rollout.control import ControlCalls, Read
+from rollout.client.weights import WeightSyncCalls
+from rollout.control import Read
 from rollout.text import TextCodec, token_prompts
 from rollout.types import Rollout, RolloutBatch, TokenChunk
 from rollout.wire import messages as wire
@@ -59,9 +60,9 @@ class AsyncSampleStream(StreamState):
             await self._client.abort_requests(pending)
 
 
-class AsyncRolloutClient(ControlCalls):
+class AsyncRolloutClient(WeightSyncCalls):
     """The asyncio twin of `RolloutClient` (same arguments, same calls, awaited): the control calls
-    of `rollout.control`, the weight-update group's among them."""
+    of `rollout.control` and SGLang's weight-call names (`rollout.client.weights`)."""
 
     def __init__(self, address: str, *, timeout: float = 300.0, lease_s: float = 10.0,
                  security: Optional[ClientSecurity] = None, reconnect_after_s: Optional[float] = None,

@@ -38,8 +38,9 @@ from inference import DynamicInferenceEngine, PendingAdmission, SamplingParams
 from inference.request import RequestOutput, TokenEvent
 from rollout.backend import Prompts, params_per_prompt, sort_rollouts
 from rollout.client.streams import with_prompt_logprobs
+from rollout.client.weights import WeightSyncCalls
 from rollout.collector import SampleCollector
-from rollout.control import ControlCalls, Read
+from rollout.control import Read
 from rollout.service.engine_service import EngineService
 from rollout.service.metrics import ServiceMetrics, _wire_values
 from rollout.text import TextCodec, add_text, token_prompts
@@ -195,9 +196,10 @@ class InProcessStream:
         self._client.streams.discard(self)
 
 
-class InProcessClient(ControlCalls):
+class InProcessClient(WeightSyncCalls):
     """The asyncio calls of `AsyncRolloutClient` on `engine` in this process (see module docstring):
-    its control calls (`rollout.control`) answered by the engine service.
+    its control calls (`rollout.control`, and SGLang's weight-call names over them) answered by the
+    engine service.
 
     `receiver`: the engine's `WeightReceiver` (one per engine: a server's, when one serves the
     same engine); None builds one of its own (`weight_staging`, `weight_sync_timeout_s`), closed

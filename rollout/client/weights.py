@@ -35,10 +35,11 @@ The field names follow SGLang 0.5's `io_struct.py` (`InitWeightsUpdateGroupReqIn
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Protocol, Union
 
 from inference import Staging, UpdatePolicy
 from rollout.control import ControlCalls
+from rollout.wire import messages as wire
 from weight_sync import (
     DEFAULT_GROUP,
     DiskSource,
@@ -103,34 +104,35 @@ def disk_source(model_path: Union[str, Path], load_format: Optional[str] = None)
     return DiskSource(path=str(Path(model_path).absolute()))
 
 
-class WeightSyncCalls(ControlCalls):
+class WeightSyncCalls(ControlCalls, Protocol):
     """The control calls (`rollout.control`; `weight_sync.WeightControl`'s `update`,
-    `join_group`, `leave_group`, `weight_version` among them) and SGLang's names over those: a
-    blocking client's (`RolloutClient`)."""
+    `join_group`, `leave_group`, `weight_version` among them) and SGLang's names over those, as
+    defaults: every client's (blocking: their values; asyncio: awaitables of them). The HTTP front's
+    SGLang and vLLM weight routes call these on its client."""
 
     # ---- SGLang's names -------------------------------------------------------------------------
 
     def _sglang_update(self, source: WeightSource, weight_version: Any, abort_all_requests: bool, policy: Any,
-                       timeout: Optional[float]) -> int:
+                       timeout: Optional[float]) -> Any:
         source, policy = sglang_update(source, weight_version, abort_all_requests, policy)
         return self.update(source, policy, timeout=timeout)
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: Optional[int],
                                   world_size: int, group_name: str = DEFAULT_GROUP, backend: Optional[str] = None,
-                                  *, timeout_s: Optional[float] = None, timeout: Optional[float] = None) -> int:
+                                  *, timeout_s: Optional[float] = None, timeout: Optional[float] = None) -> Any:
         return self.join_group(master_address, master_port, rank_offset, world_size, group_name, backend,
                                timeout_s=timeout_s, timeout=timeout)
 
     def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP, *,
-                                     timeout: Optional[float] = None) -> None:
-        self.leave_group(group_name, timeout=timeout)
+                                     timeout: Optional[float] = None) -> Any:
+        return self.leave_group(group_name, timeout=timeout)
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         group_name: str = DEFAULT_GROUP, flush_cache: bool = True,
                                         abort_all_requests: bool = False, weight_version: Any = None,
                                         load_format: Optional[str] = None, *, layout: Optional[Layout] = None,
                                         finish: Optional[bool] = None, staging: Optional[str] = None,
-                                        policy: Any = None, timeout: Optional[float] = None) -> int:
+                                        policy: Any = None, timeout: Optional[float] = None) -> Any:
         """Receive tensors broadcast over `group_name`: buckets by `layout` (weight_sync's
         protocol), else one broadcast per tensor (SGLang's); returns the policy version after it."""
         source = distributed_source(names, dtypes, shapes, group_name, load_format, layout=layout, finish=finish,
@@ -140,17 +142,19 @@ class WeightSyncCalls(ControlCalls):
     def update_weights_from_tensor(self, serialized_named_tensors: list[Union[bytes, str]],
                                    load_format: Optional[str] = None, flush_cache: bool = True,
                                    abort_all_requests: bool = False, weight_version: Any = None, *,
-                                   policy: Any = None, timeout: Optional[float] = None) -> int:
+                                   policy: Any = None, timeout: Optional[float] = None) -> Any:
         """Copy buckets from shared memory on this host: one msgpack handle (one engine rank)."""
         source = tensor_source(serialized_named_tensors, load_format)
         return self._sglang_update(source, weight_version, abort_all_requests, policy, timeout)
 
     def update_weights_from_disk(self, model_path: Union[str, Path], load_format: Optional[str] = None,
                                  abort_all_requests: bool = False, weight_version: Any = None, *,
-                                 policy: Any = None, timeout: Optional[float] = None) -> int:
+                                 policy: Any = None, timeout: Optional[float] = None) -> Any:
         """Load a safetensors directory the engine can read (checked against its manifest if it has one)."""
         source = disk_source(model_path, load_format)
         return self._sglang_update(source, weight_version, abort_all_requests, policy, timeout)
 
-    def get_weight_version(self, *, timeout: Optional[float] = None) -> str:
-        return str(self.weight_version(timeout=timeout))
+    def get_weight_version(self, *, timeout: Optional[float] = None) -> Any:
+        """The policy version as SGLang's route gives it (a string, "7")."""
+        return self._control(wire.GetWeightVersion(request_id=self._next_id()), timeout,
+                             lambda r: str(int(r.policy_version)))

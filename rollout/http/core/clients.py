@@ -9,7 +9,7 @@ The front runs on either, and does not know which:
 
 Both answer alike: the same items on a stream, the same typed errors (so the same HTTP statuses),
 the same health and stats keys. Weight calls go through the client too (`update_weights`,
-`join_group`, `leave_group`); `rollout.http.core.weights` maps SGLang's routes onto them.
+`join_group`, `leave_group`, and SGLang's names over them, which its weight routes call).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any, Optional, Protocol, Union, runtime_checkable
 from inference import SamplingParams
 from rollout.backend import Prompts
 from rollout.client.aio import AsyncRolloutClient
-from rollout.control import ControlCalls
+from rollout.client.weights import WeightSyncCalls
 from rollout.types import Rollout, RolloutBatch, TokenChunk
 
 
@@ -45,11 +45,11 @@ class FrontStream(Protocol):
 
 
 @runtime_checkable
-class FrontClient(ControlCalls, Protocol):
+class FrontClient(WeightSyncCalls, Protocol):
     """What `HttpFront` calls: generation, and the control calls of `rollout.control.ControlCalls`
-    (engine control, health and stats, weight updates and the weight-update group, LoRA adapters),
-    each awaited. Every call is bounded by `timeout` (None: the client's own); none blocks the
-    event loop."""
+    (engine control, health and stats, weight updates and the weight-update group, LoRA adapters)
+    with SGLang's weight-call names (`rollout.client.weights`), each awaited. Every call is bounded
+    by `timeout` (None: the client's own); none blocks the event loop."""
 
     def stream(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
                tokens: bool = False, timeout: Optional[float] = None, session_id: Optional[str] = None,

@@ -26,7 +26,6 @@ from rollout.http.core.sampling import LOGPROBS_MODES, sampling_params
 from rollout.http.core.schemas import MAX_TOP_LOGPROBS
 from rollout.http.core.sessions import Render, SessionStore
 from rollout.http.core.tools import TOOL_PARSERS, ToolParser
-from rollout.http.core.weights import WeightCalls
 from rollout.text import ChatTemplateError, PromptTooLongError, TextCodec
 
 
@@ -85,7 +84,6 @@ class HttpFront:
         if codec.max_tokens is None:  # NOTE: text past the context is refused before tokenizing (rollout.text)
             codec.max_tokens = config.max_model_len
         self.sessions = SessionStore(config.max_sessions, config.session_ttl_s)
-        self.weights = WeightCalls(client, config.timeout)
         self.inflight: dict[str, Generation] = {}
         self.created = int(time.time())
         # LoRA adapters a request's `model` may name: name -> path, as the engine last listed them

@@ -381,7 +381,7 @@ async def get_server_info(request: Request) -> Response:
 async def update_weights_from_disk(body: UpdateWeightFromDiskReqInput, request: Request) -> Response:
     """A safetensors directory the engine can read; `weight_version` sets the new version ("7", "v7")."""
     front = front_of(request)
-    return await _weights(front, "update", front.weights.update_weights_from_disk, body.model_path,
+    return await _weights(front, "update", front.client.update_weights_from_disk, body.model_path,
                           body.load_format, body.abort_all_requests, body.weight_version, timeout=front.timeout)
 
 
@@ -389,7 +389,7 @@ async def update_weights_from_disk(body: UpdateWeightFromDiskReqInput, request: 
 async def init_weights_update_group(body: InitWeightsUpdateGroupReqInput, request: Request) -> Response:
     """Join the trainer's group (it is rank 0 at master_address:master_port); returns once joined."""
     front = front_of(request)
-    return await _weights(front, "init", front.weights.init_weights_update_group, body.master_address,
+    return await _weights(front, "init", front.client.init_weights_update_group, body.master_address,
                           body.master_port, body.rank_offset, body.world_size, body.group_name, body.backend,
                           timeout=front.timeout)
 
@@ -399,7 +399,7 @@ async def update_weights_from_distributed(body: UpdateWeightsFromDistributedReqI
     """Receive the named tensors the trainer broadcasts over the group, one broadcast per tensor in
     order (SGLang's way); the update commits once the model is complete."""
     front = front_of(request)
-    return await _weights(front, "distributed", front.weights.update_weights_from_distributed, body.names,
+    return await _weights(front, "distributed", front.client.update_weights_from_distributed, body.names,
                           body.dtypes, body.shapes, body.group_name, body.flush_cache, body.abort_all_requests,
                           body.weight_version, body.load_format, timeout=front.timeout)
 
@@ -409,7 +409,7 @@ async def update_weights_from_tensor(body: UpdateWeightsFromTensorReqInput, requ
     """Tensors in shared memory on this host, named by our msgpack handle (`weight_sync.tensor_payload`);
     a pickled payload, what slime and verl send SGLang, is refused naming that handle, never unpickled."""
     front = front_of(request)
-    return await _weights(front, "update", front.weights.update_weights_from_tensor, body.serialized_named_tensors,
+    return await _weights(front, "update", front.client.update_weights_from_tensor, body.serialized_named_tensors,
                           body.load_format, body.flush_cache, body.abort_all_requests, body.weight_version,
                           timeout=front.timeout)
 
@@ -417,7 +417,7 @@ async def update_weights_from_tensor(body: UpdateWeightsFromTensorReqInput, requ
 @router.post("/destroy_weights_update_group")
 async def destroy_weights_update_group(body: DestroyWeightsUpdateGroupReqInput, request: Request) -> Response:
     front = front_of(request)
-    return await _weights(front, "destroy", front.weights.destroy_weights_update_group, body.group_name,
+    return await _weights(front, "destroy", front.client.destroy_weights_update_group, body.group_name,
                           timeout=front.timeout)
 
 

@@ -146,7 +146,7 @@ async def init_weight_transfer_engine(request: Request) -> Response:
         info = _parse(InitInfo, body["init_info"], "init_info")
         front = front_of(request)
         # NOTE: vLLM's worker rank is rank_offset + its index among the engine's workers; we have one
-        await front.weights.init_weights_update_group(info.master_address, info.master_port, info.rank_offset,
+        await front.client.init_weights_update_group(info.master_address, info.master_port, info.rank_offset,
                                                       info.world_size, VLLM_GROUP, info.backend,
                                                       timeout=front.timeout)
         return json_response({"message": "Weight transfer initialized"})
@@ -189,7 +189,7 @@ async def _update_weights(request: Request, body: dict[str, Any]) -> None:
     if body.get("weight_dir") is not None and body.get("update_info") is None:  # prime-rl's
         if not isinstance(body["weight_dir"], str):
             raise VllmRefusal(400, "weight_dir: expected a path", "BadRequestError")
-        await front.weights.update_weights_from_disk(body["weight_dir"], timeout=front.timeout)
+        await front.client.update_weights_from_disk(body["weight_dir"], timeout=front.timeout)
         return
     if body.get("update_info") is None:
         raise _bad_body("Missing 'update_info' in request body")
