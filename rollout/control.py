@@ -6,13 +6,13 @@ adds is how a request travels and how its caller waits:
 
 * `RolloutClient` sends it over ZMQ and blocks: a call returns the value;
 * `AsyncRolloutClient` sends it over ZMQ, `InProcessClient` hands it to the engine service in
-  this process (`rollout.service.engine_service`): a call returns an awaitable of the value.
-
+  this process (`rollout.service.engine_service`): a call returns an awaitable of the value;
 * `rollout.RolloutEngine` hands it to the engine service in the caller's thread: the value.
 
 So `client.pause()` and `await client.pause()` are one method, and a request is what the
 server receives whichever client sent it. `ControlCalls` is a protocol with these as its
-defaults: `rollout.RolloutBackend` and the HTTP front's `FrontClient` extend it. Requests are
+defaults: `rollout.RolloutBackend` and the HTTP front's `FrontClient` extend it, and SGLang's
+weight-call names over them are `rollout.client.weights`. Requests are
 built from the engine's own types (`PauseMode`, `SuspendPolicy`, `UpdatePolicy`), which the wire
 carries as they are.
 """

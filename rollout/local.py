@@ -237,13 +237,18 @@ class RolloutEngine(WeightSyncCalls):
         return self.engine.on_weights_updated()
 
     def update_weights(self, source: WeightSource, version: Optional[int] = None, *,
-                       policy: Optional[UpdatePolicy] = None, timeout: Optional[float] = None, **kwargs: Any) -> int:
+                       policy: Optional[UpdatePolicy] = None, timeout: Optional[float] = None,
+                       partial: bool = False, adapter: Optional[WeightAdapter] = None) -> int:
         """Copy weights in (not aliased): a safetensors directory (checked against its manifest and
         checksums where it has them) or a `weight_sync` source, through the engine's weight receiver
-        as a server's; or named tensors, straight into the engine. The new version."""
-        if kwargs or not isinstance(source, (str, os.PathLike, *SOURCE_TYPES)):
+        as a server's; or named tensors, straight into the engine (`partial`: only some of them;
+        `adapter`: another layout's names). The new version."""
+        if not isinstance(source, (str, os.PathLike, *SOURCE_TYPES)):
             return self.engine.update_weights(source, version, policy=None if policy is None else UpdatePolicy(policy),
-                                              **kwargs)
+                                              partial=partial, adapter=adapter)
+        if partial or adapter is not None:
+            raise ValueError("partial and adapter apply to named tensors; a directory or a weight_sync source says "
+                             "its own names and layout")
         return super().update_weights(source, version, policy=policy, timeout=timeout)
 
     @property
