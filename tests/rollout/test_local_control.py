@@ -14,6 +14,7 @@ from rollout.client.sync import RolloutClient
 from rollout.local import RolloutEngine
 from rollout.server.server import RolloutServer
 from rollout.types import FinishReason, Rollout, TokenChunk
+from weight_sync import CheckpointError
 
 from .conftest import small_engine_config, tiny_policy
 
@@ -73,4 +74,24 @@ def test_a_policy_given_overrides_the_configured_one(policy):
     assert report.requests_aborted == 0 and report.requests_to_recompute == 1
     local.resume()
     assert [len(r.completion_ids) for r in stream.result()] == [20]
+    local.close()
+
+
+def test_weights_from_a_directory_reach_the_local_engine_through_its_receiver(tmp_path):
+    from tests.rollout.service_util import save_tiny_model
+
+    local = RolloutEngine(save_tiny_model(tmp_path / "a", seed=0), small_engine_config())
+    other = save_tiny_model(tmp_path / "b", seed=1)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    before = local.generate([[1, 5, 6]], 1, greedy)[0].completion_ids
+    assert local.update_weights(other, version=3) == 3 and local.weight_version() == 3
+    after = local.generate([[1, 5, 6]], 1, greedy)[0]
+    assert after.versions == [3] * 6
+    expected = RolloutEngine(other, small_engine_config()).generate([[1, 5, 6]], 1, greedy)[0].completion_ids
+    assert after.completion_ids == expected and expected != before  # the other weights, exactly
+    with pytest.raises(ValueError, match="named tensors"):
+        local.update_weights(other, partial=True)
+    with pytest.raises(CheckpointError, match="not a checkpoint directory"):
+        local.update_weights(tmp_path / "missing")
+    assert local.policy_version == 3  # a refused update changed nothing
     local.close()
