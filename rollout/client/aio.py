@@ -18,14 +18,13 @@ from typing import Any, Optional, Union
 
 from inference import SamplingParams
 from rollout.backend import Prompts, sort_rollouts
-from rollout.client.connection import Connection, ControlPending
-from rollout.client.streams import StreamState, build_generates
-from rollout.client.weights import WeightSyncCalls
+from rollout.client.connection import ControlPending
+from rollout.client.remote import RemoteClient
+from rollout.client.streams import StreamState
 from rollout.control import Read
-from rollout.text import TextCodec, token_prompts
+from rollout.text import token_prompts
 from rollout.types import Rollout, RolloutBatch, TokenChunk
 from rollout.wire import messages as wire
-from rollout.wire.security import ClientSecurity
 
 
 class AsyncSampleStream(StreamState):
@@ -60,17 +59,11 @@ class AsyncSampleStream(StreamState):
             await self._client.abort_requests(pending)
 
 
-class AsyncRolloutClient(WeightSyncCalls):
+class AsyncRolloutClient(RemoteClient):
     """The asyncio twin of `RolloutClient` (same arguments, same calls, awaited): the control calls
     of `rollout.control` and SGLang's weight-call names (`rollout.client.weights`)."""
 
-    def __init__(self, address: str, *, timeout: float = 300.0, lease_s: float = 10.0,
-                 security: Optional[ClientSecurity] = None, reconnect_after_s: Optional[float] = None,
-                 tokenizer: Any = None, **connection_options: Any) -> None:
-        self.timeout = timeout
-        self.codec: Optional[TextCodec] = None if tokenizer is None else TextCodec.load(tokenizer)
-        self.connection = Connection(address, security=security, lease_s=lease_s,
-                                     reconnect_after_s=reconnect_after_s, **connection_options)
+    stream_class = AsyncSampleStream
 
     async def generate(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
                        timeout: Optional[float] = None, session_id: Optional[str] = None,
@@ -83,20 +76,7 @@ class AsyncRolloutClient(WeightSyncCalls):
         now = None if any(r.versions for r in rollouts) else await self.policy_version()
         return RolloutBatch.of_served(rollouts, prompts, n, seconds, lambda: now)
 
-    def stream(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
-               tokens: bool = False, timeout: Optional[float] = None, session_id: Optional[str] = None,
-               group_id: Optional[str] = None) -> AsyncSampleStream:
-        prompts = token_prompts(prompts, self.codec)
-        requests = build_generates(self.connection, prompts, n, sampling, tokens, session_id, group_id)
-        return AsyncSampleStream(self, prompts, requests, n, self.timeout if timeout is None else timeout)
-
-    async def abort(self, stream: AsyncSampleStream) -> None:
-        await stream.abort()
-
     # ---- control (`rollout.control`): sent, and awaited by the caller ---------------------
-
-    def _next_id(self, prefix: str = "c") -> str:
-        return self.connection.next_id(prefix)
 
     def _control(self, msg: wire.RequestMessage, timeout: Optional[float], read: Read) -> Awaitable[Any]:
         return self._reply(msg, self.timeout if timeout is None else timeout, read)
@@ -120,9 +100,6 @@ class AsyncRolloutClient(WeightSyncCalls):
 
     async def policy_version(self, *, timeout: Optional[float] = None) -> int:
         return (await self.health(timeout=timeout)).policy_version
-
-    def reconnect(self) -> None:
-        self.connection.reconnect()
 
     async def close(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.connection.close)

@@ -19,14 +19,12 @@ from typing import Any, Optional, Union
 
 from inference import SamplingParams
 from rollout.backend import Prompts, sort_rollouts
-from rollout.client.connection import Connection
-from rollout.client.streams import StreamState, build_generates, call_blocking
-from rollout.client.weights import WeightSyncCalls
+from rollout.client.remote import RemoteClient
+from rollout.client.streams import StreamState, call_blocking
 from rollout.control import Read
-from rollout.text import TextCodec, token_prompts
+from rollout.text import token_prompts
 from rollout.types import Rollout, RolloutBatch, TokenChunk
 from rollout.wire import messages as wire
-from rollout.wire.security import ClientSecurity
 
 
 class RemoteSampleStream(StreamState):
@@ -64,26 +62,13 @@ class RemoteSampleStream(StreamState):
             self._client.abort_requests(pending)
 
 
-class RolloutClient(WeightSyncCalls):
-    """A remote engine behind `rollout.RolloutBackend` (see module docstring): the control calls of
-    `rollout.control` (those of `weight_sync.WeightControl`, what a `WeightSender` calls,
-    among them), blocking, and SGLang's names for the weight calls (`rollout.client.weights`).
+class RolloutClient(RemoteClient):
+    """A remote engine behind `rollout.RolloutBackend` (see module docstring; its arguments:
+    `rollout.client.remote.RemoteClient`): the control calls of `rollout.control` (those of
+    `weight_sync.WeightControl`, what a `WeightSender` calls, among them), blocking, and SGLang's
+    names for the weight calls (`rollout.client.weights`)."""
 
-    `lease_s`: how long the server waits after this client falls silent before it aborts its
-    requests (heartbeats every `lease_s / 4`, at most 10 s, keep it alive; a service may cut a
-    lease to its own `max_lease_s`). `timeout`: the default bound of every call. `security`: the
-    server's token or CURVE keys (`rollout.wire.security.ClientSecurity`). `tokenizer` (a model
-    directory, an HF tokenizer or a `TextCodec`): text and chat prompts are encoded here, on the
-    client, and every `Rollout` carries its decoded `text`.
-    """
-
-    def __init__(self, address: str, *, timeout: float = 300.0, lease_s: float = 10.0,
-                 security: Optional[ClientSecurity] = None, reconnect_after_s: Optional[float] = None,
-                 tokenizer: Any = None, **connection_options: Any) -> None:
-        self.timeout = timeout
-        self.codec: Optional[TextCodec] = None if tokenizer is None else TextCodec.load(tokenizer)
-        self.connection = Connection(address, security=security, lease_s=lease_s,
-                                     reconnect_after_s=reconnect_after_s, **connection_options)
+    stream_class = RemoteSampleStream
 
     # ---- generation ----------------------------------------------------------------------------
 
@@ -99,20 +84,7 @@ class RolloutClient(WeightSyncCalls):
                                group_id=group_id).result()
         return RolloutBatch.of_served(rollouts, prompts, n, time.perf_counter() - start, lambda: self.policy_version)
 
-    def stream(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
-               tokens: bool = False, timeout: Optional[float] = None, session_id: Optional[str] = None,
-               group_id: Optional[str] = None) -> RemoteSampleStream:
-        prompts = token_prompts(prompts, self.codec)
-        requests = build_generates(self.connection, prompts, n, sampling, tokens, session_id, group_id)
-        return RemoteSampleStream(self, prompts, requests, n, self.timeout if timeout is None else timeout)
-
-    def abort(self, stream: RemoteSampleStream) -> None:
-        stream.abort()
-
     # ---- control (`rollout.control`): sent, and waited for here ------------------------
-
-    def _next_id(self, prefix: str = "c") -> str:
-        return self.connection.next_id(prefix)
 
     def _call(self, msg: wire.RequestMessage, timeout: Optional[float]) -> wire.Result:
         """Send `msg` and wait for its reply (None: the client's timeout); an error reply is raised."""
@@ -127,10 +99,6 @@ class RolloutClient(WeightSyncCalls):
 
     # ---- connection ----------------------------------------------------------------------------
 
-    def reconnect(self) -> None:
-        """Replace the socket now; unanswered requests are resubmitted (answered exactly once)."""
-        self.connection.reconnect()
-
     def close(self) -> None:
         self.connection.close()
 
@@ -139,4 +107,3 @@ class RolloutClient(WeightSyncCalls):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
