@@ -140,8 +140,12 @@ class RolloutEngine(WeightSyncCalls):
         self.engine = DynamicInferenceEngine.from_pretrained(model_or_path, self.config, share_weights=share_weights)
         self._codec = None if tokenizer is None else TextCodec.load(tokenizer)
         self._tokenizer_dir = model_or_path if isinstance(model_or_path, (str, Path)) else None
-        self.service = EngineService(self.engine, WeightReceiver(self.engine), HEALTH_DEADLINE_S)
+        self.service = self._new_service()
         self._ids = itertools.count()
+
+    def _new_service(self) -> EngineService:
+        # NOTE: a receiver starts its threads on first use, so an engine that never takes weights has none
+        return EngineService(self.engine, WeightReceiver(self.engine), HEALTH_DEADLINE_S)
 
     @property
     def codec(self) -> Optional[TextCodec]:
@@ -263,7 +267,8 @@ class RolloutEngine(WeightSyncCalls):
         return self.engine.stats()
 
     def close(self) -> None:
-        """Stop the engine's background loop if one runs (the engine itself stays usable) and the
-        weight receiver's threads."""
+        """Stop the engine's background loop if one runs and the weight receiver's threads. The
+        engine itself stays usable: a later call that needs a receiver gets a fresh one."""
         self.engine.stop()
         self.service.receiver.close()
+        self.service = self._new_service()

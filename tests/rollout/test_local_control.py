@@ -95,3 +95,5 @@ def test_weights_from_a_directory_reach_the_local_engine_through_its_receiver(tm
         local.update_weights(tmp_path / "missing")
     assert local.policy_version == 3  # a refused update changed nothing
     local.close()
+    assert local.update_weights(other, version=4) == 4  # closed: its loop and receiver, not the engine
+    local.close()
