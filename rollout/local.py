@@ -26,14 +26,13 @@ from rollout.backend import Prompts, params_per_prompt, sort_rollouts
 from rollout.client.weights import WeightSyncCalls
 from rollout.collector import SampleCollector
 from rollout.control import SOURCE_TYPES, Read, WeightSource
-from rollout.service.engine_service import EngineService
+from rollout.service.engine_service import HEALTH_DEADLINE_S, EngineService
 from rollout.text import TextCodec, add_text, has_tokenizer, needs_codec, token_prompts
 from rollout.types import GenerationStats, Rollout, RolloutBatch, TokenChunk
 from rollout.wire.messages import RequestMessage, Result, kind_of
 from weight_sync import WeightReceiver
 
 logger = logging.getLogger(__name__)
-HEALTH_DEADLINE_S = 10.0  # a background loop quiet for longer is unhealthy (a server's default)
 
 
 class LocalSampleStream:

@@ -41,7 +41,7 @@ from rollout.client.streams import with_prompt_logprobs
 from rollout.client.weights import WeightSyncCalls
 from rollout.collector import SampleCollector
 from rollout.control import Read
-from rollout.service.engine_service import EngineService
+from rollout.service.engine_service import HEALTH_DEADLINE_S, EngineService
 from rollout.service.metrics import ServiceMetrics, _wire_values
 from rollout.text import TextCodec, add_text, token_prompts
 from rollout.types import Rollout, RolloutBatch, TokenChunk
@@ -208,7 +208,7 @@ class InProcessClient(WeightSyncCalls):
     """
 
     def __init__(self, engine: DynamicInferenceEngine, receiver: Optional[WeightReceiver] = None, *,
-                 timeout: float = 300.0, health_deadline_s: float = 10.0, tokenizer: Any = None,
+                 timeout: float = 300.0, health_deadline_s: float = HEALTH_DEADLINE_S, tokenizer: Any = None,
                  weight_staging: Staging = Staging.DOUBLE, weight_sync_timeout_s: float = 60.0) -> None:
         self.engine, self.timeout, self.health_deadline_s = engine, timeout, health_deadline_s
         self.codec: Optional[TextCodec] = None if tokenizer is None else TextCodec.load(tokenizer)

@@ -30,7 +30,7 @@ from inference import DynamicInferenceEngine, RequestOutput, SamplingParams, Tok
 from rollout.server.dispatch import CallReply, ServerCalls
 from rollout.server.kv_log import KvEventLog
 from rollout.service.endpoint import EndpointConfig, ServiceEndpoint
-from rollout.service.engine_service import EngineService
+from rollout.service.engine_service import HEALTH_DEADLINE_S, EngineService
 from rollout.service.metrics import _wire_values
 from rollout.service.registry import Record
 from rollout.wire.codec import DEFAULT_MAX_FRAME_BYTES
@@ -62,7 +62,7 @@ class ServerConfig:
     port: int = 0  # 0: an ephemeral port (read `RolloutServer.address`)
     lease_s: float = 10.0
     max_lease_s: float = 60.0
-    health_deadline_s: float = 10.0
+    health_deadline_s: float = HEALTH_DEADLINE_S
     retain_s: float = 120.0
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     security: ServerSecurity = field(default_factory=ServerSecurity)

@@ -44,6 +44,9 @@ from rollout.wire.messages import (
 )
 from weight_sync import WeightReceiver
 
+# a loop quiet for longer is unhealthy: what every front uses unless told otherwise
+HEALTH_DEADLINE_S = 10.0
+
 
 class EngineService:
     """`engine` and its `receiver` (see module docstring); `health_deadline_s`: a loop quiet for
