@@ -14,15 +14,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any, Optional, Union
+from typing import Any, Optional, Protocol, Union
 
 from inference import SamplingParams
 from rollout.backend import Prompts, sort_rollouts
 from rollout.client.connection import ControlPending
 from rollout.client.remote import RemoteClient
 from rollout.client.streams import StreamState
+from rollout.client.weights import WeightSyncCalls
 from rollout.control import Read
-from rollout.text import token_prompts
+from rollout.text import TextCodec, token_prompts
 from rollout.types import Rollout, RolloutBatch, TokenChunk
 from rollout.wire import messages as wire
 
@@ -59,15 +60,22 @@ class AsyncSampleStream(StreamState):
             await self._client.abort_requests(pending)
 
 
-class AsyncRolloutClient(RemoteClient):
-    """The asyncio twin of `RolloutClient` (same arguments, same calls, awaited): the control calls
-    of `rollout.control` and SGLang's weight-call names (`rollout.client.weights`)."""
+class AsyncClient(WeightSyncCalls, Protocol):
+    """An asyncio client of an engine: `AsyncRolloutClient` over ZMQ, `InProcessClient`
+    (`rollout.client.in_process`) in this process; the HTTP front runs on either. Each supplies
+    `stream` (the samples as an async iterator); `generate`, `abort` and `policy_version` are
+    written here once, the control calls in `rollout.control`, all awaited."""
 
-    stream_class = AsyncSampleStream
+    codec: Optional[TextCodec]
+
+    def stream(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
+               tokens: bool = False, timeout: Optional[float] = None, session_id: Optional[str] = None,
+               group_id: Optional[str] = None) -> Any: ...
 
     async def generate(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
                        timeout: Optional[float] = None, session_id: Optional[str] = None,
                        group_id: Optional[str] = None) -> RolloutBatch:
+        """As `rollout.RolloutBackend.generate`, awaited."""
         start = time.perf_counter()
         prompts = token_prompts(prompts, self.codec)
         rollouts = await self.stream(prompts, n, sampling, timeout=timeout, session_id=session_id,
@@ -75,6 +83,20 @@ class AsyncRolloutClient(RemoteClient):
         seconds = time.perf_counter() - start
         now = None if any(r.versions for r in rollouts) else await self.policy_version()
         return RolloutBatch.of_served(rollouts, prompts, n, seconds, lambda: now)
+
+    async def abort(self, stream: Any) -> None:
+        """Abort what still runs of `stream`; the aborted samples still come (reason `abort`)."""
+        await stream.abort()
+
+    async def policy_version(self, *, timeout: Optional[float] = None) -> int:
+        return (await self.health(timeout=timeout)).policy_version
+
+
+class AsyncRolloutClient(RemoteClient, AsyncClient):
+    """The asyncio twin of `RolloutClient` (same arguments, same calls, awaited): the control calls
+    of `rollout.control` and SGLang's weight-call names (`rollout.client.weights`)."""
+
+    stream_class = AsyncSampleStream
 
     # ---- control (`rollout.control`): sent, and awaited by the caller ---------------------
 
@@ -97,9 +119,6 @@ class AsyncRolloutClient(RemoteClient):
         except asyncio.TimeoutError:
             self.connection.forget([msg.request_id])
             raise TimeoutError(f"{type(msg).__name__} got no reply within {timeout} s") from None
-
-    async def policy_version(self, *, timeout: Optional[float] = None) -> int:
-        return (await self.health(timeout=timeout)).policy_version
 
     async def close(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.connection.close)

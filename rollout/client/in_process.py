@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
-import time
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -37,14 +36,14 @@ import numpy as np
 from inference import DynamicInferenceEngine, PendingAdmission, SamplingParams
 from inference.request import RequestOutput, TokenEvent
 from rollout.backend import Prompts, params_per_prompt, sort_rollouts
+from rollout.client.aio import AsyncClient
 from rollout.client.streams import with_prompt_logprobs
-from rollout.client.weights import WeightSyncCalls
 from rollout.collector import SampleCollector
 from rollout.control import Read
 from rollout.service.engine_service import HEALTH_DEADLINE_S, EngineService
 from rollout.service.metrics import ServiceMetrics, _wire_values
 from rollout.text import TextCodec, add_text, token_prompts
-from rollout.types import Rollout, RolloutBatch, TokenChunk
+from rollout.types import Rollout, TokenChunk
 from rollout.wire import messages as wire
 from rollout.wire.codec import ProtocolError
 from rollout.wire.convert import error_from_reply, error_reply, output_from_wire, output_to_wire
@@ -196,7 +195,7 @@ class InProcessStream:
         self._client.streams.discard(self)
 
 
-class InProcessClient(WeightSyncCalls):
+class InProcessClient(AsyncClient):
     """The asyncio calls of `AsyncRolloutClient` on `engine` in this process (see module docstring):
     its control calls (`rollout.control`, and SGLang's weight-call names over them) answered by the
     engine service.
@@ -228,16 +227,6 @@ class InProcessClient(WeightSyncCalls):
 
     # ---- generation -----------------------------------------------------------------------------
 
-    async def generate(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
-                       timeout: Optional[float] = None, session_id: Optional[str] = None,
-                       group_id: Optional[str] = None) -> RolloutBatch:
-        start = time.perf_counter()
-        prompts = token_prompts(prompts, self.codec)
-        rollouts = await self.stream(prompts, n, sampling, timeout=timeout).result()
-        seconds = time.perf_counter() - start
-        now = None if any(r.versions for r in rollouts) else await self.policy_version()
-        return RolloutBatch.of_served(rollouts, prompts, n, seconds, lambda: now)
-
     def stream(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
                tokens: bool = False, timeout: Optional[float] = None, session_id: Optional[str] = None,
                group_id: Optional[str] = None) -> InProcessStream:
@@ -247,9 +236,6 @@ class InProcessClient(WeightSyncCalls):
             raise ValueError(f"prompts must be a sequence of token-id sequences, got {type(prompts).__name__}")
         params = params_per_prompt(len(prompts), n, sampling)
         return InProcessStream(self, prompts, params, tokens, self.timeout if timeout is None else timeout)
-
-    async def abort(self, stream: InProcessStream) -> None:
-        await stream.abort()
 
     # ---- errors, as a client of a server sees them ----------------------------------------------
 
@@ -306,9 +292,6 @@ class InProcessClient(WeightSyncCalls):
         if not calls:
             raise self.as_reply_error(ProtocolError(ErrorCode.NOT_FOUND, f"no request with id {targets[0]!r}"))
         return await self._settle(self.engine.post(lambda: sum(call() for call in calls)), "Abort", timeout)
-
-    async def policy_version(self, *, timeout: Optional[float] = None) -> int:
-        return (await self.health(timeout=timeout)).policy_version
 
     # ---- life cycle -----------------------------------------------------------------------------
 

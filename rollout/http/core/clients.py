@@ -15,13 +15,12 @@ the same health and stats keys. Weight calls go through the client too (`update_
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any, Optional, Protocol, Union, runtime_checkable
+from typing import Optional, Protocol, Union, runtime_checkable
 
 from inference import SamplingParams
 from rollout.backend import Prompts
-from rollout.client.aio import AsyncRolloutClient
-from rollout.client.weights import WeightSyncCalls
-from rollout.types import Rollout, RolloutBatch, TokenChunk
+from rollout.client.aio import AsyncClient, AsyncRolloutClient
+from rollout.types import Rollout, TokenChunk
 
 
 @runtime_checkable
@@ -45,23 +44,15 @@ class FrontStream(Protocol):
 
 
 @runtime_checkable
-class FrontClient(WeightSyncCalls, Protocol):
-    """What `HttpFront` calls: generation, and the control calls of `rollout.control.ControlCalls`
-    (engine control, health and stats, weight updates and the weight-update group, LoRA adapters)
-    with SGLang's weight-call names (`rollout.client.weights`), each awaited. Every call is bounded
-    by `timeout` (None: the client's own); none blocks the event loop."""
+class FrontClient(AsyncClient, Protocol):
+    """What `HttpFront` calls: an asyncio client (`rollout.client.aio.AsyncClient`: generation, the
+    control calls of `rollout.control` with SGLang's weight-call names, each awaited) whose stream
+    is a `FrontStream`. Every call is bounded by `timeout` (None: the client's own); none blocks
+    the event loop."""
 
     def stream(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
                tokens: bool = False, timeout: Optional[float] = None, session_id: Optional[str] = None,
                group_id: Optional[str] = None) -> FrontStream: ...
-
-    async def generate(self, prompts: Prompts, n: int = 1, sampling: Optional[SamplingParams] = None, *,
-                       timeout: Optional[float] = None, session_id: Optional[str] = None,
-                       group_id: Optional[str] = None) -> RolloutBatch: ...
-
-    async def abort(self, stream: Any) -> None: ...
-
-    async def policy_version(self, *, timeout: Optional[float] = None) -> int: ...
 
 
 # the front's client of a server or router over ZMQ: `AsyncRolloutClient`, whose control calls
