@@ -48,6 +48,11 @@ from weight_sync import WeightReceiver
 HEALTH_DEADLINE_S = 10.0
 
 
+def _no_fields(value: Any) -> dict:
+    """A reply that carries nothing beyond its version."""
+    return {}
+
+
 class EngineService:
     """`engine` and its `receiver` (see module docstring); `health_deadline_s`: a loop quiet for
     longer is unhealthy."""
@@ -61,14 +66,14 @@ class EngineService:
         """`msg` (of a class in `SERVICE_KINDS`) run: a `Future` of its `Result`'s fields."""
         return _METHODS[type(msg)](self, msg)
 
-    def _post(self, fn: Callable[[], Any], render: Callable[[Any], dict] = lambda value: {}) -> Future:
+    def _post(self, fn: Callable[[], Any], render: Callable[[Any], dict] = _no_fields) -> Future:
         return _then(self.engine.post(fn), render)
 
     # ---- engine state: posted to the loop ---------------------------------------------------------
 
     def pause(self, msg: Pause) -> Future:
         """Resolved once the pause took effect (WAIT: once what was admitted finished)."""
-        return _then(self.engine.post_pause(PauseMode(msg.mode)), lambda value: {})
+        return _then(self.engine.post_pause(PauseMode(msg.mode)))
 
     def continue_(self, msg: Continue) -> Future:
         return self._post(self.engine.continue_)
@@ -114,16 +119,9 @@ class EngineService:
         """The loaded adapter as `loras` (one): the directory is read on the receiver's LoRA reader
         (never the loop: a FIFO or a slow disk stalls no step), where disk weight updates may read;
         the adapter is added on the loop."""
-        loaded: Future = Future()
         engine, name = self.engine, msg.lora_name
-
-        def listed(done: Future) -> None:
-            if done.exception() is not None:
-                loaded.set_exception(done.exception())
-                return
-            loaded.set_result({"loras": loras_to_wire([i for i in engine.list_loras() if i.name == name])})
-        self.receiver.load_lora(name, msg.lora_path).add_done_callback(listed)
-        return loaded
+        return _then(self.receiver.load_lora(name, msg.lora_path), lambda _: {
+            "loras": loras_to_wire([i for i in engine.list_loras() if i.name == name])})
 
     def unload_lora(self, msg: UnloadLora) -> Future:
         engine = self.engine
@@ -173,7 +171,7 @@ def _done(value: Any) -> Future:
     return future
 
 
-def _then(future: Future, render: Callable[[Any], Any]) -> Future:
+def _then(future: Future, render: Callable[[Any], Any] = _no_fields) -> Future:
     """A `Future` of `render(future's value)`, or of its error."""
     out: Future = Future()
 

@@ -153,28 +153,27 @@ async def init_weight_transfer_engine(request: Request) -> Response:
     return await _run(call)
 
 
+async def _phase(request: Request, phase: Any, message: str, *, optional: bool = False) -> Response:
+    """`phase(request, body)`, answered with vLLM's `{"message": ...}` or its refusal."""
+    async def call() -> Response:
+        await phase(request, await _body(request, optional=optional))
+        return json_response({"message": message})
+    return await _run(call)
+
+
 @router.post("/start_weight_update")
 async def start_weight_update(request: Request) -> Response:
-    async def call() -> Response:
-        await _start(request, await _body(request, optional=True))
-        return json_response({"message": "Weight update started"})
-    return await _run(call)
+    return await _phase(request, _start, "Weight update started", optional=True)
 
 
 @router.post("/update_weights")
 async def update_weights(request: Request) -> Response:
-    async def call() -> Response:
-        await _update_weights(request, await _body(request))
-        return json_response({"message": "Weights updated"})
-    return await _run(call)
+    return await _phase(request, _update_weights, "Weights updated")
 
 
 @router.post("/finish_weight_update")
 async def finish_weight_update(request: Request) -> Response:
-    async def call() -> Response:
-        await _finish(request, await _body(request, optional=True))
-        return json_response({"message": "Weight update finished"})
-    return await _run(call)
+    return await _phase(request, _finish, "Weight update finished", optional=True)
 
 
 async def _start(request: Request, body: dict[str, Any]) -> None:
