@@ -8,14 +8,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import msgspec
-
 from inference.config import StalePolicy
 from rollout.router.broadcast import Fanout
 from rollout.router.links import ReplicaLink, ReplicaState
 from rollout.wire.codec import encode
 from rollout.wire.kinds import Kind
-from rollout.wire.messages import Abort, InitWeightsUpdateGroup, RequestMessage
+from rollout.wire.messages import Abort, RequestMessage
 
 KINDS = {cls: Kind(cls.__struct_config__.tag) for cls in RequestMessage.__args__}
 
@@ -31,20 +29,16 @@ class ControlBroadcast:
         """Send `fan.msg` to every replica that is up (a weight group's broadcast: and to those
         `lagging`); `Sink.control_done` once all answered."""
         fan.broadcast = True
-        if KINDS[type(fan.msg)] is Kind.UPDATE_WEIGHTS:
+        if fan.msg.commits_version:
             self._updating += 1
             fan.on_done = self._update_done
         up = [link for link in self.links.values() if link.state is ReplicaState.UP]
         if fan.msg.collective:
             up += self.lagging(now)
-        offset = fan.msg.rank_offset if isinstance(fan.msg, InitWeightsUpdateGroup) else None
-        if offset is not None:
-            # NOTE: the fleet stands for one engine of len(up) workers, as vLLM's and SGLang's
-            # rank_offset means: worker i (replicas in name order) is rank rank_offset + i
+        if fan.msg.ranked:
             up.sort(key=lambda link: link.name)
         for i, link in enumerate(up):
-            msg = fan.msg if offset is None else msgspec.structs.replace(fan.msg, rank_offset=offset + i)
-            self.send_part(link, fan, msg)
+            self.send_part(link, fan, fan.msg.for_replica(i))
         if fan.done:
             self._fanout_done(fan, now)
 
@@ -64,13 +58,13 @@ class ControlBroadcast:
         kind = KINDS[type(fan.msg)]
         if fan.broadcast and fan.msg.stateful and fan.succeeded:
             versions = [v for r in fan.succeeded if (v := fan.replies[r].policy_version) is not None]
-            self.fleet.applied(fan.msg, max(versions) if kind is Kind.UPDATE_WEIGHTS and versions else None)
+            self.fleet.applied(fan.msg, max(versions) if fan.msg.commits_version and versions else None)
             for name in fan.failed:
                 if name in self.links:
                     self.take_out(self.links[name], f"{kind.name} failed: {fan.replies[name].message}", now)
             for name in fan.succeeded:
                 link = self.links.get(name)
-                if link is not None and link.state is ReplicaState.DOWN and kind is Kind.UPDATE_WEIGHTS:
+                if link is not None and link.state is ReplicaState.DOWN and fan.msg.commits_version:
                     link.heard(now, fan.replies[name].policy_version)  # a lagging one, in step again:
                     link.retry_at = now  # NOTE: up at its next health reply (`_sync`), not after a back-off
                 elif link is not None and link.version != self.fleet.version:

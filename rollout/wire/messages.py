@@ -99,6 +99,18 @@ class _Request(_Message):
     collective: ClassVar[bool] = False  # the trainer's weight group takes it at once (forming or leaving it,
     #                                     weights moved over it): a router sends it to replicas that lag too
     counted_as: ClassVar[Optional[str]] = None  # the counter a server or router adds to when one succeeds
+    commits_version: ClassVar[bool] = False  # its replies carry the policy version it committed: a router
+    #                                          takes the fleet's from them, counts it in flight until all
+    #                                          answered, and a lagging replica that took it is in step again
+
+    @property
+    def ranked(self) -> bool:
+        """Whether each replica of a broadcast gets its own copy (`for_replica`), replicas in name order."""
+        return False
+
+    def for_replica(self, index: int) -> _Request:
+        """What the `index`-th replica of a broadcast gets (in name order where `ranked`): this request."""
+        return self
 
 
 # ---- requests --------------------------------------------------------------------------------
@@ -183,6 +195,7 @@ class UpdateWeights(_Request, tag=Kind.UPDATE_WEIGHTS.value):
     broadcast: ClassVar[bool] = True
     stateful: ClassVar[bool] = True
     counted_as: ClassVar[Optional[str]] = "weight_updates"
+    commits_version: ClassVar[bool] = True
 
     source: WeightSource
     policy: Optional[UpdatePolicy] = None
@@ -214,6 +227,15 @@ class InitWeightsUpdateGroup(_Request, tag=Kind.INIT_WEIGHTS_UPDATE_GROUP.value)
     group_name: GroupName = DEFAULT_GROUP
     backend: Optional[CollectiveBackend] = None
     timeout_s: Optional[Annotated[float, Meta(gt=0, le=MAX_LEASE_SECONDS)]] = None
+
+    @property
+    def ranked(self) -> bool:  # type: ignore[override]
+        return self.rank_offset is not None
+
+    def for_replica(self, index: int) -> InitWeightsUpdateGroup:
+        """The fleet stands for one engine of as many workers as replicas, as vLLM's and SGLang's
+        `rank_offset` means: worker `index` (replicas in name order) is rank `rank_offset + index`."""
+        return self if self.rank_offset is None else msgspec.structs.replace(self, rank_offset=self.rank_offset + index)
 
 
 class DestroyWeightsUpdateGroup(_Request, tag=Kind.DESTROY_WEIGHTS_UPDATE_GROUP.value):
