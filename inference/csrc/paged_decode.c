@@ -19,12 +19,19 @@
  * Zen 4, SmolLM2's heads, 40 requests sharing prompts four at a time, blocks in random order, 30
  * layers, interleaved medians: 40-47 -> 27-34 ms (1.39-1.51x, the same bits); tiny's heads at 128
  * requests 1.48x; data in cache 1.06x.
- * Rows are addressed through a pointer per token (`kt`, `vt`) and each head's KV offset is looked up
- * (`kv_off`): written as `base + row + d`, GCC kept every d's offset in a register of its own and
- * recomputed each load's address (three instructions a load), and `h / group` cost an integer
- * division per head and step. Zen 4, interleaved medians, the same bits at -march=native:
- * SmolLM2's heads (64 requests, from memory) 1.055x, in L2 1.074x, tiny's heads (128) 1.10x;
- * built for x86-64-v3 1.12x, 1.19x and 1.02x.
+ * Rows are addressed through a pointer per token (`kt`, `vt`): written as `base + row + d`, GCC kept
+ * every d's offset in a register of its own and recomputed each load's address (three instructions
+ * a load). Zen 4, interleaved medians, the same bits at -march=native: SmolLM2's heads (64 requests,
+ * from memory) 1.055x, in L2 1.074x, tiny's heads (128) 1.10x; built for x86-64-v3 1.12x, 1.19x and
+ * 1.02x.
+ * A KV head's rows are read, and in bf16 widened, once for a tile of the query heads that share it
+ * (DEFINE_TILES) instead of once per query head, and each tile takes its share of the next step's
+ * prefetches spread over its loop rather than in one burst. Zen 4, 2 threads, 30 layers x 64
+ * requests x context ~100 from memory, blocks in random order, interleaved medians of 6: SmolLM2's
+ * heads (9 over 3) bf16 15.8 -> 11.3 ms, fp32 15.8 -> 15.4; 12 over 12 heads bf16 31.7 -> 29.5;
+ * the same bits at -march=native in both dtypes (an x86-64-v3 build's fp32 rounds a few outputs
+ * otherwise than before: GCC contracts the two loop shapes' multiply-adds differently there; a
+ * request's output is still the same bits in any batch).
  * Work is split over requests, so each request's output is the same bits whatever else is in the
  * batch, and a query token's output depends only on its own q, its seq_len and its blocks.
  *
@@ -109,6 +116,59 @@ static inline __attribute__((always_inline)) float max_lanes(lanes_t v) {
     return v[0];
 }
 
+/* A KV head's rows are read (and, in bf16, widened) once for up to QK of its query heads at a time:
+ * GQA's query heads that share a KV head share its loads. Each head's sums run in the order they did
+ * one head at a time (the same bits). QK = 3 keeps a tile's 3 x 8 score chains in registers; the
+ * values' accumulators are head_dim / 8 a head, so three heads at head_dim 64, one from 128. */
+#define QK 3
+#define QV(head_dim) ((head_dim) <= 64 ? 3 : 1)
+#define DEFINE_TILES(NAME, T, LANES_OF)                                                                 \
+    /* scores of query heads h0.. h0 + nh - 1 (q at qh, [nh, head_dim]) for a chunk of eight rows */    \
+    static inline __attribute__((always_inline)) void NAME##_scores(                                    \
+        const int nh, const float *qh, const T *const *kt, const int64_t head_dim, const ilanes_t valid, float *sh,\
+        const char *pf, const int64_t pf_lines) {                                                       \
+        const int64_t pf_each = (pf_lines + head_dim / LANES - 1) / (head_dim / LANES);                 \
+        lanes_t part[QK][LANES];                                                                        \
+        for (int hh = 0; hh < nh; ++hh)                                                                 \
+            for (int t = 0; t < LANES; ++t) part[hh][t] = splat(0.0f);                                  \
+        for (int64_t d = 0; d < head_dim; d += LANES) {                                                 \
+            for (int64_t i = d / LANES * pf_each; i < (d / LANES + 1) * pf_each && i < pf_lines; ++i)   \
+                __builtin_prefetch(pf + 64 * i, 0, 2);                                                  \
+            lanes_t qv[QK];                                                                             \
+            for (int hh = 0; hh < nh; ++hh) qv[hh] = f32_lanes(qh + hh * head_dim + d);                 \
+            for (int t = 0; t < LANES; ++t) {                                                           \
+                const lanes_t kv = LANES_OF(kt[t] + d);                                                 \
+                for (int hh = 0; hh < nh; ++hh) part[hh][t] += qv[hh] * kv;                             \
+            }                                                                                           \
+        }                                                                                               \
+        for (int hh = 0; hh < nh; ++hh) {                                                               \
+            const lanes_t scores = select(valid, lane_sums(part[hh]), splat(-FLT_MAX));                 \
+            memcpy(sh + hh * STEP, &scores, sizeof scores);                                             \
+        }                                                                                               \
+    }                                                                                                   \
+    /* the weighted values of a step into query heads h0.. h0 + nh - 1 (weights at ph, accumulators at ah) */\
+    static inline __attribute__((always_inline)) void NAME##_values(                                    \
+        const int nh, const float *ph, const T *vg, const int64_t *row_of, const int64_t n_step,        \
+        const int64_t head_dim, float *ah, const char *pf, const int64_t pf_lines) {                    \
+        const int64_t pf_each = n_step ? (pf_lines + n_step - 1) / n_step : 0;                          \
+        lanes_t a[QK][MAX_DIM / LANES];                                                                 \
+        for (int hh = 0; hh < nh; ++hh)                                                                 \
+            for (int64_t d = 0; d < head_dim; d += LANES) a[hh][d / LANES] = f32_lanes(ah + hh * head_dim + d);\
+        for (int64_t t = 0; t < n_step; ++t) {                                                          \
+            lanes_t w[QK];                                                                              \
+            for (int hh = 0; hh < nh; ++hh) w[hh] = splat(ph[hh * STEP + t]);                           \
+            for (int64_t i = t * pf_each; i < (t + 1) * pf_each && i < pf_lines; ++i)                   \
+                __builtin_prefetch(pf + 64 * i, 0, 2);                                                  \
+            const T *vt = vg + row_of[t];                                                               \
+            for (int64_t d = 0; d < head_dim; d += LANES) {                                             \
+                const lanes_t v = LANES_OF(vt + d);                                                     \
+                for (int hh = 0; hh < nh; ++hh) a[hh][d / LANES] += w[hh] * v;                          \
+            }                                                                                           \
+        }                                                                                               \
+        for (int hh = 0; hh < nh; ++hh)                                                                 \
+            for (int64_t d = 0; d < head_dim; d += LANES) memcpy(ah + hh * head_dim + d, &a[hh][d / LANES], sizeof(lanes_t));\
+    }
+
 /* One request: its `num_heads` query heads at `qf` (scaled, float, [num_heads, head_dim]) over its
  * first `len` tokens; writes [num_heads, head_dim] to `out`. A chunk's rows are contiguous (all
  * KV heads of a token side by side, the tokens of a block in a row), so K and V stream in order.
@@ -116,15 +176,13 @@ static inline __attribute__((always_inline)) float max_lanes(lanes_t v) {
  * eight dot products sit in registers and run as independent chains. */
 /* tokens per step of the online softmax: two chunks of eight (a block of 16 in one step) */
 #define STEP 16
-#define DEFINE_REQUEST(NAME, T, LANES_OF)                                                               \
+#define DEFINE_REQUEST(NAME, T, SCORES, VALUES)                                                               \
     static inline __attribute__((always_inline)) void NAME(                                             \
         const float *qf, const T *k_cache, const T *v_cache, const int32_t *table, int64_t len,         \
         int64_t num_heads, int64_t num_kv_heads, const int64_t head_dim, int64_t block_size, float *out) { \
         const int64_t group = num_heads / num_kv_heads;                                                 \
         const int64_t row_stride = num_kv_heads * head_dim;                                            \
         float acc[MAX_HEADS * MAX_DIM];                                                                 \
-        int64_t kv_off[MAX_HEADS]; /* where head h's KV head starts in a row (no division per step) */ \
-        for (int64_t h = 0; h < num_heads; ++h) kv_off[h] = (h / group) * head_dim;                     \
         float run_max[MAX_HEADS];                                                                       \
         lanes_t run_sum[MAX_HEADS];                                                                     \
         float s[MAX_HEADS * STEP] __attribute__((aligned(32)));                                        \
@@ -158,29 +216,31 @@ static inline __attribute__((always_inline)) float max_lanes(lanes_t v) {
                         next_lines = (rows_n * row_stride * (int64_t)sizeof(T) + 63) / 64;             \
                     }                                                                                   \
                 }                                                                                       \
-                const int64_t k_share = (next_lines + chunks * num_heads - 1) / (chunks * num_heads);  \
-                const int64_t v_share = (next_lines + num_heads - 1) / num_heads;                       \
+                const int64_t k_tiles = num_kv_heads * ((group + QK - 1) / QK);                            \
+                const int64_t v_tiles = num_kv_heads * ((group + QV(head_dim) - 1) / QV(head_dim));       \
+                const int64_t k_share = (next_lines + chunks * k_tiles - 1) / (chunks * k_tiles);  \
+                const int64_t v_share = (next_lines + v_tiles - 1) / v_tiles;                       \
                 int64_t k_done = 0, v_done = 0;                                                         \
-                /* scores of every head for the step's tokens */                                        \
+                /* scores of every head for the step's tokens, a KV head's rows read once for a tile    \
+                 * of its query heads (DEFINE_TILES) */                                                 \
                 for (int64_t c = 0; c < chunks; ++c) {                                                  \
                     const int64_t n = n_step - c * LANES < LANES ? n_step - c * LANES : LANES;          \
-                    const ilanes_t valid = (ilanes_t){0, 1, 2, 3, 4, 5, 6, 7} < (ilanes_t){n, n, n, n, n, n, n, n}; \
+                    const ilanes_t valid = (ilanes_t){0, 1, 2, 3, 4, 5, 6, 7} < (ilanes_t){n, n, n, n, n, n, n, n};\
                     const int64_t *rows = row_of + c * LANES;                                           \
-                    for (int64_t h = 0; h < num_heads; ++h) {                                           \
-                        for (int64_t i = 0; i < k_share && k_done < next_lines; ++i, ++k_done)          \
-                            __builtin_prefetch(k_next + 64 * k_done, 0, 2);                        \
-                        const T *kg = k_cache + kv_off[h];                                              \
-                        const float *qh = qf + h * head_dim;                                            \
-                        lanes_t part[LANES];                                                            \
-                        for (int64_t t = 0; t < LANES; ++t) part[t] = splat(0.0f);                      \
+                    for (int64_t g = 0; g < num_kv_heads; ++g) {                                        \
                         const T *kt[LANES];                                                             \
-                        for (int64_t t = 0; t < LANES; ++t) kt[t] = kg + rows[t];                       \
-                        for (int64_t d = 0; d < head_dim; d += LANES) {                                 \
-                            const lanes_t qv = f32_lanes(qh + d);                                       \
-                            for (int64_t t = 0; t < LANES; ++t) part[t] += qv * LANES_OF(kt[t] + d);    \
+                        for (int64_t t = 0; t < LANES; ++t) kt[t] = k_cache + g * head_dim + rows[t];   \
+                        for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += QK) {                  \
+                            const int64_t nh = (g + 1) * group - h0 < QK ? (g + 1) * group - h0 : QK;   \
+                            const float *qh = qf + h0 * head_dim;                                       \
+                            float *sh = s + h0 * STEP + c * LANES;                                      \
+                            const int64_t kl = k_share < next_lines - k_done ? k_share : next_lines - k_done;\
+                            const char *kp = k_next + 64 * k_done;                                      \
+                            k_done += kl;                                                               \
+                            if (nh == 3) SCORES(3, qh, kt, head_dim, valid, sh, kp, kl);                        \
+                            else if (nh == 2) SCORES(2, qh, kt, head_dim, valid, sh, kp, kl);                   \
+                            else SCORES(1, qh, kt, head_dim, valid, sh, kp, kl);                                \
                         }                                                                               \
-                        const lanes_t scores = select(valid, lane_sums(part), splat(-FLT_MAX));         \
-                        memcpy(s + h * STEP + c * LANES, &scores, sizeof scores);                       \
                     }                                                                                   \
                 }                                                                                       \
                 /* the online softmax, a step at a time: weights in place of the scores */              \
@@ -206,21 +266,20 @@ static inline __attribute__((always_inline)) float max_lanes(lanes_t v) {
                         memcpy(sh + c * LANES, &e, sizeof e);                                           \
                     }                                                                                   \
                 }                                                                                       \
-                /* the weighted values */                                                               \
-                for (int64_t h = 0; h < num_heads; ++h) {                                               \
-                    for (int64_t i = 0; i < v_share && v_done < next_lines; ++i, ++v_done)              \
-                        __builtin_prefetch(v_next + 64 * v_done, 0, 2);                            \
-                    const T *vg = v_cache + kv_off[h];                                                  \
-                    const float *ph = s + h * STEP;                                                     \
-                    float *ah = acc + h * head_dim;                                                     \
-                    lanes_t a[MAX_DIM / LANES];                                                         \
-                    for (int64_t d = 0; d < head_dim; d += LANES) a[d / LANES] = f32_lanes(ah + d);     \
-                    for (int64_t t = 0; t < n_step; ++t) {                                              \
-                        const lanes_t w = splat(ph[t]);                                                 \
-                        const T *vt = vg + row_of[t];                                                   \
-                        for (int64_t d = 0; d < head_dim; d += LANES) a[d / LANES] += w * LANES_OF(vt + d); \
+                /* the weighted values, a KV head's rows read once for a tile of its query heads */     \
+                for (int64_t g = 0; g < num_kv_heads; ++g) {                                            \
+                    const T *vg = v_cache + g * head_dim;                                               \
+                    for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += QV(head_dim)) {            \
+                        const int64_t nh = (g + 1) * group - h0 < QV(head_dim) ? (g + 1) * group - h0 : QV(head_dim);\
+                        const float *ph = s + h0 * STEP;                                                \
+                        float *ah = acc + h0 * head_dim;                                                \
+                        const int64_t vl = v_share < next_lines - v_done ? v_share : next_lines - v_done;\
+                        const char *vp = v_next + 64 * v_done;                                          \
+                        v_done += vl;                                                                   \
+                        if (nh == 3) VALUES(3, ph, vg, row_of, n_step, head_dim, ah, vp, vl);                   \
+                        else if (nh == 2) VALUES(2, ph, vg, row_of, n_step, head_dim, ah, vp, vl);              \
+                        else VALUES(1, ph, vg, row_of, n_step, head_dim, ah, vp, vl);                           \
                     }                                                                                   \
-                    for (int64_t d = 0; d < head_dim; d += LANES) memcpy(ah + d, &a[d / LANES], sizeof(lanes_t)); \
                 }                                                                                       \
             }                                                                                           \
         }                                                                                               \
@@ -261,7 +320,9 @@ static inline __attribute__((always_inline)) float max_lanes(lanes_t v) {
         return 0;                                                                                       \
     }
 
-DEFINE_REQUEST(decode_request_f32, float, f32_lanes)
-DEFINE_REQUEST(decode_request_bf16, uint16_t, bf16_lanes)
+DEFINE_TILES(tile_f32, float, f32_lanes)
+DEFINE_TILES(tile_bf16, uint16_t, bf16_lanes)
+DEFINE_REQUEST(decode_request_f32, float, tile_f32_scores, tile_f32_values)
+DEFINE_REQUEST(decode_request_bf16, uint16_t, tile_bf16_scores, tile_bf16_values)
 DEFINE_DECODE(paged_decode_f32, decode_request_f32, float, f32_scalar)
 DEFINE_DECODE(paged_decode_bf16, decode_request_bf16, uint16_t, bf16_scalar)
