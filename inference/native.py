@@ -54,8 +54,10 @@ I64 = ctypes.c_int64
 PTR = ctypes.c_void_p
 # every exported kernel: its argument types (all return an int status, 0 = done)
 SIGNATURES = {
-    "paged_decode_f32": [PTR, PTR, PTR, PTR, I64, PTR, PTR, I64, I64, I64, I64, I64, ctypes.c_float, ctypes.c_int],
-    "paged_decode_bf16": [PTR, PTR, PTR, PTR, I64, PTR, PTR, I64, I64, I64, I64, I64, ctypes.c_float, ctypes.c_int],
+    "paged_decode_f32": [PTR, I64, PTR, PTR, PTR, I64, PTR, PTR, ctypes.c_int, I64, I64, I64, I64, I64, ctypes.c_float,
+                         ctypes.c_int],
+    "paged_decode_bf16": [PTR, I64, PTR, PTR, PTR, I64, PTR, PTR, ctypes.c_int, I64, I64, I64, I64, I64,
+                          ctypes.c_float, ctypes.c_int],
     "sample_rows_f32": [PTR, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR, ctypes.c_int],
     "rotary_f32": [PTR, I64, I64, I64, I64, PTR, PTR, ctypes.c_int],
     "rotary_bf16": [PTR, I64, I64, I64, I64, PTR, PTR, ctypes.c_int],

@@ -22,16 +22,18 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
     """Decode attention of `q [B, Hq, D]` over the pages `k_cache`, `v_cache` `[blocks, bs, Hkv, D]`
     of one layer, request `b` attending to its first `seq_lens[b]` tokens through
-    `block_tables [B, W]` (int32). Writes float32 `out [B, Hq, D]` and returns it.
+    `block_tables [B, W]` (int32). Writes `out [B, Hq, D]` (contiguous) and returns it: float32, or
+    for a bf16 `q` bf16 too (the float32 result rounded once, the same bits as converting after).
 
-    Every tensor must be contiguous (block_tables rows may have any stride); not checked on the
-    hot path beyond what the C code needs.
+    `q`'s rows may lie any distance apart (a view of the step's q, k and v side by side), each row's
+    heads contiguous; the caches and `seq_lens` contiguous, block_tables rows any stride. Not checked
+    on the hot path beyond what the C code needs.
     """
     batch, num_heads, head_dim = q.shape
     status = getattr(native.library(), _KERNELS[q.dtype])(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-        seq_lens.data_ptr(), out.data_ptr(), batch, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
-        scale, torch.get_num_threads(),
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), int(out.dtype == torch.bfloat16), batch,
+        num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale, torch.get_num_threads(),
     )
     if status:
         raise RuntimeError(f"paged_decode failed with status {status} (a shape it does not handle)")

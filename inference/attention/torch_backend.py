@@ -219,12 +219,15 @@ class TorchAttentionBackend(AttentionBackend):
             out.index_copy_(0, pf.tokens, self._attend_each(q, k, v, kv, pf))
         return out
 
-    def _native_out(self, batch: int) -> torch.Tensor:
-        """A float32 `[batch, Hq, D]` view of a reusable buffer for the native kernel's output."""
+    def _native_out(self, batch: int, dtype: torch.dtype) -> torch.Tensor:
+        """A `[batch, Hq, D]` view of a reusable buffer for the native kernel's output: bf16 for bf16
+        queries (the kernel rounds it), else float32. NOTE: the layer's output projection reads it
+        before the next layer's attention writes it again."""
         size = batch * self.num_heads * self.head_dim
+        dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         buf = self._gather_buffers.get("native_out")
-        if buf is None or buf.numel() < size:
-            buf = self._gather_buffers["native_out"] = torch.empty(size + size // 4, dtype=torch.float32)
+        if buf is None or buf.numel() < size or buf.dtype != dtype:
+            buf = self._gather_buffers["native_out"] = torch.empty(size + size // 4, dtype=dtype)
         return buf[:size].view(batch, self.num_heads, self.head_dim)
 
     def _gather_kv(self, kv: torch.Tensor, g: _Group, group: str):
@@ -241,10 +244,12 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _attend_decode(self, q: torch.Tensor, kv: torch.Tensor, g: _Group) -> torch.Tensor:
         if g.tables is not None:
-            out = self._native_out(g.batch)
-            cpu_kernels.paged_decode(q.contiguous().view(g.batch, self.num_heads, self.head_dim), kv[0], kv[1],
-                                     g.tables, g.seq_lens, self.scale, out)
-            return out.view(g.batch, self.num_heads * self.head_dim).to(q.dtype)
+            out = self._native_out(g.batch, q.dtype)
+            rows = q.reshape(g.batch, self.num_heads, self.head_dim)  # NOTE: a view of q's rows where it can be
+            if rows.stride(2) != 1 or rows.stride(1) != self.head_dim:
+                rows = rows.contiguous()
+            cpu_kernels.paged_decode(rows, kv[0], kv[1], g.tables, g.seq_lens, self.scale, out)
+            return out.view(g.batch, self.num_heads * self.head_dim)  # NOTE: q's dtype (the kernels' two)
         k, v = self._gather_kv(kv, g, "decode")
         q = q.view(g.batch, self.num_kv_heads, self.group_size, self.head_dim)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=self.scale)

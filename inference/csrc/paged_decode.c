@@ -36,7 +36,10 @@
  * batch, and a query token's output depends only on its own q, its seq_len and its blocks.
  *
  * Layout (see inference/cache/kv_buffer.py): a layer's K and V are [num_blocks, block_size,
- * num_kv_heads, head_dim]; q and out are [num_requests, num_heads, head_dim]; block_tables is
+ * num_kv_heads, head_dim]; q is [num_requests, num_heads, head_dim] with rows `q_stride` elements
+ * apart (a view of the step's q, k and v side by side, uncopied); out is [num_requests, num_heads,
+ * head_dim], float, or bf16 where `out_bf16` (rounded once as torch rounds float to bf16, so the
+ * same bits as a float output converted after, without the pass over it); block_tables is
  * [num_requests, table_stride] int32; seq_lens [num_requests] int32. Query head h uses KV head
  * h / (num_heads / num_kv_heads). Threads: `num_threads` of the OpenMP runtime torch already
  * loaded (same soname), so the kernel shares torch's thread pool. Returns 0, or -1 for shapes it
@@ -47,6 +50,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "lanes.h"
 
 #define MAX_HEADS 64
@@ -293,29 +297,33 @@ static inline __attribute__((always_inline)) float max_lanes(lanes_t v) {
 
 /* head_dim a multiple of LANES (the caller checks); the common sizes get their own inlined copy */
 #define DEFINE_DECODE(NAME, REQUEST, T, SCALAR_OF)                                                      \
-    int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *block_tables,              \
-             int64_t table_stride, const int32_t *seq_lens, float *out, int64_t num_requests,           \
-             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,  \
+    int NAME(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, const int32_t *block_tables,\
+             int64_t table_stride, const int32_t *seq_lens, void *out, int out_bf16, int64_t num_requests,\
+             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,\
              int num_threads) {                                                                         \
         const int64_t group = num_heads / num_kv_heads;                                                 \
-        if (num_heads > MAX_HEADS || head_dim > MAX_DIM || head_dim % LANES || \
-            group * num_kv_heads != num_heads)                                                          \
+        if (num_heads > MAX_HEADS || head_dim > MAX_DIM || head_dim % LANES ||                          \
+            group * num_kv_heads != num_heads || q_stride < num_heads * head_dim)                       \
             return -1;                                                                                  \
+        const int64_t width = num_heads * head_dim;                                                     \
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                       \
         for (int64_t b = 0; b < num_requests; ++b) {                                                    \
             const int64_t len = seq_lens[b];                                                            \
             if (len <= 0) continue;                                                                     \
             float qf[MAX_HEADS * MAX_DIM];                                                              \
-            const T *qb = q + b * num_heads * head_dim;                                                 \
-            for (int64_t i = 0; i < num_heads * head_dim; ++i) qf[i] = SCALAR_OF(qb + i) * scale;       \
+            const T *qb = q + b * q_stride;                                                             \
+            for (int64_t i = 0; i < width; ++i) qf[i] = SCALAR_OF(qb + i) * scale;                      \
             const int32_t *table = block_tables + b * table_stride;                                     \
-            float *ob = out + b * num_heads * head_dim;                                                 \
+            float narrow[MAX_HEADS * MAX_DIM]; /* a bf16 output in fp32, before its one rounding */     \
+            float *ob = out_bf16 ? narrow : (float *)out + b * width;                                   \
             switch (head_dim) {                                                                         \
-            case 64: REQUEST(qf, k_cache, v_cache, table, len, num_heads, num_kv_heads, 64, block_size, ob); break; \
-            case 128: REQUEST(qf, k_cache, v_cache, table, len, num_heads, num_kv_heads, 128, block_size, ob); break; \
-            case 32: REQUEST(qf, k_cache, v_cache, table, len, num_heads, num_kv_heads, 32, block_size, ob); break; \
-            default: REQUEST(qf, k_cache, v_cache, table, len, num_heads, num_kv_heads, head_dim, block_size, ob); \
+            case 64: REQUEST(qf, k_cache, v_cache, table, len, num_heads, num_kv_heads, 64, block_size, ob); break;\
+            case 128: REQUEST(qf, k_cache, v_cache, table, len, num_heads, num_kv_heads, 128, block_size, ob); break;\
+            case 32: REQUEST(qf, k_cache, v_cache, table, len, num_heads, num_kv_heads, 32, block_size, ob); break;\
+            default: REQUEST(qf, k_cache, v_cache, table, len, num_heads, num_kv_heads, head_dim, block_size, ob);\
             }                                                                                           \
+            if (out_bf16)                                                                               \
+                for (int64_t i = 0; i < width; ++i) ((uint16_t *)out)[b * width + i] = f32_to_bf16(narrow[i]);\
         }                                                                                               \
         return 0;                                                                                       \
     }

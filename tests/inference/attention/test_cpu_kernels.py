@@ -109,6 +109,33 @@ def test_a_requests_output_is_the_same_bits_in_any_batch():
         torch.set_num_threads(threads)
 
 
+@needs_compiler
+@pytest.mark.usefixtures("native_kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q_read_in_place_and_a_bf16_output_rounded_in_the_kernel_are_the_same_bits(dtype):
+    # the backend hands the kernel q as a view of the step's q, k and v side by side (rows farther
+    # apart than their heads), and for bf16 takes a bf16 output: each the same bits as a contiguous
+    # copy of q and a float32 output rounded by torch after
+    from inference.attention import cpu_kernels
+
+    g = torch.Generator().manual_seed(5)
+    lens, block_size, heads, head_dim = [3, 33, 100, 17, 64], 16, 9, 64
+    k_cache, v_cache = (torch.randn(40, block_size, 3, head_dim, generator=g).to(dtype) for _ in range(2))
+    tables = torch.randperm(40, generator=g)[:35].view(5, 7).to(torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    qkv = torch.randn(5, (heads + 6) * head_dim, generator=g).to(dtype)
+    q = qkv[:, : heads * head_dim].view(5, heads, head_dim)
+    assert q.stride(0) == (heads + 6) * head_dim
+    want = cpu_kernels.paged_decode(q.contiguous(), k_cache, v_cache, tables, seq_lens, 0.125,
+                                    torch.empty(5, heads, head_dim))
+    got = cpu_kernels.paged_decode(q, k_cache, v_cache, tables, seq_lens, 0.125, torch.empty(5, heads, head_dim))
+    assert torch.equal(got, want)
+    if dtype == torch.bfloat16:
+        rounded = cpu_kernels.paged_decode(q, k_cache, v_cache, tables, seq_lens, 0.125,
+                                           torch.empty(5, heads, head_dim, dtype=dtype))
+        assert rounded.dtype == dtype and torch.equal(rounded, want.to(dtype))
+
+
 def test_without_kernels_the_torch_path_serves(monkeypatch):
     monkeypatch.setenv("ROLLOUT_ENGINE_NO_KERNELS", "1")
     native_kernels.library.cache_clear()
