@@ -126,6 +126,13 @@ static inline __attribute__((always_inline)) float max_lanes(lanes_t v) {
  * values' accumulators are head_dim / 8 a head, so three heads at head_dim 64, one from 128. */
 #define QK 3
 #define QV(head_dim) ((head_dim) <= 64 ? 3 : 1)
+/* F for a tile of `nh` heads (1 to QK), the count a constant in each call, so its chains sit in registers */
+#define BY_TILE(F, nh, ...)                                                                         \
+    do {                                                                                            \
+        if ((nh) == 3) F(3, __VA_ARGS__);                                                           \
+        else if ((nh) == 2) F(2, __VA_ARGS__);                                                      \
+        else F(1, __VA_ARGS__);                                                                     \
+    } while (0)
 #define DEFINE_TILES(NAME, T, LANES_OF)                                                                 \
     /* scores of query heads h0.. h0 + nh - 1 (q at qh, [nh, head_dim]) for a chunk of eight rows */    \
     static inline __attribute__((always_inline)) void NAME##_scores(                                    \
@@ -241,9 +248,7 @@ static inline __attribute__((always_inline)) float max_lanes(lanes_t v) {
                             const int64_t kl = k_share < next_lines - k_done ? k_share : next_lines - k_done;\
                             const char *kp = k_next + 64 * k_done;                                      \
                             k_done += kl;                                                               \
-                            if (nh == 3) SCORES(3, qh, kt, head_dim, valid, sh, kp, kl);                        \
-                            else if (nh == 2) SCORES(2, qh, kt, head_dim, valid, sh, kp, kl);                   \
-                            else SCORES(1, qh, kt, head_dim, valid, sh, kp, kl);                                \
+                            BY_TILE(SCORES, nh, qh, kt, head_dim, valid, sh, kp, kl);                   \
                         }                                                                               \
                     }                                                                                   \
                 }                                                                                       \
@@ -280,9 +285,7 @@ static inline __attribute__((always_inline)) float max_lanes(lanes_t v) {
                         const int64_t vl = v_share < next_lines - v_done ? v_share : next_lines - v_done;\
                         const char *vp = v_next + 64 * v_done;                                          \
                         v_done += vl;                                                                   \
-                        if (nh == 3) VALUES(3, ph, vg, row_of, n_step, head_dim, ah, vp, vl);                   \
-                        else if (nh == 2) VALUES(2, ph, vg, row_of, n_step, head_dim, ah, vp, vl);              \
-                        else VALUES(1, ph, vg, row_of, n_step, head_dim, ah, vp, vl);                           \
+                        BY_TILE(VALUES, nh, ph, vg, row_of, n_step, head_dim, ah, vp, vl);              \
                     }                                                                                   \
                 }                                                                                       \
             }                                                                                           \
