@@ -56,16 +56,12 @@ def kv_bytes(fraction: float, flag: str, free_bytes: int | None) -> int:
     """The KV pool for a memory fraction flag: that fraction of the memory free at start."""
     if not 0.0 < fraction <= 1.0:
         raise LaunchLineError(f"{flag} {fraction}: a fraction in (0, 1]")
-    return max(1, int((free_bytes if free_bytes is not None else free_memory_bytes()) * fraction))
+    from rollout.server.serve import free_memory_bytes
 
-
-def free_memory_bytes() -> int:
-    """The memory the machine has free now (Linux's MemAvailable)."""
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise LaunchLineError("this machine does not say how much memory is free: give the KV pool's size instead")
+    free = free_bytes if free_bytes is not None else free_memory_bytes()
+    if free is None:
+        raise LaunchLineError("this machine does not say how much memory is free: give the KV pool's size instead")
+    return max(1, int(free * fraction))
 
 
 def serve_namespace(line: list[str], flags: dict[str, object],

@@ -89,7 +89,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                      help="dummy: random weights from config.json's architecture (no checkpoint read; --seed "
                      "seeds them), as vLLM's, for load and throughput tests")
     eng.add_argument("--block-size", type=int, default=16)
-    eng.add_argument("--num-blocks", type=int, help="KV blocks (default: 256 MiB of KV)")
+    eng.add_argument("--num-blocks", type=int,
+                     help="KV blocks (default: 4 GiB of KV, at most a quarter of the memory free at start)")
     eng.add_argument("--max-requests", type=int, default=256)
     eng.add_argument("--max-batch-tokens", type=int, default=2048)
     eng.add_argument("--max-seq-len", type=int, default=4096)
@@ -194,6 +195,34 @@ def model_path(model: str, dtype: str) -> Path:
     return path
 
 
+# a server's KV pool when no size is given (vLLM CPU's long-standing default), at most a quarter of the
+# memory free at start. NOTE: the engine's own default (256 MiB, for an engine inside a trainer's
+# process) preempted and recomputed under 64 concurrent clients of SmolLM2; the pages are mapped
+# lazily, so the size costs nothing until requests use it
+SERVER_KV_BYTES = 4 * 2**30
+
+
+def server_kv_bytes(num_blocks: int | None, kv_memory_bytes: int | None,
+                    free_bytes: int | None = None) -> int | None:
+    """The KV pool's size in bytes for the server's engine (None: `num_blocks` sizes it)."""
+    if num_blocks is not None or kv_memory_bytes is not None:
+        return kv_memory_bytes
+    free = free_bytes if free_bytes is not None else free_memory_bytes()
+    return SERVER_KV_BYTES if free is None else min(SERVER_KV_BYTES, max(1, free // 4))
+
+
+def free_memory_bytes() -> int | None:
+    """The memory the machine has free now (Linux's MemAvailable), None where it does not say."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def build_engine(args: argparse.Namespace):
     """The engine `args` describe, its loop not started."""
     import torch
@@ -209,7 +238,8 @@ def build_engine(args: argparse.Namespace):
     tokenizer = args.tokenizer or (str(path) if (path / "tokenizer.json").is_file() else None)
     config = InferenceConfig(block_size=args.block_size, num_blocks=args.num_blocks, max_requests=args.max_requests,
                              max_batch_tokens=args.max_batch_tokens, max_sequence_length=args.max_seq_len,
-                             kv_memory_bytes=args.kv_memory_bytes, chunked_prefill_size=args.chunked_prefill_size,
+                             kv_memory_bytes=server_kv_bytes(args.num_blocks, args.kv_memory_bytes),
+                             chunked_prefill_size=args.chunked_prefill_size,
                              enable_prefix_caching=args.enable_prefix_caching,
                              dtype=args.dtype, device=args.device, max_waiting_samples=args.max_waiting_samples,
                              max_samples_per_request=args.max_samples_per_request, max_loras=args.max_loras,
