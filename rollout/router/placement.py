@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-from rollout.wire.messages import KvEvent, KvOp
+from rollout.wire.kv_events import KvEvent, KvOp
 
 
 class Reason(str, enum.Enum):

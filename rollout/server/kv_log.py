@@ -17,7 +17,7 @@ from typing import Optional
 
 from inference.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from rollout.wire.kinds import MAX_KV_EVENTS
-from rollout.wire.messages import KvEvent, KvEventBatch, KvOp
+from rollout.wire.kv_events import KvEvent, KvEventBatch, KvOp
 
 # the engine's KV events as the wire spells them (other events are not logged)
 _OPS = {BlockStored: KvOp.STORED, BlockRemoved: KvOp.REMOVED, AllBlocksCleared: KvOp.CLEARED}

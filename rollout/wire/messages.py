@@ -11,7 +11,6 @@ kinds below 64, replies 64 and up.
 
 from __future__ import annotations
 
-import enum
 from typing import Annotated, Any, ClassVar, Optional, Union
 
 import msgspec
@@ -36,18 +35,10 @@ from rollout.wire.kinds import (
     ErrorCode,
     Kind,
 )
+from rollout.wire.kv_events import KvEventBatch
 from rollout.wire.packing import as_float32, as_int32, check_non_negative, check_same_length
 from weight_sync.sources import DEFAULT_GROUP, AdapterSource, GroupName, WeightSource
 from weight_sync.transports.distributed import CollectiveBackend
-
-
-class KvOp(enum.IntEnum):
-    """A prefix-cache event of a replica (`inference.kv_cache.events`), for routers."""
-
-    STORED = 1  # these block hashes became matchable
-    REMOVED = 2  # these are no longer served
-    CLEARED = 3  # nothing announced before is served any more (a reset, a weight update, suspend)
-
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID_LENGTH)]
 Hint = Annotated[str, Meta(max_length=MAX_REQUEST_ID_LENGTH)]
@@ -55,7 +46,6 @@ NonNegInt = Annotated[int, Meta(ge=0)]
 TopN = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 TokenLogprobs = Annotated[dict[Annotated[int, Meta(ge=0)], float], Meta(max_length=MAX_LOGPROBS + 1)]
 Seconds = Annotated[float, Meta(ge=0)]
-BlockHash = Annotated[int, Meta(ge=1, le=2**63 - 1)]
 StatValue = Union[int, float, str]
 
 
@@ -436,34 +426,6 @@ class HealthInfo(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     state: EngineState
     policy_version: NonNegInt
     serving_error: Optional[Annotated[str, Meta(max_length=1024)]] = None
-
-
-class KvEvent(msgspec.Struct, forbid_unknown_fields=True, array_like=True):
-    """`salt`, `version` (the key the blocks' chain is hashed under) and `computed_by` (the
-    version whose weights computed them) are set on STORED events."""
-
-    op: KvOp
-    hashes: list[BlockHash] = []
-    salt: Optional[str] = None
-    version: Optional[NonNegInt] = None
-    computed_by: Optional[NonNegInt] = None
-
-
-class KvEventBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Events `start`, `start + 1`, ... of a replica's log; poll again with `since=next`.
-
-    `reset`: events between the poller's `since` and `start` were lost (the log is bounded, or
-    the replica restarted): drop everything believed about its cache, then apply these. `more`:
-    the log holds events past `next` (the reply was cut to fit a frame). `block_size` is the
-    replica's, which a router needs to hash prompts as it does.
-    """
-
-    block_size: Annotated[int, Meta(ge=1)]
-    start: NonNegInt
-    next: NonNegInt
-    reset: bool = False
-    more: bool = False
-    events: list[KvEvent] = []
 
 
 class Result(_Message, tag=Kind.RESULT.value):

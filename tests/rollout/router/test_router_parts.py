@@ -26,15 +26,14 @@ from rollout.service.metrics import ServiceMetrics
 from rollout.service.registry import Record
 from rollout.wire.codec import ProtocolError, decode_request
 from rollout.wire.kinds import ErrorCode, Kind
+from rollout.wire.kv_events import KvEvent, KvOp
 from rollout.wire.messages import (
     Abort,
     Continue,
     ErrorReply,
     Generate,
     HealthInfo,
-    KvEvent,
     KvEvents,
-    KvOp,
     LoraInfo,
     Pause,
     Result,

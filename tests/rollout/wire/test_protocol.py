@@ -37,6 +37,7 @@ from rollout.wire.kinds import (
     ErrorCode,
     Kind,
 )
+from rollout.wire.kv_events import KvEvent, KvEventBatch, KvOp
 from rollout.wire.messages import (
     Abort,
     Continue,
@@ -49,10 +50,7 @@ from rollout.wire.messages import (
     Heartbeat,
     InitWeightsUpdateGroup,
     IsSleeping,
-    KvEvent,
-    KvEventBatch,
     KvEvents,
-    KvOp,
     ListLoras,
     LoadLora,
     Pause,
