@@ -15,7 +15,8 @@ vLLM is configured as a competent user would on this machine: its engine bound t
 used (`VLLM_CPU_OMP_THREADS_BIND`), no reserved core, prefix caching on, chunked prefill off,
 `max_num_seqs` 256 (the settings the sweep of the issue that asked for this bench kept). Both
 engines use the same number of threads (`--threads`, default all cores) and both servers the same KV
-cache (`VLLM_CPU_KVCACHE_SPACE` GiB, default 4); the served load comes through one pooled HTTP client.
+cache (`VLLM_CPU_KVCACHE_SPACE` GiB, default 4), each pool faulted in when the engine starts (vLLM's
+always is; ours with `prefault_kv` / `--kv-prefault`); the served load comes through one pooled HTTP client.
 
 The vLLM side runs in `.venv-vllm-cpu` (its own venv: `bench/throughput/vllm_cpu_venv.sh`); this file is also
 its worker (`--worker vllm`), which imports only vLLM and the standard library.
@@ -67,7 +68,7 @@ def worker_ours(model: str, dtype: str, threads: int, row: str, quick: bool) -> 
     prompts, n = GRPO_ROWS[row]
     batch = grpo_prompts(prompts // 2 if quick else prompts)
     config = InferenceConfig(dtype=dtype, block_size=16, num_blocks=4096, max_requests=256, max_batch_tokens=2048,
-                             max_sequence_length=512)
+                             max_sequence_length=512, prefault_kv=True)
     engine = DynamicInferenceEngine.from_pretrained(model, config)
     params = SamplingParams(n=n, temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True, seed=0)
     engine.generate(batch[:2], params)  # NOTE: warm-up outside the timing
@@ -136,7 +137,7 @@ def start_server(engine: str, model: str, dtype: str, threads: int) -> tuple[sub
         command = [sys.executable, "-m", "rollout.cli", "serve", "--model", model, "--dtype", dtype,
                    "--threads", str(threads), "--http", str(port), "--served-model-name", "m",
                    "--max-seq-len", "512", "--max-requests", "256", "--kv-memory-bytes", str(KV_GIB << 30),
-                   "--port", str(free_port())]
+                   "--kv-prefault", "--port", str(free_port())]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

@@ -42,6 +42,7 @@ class KVCacheBuffer:
         device: torch.device | str = "cpu",
         *,
         allocate: bool = True,
+        resident: bool = False,
     ) -> None:
         for name, value in (
             ("num_layers", num_layers),
@@ -61,6 +62,7 @@ class KVCacheBuffer:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
+        self.resident = resident  # NOTE: every page faulted in at each allocation (InferenceConfig.prefault_kv)
         self._data: torch.Tensor | None = None
         if allocate:
             self.allocate()
@@ -97,7 +99,7 @@ class KVCacheBuffer:
         """Allocate (zero-filled) storage; a no-op when already allocated."""
         if self._data is not None:
             return
-        self._data = returnable_zeros(self.shape, self.dtype, self.device)
+        self._data = returnable_zeros(self.shape, self.dtype, self.device, resident=self.resident)
 
     def deallocate(self) -> None:
         """Drop the storage so that suspend frees the memory; contents are lost.

@@ -63,7 +63,7 @@ class CacheManager:
         self.scratch_block: Optional[int] = num_blocks if scratch_block else None
         s = self.kv_spec
         self.kv = KVCacheBuffer(s.num_layers, num_blocks + int(scratch_block), config.block_size, s.num_kv_heads,
-                                s.head_dim, s.dtype, device)
+                                s.head_dim, s.dtype, device, resident=config.prefault_kv)
         self.prefix_caching_disabled_reason: Optional[str] = None
         enable_prefix = config.enable_prefix_caching
         snapshot_slots = 0

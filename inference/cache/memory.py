@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import math
 import mmap
+import sys
 
 import torch
 
+# madvise's "fault in these pages now, writable" (Linux 5.14+; Python's mmap names it from 3.13)
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+PAGE = mmap.PAGESIZE
 
-def returnable_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled tensor whose memory is returned to the system once the last view is gone.
+
+def returnable_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, *,
+                     resident: bool = False) -> torch.Tensor:
+    """A zero-filled tensor whose memory is returned to the system once the last view is gone;
+    `resident`: every page faulted in now (on CPU), not at its first write.
 
     NOTE: on CPU the tensor lives on an anonymous mapping of its own, so dropping it unmaps the
     pages at once. A malloc'd buffer may land on the heap (glibc raises its mmap threshold after
@@ -34,4 +41,18 @@ def returnable_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.d
             region.madvise(mmap.MADV_HUGEPAGE)
         except OSError:  # a kernel built without THP: 4 KiB pages, as before
             pass
-    return torch.frombuffer(region, dtype=dtype, count=count).view(shape)
+    out = torch.frombuffer(region, dtype=dtype, count=count).view(shape)
+    if resident:
+        _fault_in(region)
+    return out
+
+
+def _fault_in(region: mmap.mmap) -> None:
+    """Every page of an anonymous mapping backed now; its contents (zeros) unchanged."""
+    if sys.platform == "linux":
+        try:
+            region.madvise(MADV_POPULATE_WRITE)
+            return
+        except OSError:  # NOTE: a kernel before 5.14: a write to each page instead
+            pass
+    torch.frombuffer(region, dtype=torch.uint8)[::PAGE].zero_()

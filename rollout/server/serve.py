@@ -95,6 +95,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--max-batch-tokens", type=int, default=2048)
     eng.add_argument("--max-seq-len", type=int, default=4096)
     eng.add_argument("--kv-memory-bytes", type=int, help="the KV pool's size in bytes (instead of --num-blocks)")
+    eng.add_argument("--kv-prefault", action="store_true",
+                     help="fault in the whole KV pool at start (and on each resume), as vLLM allocates its cache: no "
+                     "first-touch page faults inside the first requests' steps")
     eng.add_argument("--chunked-prefill-size", type=int, default=512, help="the longest prefill chunk of one request")
     eng.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                      help="no prefix cache: every prompt is computed whole")
@@ -240,7 +243,7 @@ def build_engine(args: argparse.Namespace):
                              max_batch_tokens=args.max_batch_tokens, max_sequence_length=args.max_seq_len,
                              kv_memory_bytes=server_kv_bytes(args.num_blocks, args.kv_memory_bytes),
                              chunked_prefill_size=args.chunked_prefill_size,
-                             enable_prefix_caching=args.enable_prefix_caching,
+                             enable_prefix_caching=args.enable_prefix_caching, prefault_kv=args.kv_prefault,
                              dtype=args.dtype, device=args.device, max_waiting_samples=args.max_waiting_samples,
                              max_samples_per_request=args.max_samples_per_request, max_loras=args.max_loras,
                              max_lora_rank=args.max_lora_rank, lora_max_staleness=args.lora_max_staleness,
