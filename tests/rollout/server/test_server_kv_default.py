@@ -20,7 +20,9 @@ def test_an_explicit_size_is_taken_as_given():
     assert server_kv_bytes(100, None, free_bytes=8 * GIB) is None  # NOTE: the block count sizes the pool
 
 
-def test_a_server_built_without_a_size_holds_the_default_pool(service_model_dir):
+def test_a_server_built_without_a_size_holds_the_default_pool(service_model_dir, monkeypatch):
+    # NOTE: the free memory pinned, so that the size this test expects and the server's are read alike
+    monkeypatch.setattr("rollout.server.serve.free_memory_bytes", lambda: 64 * GIB)
     args = build_parser().parse_args(["serve", "--model", str(service_model_dir), "--max-seq-len", "64"])
     want = server_kv_bytes(None, None)
     stats = build_engine(args).stats()
