@@ -115,6 +115,18 @@ class TorchAttentionBackend(AttentionBackend):
         self._decode = self._plan_decode(split, meta, tables, bs) if split.decode_reqs is not None else None
         self._prefill = self._plan_prefill(split, meta, tables, bs) if split.prefill_reqs is not None else None
 
+    def native_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The planned step's `(slot_mapping, block_tables, seq_lens)` where the native kernel attends
+        every query row in order (a decode step, or on the CPU any step whose rows are its tokens:
+        `_plan_rows`), else None: what a caller running the blocks natively needs
+        (`models/dense/native_layers.py`)."""
+        dec = self._decode
+        if self._prefill is not None or dec is None or dec.tables is None or dec.tokens is not None:
+            return None
+        if dec.batch != self._num_tokens or self._slot_mapping is None:
+            return None
+        return self._slot_mapping, dec.tables, dec.seq_lens
+
     @staticmethod
     def _rows_are_tokens(meta: AttentionMetadata) -> bool:
         qsl = meta.query_start_loc if meta.query_start_loc_cpu is None else meta.query_start_loc_cpu

@@ -45,8 +45,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def _native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """The native kernel's RMSNorm of fp32 `x` times fp32 `weight` (the same bits as `F.rms_norm`),
-    or None where the kernel does not take them (`_native_norm_lanes`)."""
-    lanes = _native_norm_lanes(x, weight)
+    or None where the kernel does not take them (`native_norm_lanes`)."""
+    lanes = native_norm_lanes(x, weight)
     if lanes is None:
         return None
     out = torch.empty_like(x)
@@ -62,7 +62,7 @@ def _ones(n: int) -> torch.Tensor:
     return torch.ones(n)
 
 
-def _native_norm_lanes(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> int | None:
+def native_norm_lanes(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> int | None:
     """The lanes of torch's float sum (see `torch_sum_lanes`) where the native norm kernels take `x`
     (`dtype`, CPU, contiguous, rows of at least that many elements) and `weight`; else None."""
     n = x.shape[-1]
@@ -82,7 +82,7 @@ def _native_bf16_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: to
     """bf16 `rms_norm(x, weight, eps)`, `x += residual` first unless None, in one native pass (HF's
     op order, each op rounded as torch rounds it: the same bits); None where the kernel does not
     take them."""
-    lanes = _native_norm_lanes(x, weight, torch.bfloat16)
+    lanes = native_norm_lanes(x, weight, torch.bfloat16)
     if lanes is None or x.shape[-1] > BF16_NORM_MAX_HIDDEN or (residual is not None and (
             residual.dtype != torch.bfloat16 or residual.shape != x.shape or not residual.is_contiguous())):
         return None
@@ -118,7 +118,7 @@ def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     ROLLOUT_ENGINE_NO_KERNELS) it is those torch ops.
     """
     n = x.shape[-1]
-    lanes = _native_norm_lanes(x, weight)
+    lanes = native_norm_lanes(x, weight)
     if (lanes is not None and residual.dtype == torch.float32 and x.dim() == 2 and residual.shape == x.shape
             and residual.is_contiguous()):
         out = torch.empty_like(x)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,7 @@ from inference.attention.selector import select_backend
 from inference.cache.kv_buffer import KVCacheBuffer
 from inference.cache.specs import KVCacheSpec
 from inference.lora.batch import MLP_PROJS, LoRABatch, LoRAGroups
+from inference.models.dense import native_layers
 from inference.models.layers import RotaryEmbedding, add_rms_norm_, apply_rotary_, lm_head, rms_norm, swiglu
 from inference.models.small_gemm import linear, linear_group
 from inference.models.spec import ModelSpec
@@ -53,6 +55,15 @@ LM_HEAD = "lm_head.weight"
 # the projections a LoRA adapter may adapt, by HF module name under `model.layers.{i}.`
 LORA_MODULES = tuple(f"{part}.{proj}" for part, projs in
                      (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", MLP_PROJS)) for proj in projs)
+
+
+@cache
+def _dense_blocks(cls: type) -> bool:
+    """Whether `cls` runs `DenseDecoder`'s own blocks (what `native_layers.run` computes)."""
+    return all(getattr(cls, name) is getattr(DenseDecoder, name) for name in _BLOCK_PIECES)
+
+
+_BLOCK_PIECES = ("attention_inputs", "after_attention", "mlp", "embed", "rope", "trim_last_layer")
 
 
 class LayerTensors:
@@ -287,6 +298,11 @@ class DenseDecoder:
         self.check_sequence_lengths(meta)
         self.backend.plan(meta, kv_cache)
         cos, sin = self.rope(positions)
+        if lora is None and _dense_blocks(type(self)):
+            # NOTE: bf16 on the CPU: the same blocks in one native call where every piece takes its kernel
+            out = native_layers.run(self, x, cos, sin, kv_cache, logits_indices)
+            if out is not None:
+                return self.head(out)
         last = len(self._layers) - 1
         trim = self.trim_last_layer
         groups = None if lora is None else lora.tokens
