@@ -46,6 +46,9 @@ _packs: dict[tuple, _Pack] = {}  # by the layout and the ids of the tensors pack
 # NOTE: re-entrant: a weight dying while this thread holds the lock (a collection run by an allocation inside
 # it, a transient view used as a weight) calls its pack's `drop` on this thread, which takes the lock again
 _lock = threading.RLock()
+# NOTE: bumped whenever a pack is made or dropped: while it is unchanged every pack handed out is still
+# held here, so a caller that kept a pack's address (`native_layers`) may go on using it
+_generation = 0
 
 
 @cache
@@ -94,9 +97,11 @@ def cached_pack(weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor, .
         with _lock:
             if key in _packs and ref in _packs[key].refs:
                 del _packs[key]
+                _bump()
 
     with _lock:
         _packs[key] = _Pack(tuple(weakref.ref(t, drop) for t in tensors), state, packed, bias, weight.numel())
+        _bump()
     return packed, bias
 
 
@@ -125,6 +130,17 @@ def forget_all() -> None:
     """Drop every pack (new weights were committed, or the weights offloaded or discarded)."""
     with _lock:
         _packs.clear()
+        _bump()
+
+
+def _bump() -> None:
+    global _generation
+    _generation += 1
+
+
+def generation() -> int:
+    """A count of the packs made and dropped so far (see `_generation`)."""
+    return _generation
 
 
 def packed_bytes() -> int:

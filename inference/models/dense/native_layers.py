@@ -16,6 +16,7 @@ the model's dtype, and at most `MAX_ROWS` rows. Anything else returns None and t
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
@@ -46,7 +47,36 @@ def _pack(weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, 
     return packed.data_ptr(), 0 if bias is None else bias.contiguous().data_ptr()
 
 
+_BLOCK_TENSORS = ("in_norm", "q_w", "q_b", "k_w", "k_b", "v_w", "v_b", "o_w", "o_b", "q_norm", "post_norm",
+                  "gate_w", "gate_b", "up_w", "up_b", "down_w", "down_b")
+# per decoder: the state its table was built in (`_state`) and the table (None: a block does not fit)
+_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _state(decoder, kv_cache: KVCacheBuffer) -> tuple:
+    """What the table's addresses depend on: the packs (`packed_weights.generation`: unchanged, every
+    pack handed out is still held, and a rebind's new tensors were packed anew), each block tensor's
+    version and address (a write or a move packs again), and the KV pages' place and shape."""
+    tensors = [t for w in decoder._layers for t in map(w.__getattribute__, _BLOCK_TENSORS) if t is not None]
+    return (packed_weights.generation(), kv_cache.data.data_ptr(), kv_cache.num_blocks,
+            tuple(map(_VERSION, tensors)), tuple(map(torch.Tensor.data_ptr, tensors)))
+
+
+_VERSION = torch.Tensor._version.__get__
+
+
 def _layer_table(decoder, kv_cache: KVCacheBuffer) -> torch.Tensor | None:
+    """`_build_table`, kept while `_state` stays the same (building it is ~1 ms a step at 30 blocks)."""
+    state = _state(decoder, kv_cache)
+    kept = _tables.get(decoder)
+    if kept is not None and kept[0] == state:
+        return kept[1]
+    table = _build_table(decoder, kv_cache)
+    _tables[decoder] = (_state(decoder, kv_cache), table)  # NOTE: after packing, which bumped the generation
+    return table
+
+
+def _build_table(decoder, kv_cache: KVCacheBuffer) -> torch.Tensor | None:
     """Per block the 12 addresses the C code reads (`LAYER_FIELDS` there), or None where a block
     does not fit it."""
     rows = []

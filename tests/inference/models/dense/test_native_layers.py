@@ -135,3 +135,33 @@ def test_silu_mul_is_torch_s_bits_for_every_bf16_gate(level):
 def test_a_bad_shape_is_refused():
     x = torch.zeros(4, 8, dtype=torch.bfloat16)
     assert native.library().silu_mul_bf16(x.data_ptr(), x.data_ptr(), 4, 8, 4, 1) != 0  # stride < cols
+
+
+@needs_kernels
+def test_a_weight_written_in_place_or_pages_given_back_are_seen(monkeypatch, one_torch_thread):
+    """The call's table of addresses is kept between steps: a weight written in place (a colocated
+    trainer's step on an aliased tensor) is packed again, and KV pages handed back at suspend and
+    allocated again at resume are where it writes."""
+    monkeypatch.setattr(native_layers, "ENABLED", True)
+    engine = DynamicInferenceEngine.from_pretrained(_model("llama-biases"), InferenceConfig(
+        block_size=8, num_blocks=64, max_requests=4, max_batch_tokens=64, max_sequence_length=128))
+    prompts = [[1, 5, 9, 33, 70], [1, 200, 3]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+
+    def both_paths():
+        got = {}
+        for enabled in (True, False):
+            monkeypatch.setattr(native_layers, "ENABLED", enabled)
+            engine.reset_prefix_cache()
+            got[enabled] = [(o.generated_token_ids, o.logprobs) for o in engine.generate(prompts, params)]
+        assert got[True] == got[False]
+        return got[True]
+
+    before = both_paths()
+    with torch.no_grad():
+        engine.model._layers[1].down_w.mul_(-3.0)
+        engine.model._layers[0].q_b.add_(1.0)
+    assert both_paths() != before
+    engine.suspend()
+    engine.resume()
+    both_paths()
