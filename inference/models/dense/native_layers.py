@@ -44,7 +44,9 @@ def _pack(weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, 
             b is not None and b.dtype != torch.bfloat16 for b in biases):
         return None
     packed, bias = packed_weights.cached_pack(tuple(weights), tuple(biases) if all(with_bias) else (), pairs_pack)
-    return packed.data_ptr(), 0 if bias is None else bias.contiguous().data_ptr()
+    if bias is not None and not bias.is_contiguous():
+        return None  # NOTE: a contiguous copy would be freed before the table's address of it is read
+    return packed.data_ptr(), 0 if bias is None else bias.data_ptr()
 
 
 _BLOCK_TENSORS = ("in_norm", "q_w", "q_b", "k_w", "k_b", "v_w", "v_b", "o_w", "o_b", "q_norm", "post_norm",
@@ -123,11 +125,11 @@ def run(decoder, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache
     table = _layer_table(decoder, kv_cache)
     if table is None:
         return None
-    keep = None
-    if decoder.trim_last_layer:
-        keep = logits_indices.to(torch.int64).contiguous()
-        if keep.numel() == rows and bool((keep == torch.arange(rows)).all()):
-            keep = None  # NOTE: every row is sampled (a decode step): the narrowing would copy them all
+    if not decoder.trim_last_layer:
+        return None
+    keep = logits_indices.to(torch.int64).contiguous()
+    if keep.numel() == rows and bool((keep == torch.arange(rows)).all()):
+        keep = None  # NOTE: every row is sampled (a decode step): the narrowing would copy them all
     out = x.clone()
     status = native.library().decode_layers_bf16(
         table.data_ptr(), table.shape[0], out.data_ptr(), rows, hidden, s.num_heads, s.num_kv_heads, s.head_dim,
