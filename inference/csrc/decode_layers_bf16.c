@@ -52,7 +52,7 @@ static inline __attribute__((always_inline)) float pow2i(int k) { /* 2^k for k i
 /* e^d: d = q ln2 + s (Cody-Waite, ln2 in two parts), e^s by a degree-7 polynomial (minimax
  * coefficients), times 2^q in two halves so that q down to -150 stays normal. Its last bits may
  * differ from torch's exp; after SiLU's division and the rounding to bf16 they never show (checked
- * over every bf16 input against torch under each ATen capability: tests/inference/models/test_native_layers.py). */
+ * over every bf16 input against torch under each ATen capability: tests/inference/models/dense/test_native_layers.py). */
 static inline __attribute__((always_inline)) float exp_f32(float d) {
     const float clamped = d < -104.0f ? -104.0f : (d > 100.0f ? 100.0f : d);
     const float rounder = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer, ties to even */
@@ -125,14 +125,14 @@ int decode_layers_bf16(const int64_t *table, int64_t num_layers, uint16_t *x, in
         if (keep[j] < 0 || keep[j] >= rows) return 2;
     const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
     const int64_t qkv_width = q_width + 2 * kv_width, gate_up_width = 2 * intermediate;
-    /* per row: h, qkv, attention out, its projection, h after the second norm, gate/up, down, and
-     * the narrowed x and attention out of the last block */
-    const int64_t per_row = hidden + qkv_width + q_width + hidden + hidden + gate_up_width + hidden + hidden + q_width;
+    /* per row: h, qkv, attention out, its projection, h after the second norm, gate/up, and the
+     * narrowed x and attention out of the last block (the down product lands in x itself) */
+    const int64_t per_row = hidden + qkv_width + q_width + hidden + hidden + gate_up_width + hidden + q_width;
     uint16_t *work = aligned_alloc(64, (size_t)((rows * per_row * 2 + 63) / 64 * 64));
     if (!work) return 3;
     uint16_t *h = work, *qkv = h + rows * hidden, *att = qkv + rows * qkv_width, *proj = att + rows * q_width;
-    uint16_t *h2 = proj + rows * hidden, *gate_up = h2 + rows * hidden, *down = gate_up + rows * gate_up_width;
-    uint16_t *x_kept = down + rows * hidden, *att_kept = x_kept + rows * hidden;
+    uint16_t *h2 = proj + rows * hidden, *gate_up = h2 + rows * hidden;
+    uint16_t *x_kept = gate_up + rows * gate_up_width, *att_kept = x_kept + rows * hidden;
     uint16_t *cur = x; /* the block's input rows */
     int64_t m = rows;
     for (int64_t i = 0; i < num_layers; i++) {
@@ -162,10 +162,10 @@ int decode_layers_bf16(const int64_t *table, int64_t num_layers, uint16_t *x, in
         TRY(small_gemm_bf16(h2, m, hidden, hidden, PTR(uint16_t, layer, GATE_UP), gate_up_width,
                             PTR(uint16_t, layer, GATE_UP_BIAS), gate_up, gate_up_width, threads));
         TRY(silu_mul_bf16(gate_up, gate_up + intermediate, m, intermediate, gate_up_width, threads));
+        /* NOTE: the block's input was last read by the norm above (its residual): x takes the output */
         TRY(small_gemm_bf16(gate_up, m, intermediate, gate_up_width, PTR(uint16_t, layer, DOWN), hidden,
-                            PTR(uint16_t, layer, DOWN_BIAS), down, hidden, threads));
-        add_rows(down, proj, m * hidden);
-        memcpy(x, down, (size_t)(m * hidden) * 2);
+                            PTR(uint16_t, layer, DOWN_BIAS), x, hidden, threads));
+        add_rows(x, proj, m * hidden);
         cur = x;
     }
     free(work);

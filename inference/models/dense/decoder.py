@@ -57,13 +57,14 @@ LORA_MODULES = tuple(f"{part}.{proj}" for part, projs in
                      (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", MLP_PROJS)) for proj in projs)
 
 
+# what a subclass may override that `native_layers.run` computes as `DenseDecoder` does
+_BLOCK_PIECES = ("attention_inputs", "after_attention", "mlp", "embed", "rope", "trim_last_layer")
+
+
 @cache
 def _dense_blocks(cls: type) -> bool:
     """Whether `cls` runs `DenseDecoder`'s own blocks (what `native_layers.run` computes)."""
     return all(getattr(cls, name) is getattr(DenseDecoder, name) for name in _BLOCK_PIECES)
-
-
-_BLOCK_PIECES = ("attention_inputs", "after_attention", "mlp", "embed", "rope", "trim_last_layer")
 
 
 class LayerTensors:
