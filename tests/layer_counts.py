@@ -9,6 +9,8 @@ Static, from the source (AST) of `inference/`, `rollout/` and `weight_sync/`:
   attribute named after it in snake case (`Kind.UPDATE_WEIGHTS`, `UpdateWeights`, `update_weights`);
 - **files over 500 lines**;
 - **types declared twice**: class names defined in more than one module;
+- **type aliases declared twice**: module-level `Name = Annotated[...]` definitions repeated in another
+  module or under another name;
 - **string-kind dispatch**: comparisons (`==`, `!=`, `in`) of a name or attribute ending in `kind`,
   `state`, `status`, `mode` or `reason` with a string literal (or a tuple / set of them);
 - **flat modules in `rollout/http/`**.
@@ -118,6 +120,20 @@ def types_declared_twice(root: Path = ROOT) -> dict[str, list[str]]:
                 if isinstance(node, ast.ClassDef):
                     where[node.name].append(str(path.relative_to(root)))
     return {name: paths for name, paths in sorted(where.items()) if len(paths) > 1}
+
+
+def type_aliases_declared_twice(root: Path = ROOT) -> dict[str, list[str]]:
+    """Module-level type aliases (`Name = Annotated[...]`) whose definition another module, or another name,
+    repeats: per definition (its source), the `path:name`s declaring it."""
+    where = defaultdict(list)
+    for package in PACKAGES:
+        for path, tree in _sources(package, root):
+            for node in tree.body:
+                if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                        and isinstance(node.value, ast.Subscript) and isinstance(node.value.value, ast.Name)
+                        and node.value.value.id == "Annotated"):
+                    where[ast.unparse(node.value)].append(f"{path.relative_to(root)}:{node.targets[0].id}")
+    return {source: names for source, names in sorted(where.items()) if len(names) > 1}
 
 
 def string_dispatch() -> dict[str, int]:
@@ -339,6 +355,7 @@ def counts(*, traced: bool = True) -> dict[str, Any]:
     out: dict[str, Any] = {
         "control_kind_files": kinds, "control_kind_files_max": max(kinds.values()),
         "long_files": long_files(), "types_declared_twice": types_declared_twice(),
+        "type_aliases_declared_twice": type_aliases_declared_twice(),
         "string_dispatch": string_dispatch(), "http_flat_modules": http_flat_modules(),
     }
     if traced:

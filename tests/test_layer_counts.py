@@ -27,6 +27,12 @@ def test_the_static_counts_find_what_they_name(tmp_path):
     (tmp_path / "weight_sync" / "once.py").write_text("class Once: pass\n")
     assert layer_counts.long_files(tmp_path) == {"rollout/long.py": layer_counts.MAX_LINES + 2}
     assert layer_counts.types_declared_twice(tmp_path) == {"Twice": ["inference/short.py", "rollout/long.py"]}
+    (tmp_path / "weight_sync" / "aliases.py").write_text(
+        "Count = Annotated[int, Meta(ge=0)]\nNonNeg = Annotated[int, Meta(ge=0)]\nPos = Annotated[int, Meta(ge=1)]\n")
+    (tmp_path / "inference" / "alias.py").write_text("Pos = Annotated[int, Meta(ge=2)]\nplain = int\n")
+    assert layer_counts.type_aliases_declared_twice(tmp_path) == {
+        "Annotated[int, Meta(ge=0)]": ["weight_sync/aliases.py:Count", "weight_sync/aliases.py:NonNeg"]}
+    assert layer_counts.type_aliases_declared_twice() == {}
 
 
 def test_the_traced_paths_see_the_request_s_forms_threads_and_ids():

@@ -32,6 +32,7 @@ import msgspec
 import torch
 from msgspec import Meta
 
+from inference.bounded import NonNegInt
 from inference.errors import WeightNameError, WeightShapeError
 from inference.models.spec import ModelSpec
 from weight_sync.megatron.names import LM_HEAD, Naming, detect_naming, validate_megatron
@@ -41,7 +42,6 @@ MAX_TENSORS = 1 << 20
 MAX_NAME = 1024
 MAX_DIMS = 8
 
-NonNegInt = Annotated[int, Meta(ge=0)]
 Name = Annotated[str, Meta(min_length=1, max_length=MAX_NAME)]
 Shape = Annotated[list[NonNegInt], Meta(max_length=MAX_DIMS)]
 

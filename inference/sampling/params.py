@@ -14,6 +14,7 @@ from typing import Annotated
 
 from msgspec import Meta
 
+from inference.bounded import NonNegInt
 from inference.kv_cache.policy import PrefixCachePolicy
 from inference.sampling.structured import StructuredOutputs
 
@@ -39,11 +40,10 @@ MAX_TOKEN_IDS = 1 << 20  # allowed_token_ids, logit_bias entries (a vocabulary's
 
 # the fields' bounds as msgspec reads them: the wire decodes `SamplingParams` itself, these checked
 # first (a refusal names the field), then `__post_init__` (what a range cannot say)
-_NonNegInt = Annotated[int, Meta(ge=0)]
 _TopN = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 _Penalty = Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY)]
 _Bias = Annotated[float, Meta(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
-_TokenSequence = Annotated[list[_NonNegInt], Meta(min_length=1, max_length=MAX_STOP_TOKENS)]
+_TokenSequence = Annotated[list[NonNegInt], Meta(min_length=1, max_length=MAX_STOP_TOKENS)]
 
 
 class LogprobsMode(enum.IntEnum):
@@ -125,9 +125,9 @@ class SamplingParams:
     top_k: Annotated[int, Meta(ge=-1, le=MAX_TOP_K)] = 0
     top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
     min_p: Annotated[float, Meta(ge=0, lt=1)] = 0.0
-    seed: _NonNegInt | None = None
+    seed: NonNegInt | None = None
     max_tokens: Annotated[int, Meta(ge=1)] = 16
-    stop_token_ids: Annotated[list[_NonNegInt], Meta(max_length=MAX_STOP_TOKENS)] = field(default_factory=list)
+    stop_token_ids: Annotated[list[NonNegInt], Meta(max_length=MAX_STOP_TOKENS)] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: _TopN | None = None
     prompt_logprobs: _TopN | None = None
@@ -138,10 +138,10 @@ class SamplingParams:
     repetition_penalty: Annotated[float, Meta(gt=0)] = 1.0
     presence_penalty: _Penalty = 0.0
     frequency_penalty: _Penalty = 0.0
-    min_tokens: _NonNegInt = 0
-    logit_bias: Annotated[dict[_NonNegInt, _Bias], Meta(max_length=MAX_TOKEN_IDS)] | None = None
+    min_tokens: NonNegInt = 0
+    logit_bias: Annotated[dict[NonNegInt, _Bias], Meta(max_length=MAX_TOKEN_IDS)] | None = None
     bad_words_token_ids: Annotated[list[_TokenSequence], Meta(max_length=MAX_BAD_WORDS)] | None = None
-    allowed_token_ids: Annotated[list[_NonNegInt], Meta(min_length=1, max_length=MAX_TOKEN_IDS)] | None = None
+    allowed_token_ids: Annotated[list[NonNegInt], Meta(min_length=1, max_length=MAX_TOKEN_IDS)] | None = None
     cache_salt: Annotated[str, Meta(max_length=MAX_CACHE_SALT_LENGTH)] | None = None
     prefix_cache_policy: PrefixCachePolicy | None = None
     session_id: Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT_LENGTH)] | None = None

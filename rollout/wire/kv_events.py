@@ -9,7 +9,8 @@ from typing import Annotated, Optional
 import msgspec
 from msgspec import Meta
 
-Count = Annotated[int, Meta(ge=0)]  # a version, an event number
+from inference.bounded import NonNegInt
+
 BlockHash = Annotated[int, Meta(ge=1, le=2**63 - 1)]
 
 
@@ -28,8 +29,8 @@ class KvEvent(msgspec.Struct, forbid_unknown_fields=True, array_like=True):
     op: KvOp
     hashes: list[BlockHash] = []
     salt: Optional[str] = None
-    version: Optional[Count] = None
-    computed_by: Optional[Count] = None
+    version: Optional[NonNegInt] = None
+    computed_by: Optional[NonNegInt] = None
 
 
 class KvEventBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -42,8 +43,8 @@ class KvEventBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """
 
     block_size: Annotated[int, Meta(ge=1)]
-    start: Count
-    next: Count
+    start: NonNegInt
+    next: NonNegInt
     reset: bool = False
     more: bool = False
     events: list[KvEvent] = []

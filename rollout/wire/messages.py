@@ -17,6 +17,7 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
+from inference.bounded import NonNegInt
 from inference.config import PauseMode, SuspendPolicy, UpdatePolicy
 from inference.core.states import EngineState, MemoryTag
 from inference.request import FinishReason
@@ -42,9 +43,7 @@ from weight_sync.transports.distributed import CollectiveBackend
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID_LENGTH)]
 Hint = Annotated[str, Meta(max_length=MAX_REQUEST_ID_LENGTH)]
-NonNegInt = Annotated[int, Meta(ge=0)]
-TopN = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
-TokenLogprobs = Annotated[dict[Annotated[int, Meta(ge=0)], float], Meta(max_length=MAX_LOGPROBS + 1)]
+TokenLogprobs = Annotated[dict[NonNegInt, float], Meta(max_length=MAX_LOGPROBS + 1)]
 Seconds = Annotated[float, Meta(ge=0)]
 StatValue = Union[int, float, str]
 
