@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inference import SamplingParams
 from inference.errors import ContextOverflowError, EngineStateError, OverloadedError, WeightsUnavailableError
-from rollout.http.core.schemas import FIELD_ERROR, LONE_SURROGATE
+from rollout.http.core.schemas import ValidationKind
 from rollout.text import PromptTooLongError, TokenizerUnavailableError
 from rollout.wire.codec import ProtocolError
 from rollout.wire.kinds import ErrorCode
@@ -165,23 +165,23 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
     if not errors:
         return "invalid request", None
     first = errors[0]
-    kind = first.get("type", "")
+    kind = ValidationKind.of(first.get("type"))
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
-    if kind == "model_attributes_type" and not loc and isinstance(first.get("input"), (bytes, str)):
+    if kind is ValidationKind.MODEL_ATTRIBUTES_TYPE and not loc and isinstance(first.get("input"), (bytes, str)):
         return "The request body must be JSON, sent with `Content-Type: application/json`.", None
-    if kind in ("json_invalid", "json_type") or (kind == "missing" and not loc):
+    if kind in (ValidationKind.JSON_INVALID, ValidationKind.JSON_TYPE) or (kind is ValidationKind.MISSING and not loc):
         return ("We could not parse the JSON body of your request. The API expects a JSON object as the "
                 "request body; what was sent was not valid JSON.", None)
-    if kind == LONE_SURROGATE:
+    if kind is ValidationKind.LONE_SURROGATE:
         field = str(first.get("ctx", {}).get("field", param))
         return (f"Invalid value for '{field}': it holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
                 "escape), which is not Unicode text.", field)
-    if kind == FIELD_ERROR:
+    if kind is ValidationKind.FIELD_ERROR:
         return str(first.get("msg", "invalid")), str(first.get("ctx", {}).get("field", param))
-    if kind == "extra_forbidden":
+    if kind is ValidationKind.EXTRA_FORBIDDEN:
         return f"Unrecognized request argument supplied: {param}", param
-    if kind == "missing":
+    if kind is ValidationKind.MISSING:
         return f"Missing required parameter: '{param}'.", param
     got = first.get("input")
     shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__

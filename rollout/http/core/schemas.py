@@ -18,6 +18,7 @@ takes, so a body holding one is refused (400, naming the field) before a route s
 
 from __future__ import annotations
 
+import enum
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -33,13 +34,31 @@ MAX_WORDS = 1024  # bad_words: a bound against abuse only
 Prob = Annotated[float, Field(ge=0, le=1)]
 
 
-LONE_SURROGATE = "lone_surrogate"  # the validation error type `rollout.http.core.errors` words for clients
-FIELD_ERROR = "field_error"  # a check across fields: its message as is, `param` the field it names
+class ValidationKind(enum.StrEnum):
+    """The validation error types `rollout.http.core.errors` words for clients: pydantic's (its own
+    strings, read once at the edge by `of`) and the two these schemas raise."""
+
+    JSON_INVALID = "json_invalid"
+    JSON_TYPE = "json_type"
+    MISSING = "missing"
+    EXTRA_FORBIDDEN = "extra_forbidden"
+    MODEL_ATTRIBUTES_TYPE = "model_attributes_type"  # a body that is no object (form data, bare text)
+    LONE_SURROGATE = "lone_surrogate"
+    FIELD_ERROR = "field_error"  # a check across fields: its message as is, `param` the field it names
+    OTHER = "other"  # any other of pydantic's: a field's value refused, worded from pydantic's message
+
+    @classmethod
+    def of(cls, error_type: object) -> ValidationKind:
+        try:
+            return cls(error_type)
+        except ValueError:
+            return cls.OTHER
 
 
 def refuse(field: str, message: str) -> PydanticCustomError:
     """A body refused for `field` (a model validator's error has no location of its own)."""
-    return PydanticCustomError(FIELD_ERROR, message.replace("{", "{{").replace("}", "}}"), {"field": field})
+    return PydanticCustomError(ValidationKind.FIELD_ERROR.value, message.replace("{", "{{").replace("}", "}}"),
+                               {"field": field})
 
 
 def lone_surrogate_at(data: Any) -> Optional[str]:
@@ -73,7 +92,8 @@ class Strict(BaseModel):
     def _unicode_text(cls, data: Any) -> Any:
         where = lone_surrogate_at(data)
         if where is not None:
-            raise PydanticCustomError(LONE_SURROGATE, "{field} holds a lone UTF-16 surrogate", {"field": where})
+            raise PydanticCustomError(ValidationKind.LONE_SURROGATE.value, "{field} holds a lone UTF-16 surrogate",
+                                      {"field": where})
         return data
 
 

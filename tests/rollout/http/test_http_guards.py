@@ -226,6 +226,32 @@ def test_lone_surrogates_are_a_400_naming_the_field(web, path, body, param):
         assert r.json()["error"]["param"] == param
 
 
+@pytest.mark.parametrize("body, message, param", [
+    (b'{"model": "tiny-chat", "prompt": ', "We could not parse the JSON body", None),
+    (b'', "We could not parse the JSON body", None),
+    (b'{"model": "tiny-chat"}', "Missing required parameter: 'prompt'.", "prompt"),
+    (b'{"model": "tiny-chat", "prompt": "x", "frobnicate": 1}', "Unrecognized request argument supplied: frobnicate",
+     "frobnicate"),
+    (b'{"model": "tiny-chat", "prompt": "x", "max_tokens": "many"}', "Invalid value for 'max_tokens'", "max_tokens"),
+    (b'{"model": "tiny-chat", "prompt": "x", "n": 2, "best_of": 1}',
+     "best_of must be greater than or equal to n, got n=2", "best_of"),
+])
+def test_a_refused_body_is_worded_as_openai_words_it(web, body, message, param):
+    """Each kind of validation error (pydantic's, read once into `ValidationKind`, and the schemas' own)
+    gets OpenAI's wording and names the field it is about."""
+    r = web.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert message in r.json()["error"]["message"] and r.json()["error"]["param"] == param
+
+
+def test_validation_kinds_read_pydantic_s_strings_once():
+    from rollout.http.core.schemas import ValidationKind
+
+    assert ValidationKind.of("missing") is ValidationKind.MISSING
+    assert ValidationKind.of("field_error") is ValidationKind.FIELD_ERROR
+    assert ValidationKind.of("int_parsing") is ValidationKind.OTHER and ValidationKind.of(None) is ValidationKind.OTHER
+
+
 def test_engine_refusals_for_now_say_when_to_retry():
     """OVERLOADED (the engine's waiting queue full) is 429, a state that refuses work for now 503,
     both with Retry-After; in process (the engine's exceptions) or over ZMQ (its ErrorCodes)."""
