@@ -62,6 +62,8 @@ SIGNATURES = {
     "rotary_f32": [PTR, I64, I64, I64, I64, PTR, PTR, ctypes.c_int],
     "rotary_bf16": [PTR, I64, I64, I64, I64, PTR, PTR, ctypes.c_int],
     "small_gemm_f32": [PTR, I64, I64, I64, PTR, I64, PTR, PTR, I64, ctypes.c_int],
+    "small_gemm_f32_wide": [PTR, I64, I64, I64, PTR, I64, PTR, PTR, I64, ctypes.c_int],
+    "small_gemm_f32_has_wide": [],
     "small_gemm_bf16": [PTR, I64, I64, I64, PTR, I64, PTR, PTR, I64, ctypes.c_int],
     "pack_pairs_bf16": [PTR, I64, I64, I64, PTR],
     "add_rms_norm_f32": [PTR, PTR, PTR, PTR, I64, I64, ctypes.c_float, ctypes.c_int, ctypes.c_int],

@@ -12,6 +12,10 @@ weights at about half the bandwidth at a few rows; in a prefill's hundreds of ro
 machine's bf16 matmul rate (the bf16 kernel's header has the figures), so bf16 keeps one kernel and
 one pack per weight throughout.
 
+The fp32 kernel has two row tiles that give the same bits, eight rows to a vector or sixteen to an
+AVX-512 one; which runs faster is the CPU's (`f32_tile`, timed once per process, or forced by
+`ROLLOUT_ENGINE_F32_TILE`).
+
 Both kernels sum each output alike whatever the row count, so a row's outputs are the same bits
 in a one-row step, in an eight-token verify step and in a full batch (speculation on and off then
 agree bit for bit); in bf16 in a prefill too. Past `MAX_ROWS` fp32 rows MKL takes over, with its own
@@ -23,6 +27,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
+import statistics
+import time
 from collections.abc import Iterator
 
 import torch
@@ -34,6 +41,12 @@ from inference.models import packed_weights
 # 1016 / 1007; two threads, Zen 4 (30 layers, interleaved medians): 256 rows 11.1 ms a layer vs MKL 13.0
 # (q/k/v 160 vs 137 GFLOP/s, gate/up 175 vs 135), a GRPO 32 x n=8 fp32 rollout 1.09x (two pairs)
 MAX_ROWS = 256
+# fp32's row kernels (`csrc/small_gemm.c`), the same bits: "narrow" (eight rows to a vector) or "wide" (sixteen
+# to an AVX-512 vector, from 16 rows). Which is faster is the CPU's: full-width 512-bit FMA units (Zen 5,
+# Intel's server cores) run the wide one up to twice as fast, split ones (Zen 4) the narrow one a little
+# faster. `ROLLOUT_ENGINE_F32_TILE` = narrow | wide | auto (the default: timed once, on first use).
+F32_TILES = ("narrow", "wide")
+_f32_tile: str | None = None
 # NOTE: a context variable, so one engine's batch-invariant forward does not change another thread's
 _FIXED_ORDER: contextvars.ContextVar[bool] = contextvars.ContextVar("small_gemm_fixed_order", default=False)
 
@@ -47,6 +60,43 @@ def fixed_order() -> Iterator[None]:
         yield
     finally:
         _FIXED_ORDER.reset(token)
+
+
+def f32_tile() -> str:
+    """The fp32 row kernel this process uses (see `F32_TILES`), chosen on the first call."""
+    global _f32_tile
+    if _f32_tile is None:
+        _f32_tile = _choose_f32_tile()
+    return _f32_tile
+
+
+def set_f32_tile(tile: str | None) -> None:
+    """Use `tile` from now on (tests force each); None: choose again on the next call."""
+    global _f32_tile
+    if tile is not None and tile not in F32_TILES:
+        raise ValueError(f"fp32 tile {tile!r}: expected one of {F32_TILES}")
+    _f32_tile = tile
+
+
+def _choose_f32_tile() -> str:
+    asked = os.environ.get("ROLLOUT_ENGINE_F32_TILE", "auto").strip().lower() or "auto"
+    if asked in F32_TILES:
+        return asked
+    if asked != "auto":
+        raise ValueError(f"ROLLOUT_ENGINE_F32_TILE={asked!r}: expected narrow, wide or auto")
+    if not (native.available() and native.library().small_gemm_f32_has_wide()):
+        return "narrow"
+    # NOTE: both give the same bits, so a noisy timing costs speed at worst: a gate/up-sized product at
+    # 64 rows (~0.1 GFLOP, a few ms for both), interleaved, the median of five each
+    x, weight = torch.randn(64, 576), torch.randn(1536, 576)
+    seconds: dict[str, list[float]] = {tile: [] for tile in F32_TILES}
+    for repeat in range(7):
+        for tile in F32_TILES:
+            start = time.perf_counter()
+            native_linear(x, weight, tile=tile)
+            if repeat >= 2:  # NOTE: the first calls grow each kernel's packing buffer
+                seconds[tile].append(time.perf_counter() - start)
+    return "wide" if statistics.median(seconds["wide"]) < statistics.median(seconds["narrow"]) else "narrow"
 
 
 def takes_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
@@ -117,11 +167,15 @@ def native_linear_bf16(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torc
     return out
 
 
-def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, lib=None) -> torch.Tensor:
+def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, lib=None,
+                  tile: str | None = None) -> torch.Tensor:
     """The native kernel's `x @ weight.T (+ bias)`, for fp32 inputs `takes_native` accepts; `lib`: another build
-    of the kernels than the engine's (`native.library_at`), for tests."""
+    of the kernels than the engine's (`native.library_at`), for tests; `tile`: the row kernel (`F32_TILES`),
+    else this process's (`f32_tile`)."""
     out = x.new_empty(x.shape[0], weight.shape[0])
-    status = (lib or native.library()).small_gemm_f32(
+    lib = lib or native.library()
+    kernel = lib.small_gemm_f32_wide if (tile or f32_tile()) == "wide" else lib.small_gemm_f32
+    status = kernel(
         x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), weight.data_ptr(), weight.shape[0],
         None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), torch.get_num_threads())
     if status:

@@ -67,6 +67,59 @@ def _check_close_and_alike(gemm, shape, bias, alike):
 
 
 @needs_kernels
+@pytest.mark.parametrize("tile", small_gemm.F32_TILES)
+@pytest.mark.parametrize("shape", [(576, 576), (1536, 576), (37, 13), (3, 70)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp32_each_row_kernel_is_close_and_each_row_alike(tile, shape, bias):
+    """Both row kernels (eight rows to a vector, sixteen to an AVX-512 one) forced, whichever this CPU picks."""
+    _check_close_and_alike(partial(native_linear, tile=tile), shape, bias, alike=True)
+
+
+@needs_kernels
+@pytest.mark.parametrize("level", ["native", *_x86_levels()])
+def test_fp32_row_kernels_give_the_same_bits(level):
+    """The wide kernel's lanes are rows, each summed as the narrow kernel sums it: the same bits at every
+    row count (padding of its sixteen-row groups, the narrow kernel below 16 rows), k and n off its
+    tiles, a row stride past the width; a build without AVX-512 runs the narrow one under both names."""
+    lib = native.library() if level == "native" else native.library_at(level)
+    g = torch.Generator().manual_seed(5)
+    for out_f, in_f in [(576, 576), (192, 576), (37, 70), (49, 9)]:
+        w, b = torch.randn(out_f, in_f, generator=g), torch.randn(out_f, generator=g)
+        x = torch.randn(MAX_ROWS + 4, in_f + 5, generator=g)[:, :in_f]
+        for rows in [1, 4, 5, 15, 16, 17, 31, 32, 33, 47, 48, 49, 64, 100, MAX_ROWS, MAX_ROWS + 4]:
+            for bias in (None, b):
+                narrow = native_linear(x[:rows], w, bias, lib=lib, tile="narrow")
+                assert torch.equal(native_linear(x[:rows], w, bias, lib=lib, tile="wide"), narrow), (out_f, rows)
+
+
+@needs_kernels
+def test_fp32_tile_is_chosen_once_forced_by_the_environment_or_a_call(monkeypatch):
+    try:
+        for asked in small_gemm.F32_TILES:
+            monkeypatch.setenv("ROLLOUT_ENGINE_F32_TILE", asked)
+            small_gemm.set_f32_tile(None)
+            assert small_gemm.f32_tile() == asked
+        monkeypatch.setenv("ROLLOUT_ENGINE_F32_TILE", "auto")
+        small_gemm.set_f32_tile(None)
+        chosen = small_gemm.f32_tile()
+        assert chosen in small_gemm.F32_TILES and small_gemm.f32_tile() == chosen  # NOTE: timed once, then kept
+        if not native.library().small_gemm_f32_has_wide():
+            assert chosen == "narrow"
+        monkeypatch.setenv("ROLLOUT_ENGINE_F32_TILE", "widest")
+        small_gemm.set_f32_tile(None)
+        with pytest.raises(ValueError, match="ROLLOUT_ENGINE_F32_TILE"):
+            small_gemm.f32_tile()
+        with pytest.raises(ValueError, match="fp32 tile"):
+            small_gemm.set_f32_tile("widest")
+        small_gemm.set_f32_tile("wide")
+        x, w = torch.randn(40, 32), torch.randn(24, 32)
+        assert torch.equal(linear(x, w), native_linear(x, w, tile="narrow"))
+    finally:
+        monkeypatch.delenv("ROLLOUT_ENGINE_F32_TILE")
+        small_gemm.set_f32_tile(None)
+
+
+@needs_kernels
 def test_fp32_up_to_max_rows_takes_the_kernel_and_more_rows_the_packed_or_f_linear(monkeypatch):
     w = torch.randn(64, 32)
     assert takes_native(torch.randn(MAX_ROWS, 32), w)
@@ -90,6 +143,10 @@ def test_a_bad_shape_is_refused_by_the_kernel():
     assert lib.small_gemm_f32(x.data_ptr(), 0, 8, 8, w.data_ptr(), 4, None, y.data_ptr(), 4, 1) == 1  # no rows
     assert lib.small_gemm_f32(x.data_ptr(), 2, 8, 4, w.data_ptr(), 4, None, y.data_ptr(), 4, 1) == 1  # stride < k
     assert lib.small_gemm_f32(x.data_ptr(), 2, 8, 8, w.data_ptr(), 4, None, y.data_ptr(), 3, 1) == 1  # stride < n
+    x = torch.randn(32, 8)
+    y = torch.empty(32, 4)
+    assert lib.small_gemm_f32_wide(x.data_ptr(), 32, 8, 4, w.data_ptr(), 4, None, y.data_ptr(), 4, 1) == 1
+    assert lib.small_gemm_f32_wide(x.data_ptr(), 32, 8, 8, w.data_ptr(), 4, None, y.data_ptr(), 3, 1) == 1
 
 
 # ---- bf16 ------------------------------------------------------------------------------------------
