@@ -287,24 +287,21 @@ static inline __attribute__((always_inline)) wlanes_t win_register(wlanes_t v) {
     return v;
 }
 
-/* xt[g * k * 16 + kk * 16 + r] = x[(g * 16 + r) * xs + kk], the last group's missing rows zero */
-static void pack_rows16(const float *x, int64_t m, int64_t k, int64_t xs, float *xt) {
+/* xt[kk * 16 + r] = x[(g * 16 + r) * xs + kk] for group g's sixteen rows (xt at the group), rows past m zero */
+static void pack_group16(const float *x, int64_t m, int64_t k, int64_t xs, int64_t g, float *xt) {
     const int64_t k8 = k / 8 * 8;
-    for (int64_t g = 0; g * 16 < m; g++) {
-        float *dst = xt + g * k * 16;
-        for (int h = 0; h < 2; h++) {
-            const int64_t first = g * 16 + h * 8;
-            const int rows = m - first < 0 ? 0 : m - first < 8 ? (int)(m - first) : 8;
-            const float *src = x + first * xs;
-            for (int64_t kk = 0; kk < k8; kk += 8) {
-                lanes_t r[8];
-                for (int i = 0; i < 8; i++) r[i] = i < rows ? load(src + i * xs + kk) : splat(0.0f);
-                transpose8(r);
-                for (int i = 0; i < 8; i++) memcpy(dst + (kk + i) * 16 + h * 8, &r[i], sizeof(lanes_t));
-            }
-            for (int64_t kk = k8; kk < k; kk++)
-                for (int i = 0; i < 8; i++) dst[kk * 16 + h * 8 + i] = i < rows ? src[i * xs + kk] : 0.0f;
+    for (int h = 0; h < 2; h++) {
+        const int64_t first = g * 16 + h * 8;
+        const int rows = m - first < 0 ? 0 : m - first < 8 ? (int)(m - first) : 8;
+        const float *src = x + first * xs;
+        for (int64_t kk = 0; kk < k8; kk += 8) {
+            lanes_t r[8];
+            for (int i = 0; i < 8; i++) r[i] = i < rows ? load(src + i * xs + kk) : splat(0.0f);
+            transpose8(r);
+            for (int i = 0; i < 8; i++) memcpy(xt + (kk + i) * 16 + h * 8, &r[i], sizeof(lanes_t));
         }
+        for (int64_t kk = k8; kk < k; kk++)
+            for (int i = 0; i < 8; i++) xt[kk * 16 + h * 8 + i] = i < rows ? src[i * xs + kk] : 0.0f;
     }
 }
 
@@ -421,17 +418,23 @@ int small_gemm_f32_wide(const float *x, int64_t m, int64_t k, int64_t x_stride, 
         wide_packed_floats = wide_packed ? need : 0;
         if (!wide_packed) return 2;
     }
-    pack_rows16(x, m, k, x_stride, wide_packed);
-    const float *xt = wide_packed;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t o = 0; o < n; o += WNR * 4) { /* NOTE: 4 * WNR outputs a task, as small_gemm_f32's */
-        const int64_t o_end = o + WNR * 4 < n ? o + WNR * 4 : n;
-        for (int64_t g = 0, mv; g < groups; g += mv) {
-            mv = groups - g < WMV ? groups - g : WMV;
-            for (int64_t t = o; t < o_end; t += WNR) {
-                const int nr = o_end - t < WNR ? (int)(o_end - t) : WNR;
-                wide_any((int)mv, nr, xt + g * k * 16, w + t * k, k, bias ? bias + t : NULL, y + g * 16 * y_stride + t,
-                         y_stride, m - g * 16);
+    float *xt = wide_packed; /* the calling thread's buffer, filled and read by the whole team */
+    /* NOTE: the groups packed by the team, not before it: a step's products pack the same rows again
+     * for each weight (q, k, v; gate, up), and a serial pack kept the other threads waiting */
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) pack_group16(x, m, k, x_stride, g, xt + g * k * 16);
+        #pragma omp for schedule(static)
+        for (int64_t o = 0; o < n; o += WNR * 4) { /* NOTE: 4 * WNR outputs a task, as small_gemm_f32's */
+            const int64_t o_end = o + WNR * 4 < n ? o + WNR * 4 : n;
+            for (int64_t g = 0, mv; g < groups; g += mv) {
+                mv = groups - g < WMV ? groups - g : WMV;
+                for (int64_t t = o; t < o_end; t += WNR) {
+                    const int nr = o_end - t < WNR ? (int)(o_end - t) : WNR;
+                    wide_any((int)mv, nr, xt + g * k * 16, w + t * k, k, bias ? bias + t : NULL,
+                             y + g * 16 * y_stride + t, y_stride, m - g * 16);
+                }
             }
         }
     }
