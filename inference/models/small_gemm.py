@@ -87,8 +87,10 @@ def _choose_f32_tile() -> str:
     if not (native.available() and native.library().small_gemm_f32_has_wide()):
         return "narrow"
     # NOTE: both give the same bits, so a noisy timing costs speed at worst: a gate/up-sized product at
-    # 64 rows (~0.1 GFLOP, a few ms for both), interleaved, the median of five each
-    x, weight = torch.randn(64, 576), torch.randn(1536, 576)
+    # 64 rows (~0.1 GFLOP, a few ms for both), interleaved, the median of five each. Its data from a
+    # generator of its own: torch's global one is the caller's (a seeded trainer's stream must not move)
+    numbers = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(64, 576, generator=numbers), torch.randn(1536, 576, generator=numbers)
     seconds: dict[str, list[float]] = {tile: [] for tile in F32_TILES}
     for repeat in range(7):
         for tile in F32_TILES:

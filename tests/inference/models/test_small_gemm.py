@@ -101,7 +101,9 @@ def test_fp32_tile_is_chosen_once_forced_by_the_environment_or_a_call(monkeypatc
             assert small_gemm.f32_tile() == asked
         monkeypatch.setenv("ROLLOUT_ENGINE_F32_TILE", "auto")
         small_gemm.set_f32_tile(None)
+        state = torch.get_rng_state()
         chosen = small_gemm.f32_tile()
+        assert torch.equal(torch.get_rng_state(), state)  # NOTE: the timing draws from no caller's generator
         assert chosen in small_gemm.F32_TILES and small_gemm.f32_tile() == chosen  # NOTE: timed once, then kept
         if not native.library().small_gemm_f32_has_wide():
             assert chosen == "narrow"
