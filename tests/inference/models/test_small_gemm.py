@@ -151,6 +151,25 @@ def test_a_bad_shape_is_refused_by_the_kernel():
     assert lib.small_gemm_f32_wide(x.data_ptr(), 32, 8, 8, w.data_ptr(), 4, None, y.data_ptr(), 3, 1) == 1
 
 
+@needs_kernels
+@pytest.mark.parametrize("level", ["native", *_x86_levels()])
+@pytest.mark.parametrize("tile", small_gemm.F32_TILES)
+def test_fp32_outputs_land_in_their_rows_of_a_wider_y_and_nothing_between(level, tile):
+    """A task's rows are staged, then copied out a row at a time (`copy_out`): into a y whose rows are
+    wider than n, each output lands at its row and column, and the gap after each row stays as it was."""
+    lib = native.library() if level == "native" else native.library_at(level)
+    kernel = lib.small_gemm_f32_wide if tile == "wide" else lib.small_gemm_f32
+    g = torch.Generator().manual_seed(11)
+    n, k, gap = 45, 70, 19
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    for rows in (3, 8, 20, 50, 97):
+        x = torch.randn(rows, k, generator=g)
+        y = torch.full((rows, n + gap), 7.0)
+        assert kernel(x.data_ptr(), rows, k, k, w.data_ptr(), n, b.data_ptr(), y.data_ptr(), y.stride(0), 2) == 0
+        assert torch.equal(y[:, :n], native_linear(x, w, b, lib=lib, tile=tile)), rows
+        assert (y[:, n:] == 7.0).all(), rows
+
+
 # ---- bf16 ------------------------------------------------------------------------------------------
 
 BF16_SHAPES = [(576, 576), (960, 576), (576, 1536), (37, 13), (49, 3), (16, 1), (5, 8)]
