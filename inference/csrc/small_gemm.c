@@ -32,6 +32,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "lanes.h"
 
@@ -365,6 +366,23 @@ static void wide_any(int mv, int nr, const float *xt, const float *w, int64_t k,
 
 /* ---- the call ---------------------------------------------------------------------------------- */
 
+/* NOTE: an output this large is fresh memory of its own (glibc maps anything past 32 MB anew, and
+ * unmaps it when freed): the LM head's at 171 rows or more. Its first writes fault it in a 4 KB page
+ * at a time (~25 ms for 256 rows x 49152 floats, a third of the product); asked for huge pages
+ * (where the kernel's transparent huge pages are `madvise`, the common default) it faults in 2 MB at
+ * a time. Nothing else changes: it is a hint, ignored where huge pages are off. */
+#define HUGE_FROM ((size_t)32 << 20)
+static void advise_huge(void *y, size_t bytes) {
+#ifdef MADV_HUGEPAGE
+    if (bytes < HUGE_FROM) return;
+    const uintptr_t page = 4096, start = ((uintptr_t)y + page - 1) & ~(page - 1);
+    const uintptr_t end = ((uintptr_t)y + bytes) & ~(page - 1);
+    if (end > start) madvise((void *)start, end - start, MADV_HUGEPAGE);
+#else
+    (void)y, (void)bytes;
+#endif
+}
+
 static __thread float *packed; /* the calling thread's packed rows, grown as needed, never freed */
 static __thread size_t packed_floats;
 
@@ -384,6 +402,7 @@ int small_gemm_f32(const float *x, int64_t m, int64_t k, int64_t x_stride, const
         }
         pack_rows(x, m, k, x_stride, packed);
     }
+    advise_huge(y, (size_t)(m - 1) * y_stride * sizeof(float) + (size_t)n * sizeof(float));
     const float *xt = packed;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t o = 0; o < n; o += TASK) { /* NOTE: TASK outputs a task: both kernels' tiles fit */
@@ -434,6 +453,7 @@ int small_gemm_f32_wide(const float *x, int64_t m, int64_t k, int64_t x_stride, 
         if (!wide_packed) return 2;
     }
     float *xt = wide_packed; /* the calling thread's buffer, filled and read by the whole team */
+    advise_huge(y, (size_t)(m - 1) * y_stride * sizeof(float) + (size_t)n * sizeof(float));
     /* NOTE: the groups packed by the team, not before it: a step's products pack the same rows again
      * for each weight (q, k, v; gate, up), and a serial pack kept the other threads waiting */
     #pragma omp parallel num_threads(threads)

@@ -170,6 +170,20 @@ def test_fp32_outputs_land_in_their_rows_of_a_wider_y_and_nothing_between(level,
         assert (y[:, n:] == 7.0).all(), rows
 
 
+@needs_kernels
+@pytest.mark.parametrize("tile", small_gemm.F32_TILES)
+def test_fp32_an_output_past_32_mb_asked_for_huge_pages_is_the_same_products(tile):
+    """An output of 32 MB or more (the LM head's from 171 rows) is hinted to take huge pages before the
+    kernel writes it (`advise_huge`): a hint only, the products the same bits as in smaller calls."""
+    g = torch.Generator().manual_seed(13)
+    rows, n, k = 180, 49152, 8
+    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+    full = native_linear(x, w, tile=tile)
+    assert full.numel() * 4 >= 32 << 20
+    for start in range(0, rows, 60):
+        assert torch.equal(native_linear(x[start:start + 60], w, tile=tile), full[start:start + 60]), start
+
+
 # ---- bf16 ------------------------------------------------------------------------------------------
 
 BF16_SHAPES = [(576, 576), (960, 576), (576, 1536), (37, 13), (49, 3), (16, 1), (5, 8)]
