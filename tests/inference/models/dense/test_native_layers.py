@@ -41,7 +41,8 @@ def _model(name: str):
     return model
 
 
-def _generate(model, enabled: bool, monkeypatch, max_rows: int = native_layers.MAX_ROWS):
+def _generate(model, enabled: bool, monkeypatch, max_rows: int = native_layers.MAX_ROWS,
+              lengths=(40, 3, 17, 1, 29), max_batch_tokens: int = 48):
     """Seeded samples with their log-probs, and how many steps the native call took (decode-only,
     and with prefill rows)."""
     taken = {"decode": 0, "prefill": 0}
@@ -51,19 +52,23 @@ def _generate(model, enabled: bool, monkeypatch, max_rows: int = native_layers.M
         out = run(decoder, x, cos, sin, kv_cache, logits_indices)
         if out is not None:
             taken["decode" if logits_indices.numel() == x.shape[0] else "prefill"] += 1
+            most_rows[0] = max(most_rows[0], x.shape[0])
         return out
 
     monkeypatch.setattr(native_layers, "ENABLED", enabled)
     monkeypatch.setattr(native_layers, "MAX_ROWS", max_rows)
     monkeypatch.setattr(native_layers, "run", counting)
     engine = DynamicInferenceEngine.from_pretrained(model, InferenceConfig(
-        block_size=8, num_blocks=256, max_requests=8, max_batch_tokens=48, max_sequence_length=256))
+        block_size=8, num_blocks=256, max_requests=8, max_batch_tokens=max_batch_tokens, max_sequence_length=512))
     assert engine.model.spec.dtype == torch.bfloat16
-    prompts = [[1] + [(7 * i + 13 * j) % 380 + 3 for j in range(length)] for i, length in enumerate((40, 3, 17, 1, 29))]
+    prompts = [[1] + [(7 * i + 13 * j) % 380 + 3 for j in range(length)] for i, length in enumerate(lengths)]
     params = [SamplingParams(n=2, temperature=1.0, max_tokens=12, ignore_eos=True, seed=i, logprobs=2)
               for i in range(len(prompts))]
     outs = engine.generate(prompts, params)
     return [(o.generated_token_ids, o.logprobs) for o in outs], taken
+
+
+most_rows = [0]  # the most rows of a step the native call took (`_generate`'s counting)
 
 
 @needs_kernels
@@ -102,6 +107,16 @@ def test_what_the_call_does_not_take_runs_the_python_blocks(monkeypatch, one_tor
     full, all_taken = _generate(llama, True, monkeypatch)
     assert 0 < taken["decode"] + taken["prefill"] < all_taken["decode"] + all_taken["prefill"]
     assert native_ == python == full
+
+
+@needs_kernels
+def test_a_prefill_step_of_hundreds_of_rows_takes_the_call_with_the_python_blocks_bits(monkeypatch, one_torch_thread):
+    model = _model("llama-biases")
+    lengths, tokens = (300, 260, 9), 640  # NOTE: the first step's 570 prompt rows in one step
+    python, _ = _generate(model, False, monkeypatch, lengths=lengths, max_batch_tokens=tokens)
+    most_rows[0] = 0
+    native_, taken = _generate(model, True, monkeypatch, lengths=lengths, max_batch_tokens=tokens)
+    assert most_rows[0] > 512 and taken["prefill"] > 0 and native_ == python
 
 
 def _every_bf16() -> torch.Tensor:
