@@ -132,7 +132,7 @@ static inline __attribute__((always_inline)) float max_lanes(lanes_t v) {
 }
 
 /* AVX-512: sixteen lanes where eight did, each lane the same operations in the same order, so the
- * same bits (WIDE_TILES). In the scores a vector holds two tokens' eight lanes of d (tokens j and j + 4
+ * same bits (DEFINE_WIDE_TILES). In the scores a vector holds two tokens' eight lanes of d (tokens j and j + 4
  * of a chunk), in the values sixteen of d. */
 #if defined(__AVX512F__)
 #define WIDE_ATTENTION 1
