@@ -189,6 +189,31 @@ static inline __attribute__((always_inline)) lanes_t lane_sums2(const wlanes_t *
 #define WIDE_ATTENTION 0
 #endif
 
+/* VALUES: the weighted values of a step into query heads h0.. h0 + nh - 1 (weights at ph, accumulators
+ * at ah), in vectors V of W lanes of d (head_dim a multiple of W): SPLAT, F32 (W floats) and OF (W of T) */
+#define DEFINE_VALUES(VALUES, T, V, W, SPLAT, F32, OF)                                                  \
+    static inline __attribute__((always_inline)) void VALUES(                                           \
+        const int nh, const float *ph, const T *vg, const int64_t *row_of, const int64_t n_step,        \
+        const int64_t head_dim, float *ah, const char *pf, const int64_t pf_lines) {                    \
+        const int64_t pf_each = n_step ? (pf_lines + n_step - 1) / n_step : 0;                          \
+        V a[QK][MAX_DIM / (W)];                                                                         \
+        for (int hh = 0; hh < nh; ++hh)                                                                 \
+            for (int64_t d = 0; d < head_dim; d += (W)) a[hh][d / (W)] = F32(ah + hh * head_dim + d);   \
+        for (int64_t t = 0; t < n_step; ++t) {                                                          \
+            V w[QK];                                                                                    \
+            for (int hh = 0; hh < nh; ++hh) w[hh] = SPLAT(ph[hh * STEP + t]);                           \
+            for (int64_t i = t * pf_each; i < (t + 1) * pf_each && i < pf_lines; ++i)                   \
+                __builtin_prefetch(pf + 64 * i, 0, 2);                                                  \
+            const T *vt = vg + row_of[t];                                                               \
+            for (int64_t d = 0; d < head_dim; d += (W)) {                                               \
+                const V v = OF(vt + d);                                                                 \
+                for (int hh = 0; hh < nh; ++hh) a[hh][d / (W)] += w[hh] * v;                            \
+            }                                                                                           \
+        }                                                                                               \
+        for (int hh = 0; hh < nh; ++hh)                                                                 \
+            for (int64_t d = 0; d < head_dim; d += (W)) memcpy(ah + hh * head_dim + d, &a[hh][d / (W)], sizeof(V));\
+    }
+
 /* A KV head's rows are read (and, in bf16, widened) once for up to QK of its query heads at a time:
  * GQA's query heads that share a KV head share its loads. Each head's sums run in the order they did
  * one head at a time (the same bits). QK = 3 keeps a tile's 3 x 8 score chains in registers; the
@@ -226,28 +251,7 @@ static inline __attribute__((always_inline)) lanes_t lane_sums2(const wlanes_t *
             memcpy(sh + hh * STEP, &scores, sizeof scores);                                             \
         }                                                                                               \
     }                                                                                                   \
-    /* the weighted values of a step into query heads h0.. h0 + nh - 1 (weights at ph, accumulators at ah) */\
-    static inline __attribute__((always_inline)) void NAME##_values(                                    \
-        const int nh, const float *ph, const T *vg, const int64_t *row_of, const int64_t n_step,        \
-        const int64_t head_dim, float *ah, const char *pf, const int64_t pf_lines) {                    \
-        const int64_t pf_each = n_step ? (pf_lines + n_step - 1) / n_step : 0;                          \
-        lanes_t a[QK][MAX_DIM / LANES];                                                                 \
-        for (int hh = 0; hh < nh; ++hh)                                                                 \
-            for (int64_t d = 0; d < head_dim; d += LANES) a[hh][d / LANES] = f32_lanes(ah + hh * head_dim + d);\
-        for (int64_t t = 0; t < n_step; ++t) {                                                          \
-            lanes_t w[QK];                                                                              \
-            for (int hh = 0; hh < nh; ++hh) w[hh] = splat(ph[hh * STEP + t]);                           \
-            for (int64_t i = t * pf_each; i < (t + 1) * pf_each && i < pf_lines; ++i)                   \
-                __builtin_prefetch(pf + 64 * i, 0, 2);                                                  \
-            const T *vt = vg + row_of[t];                                                               \
-            for (int64_t d = 0; d < head_dim; d += LANES) {                                             \
-                const lanes_t v = LANES_OF(vt + d);                                                     \
-                for (int hh = 0; hh < nh; ++hh) a[hh][d / LANES] += w[hh] * v;                          \
-            }                                                                                           \
-        }                                                                                               \
-        for (int hh = 0; hh < nh; ++hh)                                                                 \
-            for (int64_t d = 0; d < head_dim; d += LANES) memcpy(ah + hh * head_dim + d, &a[hh][d / LANES], sizeof(lanes_t));\
-    }
+    DEFINE_VALUES(NAME##_values, T, lanes_t, LANES, splat, f32_lanes, LANES_OF)
 
 #if WIDE_ATTENTION
 /* NARROW's tiles with sixteen lanes (see WIDE_ATTENTION): the scores' vectors hold two tokens, the
@@ -278,32 +282,14 @@ static inline __attribute__((always_inline)) lanes_t lane_sums2(const wlanes_t *
             memcpy(sh + hh * STEP, &scores, sizeof scores);                                             \
         }                                                                                               \
     }                                                                                                   \
+    DEFINE_VALUES(NAME##_wide_values, T, wlanes_t, 2 * LANES, wsplat, f32_wlanes, WLANES_OF)            \
     static inline __attribute__((always_inline)) void NAME##_values(                                    \
         const int nh, const float *ph, const T *vg, const int64_t *row_of, const int64_t n_step,        \
         const int64_t head_dim, float *ah, const char *pf, const int64_t pf_lines) {                    \
-        if (head_dim % (2 * LANES)) {                                                                   \
+        if (head_dim % (2 * LANES))                                                                     \
             NARROW##_values(nh, ph, vg, row_of, n_step, head_dim, ah, pf, pf_lines);                    \
-            return;                                                                                     \
-        }                                                                                               \
-        const int64_t pf_each = n_step ? (pf_lines + n_step - 1) / n_step : 0;                          \
-        wlanes_t a[QK][MAX_DIM / (2 * LANES)];                                                          \
-        for (int hh = 0; hh < nh; ++hh)                                                                 \
-            for (int64_t d = 0; d < head_dim; d += 2 * LANES)                                           \
-                a[hh][d / (2 * LANES)] = f32_wlanes(ah + hh * head_dim + d);                            \
-        for (int64_t t = 0; t < n_step; ++t) {                                                          \
-            wlanes_t w[QK];                                                                             \
-            for (int hh = 0; hh < nh; ++hh) w[hh] = wsplat(ph[hh * STEP + t]);                          \
-            for (int64_t i = t * pf_each; i < (t + 1) * pf_each && i < pf_lines; ++i)                   \
-                __builtin_prefetch(pf + 64 * i, 0, 2);                                                  \
-            const T *vt = vg + row_of[t];                                                               \
-            for (int64_t d = 0; d < head_dim; d += 2 * LANES) {                                         \
-                const wlanes_t v = WLANES_OF(vt + d);                                                   \
-                for (int hh = 0; hh < nh; ++hh) a[hh][d / (2 * LANES)] += w[hh] * v;                    \
-            }                                                                                           \
-        }                                                                                               \
-        for (int hh = 0; hh < nh; ++hh)                                                                 \
-            for (int64_t d = 0; d < head_dim; d += 2 * LANES)                                           \
-                memcpy(ah + hh * head_dim + d, &a[hh][d / (2 * LANES)], sizeof(wlanes_t));              \
+        else                                                                                            \
+            NAME##_wide_values(nh, ph, vg, row_of, n_step, head_dim, ah, pf, pf_lines);                 \
     }
 #endif
 
