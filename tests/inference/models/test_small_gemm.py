@@ -180,6 +180,7 @@ def test_fp32_an_output_past_32_mb_asked_for_huge_pages_is_the_same_products(til
     x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
     full = native_linear(x, w, tile=tile)
     assert full.numel() * 4 >= 32 << 20
+    torch.testing.assert_close(full.double(), x.double() @ w.double().T, atol=1e-5, rtol=0)
     for start in range(0, rows, 60):
         assert torch.equal(native_linear(x[start:start + 60], w, tile=tile), full[start:start + 60]), start
 
