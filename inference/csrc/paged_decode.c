@@ -183,7 +183,8 @@ static inline __attribute__((always_inline)) wlanes_t pair_sums2(wlanes_t a, wla
  * tree, the same order for every output, on two halves at once */
 static inline __attribute__((always_inline)) lanes_t lane_sums2(const wlanes_t *w) {
     const wlanes_t u = pair_sums2(pair_sums2(w[0], w[1]), pair_sums2(w[2], w[3]));
-    return __builtin_shufflevector(u, u, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(u, u, 4, 5, 6, 7, 12, 13, 14, 15);
+    return __builtin_shufflevector(u, u, 0, 1, 2, 3, 8, 9, 10, 11)
+         + __builtin_shufflevector(u, u, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 #else
 #define WIDE_ATTENTION 0
